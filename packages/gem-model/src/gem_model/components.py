@@ -1,0 +1,243 @@
+"""The interfaces that plugins implement.
+
+Every registered class carries ``name`` (lowercase snake case, unique within its registry) and a
+nested pydantic ``Config`` (``extra="forbid"``). The run config names a component by string and may
+pass ``options``; the core validates them with the class's ``Config`` and builds ``cls(config)``.
+
+The interfaces are small on purpose: one method per seam of the training step.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gem_model.data.batch import Batch, FeatureSpec
+    from gem_model.distributed import DistEnv
+    from gem_model.model.gem import GemModel
+
+NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class ComponentConfig(BaseModel):
+    """Base of every component's options. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Component(ABC):
+    """A named, configurable piece of a run."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[ComponentConfig]] = ComponentConfig
+
+    def __init__(self, config: ComponentConfig | None = None):
+        self.config = config if config is not None else self.Config()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, config={self.config!r})"
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+class Kernel(Component):
+    """A compute kernel for one op. Kernels are registered per op: ``kernels.<op>: <name>``."""
+
+    op: ClassVar[str]
+
+    def check_available(self, device: torch.device) -> None:
+        """Raise :class:`gem_model.errors.KernelUnavailableError` if this kernel cannot run on ``device``.
+
+        Called once when the run is built, so that a misconfigured run fails before training starts,
+        never by silently falling back to another kernel.
+        """
+
+
+class JaggedAttentionKernel(Kernel):
+    """HSTU pointwise attention over jagged sequences.
+
+    For rows ``i, j`` of the same sequence ``b`` (rows ``seq_offsets[b]:seq_offsets[b+1]``)::
+
+        out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j>) / max_seq_len * v_j
+
+    With ``n`` the sequence length and ``t = num_targets[b]`` (0 when ``num_targets`` is None), the
+    effective position is ``p(i) = min(i, n - t)`` and ``mask(i, j)`` holds when ``i == j`` or
+    ``0 < p(i) - p(j) <= W`` (``W = max_attn_len``; ``W = 0`` means no window). History is causal;
+    each target sees the history and itself only. No term crosses sequences.
+
+    Shapes: ``q, k`` ``[L, H, Dqk]``, ``v`` ``[L, H, Dv]``, ``seq_offsets`` int ``[B + 1]``,
+    ``num_targets`` int ``[B]``; returns ``[L, H, Dv]`` in the dtype of ``v``.
+    """
+
+    op: ClassVar[str] = "jagged_attention"
+
+    @abstractmethod
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_offsets: torch.Tensor,
+        *,
+        max_seq_len: int,
+        alpha: float,
+        num_targets: torch.Tensor | None = None,
+        max_attn_len: int = 0,
+    ) -> torch.Tensor: ...
+
+
+class NormGateKernel(Kernel):
+    """The HSTU block's pointwise step: ``layer_norm(x) * weight + bias`` multiplied by the gate ``u``.
+
+    ``x`` and ``u`` are ``[L, D]``; ``weight`` and ``bias`` are ``[D]``; returns ``[L, D]``.
+    """
+
+    op: ClassVar[str] = "norm_gate"
+
+    @abstractmethod
+    def __call__(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor: ...
+
+
+# ------------------------------------------------------------------------------------ precision, memory
+
+
+class PrecisionScheme(Component):
+    """Numerics of the dense ``nn.Linear`` layers, applied by module swap.
+
+    The core decides which linears a scheme gets (per-module overrides, minimum dims, exclusions)
+    and calls :meth:`convert_linear` for each; embedding tables are never touched.
+    """
+
+    @abstractmethod
+    def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
+        """Return the module that replaces ``linear`` (same call signature, same parameters).
+
+        The returned module must keep ``linear.weight`` and ``linear.bias`` as its parameters (the
+        fp32 master weights), so optimizers and checkpoints see the same names.
+        """
+
+
+class ActivationPolicy(Component):
+    """What a block keeps for backward: everything, nothing (recompute), or a compressed copy."""
+
+    @abstractmethod
+    def wrap_block(self, block: nn.Module, fqn: str) -> nn.Module:
+        """Return the module that replaces ``block`` (same call signature and parameters)."""
+
+
+# ------------------------------------------------------------------------------- communication, layout
+
+
+class CommStrategy(Component):
+    """Owns the collectives of a run: gradient sync, embedding all-to-all settings, metric reductions.
+
+    The training loop never calls a collective directly; it goes through this object.
+    """
+
+    def setup(self, env: DistEnv) -> None:
+        """Called once the process group exists (or right away in a single-process run)."""
+        self.env = env
+
+    def configure_ddp(self, ddp: DistributedDataParallel) -> None:
+        """Install gradient-sync behaviour (comm hooks, bucket settings) on a DDP module."""
+
+    def embedding_qcomms(self) -> Any | None:
+        """A torchrec ``QCommsConfig`` for the embedding all-to-all, or None for full precision."""
+        return None
+
+    @abstractmethod
+    def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean of ``values`` over all ranks (used for logged metrics)."""
+
+    @abstractmethod
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum of ``values`` over all ranks."""
+
+
+@dataclass
+class PreparedModel:
+    """What a parallel planner hands back to the trainer."""
+
+    module: nn.Module
+    """Called as ``module(batch)``; returns the model's output."""
+    dense_parameters: list[tuple[str, torch.nn.Parameter]]
+    """Parameters the dense optimizer (AdamW) owns, with their names."""
+    sparse_optimizer: Any
+    """A torchrec ``KeyedOptimizer`` over the embedding tables (``state_dict``/``load_state_dict``)."""
+    sparse_optimizer_fused: bool
+    """True when the sparse optimizer steps inside backward (torchrec fused TBE)."""
+    plan_summary: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SparseOptimizerSpec:
+    """The embedding tables' optimizer, chosen by the trainer config."""
+
+    cls: type
+    kwargs: dict[str, Any]
+
+
+class ParallelPlanner(Component):
+    """Places the model on the devices of the run and wraps it (sharding, data parallelism)."""
+
+    @abstractmethod
+    def prepare(
+        self,
+        model: GemModel,
+        *,
+        env: DistEnv,
+        comm: CommStrategy,
+        sparse_optimizer: SparseOptimizerSpec,
+    ) -> PreparedModel: ...
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+class DataSource(Component):
+    """A deterministic source of global batches, indexed by step.
+
+    The loader first asks for the global batch's sequence lengths, lets the load balancer split the
+    samples across ranks, and then materialises only this rank's samples.
+    """
+
+    @abstractmethod
+    def feature_spec(self) -> FeatureSpec: ...
+
+    @abstractmethod
+    def lengths(self, step: int, global_batch_size: int) -> torch.Tensor:
+        """Sequence lengths (int64 ``[global_batch_size]``) of the global batch of ``step``."""
+
+    @abstractmethod
+    def make_batch(self, step: int, global_batch_size: int, indices: torch.Tensor) -> Batch:
+        """The samples ``indices`` (positions within the global batch of ``step``)."""
+
+    def steps_per_epoch(self, global_batch_size: int) -> int | None:
+        """Steps in one pass over the data, or None for an endless source."""
+        return None
+
+
+class LoadBalancer(Component):
+    """Assigns the samples of a global batch to data-parallel ranks."""
+
+    @abstractmethod
+    def assign(self, lengths: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+        """Per rank, the indices of its samples; every rank gets the same number of samples."""

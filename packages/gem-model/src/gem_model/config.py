@@ -1,0 +1,123 @@
+"""The run config: pydantic models, ``extra="forbid"`` everywhere.
+
+Components are named by string (``precision.scheme: bf16``) or as ``{name: ..., options: {...}}``;
+their options are checked against the component's own ``Config`` when the run is resolved
+(:func:`gem_model.resolve.resolve_run`). The defaults are the tiny CPU run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ComponentRef(Strict):
+    """A registered component by name, with options for its ``Config``."""
+
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
+def ref(name: str, **options: Any) -> ComponentRef:
+    return ComponentRef(name=name, options=options)
+
+
+class ModelConfig(Strict):
+    """Sizes of the GEM model. Table sizes come from the data source's feature spec."""
+
+    embedding_dim: int = Field(32, gt=0, description="width of embeddings and of the HSTU residual stream")
+    num_blocks: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+    attention_dim: int = Field(16, gt=0, description="Dqk per head")
+    value_dim: int = Field(16, gt=0, description="Dv per head")
+    max_seq_len: int = Field(64, gt=0, description="N in the attention normalisation; longer histories are cut")
+    max_attn_len: int = Field(0, ge=0, description="local attention window, 0 for none")
+    alpha: float | None = Field(None, description="attention scale; default 1/attention_dim")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    position_embedding: bool = True
+    interaction_layers: int = Field(1, ge=0, description="self-attention layers over non-sequence tokens")
+    cross_layers: int = Field(1, ge=0, description="layers where sequence summary and feature tokens mix")
+    mlp_hidden: int = Field(64, gt=0)
+    temperature: float = Field(0.05, gt=0.0, description="sampled-softmax temperature")
+    l2_normalize: bool = Field(True, description="L2-normalise query and item embeddings in the next-item loss")
+    next_item_weight: float = Field(1.0, ge=0.0)
+    task_weight: float = Field(1.0, ge=0.0)
+    use_candidate: bool = Field(True, description="append the candidate item to the sequence as a target")
+    use_side_features: bool = Field(True, description="feed the non-sequence tower into the cross step")
+
+
+class DataConfig(Strict):
+    source: ComponentRef = Field(default_factory=lambda: ref("synthetic"))
+    balancer: ComponentRef = Field(default_factory=lambda: ref("round_robin"))
+    global_batch_size: int = Field(64, gt=0)
+
+
+class PrecisionConfig(Strict):
+    scheme: ComponentRef = Field(default_factory=lambda: ref("fp32"))
+    overrides: dict[str, str] = Field(
+        default_factory=dict, description="module-name pattern (fnmatch) -> scheme name; first match wins"
+    )
+    exclude: list[str] = Field(default_factory=list, description="module-name patterns left in fp32")
+    min_dim: int = Field(0, ge=0, description="linears with a smaller in or out dim stay fp32")
+
+
+class ActivationConfig(Strict):
+    policy: ComponentRef = Field(default_factory=lambda: ref("none"))
+    overrides: dict[str, str] = Field(default_factory=dict, description="block-name pattern -> policy")
+
+
+class ParallelConfig(Strict):
+    planner: ComponentRef = Field(default_factory=lambda: ref("single"))
+
+
+class CommConfig(Strict):
+    strategy: ComponentRef = Field(default_factory=lambda: ref("default"))
+
+
+class TrainerConfig(Strict):
+    steps: int = Field(200, ge=0)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dense_lr: float = Field(2e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    sparse_lr: float = Field(0.05, gt=0.0, description="row-wise Adagrad learning rate of the tables")
+    sparse_eps: float = Field(1e-8, gt=0.0)
+    grad_clip: float | None = Field(None, gt=0.0)
+    log_every: int = Field(10, gt=0)
+    output_dir: str = "runs/{name}"
+    checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
+    checkpoint_at_end: bool = True
+    resume: bool = Field(False, description="continue from the latest checkpoint in output_dir")
+    progress: bool = True
+    peak_flops: float | None = Field(None, gt=0.0, description="override the MFU denominator (FLOP/s)")
+    compile: bool = False
+
+
+class KernelsConfig(Strict):
+    jagged_attention: ComponentRef = Field(default_factory=lambda: ref("torch"))
+    norm_gate: ComponentRef = Field(default_factory=lambda: ref("torch"))
+
+
+class RunConfig(Strict):
+    """A whole run. ``gem-train config`` prints it resolved, with its JSON schema."""
+
+    name: str = "gem-tiny"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    activation: ActivationConfig = Field(default_factory=ActivationConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)

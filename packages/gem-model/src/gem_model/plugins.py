@@ -1,0 +1,221 @@
+"""The plugin manager: loads plugins, checks their hooks, and builds the registries.
+
+Built-in components (in :mod:`gem_model.builtin`) go through the same hooks as third-party ones.
+Installed plugin packages are found through the entry-point group ``gem`` unless the environment
+variable ``GEM_DISABLE_PLUGIN_AUTOLOAD`` is set to a non-empty value other than ``0``; then only
+plugins registered explicitly (``GemPluginManager(plugins=...)`` or :meth:`register`) are used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from types import TracebackType
+from typing import Any
+
+import pluggy
+
+from gem_model import hookspecs
+from gem_model.components import (
+    ActivationPolicy,
+    CommStrategy,
+    Component,
+    DataSource,
+    Kernel,
+    LoadBalancer,
+    ParallelPlanner,
+    PrecisionScheme,
+)
+from gem_model.errors import PluginError
+from gem_model.markers import ENTRY_POINT_GROUP, PROJECT_NAME
+from gem_model.registry import Provider, Registry
+
+AUTOLOAD_ENV = "GEM_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_PLUGIN = "model"  # also the name of gem-model's own entry point
+
+
+@dataclass(frozen=True)
+class RegistrySpec:
+    hook: str
+    kind: str
+    config_path: str
+    base: type[Component]
+
+
+# attribute name on GemPluginManager -> how it is filled
+REGISTRY_SPECS: dict[str, RegistrySpec] = {
+    "precision_schemes": RegistrySpec(
+        "gem_register_precision_schemes", "precision scheme", "precision.scheme", PrecisionScheme
+    ),
+    "activation_policies": RegistrySpec(
+        "gem_register_activation_policies", "activation policy", "activation.policy", ActivationPolicy
+    ),
+    "comm_strategies": RegistrySpec(
+        "gem_register_comm_strategies", "comm strategy", "comm.strategy", CommStrategy
+    ),
+    "parallel_planners": RegistrySpec(
+        "gem_register_parallel_planners", "parallel planner", "parallel.planner", ParallelPlanner
+    ),
+    "data_sources": RegistrySpec("gem_register_data_sources", "data source", "data.source", DataSource),
+    "load_balancers": RegistrySpec(
+        "gem_register_load_balancers", "load balancer", "data.balancer", LoadBalancer
+    ),
+}
+KERNEL_HOOK = "gem_register_kernels"
+
+
+def autoload_enabled() -> bool:
+    return os.environ.get(AUTOLOAD_ENV, "") in ("", "0")
+
+
+class GemPluginManager:
+    """A pluggy manager for project ``gem`` plus the registries built from its plugins."""
+
+    def __init__(self, *, autoload: bool | None = None, plugins: Iterable[object] = ()):
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self._providers: dict[str, Provider] = {}
+        self._registries: dict[str, Any] | None = None
+        from gem_model import __about__, builtin
+
+        self.register(builtin, name=BUILTIN_PLUGIN, distribution=("gem-model", __about__.__version__))
+        if autoload_enabled() if autoload is None else autoload:
+            self._load_entry_points()
+        for plugin in plugins:
+            self.register(plugin)
+        self.pm.check_pending()
+
+    # ------------------------------------------------------------------------------------ loading
+
+    def register(
+        self, plugin: object, name: str | None = None, distribution: tuple[str, str] | None = None
+    ) -> str:
+        """Register a plugin object (module or instance). Returns the name pluggy knows it by."""
+        registered = self.pm.register(plugin, name=name)
+        if registered is None:
+            raise PluginError(f"plugin {name or plugin!r} is blocked or already registered")
+        dist, version = distribution or ("<inline>", "-")
+        self._providers[registered] = Provider(registered, dist, version)
+        self._registries = None
+        self.pm.check_pending()
+        return registered
+
+    def _load_entry_points(self) -> None:
+        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = ep.dist
+            dist_name = dist.metadata["Name"] if dist is not None else "<unknown distribution>"
+            version = dist.version if dist is not None else "-"
+            if self.pm.get_plugin(ep.name) is not None or self.pm.is_blocked(ep.name):
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {ep.name!r} of distribution {dist_name} {version} failed to import "
+                    f"({ep.value}): {type(exc).__name__}: {exc}"
+                ) from exc
+            self.register(module, name=ep.name, distribution=(dist_name, version))
+
+    # ---------------------------------------------------------------------------------- inspection
+
+    def provider(self, plugin_name: str) -> Provider:
+        return self._providers[plugin_name]
+
+    def distributions(self) -> dict[tuple[str, str], list[str]]:
+        """(distribution, version) -> names of its registered plugins."""
+        out: dict[tuple[str, str], list[str]] = {}
+        for p in self._providers.values():
+            out.setdefault((p.distribution, p.version), []).append(p.plugin)
+        return dict(sorted(out.items()))
+
+    # ---------------------------------------------------------------------------------- registries
+
+    def _collect(self, hook_name: str) -> list[tuple[type, Provider]]:
+        """Call every implementation of a registration hook on its own, to know who returned what."""
+        out: list[tuple[type, Provider]] = []
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            provider = self._providers[impl.plugin_name]
+            try:
+                result = impl.function()
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} from distribution {provider.distribution} "
+                    f"{provider.version} raised in hook {hook_name}: {type(exc).__name__}: {exc}"
+                ) from exc
+            for cls in result or ():
+                out.append((cls, provider))
+        return out
+
+    def _build(self) -> dict[str, Any]:
+        regs: dict[str, Any] = {}
+        for attr, spec in REGISTRY_SPECS.items():
+            registry: Registry = Registry(spec.kind, spec.config_path)
+            for cls, provider in self._collect(spec.hook):
+                _check_class(cls, spec.base, spec.hook, provider)
+                registry.add(cls, provider)
+            regs[attr] = registry
+        kernels: dict[str, Registry] = {}
+        for cls, provider in self._collect(KERNEL_HOOK):
+            _check_class(cls, Kernel, KERNEL_HOOK, provider)
+            op = cls.op
+            if op not in kernels:
+                kernels[op] = Registry(f"kernel {op}", f"kernels.{op}")
+            kernels[op].add(cls, provider)
+        regs["kernels"] = kernels
+        return regs
+
+    @property
+    def registries(self) -> dict[str, Any]:
+        if self._registries is None:
+            self._registries = self._build()
+        return self._registries
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in REGISTRY_SPECS or attr == "kernels":
+            return self.registries[attr]
+        raise AttributeError(attr)
+
+    def kernel_registry(self, op: str) -> Registry:
+        """The registry of kernels for ``op`` (empty when nobody registered one)."""
+        return self.registries["kernels"].get(op) or Registry(f"kernel {op}", f"kernels.{op}")
+
+    # ------------------------------------------------------------------------------- calling hooks
+
+    def call(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a lifecycle hook; an exception from a plugin becomes a :class:`PluginError`."""
+        hook = getattr(self.pm.hook, hook_name)
+        try:
+            return hook(**kwargs)
+        except Exception as exc:
+            culprit = self._culprit(hook_name, exc.__traceback__)
+            if culprit is None:
+                raise
+            raise PluginError(
+                f"plugin {culprit.plugin!r} from distribution {culprit.distribution} "
+                f"{culprit.version} raised in hook {hook_name}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _culprit(self, hook_name: str, tb: TracebackType | None) -> Provider | None:
+        codes: dict[object, str] = {}
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            codes[impl.function.__code__] = impl.plugin_name
+        culprit = None
+        while tb is not None:
+            name = codes.get(tb.tb_frame.f_code)
+            if name is not None:
+                culprit = name  # the innermost hook implementation on the stack raised
+            tb = tb.tb_next
+        if culprit is None or culprit == BUILTIN_PLUGIN:
+            return None  # the core's own error: it needs no re-labelling
+        return self._providers[culprit]
+
+
+def _check_class(cls: object, base: type, hook: str, provider: Provider) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise PluginError(
+            f"plugin {provider.plugin!r} from distribution {provider.distribution} returned "
+            f"{cls!r} from {hook}; expected a subclass of {base.__module__}.{base.__qualname__}"
+        )
+
