@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gem_model.markers import hookimpl
+
+if TYPE_CHECKING:
+    from gem_model.train.run import Run, StepResult
 
 
 @hookimpl
 def gem_register_data_sources():
-    return []
+    from gem_model.data.synthetic import SyntheticSource
+
+    return [SyntheticSource]
 
 
 @hookimpl
 def gem_register_load_balancers():
-    return []
+    from gem_model.data.balance import RoundRobinBalancer
+
+    return [RoundRobinBalancer]
+
+
+@hookimpl(trylast=True)
+def gem_train_step(run: Run, step: int) -> StepResult:
+    """The step itself; plugins wrap it with ``@hookimpl(wrapper=True)``."""
+    return run.execute_step(step)

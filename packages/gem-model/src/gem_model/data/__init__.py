@@ -1,0 +1,1 @@
+"""Batches, data sources, sample-to-rank assignment and the rank-sharded loader."""

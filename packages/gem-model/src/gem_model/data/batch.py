@@ -1,0 +1,132 @@
+"""The batch type every data source produces, and the feature spec the model is built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# Keys of the sequence KJT. All item-valued keys are looked up in the one item table.
+SEQ_ITEM = "seq_item"
+SEQ_ACTION = "seq_action"
+NEG_ITEM = "neg_item"
+CAND_ITEM = "cand_item"
+SEQUENCE_KEYS = (SEQ_ITEM, SEQ_ACTION, NEG_ITEM, CAND_ITEM)
+ITEM_TABLE = "item"
+ACTION_TABLE = "action"
+
+
+@dataclass(frozen=True)
+class PooledFeature:
+    """A non-sequence categorical feature with its own table (pooled by sum)."""
+
+    name: str
+    num_embeddings: int
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What a data source produces; the model's tables and heads are sized from it."""
+
+    num_items: int
+    num_actions: int
+    pooled: tuple[PooledFeature, ...]
+    num_dense: int
+    tasks: tuple[str, ...]
+    num_negatives: int
+    max_history: int
+
+    def table_of(self, feature: str) -> tuple[str, int]:
+        """(table name, number of rows) that ``feature`` is looked up in."""
+        if feature in (SEQ_ITEM, NEG_ITEM, CAND_ITEM):
+            return ITEM_TABLE, self.num_items
+        if feature == SEQ_ACTION:
+            return ACTION_TABLE, self.num_actions
+        for p in self.pooled:
+            if p.name == feature:
+                return f"t_{p.name}", p.num_embeddings
+        raise KeyError(f"feature {feature!r} is not in the feature spec")
+
+
+@dataclass
+class Batch:
+    """One rank's share of a global batch.
+
+    ``sequence`` holds ``seq_item``/``seq_action`` (the user's history, jagged, possibly empty),
+    ``neg_item`` (sampled negatives for the next-item loss, ``num_negatives`` per sample) and
+    ``cand_item`` (the candidate item, 0 or 1 per sample). ``pooled`` holds the non-sequence
+    categorical features. ``labels`` is ``[B, num_tasks]`` in {0, 1}.
+    """
+
+    sequence: KeyedJaggedTensor
+    pooled: KeyedJaggedTensor
+    dense: torch.Tensor
+    labels: torch.Tensor
+    sample_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.dense.shape[0])
+
+    def history_lengths(self) -> torch.Tensor:
+        return self.sequence[SEQ_ITEM].lengths()
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        return Batch(
+            sequence=self.sequence.to(device, non_blocking=non_blocking),
+            pooled=self.pooled.to(device, non_blocking=non_blocking),
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            sample_ids=self.sample_ids.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> Batch:
+        return Batch(
+            sequence=self.sequence.pin_memory(),
+            pooled=self.pooled.pin_memory(),
+            dense=self.dense.pin_memory(),
+            labels=self.labels.pin_memory(),
+            sample_ids=self.sample_ids.pin_memory(),
+        )
+
+
+def build_batch(
+    *,
+    history: list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
+    actions: torch.Tensor,
+    negatives: torch.Tensor,
+    candidates: torch.Tensor | None,
+    pooled: dict[str, torch.Tensor],
+    dense: torch.Tensor,
+    labels: torch.Tensor,
+    sample_ids: torch.Tensor | None = None,
+) -> Batch:
+    """Assemble a :class:`Batch` from flat tensors.
+
+    ``history`` is ``(values, lengths)`` of the item ids; ``actions`` has the same values layout;
+    ``negatives`` is ``[B, K]``; ``candidates`` is ``[B]`` or None; each pooled feature is ``[B]``.
+    """
+    values, lengths = history
+    b = int(lengths.numel())
+    k = negatives.shape[1] if negatives.numel() else 0
+    cand_vals = candidates if candidates is not None else torch.empty(0, dtype=torch.long)
+    cand_lens = torch.ones(b, dtype=torch.long) if candidates is not None else torch.zeros(b, dtype=torch.long)
+    sequence = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(SEQUENCE_KEYS),
+        values=torch.cat([values, actions, negatives.reshape(-1), cand_vals]).long(),
+        lengths=torch.cat([lengths, lengths, torch.full((b,), k, dtype=torch.long), cand_lens]).long(),
+    )
+    names = list(pooled)
+    pooled_kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=names,
+        values=torch.cat([pooled[n].reshape(-1) for n in names]).long() if names else torch.empty(0, dtype=torch.long),
+        lengths=torch.ones(b * len(names), dtype=torch.long),
+    )
+    return Batch(
+        sequence=sequence,
+        pooled=pooled_kjt,
+        dense=dense.float(),
+        labels=labels.float(),
+        sample_ids=sample_ids if sample_ids is not None else torch.arange(b),
+    )

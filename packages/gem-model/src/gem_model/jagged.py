@@ -1,0 +1,56 @@
+"""Small index helpers for jagged (values + lengths) layouts, used by the data and the model."""
+
+from __future__ import annotations
+
+import torch
+
+
+def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    """``[B + 1]`` offsets (starting at 0) of ``[B]`` lengths."""
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+def gather_rows(offsets: torch.Tensor, lengths: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Flat value indices of the sequences ``indices`` (in that order)."""
+    lens = lengths[indices]
+    starts = offsets[indices]
+    total = int(lens.sum())
+    new_starts = offsets_of(lens)[:-1]
+    shift = torch.repeat_interleave(starts - new_starts, lens, output_size=total)
+    return torch.arange(total, device=lengths.device) + shift
+
+
+def sequence_ids(lengths: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """For each value, the index of the sequence it belongs to."""
+    n = int(lengths.sum()) if total is None else total
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=n)
+
+
+def positions_in_sequence(lengths: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """For each value, its position (0-based) within its own sequence."""
+    offsets = offsets_of(lengths) if offsets is None else offsets
+    total = int(offsets[-1])
+    return torch.arange(total, device=lengths.device) - torch.repeat_interleave(
+        offsets[:-1], lengths, output_size=total
+    )
+
+
+def append_one(
+    values: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append ``extra[b]`` at the end of sequence ``b``: returns the new values and lengths.
+
+    Differentiable in ``values`` and ``extra``. Rows of ``values`` move down by the number of
+    sequences before them; row ``b`` of ``extra`` lands at the new end of sequence ``b``.
+    """
+    b = lengths.numel()
+    new_lengths = lengths + 1
+    new_offsets = offsets_of(new_lengths)
+    hist_index = torch.arange(values.shape[0], device=values.device) + sequence_ids(lengths, values.shape[0])
+    extra_index = new_offsets[1:] - 1
+    out = values.new_zeros((values.shape[0] + b, *values.shape[1:]))
+    out = out.index_copy(0, hist_index, values)
+    out = out.index_copy(0, extra_index, extra.to(values.dtype))
+    return out, new_lengths

@@ -1,0 +1,91 @@
+"""The sparse arch: torchrec tables built from the data source's feature spec.
+
+Sequence features (history items, actions, negatives, the candidate) go through one
+``EmbeddingCollection`` (unpooled, jagged); non-sequence categorical features through an
+``EmbeddingBagCollection`` (sum-pooled). A parallel planner may shard both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from gem_model.data.batch import ACTION_TABLE, CAND_ITEM, ITEM_TABLE, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, FeatureSpec
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity forward; multiplies the gradient by ``scale``."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+class SparseArch(nn.Module):
+    """Embedding lookups. ``grad_scale`` is set by a planner whose table gradients are summed over ranks."""
+
+    def __init__(self, spec: FeatureSpec, dim: int, *, seed: int = 0):
+        super().__init__()
+        self.spec = spec
+        self.grad_scale = 1.0
+        self.ec = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name=ITEM_TABLE,
+                    embedding_dim=dim,
+                    num_embeddings=spec.num_items,
+                    feature_names=[SEQ_ITEM, NEG_ITEM, CAND_ITEM],
+                ),
+                EmbeddingConfig(
+                    name=ACTION_TABLE, embedding_dim=dim, num_embeddings=spec.num_actions, feature_names=[SEQ_ACTION]
+                ),
+            ]
+        )
+        self.ebc = (
+            EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(
+                        name=f"t_{p.name}", embedding_dim=dim, num_embeddings=p.num_embeddings, feature_names=[p.name]
+                    )
+                    for p in spec.pooled
+                ]
+            )
+            if spec.pooled
+            else None
+        )
+        self.reset_parameters(seed)
+
+    def reset_parameters(self, seed: int) -> None:
+        # Seeded and independent of the global RNG, so every world size starts from the same tables.
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for _, p in sorted(self.named_parameters()):
+                bound = (1.0 / p.shape[0]) ** 0.5 if p.shape[0] < 100 else 0.05
+                p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
+
+    def forward(
+        self, sequence: KeyedJaggedTensor, pooled: KeyedJaggedTensor
+    ) -> tuple[dict[str, JaggedTensor], dict[str, torch.Tensor]]:
+        seq = self.ec(sequence)
+        seq = {
+            k: JaggedTensor(values=scale_grad(jt.values(), self.grad_scale), lengths=jt.lengths())
+            for k, jt in seq.items()
+        }
+        pooled_out: dict[str, torch.Tensor] = {}
+        if self.ebc is not None:
+            pooled_out = {k: scale_grad(v, self.grad_scale) for k, v in self.ebc(pooled).to_dict().items()}
+        return seq, pooled_out
+
+    def item_table(self) -> torch.Tensor:
+        """The item table's weights (unsharded runs only; used by full-catalogue evaluation)."""
+        return self.ec.embeddings[ITEM_TABLE].weight

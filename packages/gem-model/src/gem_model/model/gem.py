@@ -1,0 +1,225 @@
+"""The GEM model, assembled from registry components.
+
+Data flow of :meth:`GemModel.forward`::
+
+    sequence KJT --EmbeddingCollection--> item + action (+ position) embeddings, jagged [L, D]
+        (+ the candidate item appended to each sequence as a target)
+        --HSTU blocks--> per-position outputs
+           |-> next-item sampled softmax (history positions predict the following item)
+           '-> sequence summary (candidate / last position) + mean of the history
+    pooled KJT --EmbeddingBagCollection--> feature tokens, + a token of the dense features
+        --token mixer (non-sequence interaction)--> feature tokens
+    [summary, mean, feature tokens] --cross layers--> task heads (multi-task BCE)
+
+The model returns loss *sums* and counts; the trainer normalises them by global counts, so the loss
+of a data-parallel run equals the loss of the same global batch on one process.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem_model.components import JaggedAttentionKernel, NormGateKernel
+from gem_model.config import ModelConfig
+from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
+from gem_model.jagged import append_one, offsets_of, positions_in_sequence, sequence_ids
+from gem_model.model.embeddings import SparseArch
+from gem_model.model.hstu import HSTUBlock, TokenMixer
+
+
+class ModelOutput(NamedTuple):
+    task_logits: torch.Tensor  # [B, num_tasks]
+    task_loss_sum: torch.Tensor  # sum over samples of the mean BCE over tasks
+    next_item_loss_sum: torch.Tensor  # sum over predicted positions of the sampled-softmax loss
+    next_item_count: torch.Tensor  # number of predicted positions
+
+
+class GemModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        spec: FeatureSpec,
+        *,
+        attention: JaggedAttentionKernel,
+        norm_gate: NormGateKernel,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.config, self.spec = config, spec
+        d = config.embedding_dim
+        extra = 1 if config.use_candidate else 0
+        if spec.max_history + extra > config.max_seq_len:
+            raise ValueError(
+                f"model.max_seq_len {config.max_seq_len} is shorter than the data's longest history "
+                f"({spec.max_history}) plus the candidate ({extra})"
+            )
+        self.sparse = SparseArch(spec, d, seed=seed)
+        self.position = nn.Embedding(config.max_seq_len, d) if config.position_embedding else None
+        alpha = config.alpha if config.alpha is not None else config.attention_dim**-0.5
+        self.blocks = nn.ModuleList(
+            HSTUBlock(
+                dim=d,
+                num_heads=config.num_heads,
+                attention_dim=config.attention_dim,
+                value_dim=config.value_dim,
+                max_seq_len=config.max_seq_len,
+                max_attn_len=config.max_attn_len,
+                alpha=alpha,
+                dropout=config.dropout,
+                attention=attention,
+                norm_gate=norm_gate,
+            )
+            for _ in range(config.num_blocks)
+        )
+        self.seq_norm = nn.LayerNorm(d)
+        self.input_dropout = nn.Dropout(config.dropout)
+        side = config.use_side_features
+        self.dense_proj = nn.Linear(spec.num_dense, d) if side and spec.num_dense else None
+        self.interaction = nn.ModuleList(
+            TokenMixer(d, config.num_heads, config.dropout) for _ in range(config.interaction_layers if side else 0)
+        )
+        self.cross = nn.ModuleList(TokenMixer(d, config.num_heads, config.dropout) for _ in range(config.cross_layers))
+        self.num_tokens = 2 + (self.num_feature_tokens() if side else 0)
+        self.task_head = (
+            nn.Sequential(
+                nn.Linear(self.num_tokens * d, config.mlp_hidden), nn.GELU(), nn.Linear(config.mlp_hidden, len(spec.tasks))
+            )
+            if spec.tasks
+            else None
+        )
+        self._init_dense(seed)
+
+    def num_feature_tokens(self) -> int:
+        return len(self.spec.pooled) + (1 if self.spec.num_dense else 0)
+
+    def _init_dense(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed + 2)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.startswith("sparse."):
+                    continue
+                if p.dim() >= 2:
+                    bound = (6.0 / (p.shape[0] + p.shape[1])) ** 0.5
+                    p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
+
+    def activation_blocks(self) -> list[str]:
+        """Names of the modules an activation policy wraps."""
+        return [f"blocks.{i}" for i in range(len(self.blocks))]
+
+    # ------------------------------------------------------------------------------------ forward
+
+    def encode(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Run the towers. Returns per-position sequence outputs and the sample-level tokens."""
+        cfg = self.config
+        seq, pooled = self.sparse(batch.sequence, batch.pooled)
+        hist_lengths = seq[SEQ_ITEM].lengths()
+        item_emb = seq[SEQ_ITEM].values()
+        x = item_emb + seq[SEQ_ACTION].values()
+        lengths = hist_lengths
+        num_targets = None
+        if cfg.use_candidate:
+            cand = seq[CAND_ITEM]
+            if int(cand.lengths().min()) != 1 or int(cand.lengths().max()) != 1:
+                raise ValueError(f"model.use_candidate needs exactly one {CAND_ITEM!r} per sample")
+            x, lengths = append_one(x, hist_lengths, cand.values())
+            num_targets = torch.ones_like(lengths)
+        offsets = offsets_of(lengths)
+        if self.position is not None:
+            x = x + self.position(positions_in_sequence(lengths, offsets))
+        x = self.input_dropout(x)
+        for block in self.blocks:
+            x = block(x, offsets, num_targets)
+        x = self.seq_norm(x)
+        b = lengths.numel()
+        last = offsets[1:] - 1
+        has_any = lengths > 0
+        if x.shape[0]:
+            summary = torch.where(has_any[:, None], x[last.clamp(min=0)], x.new_zeros(()))
+        else:  # every sequence empty and no candidate
+            summary = x.new_zeros(b, x.shape[1])
+        hist_rows = (
+            torch.arange(x.shape[0], device=x.device)[
+                positions_in_sequence(lengths, offsets) < hist_lengths.repeat_interleave(lengths)
+            ]
+            if cfg.use_candidate
+            else torch.arange(x.shape[0], device=x.device)
+        )
+        hist_out = x[hist_rows]
+        owner = sequence_ids(hist_lengths, hist_out.shape[0])
+        mean = x.new_zeros(b, x.shape[1]).index_add(0, owner, hist_out) / hist_lengths.clamp(min=1)[:, None]
+        tokens = [summary, mean]
+        if cfg.use_side_features:
+            feats = [pooled[p.name] for p in self.spec.pooled]
+            if self.dense_proj is not None:
+                feats.append(self.dense_proj(batch.dense).to(x.dtype))
+            if feats:
+                f = torch.stack(feats, 1)
+                for layer in self.interaction:
+                    f = layer(f)
+                tokens += list(f.unbind(1))
+        return {
+            "hist_out": hist_out,
+            "hist_lengths": hist_lengths,
+            "item_emb": item_emb,
+            "neg_emb": seq[NEG_ITEM].values(),
+            "tokens": torch.stack(tokens, 1),
+            "summary": summary,
+        }
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        enc = self.encode(batch)
+        t = enc["tokens"]
+        for layer in self.cross:
+            t = layer(t)
+        zero = t.new_zeros((), dtype=torch.float32)
+        if self.task_head is not None:
+            logits = self.task_head(t.reshape(t.shape[0], -1)).float()
+            task_loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(1).sum()
+        else:
+            logits, task_loss = t.new_zeros(t.shape[0], 0), zero
+        next_sum, next_count = self.next_item_loss(enc, batch)
+        return ModelOutput(logits, task_loss, next_sum, next_count)
+
+    def next_item_loss(self, enc: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled softmax: position i of a history predicts the item at i + 1 against the sample's negatives."""
+        cfg = self.config
+        lengths = enc["hist_lengths"]
+        offsets = offsets_of(lengths)
+        pos = positions_in_sequence(lengths, offsets)
+        owner = sequence_ids(lengths, pos.numel())
+        query_mask = pos < (lengths[owner] - 1)
+        rows = torch.nonzero(query_mask).squeeze(1)
+        count = torch.tensor(rows.numel(), device=lengths.device)
+        if rows.numel() == 0:
+            return enc["hist_out"].sum() * 0.0, count
+        k = self.spec.num_negatives
+        query = enc["hist_out"][rows].float()
+        positive = enc["item_emb"][rows + 1].float()
+        negatives = enc["neg_emb"].float().reshape(-1, k, query.shape[1])[owner[rows]]
+        if cfg.l2_normalize:
+            query, positive, negatives = (F.normalize(z, dim=-1, eps=1e-6) for z in (query, positive, negatives))
+        pos_logit = (query * positive).sum(-1, keepdim=True)
+        neg_logit = torch.einsum("qd,qkd->qk", query, negatives)
+        items = batch.sequence[SEQ_ITEM].values()
+        neg_ids = batch.sequence[NEG_ITEM].values().reshape(-1, k)[owner[rows]]
+        neg_logit = neg_logit.masked_fill(neg_ids == items[rows + 1][:, None], float("-inf"))
+        logits = torch.cat([pos_logit, neg_logit], 1) / cfg.temperature
+        loss = torch.logsumexp(logits, 1) - logits[:, 0]
+        return loss.sum(), count
+
+    # ---------------------------------------------------------------------------------- retrieval
+
+    @torch.no_grad()
+    def user_embeddings(self, batch: Batch) -> torch.Tensor:
+        """The query vector of each sample: the last history position's output (for retrieval)."""
+        enc = self.encode(batch)
+        return F.normalize(enc["summary"].float(), dim=-1, eps=1e-6) if self.config.l2_normalize else enc["summary"]
+
+    @torch.no_grad()
+    def item_embeddings(self) -> torch.Tensor:
+        w = self.sparse.item_table().float()
+        return F.normalize(w, dim=-1, eps=1e-6) if self.config.l2_normalize else w

@@ -1,0 +1,85 @@
+"""HSTU blocks over jagged sequences (Zhai et al., "Actions Speak Louder than Words", 2024).
+
+One block, on the ``[L, D]`` values of a jagged batch::
+
+    u, v, q, k = split(silu(W_uvqk · layer_norm(x)))
+    a = jagged_attention(q, k, v)                  # pointwise silu attention, causal + targets
+    x = x + W_o · dropout(norm_gate(a, u))         # layer_norm(a) * u
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem_model.components import JaggedAttentionKernel, NormGateKernel
+
+
+class HSTUBlock(nn.Module):
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        attention_dim: int,
+        value_dim: int,
+        max_seq_len: int,
+        max_attn_len: int,
+        alpha: float,
+        dropout: float,
+        attention: JaggedAttentionKernel,
+        norm_gate: NormGateKernel,
+    ):
+        super().__init__()
+        self.num_heads, self.attention_dim, self.value_dim = num_heads, attention_dim, value_dim
+        self.max_seq_len, self.max_attn_len, self.alpha = max_seq_len, max_attn_len, alpha
+        self.attention, self.norm_gate = attention, norm_gate
+        self.uvqk = nn.Linear(dim, num_heads * (2 * value_dim + 2 * attention_dim))
+        self.gate_weight = nn.Parameter(torch.ones(num_heads * value_dim))
+        self.gate_bias = nn.Parameter(torch.zeros(num_heads * value_dim))
+        self.out = nn.Linear(num_heads * value_dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | None) -> torch.Tensor:
+        n, h = x.shape[0], self.num_heads
+        dv, dqk = self.value_dim, self.attention_dim
+        uvqk = F.silu(self.uvqk(F.layer_norm(x, x.shape[-1:])))
+        u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
+        attn = self.attention(
+            q.reshape(n, h, dqk),
+            k.reshape(n, h, dqk),
+            v.reshape(n, h, dv),
+            offsets,
+            max_seq_len=self.max_seq_len,
+            alpha=self.alpha,
+            num_targets=num_targets,
+            max_attn_len=self.max_attn_len,
+        )
+        y = self.norm_gate(attn.reshape(n, h * dv), u, self.gate_weight, self.gate_bias, 1e-6)
+        return x + self.out(self.dropout(y)).to(x.dtype)
+
+
+class TokenMixer(nn.Module):
+    """A pre-norm transformer layer over a fixed number of feature tokens ``[B, T, D]``."""
+
+    def __init__(self, dim: int, num_heads: int, dropout: float):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"model.embedding_dim {dim} must be divisible by model.num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(b, t, 3, self.num_heads, d // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.dropout(self.proj(a)).to(x.dtype)
+        return x + self.dropout(self.fc2(F.gelu(self.fc1(self.norm2(x))))).to(x.dtype)

@@ -1,0 +1,1 @@
+"""Building a run (model preparation, optimizers), the training loop, checkpoints and metrics."""

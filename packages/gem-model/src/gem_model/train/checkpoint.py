@@ -1,0 +1,130 @@
+"""Checkpoints with ``torch.distributed.checkpoint``: model, both optimizers, data position, RNG.
+
+Layout under ``<output_dir>/checkpoints``::
+
+    step_00000120/          a complete checkpoint (DCP files + meta.json)
+    step_00000140.partial/  being written; renamed only once every rank has finished
+
+A checkpoint becomes visible by an atomic rename after all ranks wrote their part, so a crash or a
+NaN stop never leaves a half-written "latest" checkpoint, and earlier ones are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from gem_model.distributed import DistEnv
+from gem_model.errors import CheckpointError
+
+PARTIAL = ".partial"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / "meta.json").is_file())
+    return done[-1] if done else None
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the (lazy) state of every parameter, so a checkpoint can be loaded into it in place.
+
+    Runs one step with zero gradients and learning rate 0, which leaves parameters unchanged for
+    Adam-family optimizers; the state it creates is overwritten by the load.
+    """
+    missing = [p for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state]
+    if not missing:
+        return
+    saved = [g["lr"] for g in optimizer.param_groups]
+    grads = {p: p.grad for p in missing}
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    for p in missing:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved, strict=True):
+        g["lr"] = lr
+    for p, grad in grads.items():
+        p.grad = grad
+
+
+def dense_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name instead of position (``names`` in param order)."""
+    sd = optimizer.state_dict()
+    state = {names[i]: dict(v) for i, v in sd["state"].items()}
+    return {"state": state}
+
+
+def load_dense_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str], loaded: dict[str, Any]) -> None:
+    sd = optimizer.state_dict()
+    index = {n: i for i, n in enumerate(names)}
+    missing = set(names) - set(loaded["state"])
+    if missing:
+        raise CheckpointError(f"the checkpoint has no dense optimizer state for {sorted(missing)[:5]}")
+    sd["state"] = {index[n]: v for n, v in loaded["state"].items()}
+    optimizer.load_state_dict(sd)
+
+
+class Checkpointer:
+    def __init__(self, root: Path, env: DistEnv):
+        self.root = root
+        self.env = env
+
+    def _barrier(self) -> None:
+        if self.env.distributed:
+            dist.barrier()
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        final = step_dir(self.root, step)
+        partial = final.with_name(final.name + PARTIAL)
+        if self.env.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        self._barrier()
+        dcp.save(state, checkpoint_id=str(partial))
+        self._barrier()
+        if self.env.is_main:
+            (partial / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+        self._barrier()
+        return final
+
+    def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """Load in place into ``state`` (tensors are filled, other values replaced); returns meta."""
+        meta_file = path / "meta.json"
+        if not meta_file.is_file():
+            raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
+        meta = json.loads(meta_file.read_text())
+        if int(meta.get("world_size", self.env.world_size)) != self.env.world_size:
+            raise CheckpointError(
+                f"{path} was written by {meta['world_size']} processes; this run has {self.env.world_size}"
+            )
+        dcp.load(state, checkpoint_id=str(path))
+        return meta
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

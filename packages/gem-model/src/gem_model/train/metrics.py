@@ -1,0 +1,96 @@
+"""Throughput and MFU accounting, and the per-run JSONL metrics file."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+# Dense peak FLOP/s per device (vendor figures, without sparsity). fp8 applies when the precision
+# scheme runs its GEMMs in fp8.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100": {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
+    "H200": {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
+    "B200": {"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
+    "A100": {"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
+}
+FP8_SCHEMES = {"fp8_tensorwise", "fp8_rowwise", "mxfp8"}
+
+
+def measure_cpu_peak(seconds: float = 0.3) -> float:
+    """FLOP/s of a square fp32 matmul on this CPU: the MFU denominator where no table entry applies."""
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2.0 * n**3 * count / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device, scheme: str, override: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure came from)."""
+    if override is not None:
+        return override, "trainer.peak_flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        dtype = "fp8" if scheme in FP8_SCHEMES else ("fp32" if scheme == "fp32" else "bf16")
+        for key, table in PEAK_FLOPS.items():
+            if key in name:
+                return table[dtype], f"{key} {dtype} table"
+        raise ValueError(f"no peak FLOP/s known for {name!r}: set trainer.peak_flops")
+    return measure_cpu_peak(), "measured fp32 matmul on this CPU"
+
+
+class MetricsFile:
+    """Appends one JSON object per line; only rank 0 writes."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._fh: IO[str] | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class Throughput:
+    """Running totals for the summary; the first ``warmup`` steps are left out of the rates."""
+
+    def __init__(self, warmup: int = 2):
+        self.warmup = warmup
+        self.steps = 0
+        self.seconds = 0.0
+        self.samples = 0.0
+        self.tokens = 0.0
+        self.flops = 0.0
+
+    def add(self, seconds: float, samples: float, tokens: float, flops: float) -> None:
+        self.steps += 1
+        if self.steps <= self.warmup:
+            return
+        self.seconds += seconds
+        self.samples += samples
+        self.tokens += tokens
+        self.flops += flops
+
+    def rates(self) -> dict[str, float]:
+        s = max(self.seconds, 1e-12)
+        return {
+            "samples_per_s": self.samples / s,
+            "tokens_per_s": self.tokens / s,
+            "flops_per_s": self.flops / s,
+        }

@@ -1,0 +1,256 @@
+"""A training run: built from the config and the registries, stepped through the plugin hook."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from gem_model.components import PreparedModel, SparseOptimizerSpec
+from gem_model.config import RunConfig
+from gem_model.data.loader import ShardedLoader
+from gem_model.distributed import DistEnv
+from gem_model.errors import KernelUnavailableError, NonFiniteLossError
+from gem_model.model.flops import count_flops
+from gem_model.model.gem import GemModel
+from gem_model.plugins import GemPluginManager
+from gem_model.resolve import Components
+from gem_model.train import checkpoint as ckpt
+from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
+from gem_model.train.prepare import prepare_model
+from gem_model.train.progress import Progress
+from gem_model.train.report import ReportSection, RunSummary, format_sections
+
+
+@dataclass
+class StepResult:
+    """One step, reduced over all ranks."""
+
+    step: int
+    loss: float
+    task_loss: float
+    next_item_loss: float
+    samples: int
+    tokens: int
+    flops: float
+    seconds: float
+
+
+class Run:
+    def __init__(self, config: RunConfig, pm: GemPluginManager, components: Components, env: DistEnv):
+        self.config, self.pm, self.components, self.env = config, pm, components, env
+        tc = config.trainer
+        torch.manual_seed(tc.seed * 1_000 + env.rank)
+        components.comm.setup(env)
+        self.comm = components.comm
+        self.loader = ShardedLoader(
+            components.source,
+            components.balancer,
+            global_batch_size=config.data.global_batch_size,
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+        self.spec = self.loader.spec
+        for kernel, path in ((components.attention, "jagged_attention"), (components.norm_gate, "norm_gate")):
+            try:
+                kernel.check_available(env.device)
+            except KernelUnavailableError as exc:
+                raise KernelUnavailableError(f"kernels.{path}: {kernel.name!r} cannot run here: {exc}") from None
+        self.model = GemModel(
+            config.model, self.spec, attention=components.attention, norm_gate=components.norm_gate, seed=tc.seed
+        )
+        self.prepared: PreparedModel
+        self.prepared, self.plans = prepare_model(
+            self.model,
+            precision_config=config.precision,
+            schemes=components.precision,
+            activation_config=config.activation,
+            policies=components.activation,
+            compile_blocks=tc.compile,
+            planner=components.planner,
+            env=env,
+            comm=components.comm,
+            sparse_optimizer=SparseOptimizerSpec(RowWiseAdagrad, {"lr": tc.sparse_lr, "eps": tc.sparse_eps}),
+        )
+        self.dense_names = [n for n, _ in self.prepared.dense_parameters]
+        self.dense_optimizer = torch.optim.AdamW(
+            [p for _, p in self.prepared.dense_parameters], lr=tc.dense_lr, betas=tc.betas, weight_decay=tc.weight_decay
+        )
+        self.output_dir = Path(tc.output_dir.format(name=config.name))
+        self.checkpointer = ckpt.Checkpointer(self.output_dir / "checkpoints", env)
+        self.metrics = MetricsFile(self.output_dir / "metrics.jsonl" if env.is_main else None)
+        self.peak, self.peak_source = peak_flops(env.device, config.precision.scheme.name, tc.peak_flops)
+        self.start_step = 0
+        self.last_checkpoint: Path | None = None
+        if tc.resume:
+            self.resume()
+
+    # -------------------------------------------------------------------------------------- a step
+
+    def execute_step(self, step: int) -> StepResult:
+        """Forward, global loss reduction (and NaN check) before any update, backward, update."""
+        tc, mc = self.config.trainer, self.config.model
+        start = time.perf_counter()
+        batch = self.loader.batch_at(step).to(self.env.device, non_blocking=True)
+        self.prepared.module.train()
+        out = self.prepared.module(batch)
+        seq_tokens = batch.history_lengths() + (1 if mc.use_candidate else 0)
+        flops = count_flops(mc, self.spec, batch.history_lengths().cpu()).train_step
+        local = torch.stack(
+            [
+                out.task_loss_sum.detach().double(),
+                out.next_item_loss_sum.detach().double(),
+                out.next_item_count.double(),
+                torch.tensor(float(batch.batch_size), dtype=torch.float64, device=self.env.device),
+                seq_tokens.sum().double(),
+                torch.tensor(flops, dtype=torch.float64, device=self.env.device),
+            ]
+        )
+        task_sum, next_sum, next_count, samples, tokens, total_flops = self.comm.all_reduce_sum(local).tolist()
+        task_loss = task_sum / samples
+        next_loss = next_sum / max(next_count, 1.0)
+        value = mc.task_weight * task_loss + mc.next_item_weight * next_loss
+        if not math.isfinite(value):
+            kept = self.last_checkpoint or "none written yet"
+            raise NonFiniteLossError(
+                f"step {step}: the loss is {value} (task {task_loss}, next-item {next_loss}); the run stopped "
+                f"before applying this step's update. Last complete checkpoint: {kept}"
+            )
+        world = self.env.world_size
+        # Normalised by global counts: DDP's gradient mean then equals the one-process gradient.
+        loss = mc.task_weight * out.task_loss_sum / (samples / world) + mc.next_item_weight * (
+            out.next_item_loss_sum / (max(next_count, 1.0) / world)
+        )
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        if not self.prepared.sparse_optimizer_fused:
+            self.prepared.sparse_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.prepared.dense_parameters], tc.grad_clip)
+        self.dense_optimizer.step()
+        if not self.prepared.sparse_optimizer_fused:
+            self.prepared.sparse_optimizer.step()
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        return StepResult(
+            step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, time.perf_counter() - start
+        )
+
+    # --------------------------------------------------------------------------------- checkpoints
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.prepared.module.state_dict(),
+            "dense_optimizer": ckpt.dense_optimizer_state(self.dense_optimizer, self.dense_names),
+            "sparse_optimizer": self.prepared.sparse_optimizer.state_dict(),
+            "loader": self.loader.state_dict(),
+            f"rng_rank{self.env.rank}": ckpt.rng_state(),
+        }
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Save the state after ``step`` steps (the loader resumes at ``step``)."""
+        self.loader.step = step
+        meta = {"world_size": self.env.world_size, "name": self.config.name, "config": self.config.model_dump(mode="json")}
+        self.last_checkpoint = self.checkpointer.save(step, self._state(), meta)
+        return self.last_checkpoint
+
+    def resume(self) -> None:
+        path = ckpt.latest_checkpoint(self.checkpointer.root)
+        if path is None:
+            return
+        ckpt.init_optimizer_state(self.dense_optimizer)
+        if not self.prepared.sparse_optimizer_fused:
+            self.prepared.sparse_optimizer.init_state()
+        state = self._state()
+        self.checkpointer.load(path, state)
+        self.prepared.module.load_state_dict(state["model"])
+        ckpt.load_dense_optimizer_state(self.dense_optimizer, self.dense_names, state["dense_optimizer"])
+        self.prepared.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
+        self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state[f"rng_rank{self.env.rank}"])
+        self.start_step = self.loader.step
+        self.last_checkpoint = path
+
+    # ---------------------------------------------------------------------------------------- loop
+
+    def fit(self) -> RunSummary:
+        tc = self.config.trainer
+        self.pm.call("gem_run_started", run=self)
+        meter = Throughput(warmup=min(2, max(0, tc.steps - self.start_step - 1)))
+        progress = Progress(tc.steps, self.start_step, tc.progress and self.env.is_main, self.config.name)
+        first_loss = last_loss = float("nan")
+        window: list[float] = []
+        wall = time.perf_counter()
+        try:
+            for step in range(self.start_step, tc.steps):
+                result: StepResult = self.pm.call("gem_train_step", run=self, step=step)
+                meter.add(result.seconds, result.samples, result.tokens, result.flops)
+                first_loss = result.loss if math.isnan(first_loss) else first_loss
+                window.append(result.loss)
+                logged = None
+                if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+                    last_loss = sum(window) / len(window)
+                    window.clear()
+                    logged = self._log(result, last_loss)
+                progress.update(step, logged)
+                if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
+                    self.save_checkpoint(step + 1)
+        finally:
+            progress.close()
+            self.metrics.close()
+        if tc.checkpoint_at_end and tc.steps > self.start_step:
+            self.save_checkpoint(tc.steps)
+        summary = self._summary(first_loss, last_loss, time.perf_counter() - wall, meter)
+        self.pm.call("gem_run_finished", run=self, summary=summary)
+        extra: list[ReportSection] = [s for group in self.pm.call("gem_report_sections", run=self, summary=summary) for s in group]
+        if self.env.is_main:
+            print(format_sections([summary.section(), *extra]), flush=True)
+        return summary
+
+    def _log(self, result: StepResult, mean_loss: float) -> dict[str, float]:
+        s = max(result.seconds, 1e-12)
+        record = {
+            "step": result.step + 1,
+            "loss": mean_loss,
+            "step_loss": result.loss,
+            "task_loss": result.task_loss,
+            "next_item_loss": result.next_item_loss,
+            "samples_per_s": result.samples / s,
+            "tokens_per_s": result.tokens / s,
+            "mfu": result.flops / s / (self.peak * self.env.world_size),
+            "step_seconds": result.seconds,
+        }
+        self.metrics.write(record)
+        return record
+
+    def _summary(self, first: float, last: float, wall: float, meter: Throughput) -> RunSummary:
+        rates = meter.rates()
+        c = self.config
+        return RunSummary(
+            name=c.name,
+            steps=c.trainer.steps,
+            first_loss=first,
+            last_loss=last,
+            wall_seconds=wall,
+            samples_per_s=rates["samples_per_s"],
+            tokens_per_s=rates["tokens_per_s"],
+            mfu=rates["flops_per_s"] / (self.peak * self.env.world_size),
+            peak_flops=self.peak,
+            peak_source=self.peak_source,
+            world_size=self.env.world_size,
+            device=str(self.env.device),
+            components={
+                "attention kernel": c.kernels.jagged_attention.name,
+                "precision": c.precision.scheme.name,
+                "activation": c.activation.policy.name,
+                "planner": c.parallel.planner.name,
+                "comm": c.comm.strategy.name,
+                "data": f"{c.data.source.name}, global batch {c.data.global_batch_size}",
+            },
+            extra={"plan": self.prepared.plan_summary, "output_dir": str(self.output_dir)},
+        )
