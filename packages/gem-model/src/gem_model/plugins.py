@@ -8,6 +8,7 @@ plugins registered explicitly (``GemPluginManager(plugins=...)`` or :meth:`regis
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from gem_model.markers import ENTRY_POINT_GROUP, PROJECT_NAME
 from gem_model.registry import Provider, Registry
 
 AUTOLOAD_ENV = "GEM_DISABLE_PLUGIN_AUTOLOAD"
+PLUGINS_ENV = "GEM_PLUGINS"  # comma-separated plugin modules to register by import path
 BUILTIN_PLUGIN = "model"  # also the name of gem-model's own entry point
 
 
@@ -83,6 +85,7 @@ class GemPluginManager:
         self.register(builtin, name=BUILTIN_PLUGIN, distribution=("gem-model", __about__.__version__))
         if autoload_enabled() if autoload is None else autoload:
             self._load_entry_points()
+        self._load_env_plugins()
         for plugin in plugins:
             self.register(plugin)
         self.pm.check_pending()
@@ -108,7 +111,7 @@ class GemPluginManager:
             dist_name = dist.metadata["Name"] if dist is not None else "<unknown distribution>"
             version = dist.version if dist is not None else "-"
             if self.pm.get_plugin(ep.name) is not None or self.pm.is_blocked(ep.name):
-                continue
+                continue  # gem-model's own entry point: its built-ins are registered already
             try:
                 module = ep.load()
             except Exception as exc:
@@ -117,6 +120,24 @@ class GemPluginManager:
                     f"({ep.value}): {type(exc).__name__}: {exc}"
                 ) from exc
             self.register(module, name=ep.name, distribution=(dist_name, version))
+
+    def _load_env_plugins(self) -> None:
+        """Plugins named in ``GEM_PLUGINS`` (for code on ``PYTHONPATH`` that pip never installed)."""
+        for module_name in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin module {module_name!r} named in {PLUGINS_ENV} failed to import: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if self.pm.is_registered(module):
+                continue
+            top = module_name.split(".")[0]
+            dists = metadata.packages_distributions().get(top, [])
+            dist = dists[0] if dists else f"{top} ({PLUGINS_ENV})"
+            version = getattr(importlib.import_module(top), "__version__", "-")
+            self.register(module, name=module_name, distribution=(dist, str(version)))
 
     # ---------------------------------------------------------------------------------- inspection
 

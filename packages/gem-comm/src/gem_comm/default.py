@@ -1,0 +1,40 @@
+"""``default``: plain torch.distributed collectives.
+
+DDP keeps its own all-reduce (gradient mean, fp32), the embedding all-to-all runs in full
+precision, and metric reductions are one ``all_reduce`` on the default group. In a single-process
+run every reduction is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gem_model.components import CommStrategy
+from gem_model.distributed import DistEnv
+
+
+class DefaultComm(CommStrategy):
+    name: ClassVar[str] = "default"
+
+    def setup(self, env: DistEnv) -> None:
+        super().setup(env)
+        self._active = env.distributed and dist.is_initialized()
+
+    def configure_ddp(self, ddp: DistributedDataParallel) -> None:
+        """Nothing to change: DDP's built-in fp32 all-reduce averages the gradients."""
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "_active", False):
+            return values
+        out = values.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        if not getattr(self, "_active", False):
+            return values
+        return self.all_reduce_sum(values) / dist.get_world_size()

@@ -1,0 +1,5 @@
+import sys
+
+from gem_model.cli import main
+
+sys.exit(main())

@@ -1,0 +1,124 @@
+"""``gem-train`` (also ``python -m gem_model``): run, plugins, config.
+
+Exit status: 0 on success, 2 for a bad command line or config (unknown names, bad values: always
+before any process group starts), 1 when training itself fails (e.g. a NaN loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from gem_model.config_io import dump, load_config
+from gem_model.errors import ConfigError, GemError, UnknownNameError
+
+EXIT_FAILURE, EXIT_USAGE = 1, 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="a .yaml/.yml/.toml run config (default: the tiny CPU run)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gem-train", description="Train GEM-style recommendation models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train a model")
+    _add_config_args(run)
+    run.add_argument("--nproc", type=int, default=1, help="launch this many local processes with torchrun")
+    sub.add_parser("plugins", help="list installed plugin packages and the names they register")
+    cfg = sub.add_parser("config", help="print the resolved config and its JSON schema")
+    _add_config_args(cfg)
+    cfg.add_argument("--only", choices=["config", "schema"], help="print just one of the two")
+    from gem_model.profile import add_profile_parser
+
+    add_profile_parser(sub)
+    return parser
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"gem-train: error: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gem_model.distributed import launched_by_torchrun
+    from gem_model.plugins import GemPluginManager
+    from gem_model.resolve import resolve_components
+
+    config = load_config(args.config, args.overrides)
+    pm = GemPluginManager()
+    resolve_components(config, pm)  # every name and option checked before any process starts
+    if args.nproc < 1:
+        raise ConfigError([("--nproc", args.nproc, "must be at least 1")])
+    world = args.nproc if not launched_by_torchrun() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and config.parallel.planner.name == "single":
+        raise ConfigError(
+            [("parallel.planner", "single", f"runs one process but {world} were asked for; use torchrec_ddp")]
+        )
+    if args.nproc > 1 and not launched_by_torchrun():
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+        argv += ["-m", "gem_model", "run"] + (["-c", args.config] if args.config else []) + list(args.overrides)
+        sys.stdout.flush()
+        os.execv(sys.executable, argv)
+    from gem_model.trainer import train
+
+    train(config, pm)
+    return 0
+
+
+def cmd_plugins(_: argparse.Namespace) -> int:
+    from gem_model.plugins import GemPluginManager
+
+    pm = GemPluginManager()
+    print("installed plugin distributions:")
+    for (dist, version), plugins in pm.distributions().items():
+        print(f"  {dist} {version}  (plugins: {', '.join(plugins)})")
+    regs = pm.registries
+    rows: list[tuple[str, str, str]] = []
+    for attr in ("precision_schemes", "activation_policies", "comm_strategies", "parallel_planners", "data_sources", "load_balancers"):
+        for name, entry in regs[attr].entries().items():
+            rows.append((regs[attr].config_path, name, f"{entry.provider.distribution} {entry.provider.version}"))
+    for op, registry in sorted(regs["kernels"].items()):
+        for name, entry in registry.entries().items():
+            rows.append((f"kernels.{op}", name, f"{entry.provider.distribution} {entry.provider.version}"))
+    width = max((len(r[0]) for r in rows), default=10)
+    current = None
+    for path, name, provider in rows:
+        if path != current:
+            print(f"\n{path}:")
+            current = path
+        print(f"  {name:<{max(width - 4, 12)}} from {provider}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from gem_model.config import RunConfig
+    from gem_model.plugins import GemPluginManager
+    from gem_model.resolve import resolve_components
+
+    config = load_config(args.config, args.overrides)
+    if args.only != "schema":
+        resolve_components(config, GemPluginManager())
+        print(dump(config), end="")
+    if args.only is None:
+        print("# --- JSON schema ---")
+    if args.only != "config":
+        print(json.dumps(RunConfig.model_json_schema(), indent=1))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"run": cmd_run, "plugins": cmd_plugins, "config": cmd_config, "profile": None}
+    try:
+        if args.command == "profile":
+            return args.profile_handler(args)
+        return handlers[args.command](args)
+    except (ConfigError, UnknownNameError) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except GemError as exc:
+        return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)

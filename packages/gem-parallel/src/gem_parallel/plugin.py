@@ -1,0 +1,13 @@
+"""gem-parallel's hook implementations (nothing else lives here)."""
+
+from __future__ import annotations
+
+from gem_model import hookimpl
+
+
+@hookimpl
+def gem_register_parallel_planners():
+    from gem_parallel.sharded import TorchrecDDPPlanner
+    from gem_parallel.single import SinglePlanner
+
+    return [SinglePlanner, TorchrecDDPPlanner]
