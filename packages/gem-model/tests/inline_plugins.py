@@ -54,6 +54,26 @@ class LoopAttention(JaggedAttentionKernel):
         return torch.cat(outs) if outs else v.new_zeros(v.shape)
 
 
+class PoisonConfig(ComponentConfig):
+    nan_from_call: int = 0
+
+
+class PoisonAttention(LoopAttention):
+    """The loop kernel, returning NaN from its ``nan_from_call``-th call on (to test the NaN stop)."""
+
+    name: ClassVar[str] = "poison"
+    Config = PoisonConfig
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.calls = 0
+
+    def __call__(self, q, *args, **kwargs):
+        self.calls += 1
+        out = super().__call__(q, *args, **kwargs)
+        return out * float("nan") if self.calls >= self.config.nan_from_call else out
+
+
 class TorchNormGate(NormGateKernel):
     name: ClassVar[str] = "loop"
 
@@ -124,7 +144,7 @@ class Single(ParallelPlanner):
 
 @hookimpl
 def gem_register_kernels():
-    return [LoopAttention, TorchNormGate]
+    return [LoopAttention, PoisonAttention, TorchNormGate]
 
 
 @hookimpl

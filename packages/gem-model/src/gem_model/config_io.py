@@ -42,6 +42,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Set ``a.b.c=value`` items (value parsed as YAML: ``3``, ``true``, ``[1, 2]``, ``bf16``)."""
     out = json.loads(json.dumps(data))  # deep copy of plain data
+    defaults = RunConfig().model_dump(mode="json")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -50,22 +51,22 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError([(key, raw, f"cannot parse the value: {exc}")]) from exc
-        node = out
+        node, default = out, defaults
         parts = key.strip().split(".")
         for i, part in enumerate(parts[:-1]):
+            default = default.get(part) if isinstance(default, dict) else None
             child = node.get(part)
-            if child is None or isinstance(child, str) and part in _REF_FIELDS:
-                # `precision.scheme.options.x=1` on a scheme given as a plain string
-                child = {"name": child} if isinstance(child, str) else {}
-                node[part] = child
+            if isinstance(child, str) and isinstance(default, dict) and "name" in default:
+                child = {"name": child}  # `scheme: bf16` given as a plain string, now with options
+            elif child is None:
+                # a section the file left out: start from the default component's name, if any
+                child = {"name": default["name"]} if isinstance(default, dict) and "name" in default else {}
             if not isinstance(child, dict):
                 raise ConfigError([(".".join(parts[: i + 1]), child, "is not a mapping, cannot set a sub-key")])
+            node[part] = child
             node = child
         node[parts[-1]] = value
     return out
-
-
-_REF_FIELDS = {"source", "balancer", "scheme", "policy", "planner", "strategy", "jagged_attention", "norm_gate"}
 
 
 def validate(data: dict[str, Any], model: type[BaseModel] = RunConfig, prefix: str = "") -> Any:

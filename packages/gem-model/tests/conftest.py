@@ -1,0 +1,53 @@
+"""Core tests use plugins registered inline only: the core must not need any plugin package."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import inline_plugins  # noqa: E402
+
+from gem_model.config_io import load_config  # noqa: E402
+from gem_model.plugins import GemPluginManager  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_installed_plugins(monkeypatch):
+    """Whatever is installed beside the core, its tests see only what they register."""
+    monkeypatch.setenv("GEM_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.delenv("GEM_PLUGINS", raising=False)
+
+INLINE = [
+    "kernels.jagged_attention=loop",
+    "kernels.norm_gate=loop",
+    "trainer.progress=false",
+]
+
+
+@pytest.fixture
+def pm() -> GemPluginManager:
+    return GemPluginManager(autoload=False, plugins=[inline_plugins])
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path: Path) -> list[str]:
+    """A small, fast run on the inline plugins, writing under a temporary directory."""
+    return [
+        *INLINE,
+        f"trainer.output_dir={tmp_path}/{{name}}",
+        "trainer.steps=6",
+        "trainer.log_every=1",
+        "data.global_batch_size=16",
+        "model.num_blocks=1",
+        "data.source.options.max_len=15",
+        "model.max_seq_len=16",
+    ]
+
+
+@pytest.fixture
+def tiny_config(tiny_overrides):
+    return load_config(None, tiny_overrides)

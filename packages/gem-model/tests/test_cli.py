@@ -1,0 +1,87 @@
+"""gem-train: exit codes, messages and output of each subcommand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gem_model.cli import main
+
+INLINE_ENV = {"GEM_PLUGINS": "inline_plugins"}
+
+
+@pytest.fixture
+def inline_env(monkeypatch):
+    monkeypatch.setenv("GEM_PLUGINS", "inline_plugins")
+
+
+def test_malformed_config_exits_2_with_path_and_value(capsys):
+    assert main(["run", "model.num_blocks=-2"]) == 2
+    err = capsys.readouterr().err
+    assert "model.num_blocks" in err and "(got -2)" in err
+
+
+def test_malformed_config_fails_before_torchrun_is_launched(capsys, inline_env, tiny_overrides):
+    assert main(["run", "--nproc", "2", *tiny_overrides, "trainer.steps=-1"]) == 2
+    assert "trainer.steps" in capsys.readouterr().err
+
+
+def test_more_processes_need_a_sharding_planner(capsys, inline_env, tiny_overrides):
+    assert main(["run", "--nproc", "2", *tiny_overrides]) == 2
+    assert "parallel.planner" in capsys.readouterr().err
+
+
+def test_core_alone_names_the_packages_that_provide_the_defaults(capsys):
+    assert main(["run"]) == 2
+    err = capsys.readouterr().err
+    for package in ("gem-kernels", "gem-precision", "gem-parallel", "gem-comm"):
+        assert f"provided by {package}, which is not installed" in err
+
+
+def test_run_trains_and_prints_the_summary(capsys, inline_env, tiny_overrides):
+    assert main(["run", *tiny_overrides, "trainer.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "== summary" in out and "samples / s" in out
+
+
+def test_nan_exits_1_with_the_step(capsys, inline_env, tiny_overrides):
+    code = main(["run", *tiny_overrides, "kernels.jagged_attention=poison", "kernels.jagged_attention.options.nan_from_call=2"])
+    assert code == 1 and "step 1: the loss is nan" in capsys.readouterr().err
+
+
+def test_plugins_lists_distributions_and_names_per_registry(capsys, inline_env):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "gem-model" in out and "inline_plugins" in out
+    assert "precision.scheme:" in out and "inline_bf16" in out and "kernels.jagged_attention:" in out
+
+
+def test_config_prints_resolved_config_and_schema(capsys, inline_env, tmp_path, tiny_overrides):
+    (tmp_path / "run.toml").write_text('name = "demo"\n[model]\nnum_heads = 4\n')
+    assert main(["config", "-c", str(tmp_path / "run.toml"), *tiny_overrides, "model.embedding_dim=64"]) == 0
+    out = capsys.readouterr().out
+    config_part, schema_part = out.split("# --- JSON schema ---")
+    assert "name: demo" in config_part and "num_heads: 4" in config_part and "embedding_dim: 64" in config_part
+    assert json.loads(schema_part)["title"] == "RunConfig"
+
+
+def test_config_of_unknown_component_exits_2(capsys, inline_env):
+    assert main(["config", "comm.strategy=pigeon"]) == 2
+    assert "unknown comm strategy 'pigeon'" in capsys.readouterr().err
+
+
+def test_profile_data_reports_padding_waste(capsys):
+    assert main(["profile", "data", "--batches", "2"]) == 0
+    assert "% useful" in capsys.readouterr().out
+
+
+def test_python_dash_m_is_the_same_entry():
+    env = {**os.environ, "GEM_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "gem_model", "run", "model.num_heads=0"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "model.num_heads" in proc.stderr

@@ -1,0 +1,111 @@
+"""The trainer end to end on inline plugins: learning, metrics, resume, NaN stop, lifecycle hooks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gem_model import hookimpl
+from gem_model.config_io import load_config
+from gem_model.errors import NonFiniteLossError
+from gem_model.train.checkpoint import latest_checkpoint
+from gem_model.trainer import train
+
+
+def losses(output_dir: Path) -> list[float]:
+    return [json.loads(line)["step_loss"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_lowers_the_loss_and_writes_metrics(pm, tiny_overrides, tmp_path, capsys):
+    cfg = load_config(None, [*tiny_overrides, "trainer.steps=25", "trainer.log_every=5"])
+    summary = train(cfg, pm)
+    assert summary.last_loss < summary.first_loss
+    records = [json.loads(x) for x in (tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in records)
+    out = capsys.readouterr().out
+    assert "== summary" in out and "tokens / s" in out and "MFU" in out
+
+
+def test_resumed_run_continues_with_identical_losses(pm, tiny_overrides, tmp_path):
+    straight = load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/a", "trainer.steps=6"])
+    train(straight, pm)
+    first = load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/b", "trainer.steps=3"])
+    train(first, pm)
+    resumed = load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/b", "trainer.steps=6", "trainer.resume=true"])
+    train(resumed, pm)
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(b) == 6
+    assert a == b  # bit-identical: model, both optimizers, data position and RNG all restored
+
+
+def test_resume_with_dropout_restores_the_rng(pm, tiny_overrides, tmp_path):
+    common = [*tiny_overrides, "model.dropout=0.3"]
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/a", "trainer.steps=4"]), pm)
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/b", "trainer.steps=2"]), pm)
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/b", "trainer.steps=4", "trainer.resume=true"]), pm)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(pm, tiny_overrides, tmp_path):
+    # 1 block -> one attention call per step; NaN from the 4th step (index 3)
+    cfg = load_config(
+        None,
+        [*tiny_overrides, "kernels.jagged_attention=poison", "kernels.jagged_attention.options.nan_from_call=4",
+         "trainer.checkpoint_every=2", "trainer.steps=10"],
+    )
+    with pytest.raises(NonFiniteLossError, match=r"step 3: the loss is nan") as err:
+        train(cfg, pm)
+    ckpts = tmp_path / "gem-tiny" / "checkpoints"
+    last = latest_checkpoint(ckpts)
+    assert last is not None and last.name == "step_00000002" and str(last) in str(err.value)
+    assert json.loads((last / "meta.json").read_text())["step"] == 2
+    assert not any(p.name.endswith(".partial") for p in ckpts.iterdir())
+
+
+class Recorder:
+    def __init__(self):
+        self.events: list[str] = []
+
+    @hookimpl
+    def gem_run_started(self, run):
+        self.events.append(f"started {run.config.name}")
+
+    @hookimpl(wrapper=True)
+    def gem_train_step(self, run, step):
+        self.events.append(f"before {step}")
+        result = yield
+        self.events.append(f"after {step} loss={result.loss > 0}")
+        return result
+
+    @hookimpl
+    def gem_run_finished(self, run, summary):
+        self.events.append(f"finished {summary.steps}")
+
+    @hookimpl
+    def gem_report_sections(self, run, summary):
+        from gem_model.train.report import ReportSection
+
+        return [ReportSection("recorder", [("events", str(len(self.events)))])]
+
+
+def test_lifecycle_hooks_see_the_run(pm, tiny_overrides, capsys):
+    rec = Recorder()
+    pm.register(rec, name="recorder")
+    train(load_config(None, [*tiny_overrides, "trainer.steps=2"]), pm)
+    assert rec.events == ["started gem-tiny", "before 0", "after 0 loss=True", "before 1", "after 1 loss=True", "finished 2"]
+    assert "== recorder" in capsys.readouterr().out
+
+
+def test_activation_and_precision_plans_follow_the_config(pm, tiny_overrides):
+    from inline_plugins import HalfGemm
+
+    HalfGemm.converted.clear()
+    cfg = load_config(
+        None,
+        [*tiny_overrides, "trainer.steps=1", "precision.overrides={'blocks.*': inline_bf16}", "precision.exclude=['task_head.*']"],
+    )
+    train(cfg, pm)
+    assert HalfGemm.converted == ["blocks.0.uvqk", "blocks.0.out"]

@@ -1,0 +1,115 @@
+"""Dynamic fp8 scaling (tensorwise and rowwise) in pure torch: the numerics every backend reproduces.
+
+Scale choice. A scaling group (the whole tensor, or one row) with ``amax = max |x|`` gets the scale
+``2**s`` with ``s`` the largest integer such that ``amax * 2**s <= fmt.max`` (clamped to
+[-126, 126] so that both ``2**s`` and ``2**-s`` are normal float32). Compared with the usual
+``fmt.max / amax`` this gives up at most one bit of range, and buys exactness: scaling is a
+power-of-two multiply, so the only rounding is the final cast (round to nearest even), and the
+Triton kernels reproduce these bits exactly. Because ``|x| * 2**s <= fmt.max`` holds by construction,
+no value ever saturates.
+
+Non-finite values. A group that contains a NaN or an infinity is marked non-finite: its elements are
+all written as NaN (byte 0x7F) and its dequantization factor is NaN, so the GEMM output of that row
+or column is NaN and the trainer's non-finite-loss check stops the run. Saturating an infinity to
+``fmt.max`` would instead hide an overflow as a plausible number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from gem_precision.formats import FP8_NAN_BITS, Fp8Format, exact_pow2
+
+Granularity = Literal["tensor", "row"]
+
+
+@dataclass(frozen=True)
+class Fp8Operand:
+    """A GEMM operand ``[rows, k]`` in fp8 (k contiguous) and its dequantization factor.
+
+    ``scale_inv`` is ``[rows, 1]`` (one per row) or a 0-d tensor (one per tensor); the real value is
+    ``data * scale_inv``. Columns past the logical k (padding for ``torch._scaled_mm``) are zeros.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.float() * self.scale_inv).to(dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data, self.scale_inv
+
+
+@dataclass(frozen=True)
+class Fp8Pair:
+    """What one quantization of a 2-d tensor ``x [M, N]`` produces, each part only when asked for.
+
+    ``rows``: ``x`` itself, quantized per row (or per tensor), ``[M, N]``.
+    ``cols_t``: ``x.T``, quantized per column of ``x`` (or per tensor), ``[N, M_pad]`` row-major,
+    i.e. the transposed operand of a backward GEMM that reduces over ``M``.
+    ``col_sum``: float32 ``x.sum(0)`` (a bias gradient), from the same read on the fused path.
+    """
+
+    rows: Fp8Operand | None
+    cols_t: Fp8Operand | None
+    col_sum: torch.Tensor | None = None
+
+
+def scale_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """int32 ``s``: the largest integer with ``amax * 2**s <= fmt.max``, clamped to [-126, 126]."""
+    mantissa, exponent = torch.frexp(amax.float())  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    # floor(log2 amax) = exponent - 1; the fp8 max is 1.75 * 2**emax, so a mantissa above 1.75
+    # (0.875 in frexp's convention) costs one more power of two.
+    s = fmt.emax - (exponent - 1) - (mantissa > 0.875).to(exponent.dtype)
+    s = torch.where(amax == 0, torch.full_like(s, 126), s)
+    return s.clamp(-126, 126).to(torch.int32)
+
+
+def _quantize_groups(x: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format) -> Fp8Operand:
+    """Quantize float32 ``x`` with one group per entry of ``amax`` (broadcast against ``x``)."""
+    s = scale_exponent(amax, fmt)
+    nonfinite = ~torch.isfinite(amax)
+    q = (x * exact_pow2(s)).to(fmt.dtype)
+    bits = torch.where(nonfinite, torch.tensor(FP8_NAN_BITS, dtype=torch.uint8), q.view(torch.uint8))
+    scale_inv = torch.where(nonfinite, torch.tensor(float("nan")), exact_pow2(-s))
+    return Fp8Operand(bits.view(fmt.dtype), scale_inv)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def quantize_fp8_reference(
+    x: torch.Tensor,
+    *,
+    granularity: Granularity,
+    fmt: Fp8Format,
+    rows: bool = True,
+    cols_t: bool = False,
+    col_sum: bool = False,
+    pad_to: int = 1,
+) -> Fp8Pair:
+    """Quantize a 2-d tensor ``x [M, N]``; see :class:`Fp8Pair`. ``pad_to`` rounds ``M_pad`` up."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_fp8_reference: expected a 2-d tensor, got shape {tuple(x.shape)}")
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"quantize_fp8_reference: granularity must be 'tensor' or 'row', got {granularity!r}")
+    xf = x.float()
+    m = xf.shape[0]
+    tensor_amax = xf.abs().amax() if granularity == "tensor" else None
+    rows_op = cols_op = None
+    if rows:
+        amax = tensor_amax if tensor_amax is not None else xf.abs().amax(dim=1, keepdim=True)
+        rows_op = _quantize_groups(xf, amax, fmt)
+    if cols_t:
+        amax = tensor_amax if tensor_amax is not None else xf.abs().amax(dim=0)[:, None]
+        op = _quantize_groups(xf.t(), amax, fmt)
+        pad = round_up(m, pad_to) - m
+        data = op.data.view(torch.uint8)
+        data = torch.nn.functional.pad(data, (0, pad)) if pad else data.contiguous()
+        cols_op = Fp8Operand(data.view(fmt.dtype), op.scale_inv)
+    return Fp8Pair(rows_op, cols_op, xf.sum(dim=0) if col_sum else None)

@@ -1,0 +1,164 @@
+"""Triton MXFP8 quantize / dequantize kernels, bit-identical to :mod:`gem_precision.mx_reference`.
+
+One kernel reads a tile of ``x [R, C]`` once and writes either or both of
+- the row-wise operand (blocks of 32 along C): data ``[R, C]``, scales ``[R, ceil(C/32)]``;
+- the transposed operand (blocks of 32 along R): data ``[C, R]``, scales ``[C, ceil(R/32)]``,
+  which is what the backward GEMMs consume (``grad_out`` needs both, from one read).
+Tiles are multiples of 32 in both directions and aligned to them, so every block lies inside one
+tile and no cross-program reduction is needed. Masked loads read zeros past the edges: that is the
+reference's zero padding of a last partial block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_precision.mx_reference import MX_BLOCK, MXTensor
+from gem_precision.triton_common import (
+    abs_bits,
+    cast_to_fp8_bits,
+    check_triton_device,
+    e8m0_to_float,
+    interpreting,
+    pow2_from_biased,
+    software_rounding_default,
+)
+
+
+@triton.jit
+def _mx_encode(blocks, amax_bits, SOFTWARE_ROUND: tl.constexpr, BLOCK_AXIS: tl.constexpr):
+    """Scale bytes and element bytes for blocks whose |max| bits are ``amax_bits``.
+
+    ``blocks`` has the 32-element block axis at ``BLOCK_AXIS``; ``amax_bits`` is ``blocks``'s shape
+    with that axis reduced away.
+    """
+    biased = amax_bits >> 23  # float32 biased exponent; 255 for inf and NaN
+    nonfinite = biased == 255
+    exponent = tl.minimum(tl.maximum(biased - 127 - 8, -127), 127)  # floor(log2 amax) - emax(e4m3)
+    code = tl.where(nonfinite, 255, exponent + 127)
+    inv = pow2_from_biased(127 - exponent)  # 2**-exponent, normal for every reachable exponent
+    inv = tl.expand_dims(inv, BLOCK_AXIS)
+    scaled = tl.minimum(tl.maximum(blocks * inv, -448.0), 448.0)
+    bits = cast_to_fp8_bits(scaled, False, 3, 0.015625, 24576.0, SOFTWARE_ROUND)
+    bits = tl.where(tl.expand_dims(nonfinite, BLOCK_AXIS), 127, bits.to(tl.int32))
+    return code.to(tl.uint8), bits.to(tl.uint8)
+
+
+@triton.jit
+def _mx_quantize_kernel(
+    x_ptr, R, C, stride_xr,
+    q_ptr, s_ptr, ld_s,
+    qt_ptr, st_ptr, ld_st,
+    ROWS: tl.constexpr, COLS_T: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if ROWS:
+        blocks = tl.reshape(x, [BLOCK_R, BLOCK_C // 32, 32])
+        code, bits = _mx_encode(blocks, tl.max(abs_bits(blocks), axis=2), SOFTWARE_ROUND, 2)
+        out = q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :]
+        tl.store(out, tl.reshape(bits, [BLOCK_R, BLOCK_C]), mask=mask)
+        sb = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+        smask = (rows < R)[:, None] & (sb < tl.cdiv(C, 32))[None, :]
+        tl.store(s_ptr + rows[:, None].to(tl.int64) * ld_s + sb[None, :], code, mask=smask)
+    if COLS_T:
+        blocks = tl.reshape(x, [BLOCK_R // 32, 32, BLOCK_C])
+        code, bits = _mx_encode(blocks, tl.max(abs_bits(blocks), axis=1), SOFTWARE_ROUND, 1)
+        out = qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None]
+        tl.store(out, tl.reshape(bits, [BLOCK_R, BLOCK_C]), mask=mask)
+        rb = pid_r * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
+        smask = (rb < tl.cdiv(R, 32))[:, None] & (cols < C)[None, :]
+        tl.store(st_ptr + cols[None, :].to(tl.int64) * ld_st + rb[:, None], code, mask=smask)
+
+
+@triton.jit
+def _mx_dequantize_kernel(
+    q_ptr, s_ptr, out_ptr, R, C, ld_s,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    sb = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
+    smask = (rows < R)[:, None] & (sb < tl.cdiv(C, 32))[None, :]
+    code = tl.load(s_ptr + rows[:, None].to(tl.int64) * ld_s + sb[None, :], mask=smask, other=127)
+    scale = e8m0_to_float(code.to(tl.int32))
+    values = tl.reshape(q, [BLOCK_R, BLOCK_C // 32, 32]) * scale[:, :, None]
+    tl.store(out_ptr + offs, tl.reshape(values, [BLOCK_R, BLOCK_C]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _default_tile(rows: bool, cols_t: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, num_warps). Under the interpreter: small, so that tests stay fast."""
+    if interpreting():
+        return 32, 64, 4
+    if rows and cols_t:
+        return 64, 128, 8
+    if cols_t:
+        return 128, 64, 8  # the transposed store writes BLOCK_R contiguous bytes per column
+    return 32, 256, 4
+
+
+def mx_quantize_triton(
+    x: torch.Tensor,
+    *,
+    rows: bool = True,
+    cols_t: bool = False,
+    software_round: bool | None = None,
+    tile: tuple[int, int, int] | None = None,
+) -> tuple[MXTensor | None, MXTensor | None]:
+    """Quantize ``x [R, C]``: ``(row-wise operand [R, C], transposed operand [C, R])``, each or both."""
+    check_triton_device(x, "mx_quantize_triton")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"mx_quantize_triton: expected a 2-d tensor with contiguous rows, got {x.shape} {x.stride()}")
+    if not (rows or cols_t):
+        raise ValueError("mx_quantize_triton: ask for rows, cols_t or both")
+    r, c = x.shape
+    block_r, block_c, warps = tile or _default_tile(rows, cols_t)
+    if block_r % MX_BLOCK or block_c % MX_BLOCK:
+        raise ValueError(f"mx_quantize_triton: tile {block_r}x{block_c} must be multiples of {MX_BLOCK}")
+    dev = x.device
+    q = torch.empty((r, c) if rows else (1, 1), dtype=torch.uint8, device=dev)
+    s = torch.empty((r, triton.cdiv(c, MX_BLOCK)) if rows else (1, 1), dtype=torch.uint8, device=dev)
+    qt = torch.empty((c, r) if cols_t else (1, 1), dtype=torch.uint8, device=dev)
+    st = torch.empty((c, triton.cdiv(r, MX_BLOCK)) if cols_t else (1, 1), dtype=torch.uint8, device=dev)
+    if r and c:
+        grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
+        _mx_quantize_kernel[grid](
+            x, r, c, x.stride(0), q, s, s.stride(0), qt, st, st.stride(0),
+            ROWS=rows, COLS_T=cols_t,
+            SOFTWARE_ROUND=software_rounding_default() if software_round is None else software_round,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+    e4m3, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+    row_op = MXTensor(q.view(e4m3), s.view(e8m0)) if rows else None
+    col_op = MXTensor(qt.view(e4m3), st.view(e8m0)) if cols_t else None
+    return row_op, col_op
+
+
+def mx_dequantize_triton(mx: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``mx`` as ``dtype`` (exact for float32 and bfloat16), like :func:`mx_dequantize`."""
+    check_triton_device(mx.data, "mx_dequantize_triton")
+    r, c = mx.shape
+    out = torch.empty((r, c), dtype=dtype, device=mx.data.device)
+    block_r, block_c, warps = (32, 64, 4) if interpreting() else (32, 256, 4)
+    if r and c:
+        grid = (triton.cdiv(r, block_r), triton.cdiv(c, block_c))
+        scale = mx.scale.view(torch.uint8)
+        _mx_dequantize_kernel[grid](
+            mx.data.view(torch.uint8), scale, out, r, c, scale.stride(0),
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+    return out
+
