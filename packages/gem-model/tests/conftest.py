@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import inline_plugins  # noqa: E402
+from gem_model import testing  # noqa: E402
 
 from gem_model.config_io import load_config  # noqa: E402
 from gem_model.plugins import GemPluginManager  # noqa: E402
@@ -24,13 +21,17 @@ def _no_installed_plugins(monkeypatch):
 INLINE = [
     "kernels.jagged_attention=loop",
     "kernels.norm_gate=loop",
+    "precision.scheme=inline_fp32",
+    "activation.policy=inline_none",
+    "parallel.planner=inline_single",
+    "comm.strategy=inline_comm",
     "trainer.progress=false",
 ]
 
 
 @pytest.fixture
 def pm() -> GemPluginManager:
-    return GemPluginManager(autoload=False, plugins=[inline_plugins])
+    return GemPluginManager(autoload=False, plugins=[testing])
 
 
 @pytest.fixture

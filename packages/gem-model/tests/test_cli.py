@@ -12,12 +12,9 @@ import pytest
 
 from gem_model.cli import main
 
-INLINE_ENV = {"GEM_PLUGINS": "inline_plugins"}
-
-
 @pytest.fixture
 def inline_env(monkeypatch):
-    monkeypatch.setenv("GEM_PLUGINS", "inline_plugins")
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
 
 
 def test_malformed_config_exits_2_with_path_and_value(capsys):
@@ -57,7 +54,7 @@ def test_nan_exits_1_with_the_step(capsys, inline_env, tiny_overrides):
 def test_plugins_lists_distributions_and_names_per_registry(capsys, inline_env):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert "gem-model" in out and "inline_plugins" in out
+    assert "gem-model" in out and "gem_model.testing" in out
     assert "precision.scheme:" in out and "inline_bf16" in out and "kernels.jagged_attention:" in out
 
 

@@ -86,7 +86,7 @@ def test_every_unknown_name_is_reported_at_once(pm, tiny_overrides):
 def test_override_patterns_resolve_their_schemes(pm, tiny_overrides):
     c = load_config(None, [*tiny_overrides, "precision.overrides={'cross.*': inline_bf16}"])
     comps = resolve_components(c, pm)
-    assert set(comps.precision) == {"fp32", "inline_bf16"}
+    assert set(comps.precision) == {"inline_fp32", "inline_bf16"}
     bad = load_config(None, [*tiny_overrides, "precision.overrides={'cross.*': nope}"])
     with pytest.raises(UnknownNameError, match=r"precision\.overrides\.cross\.\*"):
         resolve_components(bad, pm)

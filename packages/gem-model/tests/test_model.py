@@ -12,7 +12,7 @@ from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
 from gem_model.jagged import append_one, gather_rows, offsets_of, positions_in_sequence
 from gem_model.model.flops import attention_pairs, batch_flops
 from gem_model.model.gem import GemModel
-from inline_plugins import LoopAttention, TorchNormGate
+from gem_model.testing import LoopAttention, TorchNormGate
 
 
 def build(cfg: ModelConfig | None = None, **data):

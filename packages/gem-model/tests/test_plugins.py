@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 
-import inline_plugins
+from gem_model import testing
 from gem_model import hookimpl
 from gem_model.components import PrecisionScheme
 from gem_model.errors import DuplicateNameError, PluginError, UnknownNameError
@@ -16,7 +16,7 @@ from gem_model.plugins import GemPluginManager
 
 
 class Scheme(PrecisionScheme):
-    name: ClassVar[str] = "fp32"
+    name: ClassVar[str] = "inline_fp32"
 
     def convert_linear(self, linear, fqn):
         return linear
@@ -39,10 +39,10 @@ def test_builtins_register_through_the_same_hooks():
 def test_inline_plugin_fills_every_registry(pm):
     assert pm.kernel_registry("jagged_attention").names() == ["loop", "poison"]
     assert pm.kernel_registry("norm_gate").names() == ["loop"]
-    assert pm.precision_schemes.names() == ["fp32", "inline_bf16"]
-    assert pm.activation_policies.names() == ["none"]
-    assert pm.comm_strategies.names() == ["default"]
-    assert pm.parallel_planners.names() == ["single"]
+    assert pm.precision_schemes.names() == ["inline_bf16", "inline_fp32"]
+    assert pm.activation_policies.names() == ["inline_none"]
+    assert pm.comm_strategies.names() == ["inline_comm"]
+    assert pm.parallel_planners.names() == ["inline_single"]
 
 
 def test_duplicate_name_names_both_distributions(pm):
@@ -50,7 +50,7 @@ def test_duplicate_name_names_both_distributions(pm):
     with pytest.raises(DuplicateNameError) as err:
         pm.precision_schemes
     msg = str(err.value)
-    assert "'fp32'" in msg and "<inline>" in msg and "gem-other 9.9" in msg
+    assert "'inline_fp32'" in msg and "<inline>" in msg and "gem-other 9.9" in msg
 
 
 def test_unknown_name_lists_available_names_and_providers(pm):
@@ -58,7 +58,7 @@ def test_unknown_name_lists_available_names_and_providers(pm):
         pm.precision_schemes.get("fp4")
     msg = str(err.value)
     assert "precision.scheme" in msg and "'fp4'" in msg
-    assert "fp32: from <inline>" in msg and "inline_bf16: from <inline>" in msg
+    assert "inline_fp32: from <inline>" in msg and "inline_bf16: from <inline>" in msg
 
 
 def test_unknown_name_says_which_package_provides_it():
@@ -125,10 +125,10 @@ def _fake_entry_point(monkeypatch, module_name: str, module: types.ModuleType) -
 
 
 def test_autoload_reads_entry_points_unless_disabled(monkeypatch):
-    module = plugin_module("gem_fake_plugin", gem_register_parallel_planners=lambda: [inline_plugins.Single])
+    module = plugin_module("gem_fake_plugin", gem_register_parallel_planners=lambda: [testing.Single])
     _fake_entry_point(monkeypatch, "gem_fake_plugin", module)
     monkeypatch.setenv("GEM_DISABLE_PLUGIN_AUTOLOAD", "")
-    assert GemPluginManager().parallel_planners.names() == ["single"]
+    assert GemPluginManager().parallel_planners.names() == ["inline_single"]
     monkeypatch.setenv("GEM_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert GemPluginManager().parallel_planners.names() == []
 
@@ -144,22 +144,22 @@ def test_entry_point_that_fails_to_import_is_named(monkeypatch):
 def test_gem_plugins_env_registers_modules_by_import_path(monkeypatch):
     import sys
 
-    module = plugin_module("gem_env_plugin", gem_register_comm_strategies=lambda: [inline_plugins.PlainComm])
+    module = plugin_module("gem_env_plugin", gem_register_comm_strategies=lambda: [testing.PlainComm])
     monkeypatch.setitem(sys.modules, "gem_env_plugin", module)
     monkeypatch.setenv("GEM_PLUGINS", "gem_env_plugin")
     pm = GemPluginManager(autoload=False)
-    assert pm.comm_strategies.names() == ["default"]
+    assert pm.comm_strategies.names() == ["inline_comm"]
     monkeypatch.setenv("GEM_PLUGINS", "gem_env_plugin_missing")
     with pytest.raises(PluginError, match="GEM_PLUGINS failed to import"):
         GemPluginManager(autoload=False)
 
 
 REGISTRATION_HOOKS = {
-    "gem_register_kernels": ("kernels", inline_plugins.LoopAttention),
-    "gem_register_precision_schemes": ("precision_schemes", inline_plugins.Fp32),
-    "gem_register_activation_policies": ("activation_policies", inline_plugins.NoPolicy),
-    "gem_register_comm_strategies": ("comm_strategies", inline_plugins.PlainComm),
-    "gem_register_parallel_planners": ("parallel_planners", inline_plugins.Single),
+    "gem_register_kernels": ("kernels", testing.LoopAttention),
+    "gem_register_precision_schemes": ("precision_schemes", testing.Fp32),
+    "gem_register_activation_policies": ("activation_policies", testing.NoPolicy),
+    "gem_register_comm_strategies": ("comm_strategies", testing.PlainComm),
+    "gem_register_parallel_planners": ("parallel_planners", testing.Single),
     "gem_register_data_sources": ("data_sources", None),
     "gem_register_load_balancers": ("load_balancers", None),
 }

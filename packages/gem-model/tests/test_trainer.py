@@ -100,7 +100,7 @@ def test_lifecycle_hooks_see_the_run(pm, tiny_overrides, capsys):
 
 
 def test_activation_and_precision_plans_follow_the_config(pm, tiny_overrides):
-    from inline_plugins import HalfGemm
+    from gem_model.testing import HalfGemm
 
     HalfGemm.converted.clear()
     cfg = load_config(

@@ -42,6 +42,7 @@ from gem_kernels.attention_triton_common import (
     CHUNK,
     INTERPRET,
     allowed,
+    cast,
     dim_block,
     dot,
     history_length,
@@ -102,23 +103,23 @@ def _query_block_ranges(m0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.c
 def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n,
                       d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha,
                       MASKED: tl.constexpr, COMPUTE_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      SILU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                       CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr):
     keys = start + offs_n
     keys_ok = keys < seq_len
     k = load_tile(k_ptrs + start * stride_km, keys_ok, d_qk_ok, MASKED, CHECK_QK)
     v = load_tile(v_ptrs + start * stride_vm, keys_ok, d_v_ok, MASKED, CHECK_V)
-    s = dot(q, tl.trans(k), None, IEEE, UPCAST)
+    s = dot(q, tl.trans(k), None, IEEE, INTERP)
     silu, grad = silu_and_grad(s, alpha, SILU)
     if COMPUTE_DQ:
-        w = dot(do, tl.trans(v), None, IEEE, UPCAST) * grad
+        w = dot(do, tl.trans(v), None, IEEE, INTERP) * grad
         rhs = k
     else:
         w = silu
         rhs = v
     if MASKED:
         w = tl.where(allowed(queries[:, None], keys[None, :], history_len, max_attn_len, HAS_WINDOW), w, 0.0)
-    return dot(w.to(rhs.dtype), rhs, acc, IEEE, UPCAST)
+    return dot(cast(w, rhs.dtype, INTERP), rhs, acc, IEEE, INTERP)
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def _query_major_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, D_OUT: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_OUT: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    SILU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, CHUNK: tl.constexpr,
+    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue."""
@@ -174,7 +175,7 @@ def _query_major_kernel(
                 acc = _query_block_step(
                     acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
                     d_v_ok, seq_len, history_len, max_attn_len, alpha, False, COMPUTE_DQ, HAS_WINDOW,
-                    SILU, IEEE, UPCAST, CHECK_QK, CHECK_V,
+                    SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                 )
             for i in range(0, n_left + n_hist + n_diag):
                 start = tl.where(
@@ -186,12 +187,12 @@ def _query_major_kernel(
                 acc = _query_block_step(
                     acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
                     d_v_ok, seq_len, history_len, max_attn_len, alpha, True, COMPUTE_DQ, HAS_WINDOW,
-                    SILU, IEEE, UPCAST, CHECK_QK, CHECK_V,
+                    SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                 )
             out_ptrs = (OUT + seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om
                         + offs_out[None, :])
             out_mask = rows_ok[:, None] & (offs_out < D_OUT)[None, :]
-            tl.store(out_ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=out_mask)
+            tl.store(out_ptrs, cast(acc * out_scale, OUT.dtype.element_ty, INTERP), mask=out_mask)
             tile = next_tile
         tiles_before = chunk_end
 
@@ -253,7 +254,7 @@ def query_major(
         DQK=dim_qk, DV=dim_v, D_OUT=dim_out, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v),
         BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=num_targets is not None,
         HAS_WINDOW=max_attn_len > 0, SILU=silu_mode(q.dtype), IEEE=q.dtype == torch.float32,
-        UPCAST=INTERPRET, CHUNK=CHUNK,
+        INTERP=INTERPRET, CHUNK=CHUNK,
     )
     if blocks is not None:
         block_m, block_n = blocks

@@ -62,14 +62,25 @@ def launch_once_tuned(tuner: object, launch: object, buffers: list[torch.Tensor]
 
 
 @triton.jit
-def dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    # UPCAST: Triton's interpreter multiplies bf16 as raw integers; fp32 holds bf16 values exactly.
-    if UPCAST:
+def dot(a, b, acc, IEEE: tl.constexpr, INTERP: tl.constexpr):
+    # Triton's interpreter multiplies bf16 operands as raw integers; fp32 holds bf16 values exactly.
+    if INTERP:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")  # fp32 inputs must not drop to tf32
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest even, as the GPU does (Triton's interpreter truncates to bf16)."""
+    if INTERP:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit

@@ -51,13 +51,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     pm = GemPluginManager()
-    resolve_components(config, pm)  # every name and option checked before any process starts
+    components = resolve_components(config, pm)  # every name and option checked before any process starts
     if args.nproc < 1:
         raise ConfigError([("--nproc", args.nproc, "must be at least 1")])
     world = args.nproc if not launched_by_torchrun() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and config.parallel.planner.name == "single":
+    limit = components.planner.max_world_size
+    if limit is not None and world > limit:
         raise ConfigError(
-            [("parallel.planner", "single", f"runs one process but {world} were asked for; use torchrec_ddp")]
+            [("parallel.planner", config.parallel.planner.name,
+              f"drives at most {limit} process(es) but {world} were asked for; pick a distributed planner "
+              "such as torchrec_ddp")]
         )
     if args.nproc > 1 and not launched_by_torchrun():
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]

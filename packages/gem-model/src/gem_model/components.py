@@ -198,6 +198,9 @@ class SparseOptimizerSpec:
 class ParallelPlanner(Component):
     """Places the model on the devices of the run and wraps it (sharding, data parallelism)."""
 
+    max_world_size: ClassVar[int | None] = None
+    """The most processes this planner can drive (None: any); checked before processes start."""
+
     @abstractmethod
     def prepare(
         self,

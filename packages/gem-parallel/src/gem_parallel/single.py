@@ -17,6 +17,7 @@ from gem_model.model.gem import GemModel
 
 class SinglePlanner(ParallelPlanner):
     name: ClassVar[str] = "single"
+    max_world_size: ClassVar[int | None] = 1
 
     def prepare(
         self, model: GemModel, *, env: DistEnv, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec

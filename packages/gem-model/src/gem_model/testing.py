@@ -1,7 +1,10 @@
-"""Plugins registered inline by the core's tests: the core depends on no plugin package.
+"""Reference components for testing the core, and any plugin, in isolation.
 
-They are deliberately plain (a per-sequence attention loop, no sharding), and each follows the
-interface contract exactly, so the core's tests exercise the same seams the real plugins use.
+Nothing here is registered unless a test does it (``GemPluginManager(plugins=[gem_model.testing])``
+or ``GEM_PLUGINS=gem_model.testing``). The components are deliberately plain (a per-sequence
+attention loop, no sharding) and follow the interface contracts exactly, so a test of one real
+plugin package can fill every other seam without installing the sibling packages. Their names
+start with ``inline_`` or are kernel names no package uses, so they never clash with real plugins.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-from gem_model import hookimpl
+import torch.distributed as dist
+
+from gem_model.markers import hookimpl
 from gem_model.components import (
     ActivationPolicy,
     CommStrategy,
@@ -82,7 +87,7 @@ class TorchNormGate(NormGateKernel):
 
 
 class Fp32(PrecisionScheme):
-    name: ClassVar[str] = "fp32"
+    name: ClassVar[str] = "inline_fp32"
 
     def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
         return linear
@@ -110,29 +115,32 @@ class _Bf16Linear(nn.Module):
 
 
 class NoPolicy(ActivationPolicy):
-    name: ClassVar[str] = "none"
+    name: ClassVar[str] = "inline_none"
 
     def wrap_block(self, block: nn.Module, fqn: str) -> nn.Module:
         return block
 
 
 class PlainComm(CommStrategy):
-    name: ClassVar[str] = "default"
+    """Sums with ``all_reduce`` on the default group when one exists; the identity otherwise."""
 
-    def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
-        return values
+    name: ClassVar[str] = "inline_comm"
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        return values
+        if not (dist.is_available() and dist.is_initialized()):
+            return values
+        out = values.clone()
+        dist.all_reduce(out)
+        return out
 
-
-class SingleConfig(ComponentConfig):
-    pass
+    def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return self.all_reduce_sum(values) / world
 
 
 class Single(ParallelPlanner):
-    name: ClassVar[str] = "single"
-    Config = SingleConfig
+    name: ClassVar[str] = "inline_single"
+    max_world_size: ClassVar[int | None] = 1
 
     def prepare(self, model, *, env, comm, sparse_optimizer):
         model.to(env.device)

@@ -1,0 +1,127 @@
+"""The ``jagged_attention`` kernels: ``torch`` (bucketed, the CPU default) and ``triton``.
+
+Importing this module never imports triton; the Triton kernel loads its module on first call.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import model_validator
+
+from gem_kernels.attention_torch import jagged_attention_torch
+from gem_kernels.availability import require_triton
+from gem_model.components import ComponentConfig, JaggedAttentionKernel
+from gem_model.errors import KernelUnavailableError
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    max_seq_len: int,
+    max_attn_len: int,
+) -> None:
+    """Raise ValueError naming the argument whose shape, dtype or value is wrong."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"jagged_attention: q and k must both be [L, H, Dqk], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"jagged_attention: v must be [L, H, Dv] with q's L and H, got {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"jagged_attention: q, k, v need one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if seq_offsets.dim() != 1 or seq_offsets.numel() < 2 or seq_offsets.is_floating_point():
+        raise ValueError(f"jagged_attention: seq_offsets must be integer [B + 1] with B >= 1, got {seq_offsets.dtype} {tuple(seq_offsets.shape)}")
+    if num_targets is not None and (num_targets.shape != (seq_offsets.numel() - 1,) or num_targets.is_floating_point()):
+        raise ValueError(f"jagged_attention: num_targets must be integer [B], got {num_targets.dtype} {tuple(num_targets.shape)}")
+    if max_seq_len <= 0 or max_attn_len < 0:
+        raise ValueError(f"jagged_attention: need max_seq_len > 0 and max_attn_len >= 0, got {max_seq_len}, {max_attn_len}")
+
+
+class TorchJaggedAttention(JaggedAttentionKernel):
+    """Pure torch; sequences bucketed by length, each bucket padded to its own longest sequence."""
+
+    name = "torch"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_offsets: torch.Tensor,
+        *,
+        max_seq_len: int,
+        alpha: float,
+        num_targets: torch.Tensor | None = None,
+        max_attn_len: int = 0,
+    ) -> torch.Tensor:
+        check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
+        return jagged_attention_torch(
+            q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
+            max_attn_len=max_attn_len,
+        )
+
+
+class TritonJaggedAttention(JaggedAttentionKernel):
+    """Triton forward and backward (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    class Config(ComponentConfig):
+        dq: Literal["atomic", "separate"] = "atomic"
+        """How the backward gets dq: fp32 atomics from the dk/dv pass (five MMAs per tile pair), or a
+        second, query-major pass (seven MMAs, no atomics, no fp32 buffer)."""
+        block_m: int | None = None
+        """Query rows per tile; set together with ``block_n`` to skip autotuning."""
+        block_n: int | None = None
+        """Keys per tile."""
+
+        @model_validator(mode="after")
+        def _blocks(self) -> TritonJaggedAttention.Config:
+            sizes = (self.block_m, self.block_n)
+            if (self.block_m is None) != (self.block_n is None):
+                raise ValueError("block_m and block_n are set together (or neither, to autotune)")
+            for size in sizes:
+                if size is not None and (size < 16 or size > 256 or size & (size - 1)):
+                    raise ValueError(f"block sizes must be powers of two in 16..256, got {size}")
+            return self
+
+    config: Config
+
+    def check_available(self, device: torch.device) -> None:
+        require_triton(device, op=self.op, name=self.name)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_offsets: torch.Tensor,
+        *,
+        max_seq_len: int,
+        alpha: float,
+        num_targets: torch.Tensor | None = None,
+        max_attn_len: int = 0,
+    ) -> torch.Tensor:
+        check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
+        require_triton(q.device, op=self.op, name=self.name)
+        if q.dtype not in TRITON_DTYPES:
+            raise KernelUnavailableError(
+                f"kernels.{self.op}: 'triton' takes float32, bfloat16 or float16 inputs, got {q.dtype}"
+            )
+        others = [t for t in (k, v, seq_offsets, num_targets) if t is not None and t.device != q.device]
+        if others:
+            raise ValueError(f"jagged_attention: all inputs must be on {q.device}, found {others[0].device}")
+        from gem_kernels.attention_triton_autograd import jagged_attention_triton
+
+        blocks = None
+        if self.config.block_m is not None and self.config.block_n is not None:
+            blocks = (self.config.block_m, self.config.block_n)
+        return jagged_attention_triton(
+            q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
+            max_attn_len=max_attn_len, dq_mode=self.config.dq, blocks=blocks,
+        )

@@ -1,0 +1,241 @@
+"""Backward of jagged HSTU attention in Triton: the key-major ``dk``/``dv`` pass (and ``dq``).
+
+One tile = (sequence, head, block of ``BLOCK_N`` keys). The tile keeps ``k``, ``v`` and the ``dk``,
+``dv`` accumulators on chip and walks the query blocks that see its keys: unmasked ones without mask
+math, the diagonal, window-edge and target blocks masked. Five MMAs per (query block, key block)
+pair: ``s^T = k q^T``, ``dp^T = v g^T``, ``dv += silu(s)^T g``, ``dk += ds^T q`` and, with
+``ATOMIC_DQ``, ``dq += ds k`` added into an fp32 buffer with relaxed atomics (concurrent tiles are
+neighbouring key blocks of the same sequence, so those atomics stay in L2). Without ``ATOMIC_DQ`` a
+query-major pass computes ``dq`` instead (three more MMAs: ``s``, ``dp`` are recomputed).
+The queue is the forward's, over key blocks, first key block (the one most queries see) first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.attention_triton import autotune_bucket
+from gem_kernels.attention_triton_common import (
+    CHUNK,
+    INTERPRET,
+    allowed,
+    cast,
+    dim_block,
+    dot,
+    history_length,
+    launch_once_tuned,
+    load_tile,
+    locate_tile,
+    num_programs,
+    scan_chunk,
+    silu_and_grad,
+    silu_mode,
+)
+
+# (BLOCK_M queries per step, BLOCK_N keys per tile, num_warps, num_stages, programs per SM).
+_GPU_CONFIGS = [
+    (64, 128, 8, 2, 1),
+    (64, 128, 8, 3, 1),
+    (32, 128, 4, 3, 1),
+    (64, 64, 4, 3, 2),
+    (32, 64, 4, 3, 2),
+    (128, 128, 8, 2, 1),
+]
+_GPU_CONFIGS_WIDE = [(32, 64, 4, 2, 1), (64, 64, 8, 2, 1), (32, 32, 4, 2, 2)]
+_INTERPRETER_CONFIGS = [(16, 16, 1, 1, 1)]
+
+
+def _configs(wide: bool) -> list[triton.Config]:
+    table = _INTERPRETER_CONFIGS if INTERPRET else (_GPU_CONFIGS_WIDE if wide else _GPU_CONFIGS)
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=s)
+        for m, n, w, s, p in table
+    ]
+
+
+@triton.jit
+def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks that see keys ``n0 .. n0 + BLOCK_N``: unmasked ``[full_lo, full_hi)``, masked
+    ``[diag_lo, full_lo) + [full_hi, rows_end)``."""
+    keys_end = tl.minimum(n0 + BLOCK_N, seq_len)
+    diag_lo = n0 // BLOCK_M * BLOCK_M
+    full_lo = tl.cdiv(keys_end, BLOCK_M) * BLOCK_M
+    whole_blocks_end = seq_len // BLOCK_M * BLOCK_M  # unmasked blocks hold no row past the sequence
+    last_history_key = tl.minimum(keys_end, history_len) - 1
+    if HAS_WINDOW:
+        # Every target row sits at p = history_len, within the window of a key iff history_len - j <= W.
+        rows_end = tl.where(history_len <= last_history_key + max_attn_len, seq_len,
+                            tl.minimum(seq_len, last_history_key + max_attn_len + 1))
+        full_hi = tl.where(history_len <= n0 + max_attn_len, whole_blocks_end,
+                           tl.minimum(whole_blocks_end, (n0 + max_attn_len + 1) // BLOCK_M * BLOCK_M))
+    else:
+        rows_end = seq_len
+        full_hi = whole_blocks_end
+    rows_end = tl.where(n0 < history_len, rows_end, keys_end)  # target keys: seen by themselves only
+    # Target keys are masked for every row but their own, so a block holding one has no unmasked rows.
+    full_hi = tl.where(keys_end <= history_len, tl.maximum(full_hi, full_lo), full_lo)
+    n_diag = (full_lo - diag_lo) // BLOCK_M
+    n_tail = tl.cdiv(tl.maximum(rows_end - full_hi, 0), BLOCK_M)
+    return diag_lo, full_lo, full_hi, n_diag, n_tail
+
+
+@triton.jit
+def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
+                    offs_m, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha,
+                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
+                    CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr):
+    queries = start + offs_m
+    queries_ok = queries < seq_len
+    q = load_tile(q_ptrs + start * stride_qm, queries_ok, d_qk_ok, MASKED, CHECK_QK)
+    do = load_tile(do_ptrs + start * stride_dom, queries_ok, d_v_ok, MASKED, CHECK_V)
+    s_t = dot(k, tl.trans(q), None, IEEE, INTERP)
+    silu_t, grad_t = silu_and_grad(s_t, alpha, SILU)
+    ds_t = dot(v, tl.trans(do), None, IEEE, INTERP) * grad_t
+    if MASKED:
+        keep = allowed(queries[None, :], keys[:, None], history_len, max_attn_len, HAS_WINDOW)
+        silu_t = tl.where(keep, silu_t, 0.0)
+        ds_t = tl.where(keep, ds_t, 0.0)
+    dv = dot(cast(silu_t, do.dtype, INTERP), do, dv, IEEE, INTERP)
+    ds_t = cast(ds_t, q.dtype, INTERP)
+    dk = dot(ds_t, q, dk, IEEE, INTERP)
+    if ATOMIC_DQ:
+        dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP)
+        tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=queries_ok[:, None] & d_qk_ok[None, :],
+                      sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _key_major_kernel(
+    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
+    stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
+    stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+    num_seqs, num_heads, alpha, max_seq_len, max_attn_len, AUTOTUNE_N,
+    DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_qk = tl.arange(0, BLOCK_DQK)
+    offs_v = tl.arange(0, BLOCK_DV)
+    d_qk_ok = offs_qk < DQK
+    d_v_ok = offs_v < DV_DIM
+    CHECK_QK: tl.constexpr = DQK != BLOCK_DQK
+    CHECK_V: tl.constexpr = DV_DIM != BLOCK_DV
+    tile = tl.atomic_add(COUNTER, 1)
+    tiles_before = tile * 0
+    for chunk0 in range(0, num_seqs, CHUNK):
+        tiles, tiles_end = scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before, BLOCK_N, CHUNK)
+        chunk_end = tiles_before + tl.sum(tiles)
+        while tile < chunk_end:
+            next_tile = tl.atomic_add(COUNTER, 1)  # claimed early: the atomic's latency hides behind this tile
+            seq, seq_start, seq_len, head, block, blocks = locate_tile(
+                tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_N
+            )
+            n0 = block * BLOCK_N
+            keys = n0 + offs_n
+            keys_ok = keys < seq_len
+            k_rows = K + seq_start * stride_km + head * stride_kh + keys[:, None] * stride_km
+            v_rows = V + seq_start * stride_vm + head * stride_vh + keys[:, None] * stride_vm
+            k = load_tile(k_rows + offs_qk[None, :], keys_ok, d_qk_ok, True, CHECK_QK)
+            v = load_tile(v_rows + offs_v[None, :], keys_ok, d_v_ok, True, CHECK_V)
+            q_ptrs = Q + seq_start * stride_qm + head * stride_qh + offs_m[:, None] * stride_qm + offs_qk[None, :]
+            do_ptrs = DO + seq_start * stride_dom + head * stride_doh + offs_m[:, None] * stride_dom + offs_v[None, :]
+            dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + offs_m[:, None] * stride_dqm + offs_qk[None, :]
+            history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
+            diag_lo, full_lo, full_hi, n_diag, n_tail = _key_block_ranges(
+                n0, seq_len, history_len, max_attn_len, HAS_WINDOW, BLOCK_M, BLOCK_N
+            )
+            dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+            for start in range(full_lo, full_hi, BLOCK_M):
+                dk, dv = _key_block_step(
+                    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
+                    keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, False, ATOMIC_DQ,
+                    HAS_WINDOW, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
+                )
+            for i in range(0, n_diag + n_tail):
+                start = tl.where(i < n_diag, diag_lo + i * BLOCK_M, full_hi + (i - n_diag) * BLOCK_M)
+                dk, dv = _key_block_step(
+                    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
+                    keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, True, ATOMIC_DQ,
+                    HAS_WINDOW, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
+                )
+            dk_ptrs = DK + seq_start * stride_dkm + head * stride_dkh + keys[:, None] * stride_dkm + offs_qk[None, :]
+            dv_ptrs = DV + seq_start * stride_dvm + head * stride_dvh + keys[:, None] * stride_dvm + offs_v[None, :]
+            tl.store(dk_ptrs, cast(dk * (alpha / max_seq_len), DK.dtype.element_ty, INTERP),
+                     mask=keys_ok[:, None] & d_qk_ok[None, :])
+            tl.store(dv_ptrs, cast(dv * (1.0 / max_seq_len), DV.dtype.element_ty, INTERP),
+                     mask=keys_ok[:, None] & d_v_ok[None, :])
+            tile = next_tile
+        tiles_before = chunk_end
+
+
+_TUNERS: dict[bool, object] = {}
+
+
+def _tuner(wide: bool) -> object:
+    if wide not in _TUNERS:
+        _TUNERS[wide] = triton.autotune(
+            configs=_configs(wide), key=["AUTOTUNE_N", "DQK", "DV_DIM", "ATOMIC_DQ"], reset_to_zero=["COUNTER", "DQ"]
+        )(_key_major_kernel)
+    return _TUNERS[wide]
+
+
+def key_major(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    dq_accum: torch.Tensor | None,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    max_attn_len: int,
+    blocks: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds the unscaled ``dq``
+    sums into it (``dq = dq_accum * alpha / max_seq_len``)."""
+    num_rows, num_heads, dim_qk = q.shape
+    dim_v = v.shape[-1]
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    num_seqs = seq_offsets.numel() - 1
+    if num_rows == 0 or num_seqs <= 0:
+        return dk, dv
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    atomic = dq_accum is not None
+    dq = dq_accum if dq_accum is not None else torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+
+    def grid(meta: dict) -> tuple[int]:
+        bound = num_seqs * num_heads * triton.cdiv(max(max_seq_len, 1), meta["BLOCK_N"])
+        return (num_programs(q.device, meta["PROGRAMS_PER_SM"], bound),)
+
+    args = (
+        q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
+        counter, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
+        dv.stride(0), dv.stride(1), num_seqs, num_heads, alpha, float(max_seq_len), max_attn_len,
+        autotune_bucket(max_seq_len),
+    )
+    meta = dict(
+        DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
+        HAS_TARGETS=num_targets is not None, HAS_WINDOW=max_attn_len > 0, SILU=silu_mode(q.dtype),
+        IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=CHUNK,
+    )
+    if blocks is not None:
+        fixed = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], PROGRAMS_PER_SM=1)
+        _key_major_kernel[grid](*args, **meta, **fixed, num_warps=4, num_stages=2)  # type: ignore[index]
+        return dk, dv
+    tuner = _tuner(max(dim_qk, dim_v) > 128)
+    resets = [counter] + ([dq] if atomic else [])
+    launch_once_tuned(tuner, lambda: tuner[grid](*args, **meta), resets)  # type: ignore[index]
+    return dk, dv

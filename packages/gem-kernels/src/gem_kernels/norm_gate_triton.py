@@ -1,0 +1,137 @@
+"""Fused ``(layer_norm(x) * weight + bias) * u`` in Triton, forward and backward (imports triton).
+
+Forward: one pass over ``x`` and ``u``, writes ``y`` plus per-row mean and 1/std (8 bytes a row) so
+that the backward needs no second reduction over ``x``. Backward: one pass over ``x, u, dy`` writing
+``dx, du``; ``dweight``/``dbias`` are summed per program in fp32 and the few per-program partial rows
+are added by torch at the end (no atomics, deterministic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.attention_triton_common import INTERPRET, cast, num_programs
+
+MAX_DIM = 16384
+"""Rows are held in registers whole; wider rows would spill."""
+
+
+def _rows_per_tile(block_d: int) -> int:
+    return max(1, min(64, 4096 // block_d))
+
+
+@triton.jit
+def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, stride_x, stride_u, stride_y, num_rows, eps,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    rows_ok = rows < num_rows
+    cols_ok = cols < D
+    inside = rows_ok[:, None] & cols_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 1) / D
+    centered = tl.where(inside, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
+    y = (centered * rstd[:, None] * w[None, :] + b[None, :]) * u
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast(y, Y.dtype.element_ty, INTERP), mask=inside)
+    tl.store(MEAN + rows, mean, mask=rows_ok)
+    tl.store(RSTD + rows, rstd, mask=rows_ok)
+
+
+@triton.jit
+def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART,
+                   stride_x, stride_u, stride_dy, stride_dx, stride_du, num_rows, tiles_per_program,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cols_ok = cols < D
+    w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for t in range(0, tiles_per_program):
+        rows = ((pid * tiles_per_program + t) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        rows_ok = rows < num_rows
+        inside = rows_ok[:, None] & cols_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
+        xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
+        du = dy * (xhat * w[None, :] + b[None, :])
+        dz = dy * u
+        dw += tl.sum(dz * xhat, 0)
+        db += tl.sum(dz, 0)
+        g = dz * w[None, :]
+        dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast(dx, DX.dtype.element_ty, INTERP), mask=inside)
+        tl.store(DU + rows[:, None] * stride_du + cols[None, :], cast(du, DU.dtype.element_ty, INTERP), mask=inside)
+    tl.store(DW_PART + pid * BLOCK_D + cols, dw)
+    tl.store(DB_PART + pid * BLOCK_D + cols, db)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class NormGateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        shape = x.shape
+        x2, u2 = _rows(x), _rows(u)
+        num_rows, dim = x2.shape
+        block_d = triton.next_power_of_2(dim)
+        rows = _rows_per_tile(block_d)
+        y = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
+        mean = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+        weight, bias = weight.contiguous(), bias.contiguous()
+        if num_rows > 0:
+            _norm_gate_fwd[(triton.cdiv(num_rows, rows),)](
+                x2, u2, weight, bias, y, mean, rstd, x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
+                D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
+            )
+        ctx.save_for_backward(x2, u2, weight, bias, mean, rstd)
+        ctx.shape = shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x2, u2, weight, bias, mean, rstd = ctx.saved_tensors
+        dy2 = _rows(dy)
+        num_rows, dim = x2.shape
+        block_d = triton.next_power_of_2(dim)
+        rows = _rows_per_tile(block_d)
+        tiles = triton.cdiv(num_rows, rows)
+        programs = num_programs(x2.device, 4, max(tiles, 1))
+        tiles_per_program = triton.cdiv(tiles, programs)
+        dx = torch.empty_like(x2)
+        du = torch.empty_like(u2)
+        dw_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
+        db_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
+        _norm_gate_bwd[(programs,)](
+            x2, u2, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part, x2.stride(0), u2.stride(0),
+            dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
+            D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
+        )
+        dw = dw_part[:, :dim].sum(0).to(weight.dtype)
+        db = db_part[:, :dim].sum(0).to(bias.dtype)
+        return dx.view(ctx.shape), du.view(ctx.shape), dw, db, None
+
+
+def norm_gate_triton(
+    x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Differentiable fused ``(layer_norm(x) * weight + bias) * u`` over the last dim."""
+    return NormGateFunction.apply(x, u, weight, bias, eps)

@@ -1,0 +1,13 @@
+"""gem-kernels' hook implementations: registers every kernel it ships. Imports no triton."""
+
+from __future__ import annotations
+
+from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
+from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
+from gem_model import hookimpl
+from gem_model.components import Kernel
+
+
+@hookimpl
+def gem_register_kernels() -> list[type[Kernel]]:
+    return [TorchJaggedAttention, TritonJaggedAttention, TorchNormGate, TritonNormGate]

@@ -1,0 +1,193 @@
+"""Fused Triton fp8 quantization (tensorwise and rowwise), bit-identical to
+:func:`gem_precision.fp8_reference.quantize_fp8_reference`.
+
+Unfused torch quantization made fp8 rowwise slower than bf16 on the H200 (0.53x): every amax, scale,
+multiply, cast and transpose was its own pass over a 512 MiB tensor. Here a quantization is two
+passes whatever is asked for:
+
+1. stats: one read of ``x [M, N]`` gives the row amaxes, the column amaxes, the tensor amax and the
+   column sums (the bias gradient), each only when asked for. Amaxes are kept as int32 bit patterns
+   so that ``atomic_max`` is exact, order-independent (deterministic) and NaN-propagating; column
+   sums are per-program partials, summed afterwards in a fixed order (deterministic too).
+2. cast: one more read writes the row-major operand (row or tensor scales) and the transposed
+   operand ``[N, M_pad]`` (column or tensor scales, zero-padded to ``M_pad``), plus the
+   dequantization factors, from the same registers.
+The second read mostly hits L2 only for small tensors; for the large ones the cost is ~2 reads +
+the fp8 writes, against ~8 passes unfused.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_precision.formats import Fp8Format
+from gem_precision.fp8_reference import Fp8Operand, Fp8Pair, Granularity, round_up
+from gem_precision.triton_common import (
+    abs_bits,
+    cast_to_fp8_bits,
+    check_triton_device,
+    fp8_kernel_constants,
+    interpreting,
+    pow2_from_biased,
+    software_rounding_default,
+)
+
+
+@triton.jit
+def _fp8_stats_kernel(
+    x_ptr, M, N, stride_xm,
+    row_amax_ptr, col_amax_ptr, tensor_amax_ptr, col_sum_ptr,
+    ROW: tl.constexpr, COL: tl.constexpr, TENSOR: tl.constexpr, COL_SUM: tl.constexpr,
+    ROWS_PER_PROG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    col_max = tl.zeros([BLOCK_N], dtype=tl.int32)
+    col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in tl.static_range(0, ROWS_PER_PROG, BLOCK_M):
+        rows = pid_m * ROWS_PER_PROG + i + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        bits = abs_bits(x)
+        if ROW:
+            tl.atomic_max(row_amax_ptr + rows, tl.max(bits, axis=1), mask=rows < M, sem="relaxed")
+        if COL or TENSOR:
+            col_max = tl.maximum(col_max, tl.max(bits, axis=0))
+        if COL_SUM:
+            col_sum += tl.sum(x, axis=0)
+    if COL:
+        tl.atomic_max(col_amax_ptr + cols, col_max, mask=cmask, sem="relaxed")
+    if TENSOR:
+        tl.atomic_max(tensor_amax_ptr, tl.max(col_max, axis=0), sem="relaxed")
+    if COL_SUM:
+        tl.store(col_sum_ptr + pid_m * N + cols, col_sum, mask=cmask)
+
+
+@triton.jit
+def _pow2_scale(amax_bits, EMAX: tl.constexpr):
+    """(2**s, 2**-s, non-finite) with s the largest integer such that amax * 2**s <= fp8 max."""
+    floor_log2 = (amax_bits >> 23) - 127
+    s = EMAX - floor_log2 - ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # max = 1.75 * 2**EMAX
+    s = tl.minimum(tl.maximum(s, -126), 126)
+    nonfinite = amax_bits >= 0x7F800000
+    scale = tl.where(nonfinite, float("nan"), pow2_from_biased(127 + s))
+    scale_inv = tl.where(nonfinite, float("nan"), pow2_from_biased(127 - s))
+    return scale, scale_inv, nonfinite
+
+
+@triton.jit
+def _fp8_cast_kernel(
+    x_ptr, M, N, stride_xm,
+    row_amax_ptr, col_amax_ptr, tensor_amax_ptr,
+    q_ptr, q_inv_ptr, qt_ptr, qt_inv_ptr, M_PAD,
+    ROWS: tl.constexpr, COLS_T: tl.constexpr, TENSORWISE: tl.constexpr,
+    FP8_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    x = x.to(tl.float32)
+    if TENSORWISE:
+        t_scale, t_inv, t_bad = _pow2_scale(tl.load(tensor_amax_ptr), EMAX)
+    if ROWS:
+        if TENSORWISE:
+            scale, inv, bad = t_scale, t_inv, t_bad
+            bits = cast_to_fp8_bits(x * scale, FP8_E5M2, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
+            bits = tl.where(bad, 127, bits.to(tl.int32))
+            if (pid_m == 0) & (pid_n == 0):
+                tl.store(q_inv_ptr, inv)
+        else:
+            scale, inv, bad = _pow2_scale(tl.load(row_amax_ptr + rows, mask=rmask, other=0), EMAX)
+            bits = cast_to_fp8_bits(x * scale[:, None], FP8_E5M2, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
+            bits = tl.where(bad[:, None], 127, bits.to(tl.int32))
+            if pid_n == 0:
+                tl.store(q_inv_ptr + rows, inv, mask=rmask)
+        out = q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(out, bits.to(tl.uint8), mask=rmask[:, None] & cmask[None, :])
+    if COLS_T:
+        if TENSORWISE:
+            scale, inv, bad = t_scale, t_inv, t_bad
+            bits = cast_to_fp8_bits(x * scale, FP8_E5M2, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
+            bits = tl.where(bad, 127, bits.to(tl.int32))
+            if (pid_m == 0) & (pid_n == 0):
+                tl.store(qt_inv_ptr, inv)
+        else:
+            scale, inv, bad = _pow2_scale(tl.load(col_amax_ptr + cols, mask=cmask, other=0), EMAX)
+            bits = cast_to_fp8_bits(x * scale[None, :], FP8_E5M2, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
+            bits = tl.where(bad[None, :], 127, bits.to(tl.int32))
+            if pid_m == 0:
+                tl.store(qt_inv_ptr + cols, inv, mask=cmask)
+        # rows past M are the zero padding of the reduction dim, NaN group or not
+        bits = tl.where(rmask[:, None], bits, 0)
+        out = qt_ptr + cols[None, :].to(tl.int64) * M_PAD + rows[:, None]
+        tl.store(out, bits.to(tl.uint8), mask=(rows < M_PAD)[:, None] & cmask[None, :])
+
+
+def _tiles() -> dict[str, int]:
+    if interpreting():  # tiny tiles keep the interpreter fast
+        return {"stats_rows": 32, "stats_m": 16, "stats_n": 32, "cast_m": 16, "cast_n": 32, "warps": 4}
+    return {"stats_rows": 256, "stats_m": 32, "stats_n": 128, "cast_m": 64, "cast_n": 128, "warps": 8}
+
+
+def quantize_fp8_triton(
+    x: torch.Tensor,
+    *,
+    granularity: Granularity,
+    fmt: Fp8Format,
+    rows: bool = True,
+    cols_t: bool = False,
+    col_sum: bool = False,
+    pad_to: int = 1,
+    software_round: bool | None = None,
+) -> Fp8Pair:
+    """Same contract and bits as :func:`quantize_fp8_reference`, in two fused passes."""
+    check_triton_device(x, "quantize_fp8_triton")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_fp8_triton: expected a 2-d tensor with contiguous rows, got {x.shape} {x.stride()}")
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"quantize_fp8_triton: granularity must be 'tensor' or 'row', got {granularity!r}")
+    m, n = x.shape
+    m_pad = round_up(m, pad_to)
+    dev = x.device
+    tensorwise = granularity == "tensor"
+    t = _tiles()
+    int_zeros = {"dtype": torch.int32, "device": dev}
+    row_amax = torch.zeros(m if rows and not tensorwise else 1, **int_zeros)
+    col_amax = torch.zeros(n if cols_t and not tensorwise else 1, **int_zeros)
+    tensor_amax = torch.zeros(1, **int_zeros)
+    n_stat_progs = triton.cdiv(m, t["stats_rows"])
+    sums = torch.empty((n_stat_progs, n) if col_sum else (1, 1), dtype=torch.float32, device=dev)
+    if m and n:
+        _fp8_stats_kernel[(n_stat_progs, triton.cdiv(n, t["stats_n"]))](
+            x, m, n, x.stride(0), row_amax, col_amax, tensor_amax, sums,
+            ROW=rows and not tensorwise, COL=cols_t and not tensorwise, TENSOR=tensorwise, COL_SUM=col_sum,
+            ROWS_PER_PROG=t["stats_rows"], BLOCK_M=t["stats_m"], BLOCK_N=t["stats_n"], num_warps=t["warps"],
+        )  # fmt: skip
+    scale_shape: tuple[int, ...] = () if tensorwise else (-1, 1)
+    q = torch.empty((m, n) if rows else (1,), dtype=torch.uint8, device=dev)
+    q_inv = torch.empty(m if rows and not tensorwise else 1, dtype=torch.float32, device=dev)
+    qt = torch.empty((n, m_pad) if cols_t else (1,), dtype=torch.uint8, device=dev)
+    qt_inv = torch.empty(n if cols_t and not tensorwise else 1, dtype=torch.float32, device=dev)
+    m_grid = m_pad if cols_t else m
+    if m_grid and n and (rows or cols_t):
+        grid = (triton.cdiv(m_grid, t["cast_m"]), triton.cdiv(n, t["cast_n"]))
+        _fp8_cast_kernel[grid](
+            x, m, n, x.stride(0), row_amax, col_amax, tensor_amax, q, q_inv, qt, qt_inv, m_pad,
+            ROWS=rows, COLS_T=cols_t, TENSORWISE=tensorwise, **fp8_kernel_constants(fmt),
+            SOFTWARE_ROUND=software_rounding_default() if software_round is None else software_round,
+            BLOCK_M=t["cast_m"], BLOCK_N=t["cast_n"], num_warps=t["warps"],
+        )  # fmt: skip
+    rows_op = Fp8Operand(q.view(fmt.dtype), q_inv.view(scale_shape)) if rows else None
+    cols_op = Fp8Operand(qt.view(fmt.dtype), qt_inv.view(scale_shape)) if cols_t else None
+    return Fp8Pair(rows_op, cols_op, sums.sum(dim=0) if col_sum else None)

@@ -1,0 +1,136 @@
+"""The module that replaces an ``nn.Linear`` under a scaled (fp8 / MXFP8) scheme, and its autograd.
+
+:class:`ScaledLinearFunction` computes the three GEMMs of a linear itself:
+
+- forward ``y = x @ W.T (+ b)``: ``x`` and ``W`` quantized along ``in_features``;
+- ``dx = g @ W``: ``g`` quantized along ``out_features``, ``W.T`` along ``out_features``;
+- ``dW = g.T @ x``: ``g.T`` and ``x.T`` quantized along the tokens.
+
+The transposed operands of ``x`` and ``W`` come out of the forward quantization (same read) and are
+what is saved for backward (fp8, not the high-precision input); ``g`` is quantized once for both
+backward GEMMs, and on the fused fp8 path the bias gradient comes from that same read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem_precision.recipes import LinearRecipe
+
+
+class ScaledLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: LinearRecipe
+    ) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        x2d = x.reshape(-1, in_features).contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        xq = recipe.quantize(x2d, role="input", rows=True, cols_t=need_dw)
+        wq = recipe.quantize(weight.contiguous(), role="weight", rows=True, cols_t=need_dx)
+        y = recipe.mm(xq.rows, wq.rows, out_dtype=x.dtype, role="forward", bias=bias)
+        saved: list[torch.Tensor] = []
+        if need_dw:
+            saved += xq.cols_t.tensors()
+        if need_dx:
+            saved += wq.cols_t.tensors()
+        ctx.save_for_backward(*saved)
+        ctx.recipe = recipe
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        recipe: LinearRecipe = ctx.recipe
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        saved = list(ctx.saved_tensors)
+        x_t = recipe.operand_type(*saved[:2]) if need_dw else None
+        w_t = recipe.operand_type(*saved[-2:]) if need_dx else None
+        g2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+        gq = recipe.quantize(g2d, role="grad", rows=need_dx, cols_t=need_dw, col_sum=need_db)
+        dx = dw = db = None
+        if need_dx:
+            dx = recipe.mm(gq.rows, w_t, out_dtype=ctx.x_dtype, role="grad_input").view(ctx.x_shape)
+        if need_dw:
+            dw = recipe.mm(gq.cols_t, x_t, out_dtype=torch.float32, role="grad_weight").to(ctx.w_dtype)
+        if need_db:
+            db = gq.col_sum.to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+class ScaledLinear(nn.Module):
+    """Drop-in for an ``nn.Linear`` whose GEMMs run scaled (fp8, MXFP8).
+
+    Holds the original ``weight`` and ``bias`` Parameters (float32 master weights, same names). The
+    recipe is chosen per device at the first forward on it (``recipe_for``), since the core converts
+    linears before the model is moved to its device. The output has the dtype of the input.
+    """
+
+    def __init__(
+        self, linear: nn.Linear, *, scheme: str, fqn: str, recipe_for: Callable[[torch.device], LinearRecipe]
+    ):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.scheme = scheme
+        self.fqn = fqn
+        self._recipe_for = recipe_for
+
+    def recipe(self, device: torch.device) -> LinearRecipe:
+        recipe = self._recipe_for(device)
+        problem = recipe.shape_problem(self.in_features, self.out_features)
+        if problem:
+            raise ValueError(
+                f"{self.fqn}: precision scheme {self.scheme!r} (backend {recipe.backend!r}) cannot run this "
+                f"linear: {problem}. Leave it out with precision.exclude or precision.min_dim, or use "
+                "backend 'emulated'"
+            )
+        return recipe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.fqn}: expected input with last dim {self.in_features}, got shape {tuple(x.shape)}")
+        if x.numel() == 0:  # nothing to scale; keeps empty batches out of the kernels
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), bias)
+        return ScaledLinearFunction.apply(x, self.weight, self.bias, self.recipe(x.device))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, scheme={self.scheme}"
+        )
+
+
+class Bf16Linear(nn.Module):
+    """Drop-in for an ``nn.Linear`` computing its GEMMs in bfloat16 from float32 master weights.
+
+    The weight and bias are cast to bfloat16 for each call (autograd casts the gradients back to
+    float32); the output is cast to ``output_dtype`` (None: the input's dtype).
+    """
+
+    def __init__(self, linear: nn.Linear, *, fqn: str, output_dtype: torch.dtype | None):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.fqn = fqn
+        self.output_dtype = output_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bf16 = torch.bfloat16
+        bias = None if self.bias is None else self.bias.to(bf16)
+        y = F.linear(x.to(bf16), self.weight.to(bf16), bias)
+        return y.to(self.output_dtype or x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, scheme=bf16"

@@ -1,0 +1,206 @@
+"""The precision schemes registered by gem-precision: ``fp32``, ``bf16``, ``fp8_tensorwise``,
+``fp8_rowwise`` and ``mxfp8``.
+
+A scheme only converts the linears the core hands it (embedding tables are never touched) into
+modules that keep the original ``weight``/``bias`` Parameters as float32 master weights.
+
+Backends of the scaled schemes (option ``backend``), resolved per device at the first forward:
+
+- ``native``: the fast path; raises a clear error on a device that lacks it.
+- ``emulated``: same quantization numerics (bit for bit), then dequantize and a float32 matmul. Runs
+  anywhere; CI tests the schemes this way.
+- ``auto``: ``native`` where the device has it, else ``emulated`` (fp8 schemes); for ``mxfp8`` the
+  cuBLAS block-scaled GEMM on CUDA >= 10.0 (after a one-time probe against the reference), else the
+  Triton GEMM on CUDA >= 8.9, else ``emulated``. The choice is logged once per device and returned
+  by :meth:`ScaledScheme.resolved_backend`.
+
+Gradient format of the fp8 schemes (option ``grad_format``). ``fp8_rowwise`` defaults to e4m3: each
+row of ``grad_out`` (one token) and each column (one feature, for the weight gradient) gets its own
+scale, which already follows the gradient's dynamic range across tokens and features, so e5m2's
+extra range buys nothing and its 2 mantissa bits would double the rounding error of e4m3's 3.
+``fp8_tensorwise`` defaults to e5m2: a single scale per tensor is set by the largest gradient, and
+tokens with small gradients sit many binades below it; e5m2 covers ~32 binades (to 2**-16) against
+e4m3's ~18 (to 2**-9), so those rows keep significant bits instead of flushing to zero.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from gem_model.components import ComponentConfig, PrecisionScheme
+from gem_precision.device import (
+    FP8_MIN_CAPABILITY,
+    MX_NATIVE_MIN_CAPABILITY,
+    can_run_triton,
+    describe,
+    has_capability,
+)
+from gem_precision.formats import fp8_format
+from gem_precision.recipes import Fp8Recipe, LinearRecipe, MXRecipe
+from gem_precision.scaled_linear import Bf16Linear, ScaledLinear
+
+log = logging.getLogger(__name__)
+
+
+class Fp32Scheme(PrecisionScheme):
+    """Leaves every linear as it is (float32 GEMMs)."""
+
+    name: ClassVar[str] = "fp32"
+
+    class Config(ComponentConfig):
+        pass
+
+    def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
+        return linear
+
+
+class Bf16Scheme(PrecisionScheme):
+    """bfloat16 GEMMs from float32 master weights (see :class:`Bf16Linear`)."""
+
+    name: ClassVar[str] = "bf16"
+
+    class Config(ComponentConfig):
+        output_dtype: Literal["input", "bfloat16"] = Field(
+            "input", description="dtype of the linear's output: the input's, or always bfloat16"
+        )
+
+    def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
+        out = None if self.config.output_dtype == "input" else torch.bfloat16
+        return Bf16Linear(linear, fqn=fqn, output_dtype=out)
+
+
+class ScaledScheme(PrecisionScheme):
+    """A scheme whose linears become :class:`ScaledLinear` with a per-device :class:`LinearRecipe`."""
+
+    def __init__(self, config: ComponentConfig | None = None):
+        super().__init__(config)
+        self._recipes: dict[torch.device, LinearRecipe] = {}
+
+    @abstractmethod
+    def _build_recipe(self, device: torch.device) -> LinearRecipe: ...
+
+    def recipe_for(self, device: torch.device) -> LinearRecipe:
+        recipe = self._recipes.get(device)
+        if recipe is None:
+            recipe = self._recipes[device] = self._build_recipe(device)
+            log.info("precision scheme %s on %s: backend %s", self.name, describe(device), recipe.backend)
+        return recipe
+
+    def resolved_backend(self, device: torch.device | str) -> str:
+        """The backend this scheme runs on ``device`` (raises if the configured one cannot run there)."""
+        return self.recipe_for(torch.device(device)).backend
+
+    def check_device(self, device: torch.device | str) -> None:
+        """Fail now, not at the first step, if the configured backend cannot run on ``device``."""
+        self.recipe_for(torch.device(device))
+
+    def _unavailable(self, backend: str, device: torch.device, needs: str) -> RuntimeError:
+        return RuntimeError(
+            f"precision scheme {self.name!r}: backend {backend!r} needs {needs}; this run's device is "
+            f"{describe(device)}. Use backend 'auto' (picks what the device has) or 'emulated'."
+        )
+
+    def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
+        return ScaledLinear(linear, scheme=self.name, fqn=fqn, recipe_for=self.recipe_for)
+
+
+class _Fp8Config(ComponentConfig):
+    backend: Literal["auto", "native", "emulated"] = Field(
+        "auto", description="native: Triton-fused quantization + torch._scaled_mm (CUDA >= 8.9)"
+    )
+    fast_accum_forward: bool = Field(True, description="fast fp8 accumulation in the forward GEMM only")
+
+
+class _Fp8Scheme(ScaledScheme):
+    granularity: ClassVar[Literal["tensor", "row"]]
+
+    def _build_recipe(self, device: torch.device) -> LinearRecipe:
+        backend = self.config.backend
+        has_native = has_capability(device, FP8_MIN_CAPABILITY)
+        if backend == "native" and not has_native:
+            raise self._unavailable(backend, device, "a CUDA device with compute capability >= 8.9")
+        return Fp8Recipe(
+            self.name,
+            granularity=self.granularity,
+            grad_format=fp8_format(self.config.grad_format),
+            native=backend == "native" or (backend == "auto" and has_native),
+            fast_accum_forward=self.config.fast_accum_forward,
+        )
+
+    def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
+        if self.config.backend == "native":  # shapes are known now; the device only at forward
+            problem = Fp8Recipe(
+                self.name, granularity=self.granularity, grad_format=fp8_format("e4m3"), native=True,
+                fast_accum_forward=False,
+            ).shape_problem(linear.in_features, linear.out_features)  # fmt: skip
+            if problem:
+                raise ValueError(f"{fqn}: precision scheme {self.name!r}: {problem}; exclude this linear")
+        return super().convert_linear(linear, fqn)
+
+
+class Fp8TensorwiseScheme(_Fp8Scheme):
+    """fp8 GEMMs with one dynamic power-of-two scale per tensor; e4m3 forward, e5m2 gradients."""
+
+    name: ClassVar[str] = "fp8_tensorwise"
+    granularity = "tensor"
+
+    class Config(_Fp8Config):
+        grad_format: Literal["e4m3", "e5m2"] = Field("e5m2", description="fp8 format of grad_output")
+
+
+class Fp8RowwiseScheme(_Fp8Scheme):
+    """fp8 GEMMs with dynamic power-of-two scales per row of the left operand and per column of the
+    right one; e4m3 everywhere."""
+
+    name: ClassVar[str] = "fp8_rowwise"
+    granularity = "row"
+
+    class Config(_Fp8Config):
+        grad_format: Literal["e4m3", "e5m2"] = Field("e4m3", description="fp8 format of grad_output")
+
+
+class MXFP8Scheme(ScaledScheme):
+    """MXFP8 (OCP MX v1.0): e4m3 elements, one e8m0 scale per 32 along each GEMM's reduction dim.
+
+    Backends: ``native`` (cuBLAS block scaling, CUDA >= 10.0), ``triton`` (the Triton MX GEMM on fp8
+    tensor cores, CUDA >= 8.9; on CPU under TRITON_INTERPRET=1 for tests), ``emulated`` and ``auto``.
+    """
+
+    name: ClassVar[str] = "mxfp8"
+
+    class Config(ComponentConfig):
+        backend: Literal["auto", "native", "triton", "emulated"] = "auto"
+
+    def _build_recipe(self, device: torch.device) -> LinearRecipe:
+        backend = self.config.backend
+        if backend == "emulated":
+            return MXRecipe(self.name, gemm="emulated", triton_quant=False)
+        native_problem = self._native_problem(device)
+        if backend == "native":
+            if native_problem:
+                raise self._unavailable(backend, device, f"cuBLAS block-scaled MXFP8 ({native_problem})")
+            return MXRecipe(self.name, gemm="native", triton_quant=True)
+        if backend == "triton" or native_problem:
+            if can_run_triton(device):
+                return MXRecipe(self.name, gemm="triton", triton_quant=True)
+            if backend == "triton":
+                raise self._unavailable(backend, device, "a CUDA device with compute capability >= 8.9")
+            return MXRecipe(self.name, gemm="emulated", triton_quant=False)
+        return MXRecipe(self.name, gemm="native_or_triton", triton_quant=True)
+
+    @staticmethod
+    def _native_problem(device: torch.device) -> str | None:
+        if not has_capability(device, MX_NATIVE_MIN_CAPABILITY):
+            return "needs CUDA compute capability >= 10.0"
+        from gem_precision.mx_gemm import native_mx_probe
+
+        return native_mx_probe(device.index if device.index is not None else torch.cuda.current_device())
+
+
+SCHEMES: list[type[PrecisionScheme]] = [Fp32Scheme, Bf16Scheme, Fp8TensorwiseScheme, Fp8RowwiseScheme, MXFP8Scheme]
