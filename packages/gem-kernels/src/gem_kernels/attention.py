@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from gem_model.components import ComponentConfig, JaggedAttentionKernel
+from gem_model.errors import KernelUnavailableError
 from pydantic import model_validator
 
 from gem_kernels.attention_torch import jagged_attention_torch
 from gem_kernels.availability import require_triton
-from gem_model.components import ComponentConfig, JaggedAttentionKernel
-from gem_model.errors import KernelUnavailableError
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -28,18 +28,23 @@ def check_attention_inputs(
     max_attn_len: int,
 ) -> None:
     """Raise ValueError naming the argument whose shape, dtype or value is wrong."""
+    problem = None
     if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"jagged_attention: q and k must both be [L, H, Dqk], got {tuple(q.shape)} and {tuple(k.shape)}")
-    if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"jagged_attention: v must be [L, H, Dv] with q's L and H, got {tuple(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise ValueError(f"jagged_attention: q, k, v need one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if seq_offsets.dim() != 1 or seq_offsets.numel() < 2 or seq_offsets.is_floating_point():
-        raise ValueError(f"jagged_attention: seq_offsets must be integer [B + 1] with B >= 1, got {seq_offsets.dtype} {tuple(seq_offsets.shape)}")
-    if num_targets is not None and (num_targets.shape != (seq_offsets.numel() - 1,) or num_targets.is_floating_point()):
-        raise ValueError(f"jagged_attention: num_targets must be integer [B], got {num_targets.dtype} {tuple(num_targets.shape)}")
-    if max_seq_len <= 0 or max_attn_len < 0:
-        raise ValueError(f"jagged_attention: need max_seq_len > 0 and max_attn_len >= 0, got {max_seq_len}, {max_attn_len}")
+        problem = f"q and k must both be [L, H, Dqk], got {tuple(q.shape)} and {tuple(k.shape)}"
+    elif v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        problem = f"v must be [L, H, Dv] with the L and H of q {tuple(q.shape)}, got {tuple(v.shape)}"
+    elif not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        problem = f"q, k, v need one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    elif seq_offsets.dim() != 1 or seq_offsets.numel() < 2 or seq_offsets.is_floating_point():
+        problem = f"seq_offsets must be integer [B + 1], B >= 1, got {seq_offsets.dtype} {tuple(seq_offsets.shape)}"
+    elif num_targets is not None and (
+        num_targets.shape != (seq_offsets.numel() - 1,) or num_targets.is_floating_point()
+    ):
+        problem = f"num_targets must be integer [B], got {num_targets.dtype} {tuple(num_targets.shape)}"
+    elif max_seq_len <= 0 or max_attn_len < 0:
+        problem = f"need max_seq_len > 0 and max_attn_len >= 0, got {max_seq_len} and {max_attn_len}"
+    if problem is not None:
+        raise ValueError(f"jagged_attention: {problem}")
 
 
 class TorchJaggedAttention(JaggedAttentionKernel):
@@ -108,7 +113,7 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         max_attn_len: int = 0,
     ) -> torch.Tensor:
         check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
-        require_triton(q.device, op=self.op, name=self.name)
+        require_triton(q.device, op=self.op, name=self.name, in_call=True)
         if q.dtype not in TRITON_DTYPES:
             raise KernelUnavailableError(
                 f"kernels.{self.op}: 'triton' takes float32, bfloat16 or float16 inputs, got {q.dtype}"

@@ -72,6 +72,6 @@ def jagged_attention_torch(
         keep = inside.nonzero().squeeze(1)
         parts.append(out.index_select(0, keep))
         rows.append(gather.flatten().index_select(0, keep))
-    if not parts:
-        return v.new_zeros((num_rows, num_heads, dim_v))
+    if not parts:  # no rows at all: an empty result that still belongs to the autograd graph
+        return v * 0.0
     return v.new_zeros((num_rows, num_heads, dim_v)).index_copy(0, torch.cat(rows), torch.cat(parts))

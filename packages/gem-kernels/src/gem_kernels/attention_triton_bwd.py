@@ -135,7 +135,7 @@ def _key_major_kernel(
         chunk_end = tiles_before + tl.sum(tiles)
         while tile < chunk_end:
             next_tile = tl.atomic_add(COUNTER, 1)  # claimed early: the atomic's latency hides behind this tile
-            seq, seq_start, seq_len, head, block, blocks = locate_tile(
+            seq, seq_start, seq_len, head, block, _ = locate_tile(
                 tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_N
             )
             n0 = block * BLOCK_N

@@ -11,7 +11,6 @@ import importlib.util
 import os
 
 import torch
-
 from gem_model.errors import KernelUnavailableError
 
 _TRUTHY = ("1", "true", "yes", "on", "y")
@@ -42,10 +41,16 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def require_triton(device: torch.device, *, op: str, name: str) -> None:
-    """Raise :class:`KernelUnavailableError` naming the config key when Triton cannot run on ``device``."""
+def require_triton(device: torch.device, *, op: str, name: str, in_call: bool = False) -> None:
+    """Raise :class:`KernelUnavailableError` when Triton cannot run on ``device``.
+
+    From ``check_available`` the message is the reason alone (the run prefixes the config key);
+    from a kernel call (``in_call``) it names the config key itself.
+    """
     reason = triton_unavailable_reason(device)
-    if reason is not None:
-        raise KernelUnavailableError(
-            f"kernels.{op}: {name!r} cannot run here: {reason}. Choose kernels.{op}: torch for CPU runs."
-        )
+    if reason is None:
+        return
+    message = f"{reason}; kernels.{op}: torch runs anywhere"
+    if in_call:
+        message = f"kernels.{op}: {name!r} cannot run here: {message}"
+    raise KernelUnavailableError(message)

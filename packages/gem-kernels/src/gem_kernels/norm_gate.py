@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from gem_kernels.availability import require_triton
 from gem_model.components import NormGateKernel
 from gem_model.errors import KernelUnavailableError
+
+from gem_kernels.availability import require_triton
 
 
 def check_norm_gate_inputs(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
@@ -49,7 +49,7 @@ class TritonNormGate(NormGateKernel):
         self, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
     ) -> torch.Tensor:
         check_norm_gate_inputs(x, u, weight, bias)
-        require_triton(x.device, op=self.op, name=self.name)
+        require_triton(x.device, op=self.op, name=self.name, in_call=True)
         from gem_kernels.norm_gate_triton import MAX_DIM, norm_gate_triton
 
         if x.shape[-1] > MAX_DIM:

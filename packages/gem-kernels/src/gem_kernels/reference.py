@@ -56,9 +56,7 @@ def jagged_attention_reference(
     offsets = seq_offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
     num_seqs = lengths.numel()
-    size = int(lengths.max()) if num_seqs > 0 and num_rows > 0 else 0
-    if size == 0:
-        return v.new_zeros(v.shape)
+    size = int(lengths.max()) if num_seqs > 0 else 0
     seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), lengths)
     pos_of_row = torch.arange(num_rows, device=q.device) - offsets[seq_of_row]
 

@@ -5,8 +5,9 @@
 - ``EmbeddingShardingPlanner`` chooses a sharding per table among the allowed types (data-parallel
   tables are excluded by default: a table is sharded, or the run says why not).
 - The communication strategy provides the embedding all-to-all codecs (qcomms) and configures DDP.
-- Table gradients are summed over ranks by the all-to-all backward while DDP averages dense
-  gradients, so the sparse arch's gradient is scaled by ``1 / world_size`` to make both the mean.
+- DDP averages dense gradients over ranks; torchrec's all-to-all backward divides table gradients
+  by the world size too ("gradient division", on by default), so both are the mean. Where that
+  division is switched off, the sparse arch scales its gradients by ``1 / world_size`` instead.
 - Shards are filled from the unsharded model's weights, so every world size starts from the same
   tables (torchrec's fused modules would otherwise draw their own initial values).
 """
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from pydantic import Field
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import get_qcomm_codecs_registry
@@ -90,7 +92,7 @@ class TorchrecDDPPlanner(ParallelPlanner):
             topology=Topology(world_size=env.world_size, compute_device=env.device.type), constraints=constraints
         )
         plan = planner.collective_plan(model, sharders, pg)
-        model.sparse.grad_scale = 1.0 / env.world_size
+        model.sparse.grad_scale = 1.0 if get_gradient_division() else 1.0 / env.world_size
         dmp = DistributedModelParallel(
             model,
             env=ShardingEnv.from_process_group(pg),

@@ -181,18 +181,20 @@ class MXFP8Scheme(ScaledScheme):
         backend = self.config.backend
         if backend == "emulated":
             return MXRecipe(self.name, gemm="emulated", triton_quant=False)
+        if backend == "triton":
+            if not can_run_triton(device):
+                raise self._unavailable(backend, device, "a CUDA device with compute capability >= 8.9")
+            return MXRecipe(self.name, gemm="triton", triton_quant=True)
         native_problem = self._native_problem(device)
         if backend == "native":
             if native_problem:
                 raise self._unavailable(backend, device, f"cuBLAS block-scaled MXFP8 ({native_problem})")
             return MXRecipe(self.name, gemm="native", triton_quant=True)
-        if backend == "triton" or native_problem:
-            if can_run_triton(device):
-                return MXRecipe(self.name, gemm="triton", triton_quant=True)
-            if backend == "triton":
-                raise self._unavailable(backend, device, "a CUDA device with compute capability >= 8.9")
-            return MXRecipe(self.name, gemm="emulated", triton_quant=False)
-        return MXRecipe(self.name, gemm="native_or_triton", triton_quant=True)
+        if native_problem is None:  # auto
+            return MXRecipe(self.name, gemm="native_or_triton", triton_quant=True)
+        if has_capability(device, FP8_MIN_CAPABILITY):
+            return MXRecipe(self.name, gemm="triton", triton_quant=True)
+        return MXRecipe(self.name, gemm="emulated", triton_quant=False)
 
     @staticmethod
     def _native_problem(device: torch.device) -> str | None:

@@ -43,6 +43,9 @@ class RunSummary:
             ("processes", f"{self.world_size} on {self.device}"),
         ]
         rows += [(k, v) for k, v in self.components.items()]
+        plan = str(self.extra.get("plan", "")).splitlines()
+        if plan:
+            rows.append(("placement", plan[0]))
         return ReportSection("summary", rows)
 
 

@@ -148,7 +148,8 @@ class Run:
             "model": self.prepared.module.state_dict(),
             "dense_optimizer": ckpt.dense_optimizer_state(self.dense_optimizer, self.dense_names),
             "sparse_optimizer": self.prepared.sparse_optimizer.state_dict(),
-            "loader": self.loader.state_dict(),
+            # as tensors: DCP round-trips tensors reliably in every layout, plain ints not always
+            "loader": {k: torch.tensor(v, dtype=torch.int64) for k, v in self.loader.state_dict().items()},
             f"rng_rank{self.env.rank}": ckpt.rng_state(),
         }
 
@@ -171,7 +172,7 @@ class Run:
         self.prepared.module.load_state_dict(state["model"])
         ckpt.load_dense_optimizer_state(self.dense_optimizer, self.dense_names, state["dense_optimizer"])
         self.prepared.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
-        self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict({k: int(v) for k, v in state["loader"].items()})
         ckpt.set_rng_state(state[f"rng_rank{self.env.rank}"])
         self.start_step = self.loader.step
         self.last_checkpoint = path

@@ -1,0 +1,74 @@
+"""Helpers for tests and benchmarks that check kernels against the references."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gem_kernels.reference import jagged_attention_reference
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|actual - expected| / |expected|`` (Frobenius norms, float64). NaN anywhere gives NaN."""
+    expected = expected.double()
+    diff = (actual.double() - expected).norm().item()
+    scale = expected.norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def offsets_from_lengths(lengths: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return offsets.to(dtype)
+
+
+def random_qkv(
+    num_rows: int,
+    heads: int,
+    dim_qk: int,
+    dim_v: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uniform ``(-scale, scale)`` q, k ``[L, H, Dqk]`` and v ``[L, H, Dv]`` on CPU."""
+
+    def draw(dim: int) -> torch.Tensor:
+        return ((torch.rand(num_rows, heads, dim, generator=gen) * 2 - 1) * scale).to(dtype)
+
+    return draw(dim_qk), draw(dim_qk), draw(dim_v)
+
+
+def attention_errors(
+    kernel: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    num_targets: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+) -> dict[str, float]:
+    """Relative errors of ``kernel``'s output and q/k/v gradients against the float64 reference.
+
+    An element the kernel never wrote (NaN from poisoned memory) makes its error NaN, which fails
+    any ``error < tolerance`` check.
+    """
+    options = dict(max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets, max_attn_len=max_attn_len)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = kernel(*leaves, seq_offsets, **options)
+    grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = jagged_attention_reference(*exact, seq_offsets, **options)
+    expected_grads = torch.autograd.grad(expected, exact, grad_out.double(), allow_unused=True)
+    errors = {"out": relative_error(out, expected)}
+    for name, leaf, got, want in zip(("dq", "dk", "dv"), leaves, grads, expected_grads, strict=True):
+        errors[name] = relative_error(
+            got if got is not None else torch.zeros_like(leaf), want if want is not None else torch.zeros_like(leaf)
+        )
+    return errors

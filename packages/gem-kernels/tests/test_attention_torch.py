@@ -1,0 +1,65 @@
+"""The bucketed pure-torch kernel (the CPU default) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gem_kernels.attention import TorchJaggedAttention
+from gem_kernels.attention_torch import BUCKET_GROWTH, plan_buckets
+from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
+
+pytestmark = pytest.mark.usefixtures("poison")
+
+
+def test_buckets_cover_every_sequence_once_and_pad_little(gen: torch.Generator) -> None:
+    lengths = torch.randint(0, 300, (200,), generator=gen).tolist()
+    buckets = plan_buckets(lengths)
+    seen = [b for _, seqs in buckets for b in seqs]
+    assert sorted(seen) == [b for b, n in enumerate(lengths) if n > 0]
+    for size, seqs in buckets:
+        assert size == max(lengths[b] for b in seqs)
+        assert all(lengths[b] * BUCKET_GROWTH >= size for b in seqs)
+
+
+def test_short_sequences_are_not_padded_to_the_longest() -> None:
+    buckets = plan_buckets([1000, 3, 4, 2])
+    assert buckets[0] == (1000, [0])
+    assert all(size <= 4 for size, _ in buckets[1:])
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [0, 5])
+def test_matches_reference(gen: torch.Generator, dtype: torch.dtype, tolerance: float, window: int) -> None:
+    lengths = torch.randint(0, 60, (9,), generator=gen).tolist()
+    targets = torch.minimum(torch.randint(0, 6, (9,), generator=gen), torch.tensor(lengths))
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = random_qkv(int(offsets[-1]), 2, 25, 16, dtype, gen)
+    grad_out = torch.randn(v.shape, generator=gen).to(dtype)
+    errors = attention_errors(
+        TorchJaggedAttention(), q, k, v, offsets, grad_out, max_seq_len=64, alpha=0.2, num_targets=targets,
+        max_attn_len=window,
+    )
+    assert max(errors.values()) < tolerance, errors
+
+
+@pytest.mark.parametrize(
+    ("lengths", "targets"),
+    [([23], None), ([0, 0, 5, 0], [0, 0, 5, 0]), ([1, 1, 2], None), ([5, 9], [7, 0]), ([0, 0], None)],
+)
+def test_edge_cases(gen: torch.Generator, lengths: list[int], targets: list[int] | None) -> None:
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = random_qkv(int(offsets[-1]), 1, 16, 16, torch.float64, gen)
+    errors = attention_errors(
+        TorchJaggedAttention(), q, k, v, offsets, torch.randn(v.shape, generator=gen, dtype=torch.float64),
+        max_seq_len=30, alpha=0.5, num_targets=None if targets is None else torch.tensor(targets), max_attn_len=3,
+    )
+    assert max(errors.values()) < 1e-12, errors
+
+
+def test_rejects_mismatched_shapes() -> None:
+    q = torch.zeros(4, 2, 8)
+    with pytest.raises(ValueError, match="v must be"):
+        TorchJaggedAttention()(q, q, torch.zeros(4, 3, 8), torch.tensor([0, 4]), max_seq_len=4, alpha=1.0)
+    with pytest.raises(ValueError, match="num_targets"):
+        TorchJaggedAttention()(q, q, q, torch.tensor([0, 4]), max_seq_len=4, alpha=1.0, num_targets=torch.tensor([1, 2]))

@@ -1,0 +1,135 @@
+"""The Triton jagged attention (forward and all three gradients) against the float64 reference.
+
+Runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so grids stay tiny. Every test
+poisons fresh memory with NaN: an output or gradient element the kernels never wrote fails it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gem_kernels.attention import TritonJaggedAttention
+from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+pytestmark = pytest.mark.usefixtures("poison")
+
+
+def random_lengths(gen: torch.Generator, num_seqs: int, max_len: int) -> list[int]:
+    return torch.randint(0, max_len + 1, (num_seqs,), generator=gen).tolist()
+
+
+def random_targets(gen: torch.Generator, lengths: list[int]) -> torch.Tensor:
+    """1..5 targets, clipped to the length (as the benchmark protocol does)."""
+    drawn = torch.randint(1, 6, (len(lengths),), generator=gen)
+    return torch.minimum(drawn, torch.tensor(lengths))
+
+
+def check(
+    lengths: list[int],
+    gen: torch.Generator,
+    *,
+    dtype: torch.dtype = torch.float32,
+    dims: tuple[int, int] = (16, 16),
+    heads: int = 2,
+    targets: torch.Tensor | None = None,
+    window: int = 0,
+    config: TritonJaggedAttention.Config | None = None,
+    offsets_dtype: torch.dtype = torch.int64,
+    extra_len: int = 3,
+) -> None:
+    offsets = offsets_from_lengths(lengths, offsets_dtype)
+    num_rows = int(offsets[-1])
+    q, k, v = random_qkv(num_rows, heads, dims[0], dims[1], dtype, gen)
+    grad_out = torch.randn(num_rows, heads, dims[1], generator=gen).to(dtype)
+    kernel = TritonJaggedAttention(config)
+    errors = attention_errors(
+        kernel, q, k, v, offsets, grad_out,
+        max_seq_len=max(lengths, default=0) + extra_len,  # N is the argument, not a length
+        alpha=1.0 / math.sqrt(dims[0]),
+        num_targets=None if targets is None else targets.to(offsets_dtype),
+        max_attn_len=window,
+    )
+    context = f"lengths={lengths} targets={None if targets is None else targets.tolist()} window={window}"
+    for name, error in errors.items():
+        assert error < TOLERANCE[dtype], f"{name}: relative error {error:.2e} ({context})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dq", ["atomic", "separate"])
+@pytest.mark.parametrize("mask", ["causal", "targets", "window_targets"])
+def test_random_batches(gen: torch.Generator, dtype: torch.dtype, dq: str, mask: str) -> None:
+    lengths = random_lengths(gen, 4, 40)
+    targets = random_targets(gen, lengths) if mask != "causal" else None
+    window = int(torch.randint(1, 24, (1,), generator=gen)) if mask == "window_targets" else 0
+    dims = {"causal": (32, 32), "targets": (16, 25), "window_targets": (25, 16)}[mask]
+    check(lengths, gen, dtype=dtype, dims=dims, targets=targets, window=window,
+          config=TritonJaggedAttention.Config(dq=dq))
+
+
+@pytest.mark.parametrize("dims", [(16, 16), (25, 25), (32, 32), (64, 64), (128, 128), (256, 256), (64, 32), (32, 128)])
+def test_head_dims(gen: torch.Generator, dims: tuple[int, int]) -> None:
+    lengths = [9, 0, 21]
+    check(lengths, gen, dims=dims, heads=1, targets=random_targets(gen, lengths), window=6)
+
+
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (32, 32)])
+def test_block_shapes(gen: torch.Generator, blocks: tuple[int, int]) -> None:
+    """Full, diagonal, window-edge and target blocks line up for any BLOCK_M x BLOCK_N."""
+    lengths = random_lengths(gen, 3, 70)
+    config = TritonJaggedAttention.Config(block_m=blocks[0], block_n=blocks[1])
+    window = int(torch.randint(1, 50, (1,), generator=gen))
+    check(lengths, gen, targets=random_targets(gen, lengths), window=window, config=config)
+    check(lengths, gen, config=config)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "targets", "window"),
+    [
+        pytest.param([23], None, 0, id="one_sequence"),
+        pytest.param([0, 0, 5, 0], [0, 0, 2, 0], 0, id="zero_lengths"),
+        pytest.param([1, 1, 2, 1], None, 0, id="length_one"),
+        pytest.param([6, 17], [6, 17], 0, id="all_targets"),
+        pytest.param([6, 17], [6, 17], 3, id="all_targets_window"),
+        pytest.param([5, 9], [7, 0], 0, id="more_targets_than_rows"),
+        pytest.param([19, 4], [3, 1], 100, id="window_longer_than_sequence"),
+        pytest.param([19, 18], [4, 0], 1, id="window_one"),
+        pytest.param([0, 0], None, 0, id="no_rows"),
+    ],
+)
+def test_edge_cases(gen: torch.Generator, lengths: list[int], targets: list[int] | None, window: int) -> None:
+    check(lengths, gen, targets=None if targets is None else torch.tensor(targets), window=window)
+
+
+def test_float16(gen: torch.Generator) -> None:
+    lengths = random_lengths(gen, 3, 30)
+    check(lengths, gen, dtype=torch.float16, targets=random_targets(gen, lengths), window=9)
+
+
+def test_int32_offsets_and_targets(gen: torch.Generator) -> None:
+    lengths = random_lengths(gen, 3, 30)
+    check(lengths, gen, targets=random_targets(gen, lengths), offsets_dtype=torch.int32)
+
+
+def test_strided_views_of_a_fused_projection(gen: torch.Generator) -> None:
+    """q, k, v as column slices of one [L, H, 2 Dqk + Dv] tensor, as the HSTU block produces them."""
+    lengths = [7, 30, 12]
+    offsets = offsets_from_lengths(lengths)
+    fused = torch.randn(int(offsets[-1]), 2, 2 * 16 + 25, generator=gen)
+    q, k, v = fused.split([16, 16, 25], dim=-1)
+    grad_out = torch.randn(v.shape, generator=gen)
+    errors = attention_errors(
+        TritonJaggedAttention(), q, k, v, offsets, grad_out, max_seq_len=32, alpha=0.25,
+        num_targets=torch.tensor([1, 4, 2]), max_attn_len=0,
+    )
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_more_sequences_than_one_scheduler_chunk(gen: torch.Generator) -> None:
+    """The in-kernel queue scans seq_offsets in chunks of 128 sequences; cross a few chunk borders."""
+    lengths = random_lengths(gen, 300, 5)
+    check(lengths, gen, heads=1, targets=random_targets(gen, lengths), window=2)

@@ -1,0 +1,219 @@
+"""Saved-tensor hooks: fp8 compression of what autograd keeps for backward, and byte accounting.
+
+:class:`Fp8SavedTensors` is a pair of ``saved_tensors_hooks`` (pack on save, unpack in backward).
+A tensor is compressed only when it is an activation worth it: float32/bfloat16/float16, at least
+``min_numel`` elements, a last dim of at least 32, and not a parameter (nor a cast or view of one,
+such as the bfloat16 copy of a weight that a linear saves). Everything else is kept as it is.
+
+Formats: ``block32`` stores MXFP8 (e4m3 + one e8m0 scale per 32 along the last dim,
+:mod:`gem_precision.mx_reference`), 1 + 1/32 bytes per element; ``row`` stores e4m3 with one
+power-of-two float32 scale per row (:mod:`gem_precision.fp8_reference`). CUDA tensors use the
+Triton kernels, CPU tensors the torch references (the same bits). Unpacking returns the original
+dtype and shape (contiguous).
+
+A tensor saved several times (the same view of the same storage at the same version) is packed
+once. The accounting counts what stays alive: each distinct storage once, plus the packed bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from gem_precision.formats import E4M3
+from gem_precision.fp8_reference import Fp8Operand, quantize_fp8_reference
+from gem_precision.mx_reference import MXTensor, mx_dequantize, mx_quantize
+
+SavedGranularity = Literal["block32", "row"]
+COMPRESSIBLE = (torch.float32, torch.bfloat16, torch.float16)
+MIN_LAST_DIM = 32
+# autograd nodes that only cast or re-view their single input: a tensor reached from a parameter
+# through these alone is that parameter in another dtype or shape, not an activation
+_PASS_THROUGH = {
+    "ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
+    "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "CloneBackward0",
+    "AliasBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "SliceBackward0", "SelectBackward0",
+}  # fmt: skip
+
+
+@dataclass
+class SavedTensorStats:
+    """What a block kept for backward, in bytes (each distinct storage once)."""
+
+    tensors: int = 0
+    compressed: int = 0
+    bytes_in: int = 0
+    """Bytes the saved tensors' storages hold (what would be kept without compression)."""
+    bytes_stored: int = 0
+    """Bytes actually kept: uncompressed storages plus the fp8 payloads and scales."""
+
+    def add(self, other: SavedTensorStats) -> None:
+        for field in ("tensors", "compressed", "bytes_in", "bytes_stored"):
+            setattr(self, field, getattr(self, field) + getattr(other, field))
+
+
+class _StorageSet:
+    """Storages seen so far, by identity. Holds weak references only: a storage freed during the
+    forward (after being packed) must not keep its memory, and a new storage that reuses its address
+    or Python id must not be mistaken for it."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def add(self, storage: torch.UntypedStorage) -> bool:
+        """Add ``storage``; False if it was already there."""
+        ref = self._refs.get(id(storage))
+        if ref is not None and ref() is storage:
+            return False
+        self._refs[id(storage)] = weakref.ref(storage)
+        return True
+
+
+def is_parameter_like(t: torch.Tensor, parameter_ptrs: set[int]) -> bool:
+    """A parameter, a tensor sharing a parameter's storage, or a cast/view chain from one."""
+    if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in parameter_ptrs:
+        return True
+    fn = t.grad_fn
+    while fn is not None:
+        if type(fn).__name__ == "AccumulateGrad":
+            return isinstance(getattr(fn, "variable", None), nn.Parameter)
+        if type(fn).__name__ not in _PASS_THROUGH:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+    return False
+
+
+class _Packed:
+    """A compressed saved tensor."""
+
+    __slots__ = ("operand", "shape", "dtype")
+
+    def __init__(self, operand: MXTensor | Fp8Operand, shape: torch.Size, dtype: torch.dtype):
+        self.operand, self.shape, self.dtype = operand, shape, dtype
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.operand.tensors())
+
+
+class SavedBytesCounter:
+    """Counts distinct storages once; shared by the plain counter and the fp8 packer."""
+
+    def __init__(self) -> None:
+        self.stats = SavedTensorStats()
+        self._seen = _StorageSet()
+        self._kept = _StorageSet()
+
+    def count(self, t: torch.Tensor, stored: int | None) -> None:
+        """Record one saved tensor; ``stored``: its packed bytes, or None when kept as it is."""
+        self.stats.tensors += 1
+        storage = t.untyped_storage()
+        if self._seen.add(storage):
+            self.stats.bytes_in += storage.nbytes()
+        if stored is None:
+            if self._kept.add(storage):  # a kept view keeps its whole storage alive
+                self.stats.bytes_stored += storage.nbytes()
+        else:
+            self.stats.compressed += 1
+            self.stats.bytes_stored += stored
+
+
+class Fp8SavedTensors:
+    """``pack``/``unpack`` for ``torch.autograd.graph.saved_tensors_hooks`` (one forward's worth)."""
+
+    def __init__(self, *, granularity: SavedGranularity, min_numel: int, parameters: Iterable[torch.Tensor]):
+        if granularity not in ("block32", "row"):
+            raise ValueError(f"fp8 saved tensors: granularity must be 'block32' or 'row', got {granularity!r}")
+        self.granularity = granularity
+        self.min_numel = min_numel
+        self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in parameters}
+        self.counter = SavedBytesCounter()
+        # one packed copy per saved view: (storage id, view) -> (weak storage ref, packed)
+        self._packed: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], _Packed]] = {}
+
+    @property
+    def stats(self) -> SavedTensorStats:
+        return self.counter.stats
+
+    def eligible(self, t: torch.Tensor) -> bool:
+        return (
+            t.dtype in COMPRESSIBLE
+            and t.numel() >= self.min_numel
+            and t.dim() >= 1
+            and t.shape[-1] >= MIN_LAST_DIM
+            and t.device.type != "meta"
+            and not is_parameter_like(t, self.parameter_ptrs)
+        )
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor | _Packed:
+        if not self.eligible(t):
+            self.counter.count(t, None)
+            return t
+        storage = t.untyped_storage()
+        key = (id(storage), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+        hit = self._packed.get(key)
+        if hit is not None and hit[0]() is storage:
+            return hit[1]
+        packed = _Packed(self._quantize(t.detach()), t.shape, t.dtype)
+        self._packed[key] = (weakref.ref(storage), packed)
+        self.counter.count(t, packed.nbytes())
+        return packed
+
+    def unpack(self, saved: torch.Tensor | _Packed) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        return self._dequantize(saved.operand, saved.dtype).view(saved.shape)
+
+    def _quantize(self, t: torch.Tensor) -> MXTensor | Fp8Operand:
+        t2d = t.reshape(-1, t.shape[-1]).contiguous()
+        on_gpu = t2d.device.type == "cuda"
+        if self.granularity == "block32":
+            if on_gpu:
+                from gem_precision.mx_triton import mx_quantize_triton
+
+                return mx_quantize_triton(t2d)[0]  # type: ignore[return-value]
+            return mx_quantize(t2d)
+        if on_gpu:
+            from gem_precision.fp8_quant_triton import quantize_fp8_triton
+
+            return quantize_fp8_triton(t2d, granularity="row", fmt=E4M3).rows  # type: ignore[return-value]
+        return quantize_fp8_reference(t2d, granularity="row", fmt=E4M3).rows  # type: ignore[return-value]
+
+    @staticmethod
+    def _dequantize(operand: MXTensor | Fp8Operand, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(operand, Fp8Operand):
+            return operand.dequantize(dtype)
+        if operand.data.device.type == "cuda":
+            from gem_precision.mx_triton import mx_dequantize_triton
+
+            return mx_dequantize_triton(operand, dtype)
+        return mx_dequantize(operand, dtype)
+
+
+class CountSavedTensors:
+    """``saved_tensors_hooks`` that change nothing and count what is saved (the baseline)."""
+
+    def __init__(self) -> None:
+        self.counter = SavedBytesCounter()
+
+    @property
+    def stats(self) -> SavedTensorStats:
+        return self.counter.stats
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.counter.count(t, None)
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -1,0 +1,26 @@
+"""Triton runs in its interpreter on CPU: set before anything imports triton."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("GEM_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+import secrets  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+SEED_ENV = "GEM_PRECISION_TEST_SEED"
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """A generator with a fresh seed per test (or ``GEM_PRECISION_TEST_SEED``), printed and recorded
+    so that a failure can be replayed."""
+    seed = int(os.environ.get(SEED_ENV) or secrets.randbits(31))
+    print(f"{request.node.nodeid}: {SEED_ENV}={seed}")
+    request.node.user_properties.append(("seed", seed))
+    return torch.Generator().manual_seed(seed)
+
