@@ -109,3 +109,22 @@ def test_activation_and_precision_plans_follow_the_config(pm, tiny_overrides):
     )
     train(cfg, pm)
     assert HalfGemm.converted == ["blocks.0.uvqk", "blocks.0.out"]
+
+
+def test_source_evaluation_runs_during_and_after_training(pm, tiny_overrides, tmp_path, capsys):
+    from gem_model.data.synthetic import SyntheticSource
+
+    class Scored(SyntheticSource):
+        name = "scored"
+        calls: list[tuple[str, bool]] = []
+
+        def evaluate(self, model, *, device, split):
+            Scored.calls.append((split, model.training))
+            return {"hr@10": 0.25}
+
+    pm.register(type("P", (), {"gem_register_data_sources": hookimpl(lambda self: [Scored])})(), name="scored")
+    train(load_config(None, [*tiny_overrides, "data.source.name=scored", "trainer.steps=4", "trainer.eval_every=2"]), pm)
+    assert Scored.calls == [("valid", False), ("valid", False), ("test", False)]
+    records = [json.loads(x) for x in (tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 2, "valid/hr@10": 0.25} in records and records[-1] == {"step": 4, "valid/hr@10": 0.25, "test/hr@10": 0.25}
+    assert "test/hr@10" in capsys.readouterr().out

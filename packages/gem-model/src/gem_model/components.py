@@ -237,6 +237,13 @@ class DataSource(Component):
         """Steps in one pass over the data, or None for an endless source."""
         return None
 
+    def evaluate(self, model: GemModel, *, device: torch.device, split: str) -> dict[str, float] | None:
+        """Offline metrics of ``model`` on ``split`` (``"valid"`` or ``"test"``), or None if the source has none.
+
+        Called by the trainer on rank 0 with the unwrapped model in eval mode.
+        """
+        return None
+
 
 class LoadBalancer(Component):
     """Assigns the samples of a global batch to data-parallel ranks."""

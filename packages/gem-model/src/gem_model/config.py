@@ -99,6 +99,8 @@ class TrainerConfig(Strict):
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
     checkpoint_at_end: bool = True
     resume: bool = Field(False, description="continue from the latest checkpoint in output_dir")
+    eval_every: int = Field(0, ge=0, description="evaluate on the validation split every N steps (0: never)")
+    eval_at_end: bool = Field(True, description="evaluate on the validation and test splits after the last step")
     progress: bool = True
     peak_flops: float | None = Field(None, gt=0.0, description="override the MFU denominator (FLOP/s)")
     compile: bool = False

@@ -43,6 +43,8 @@ class RunSummary:
             ("processes", f"{self.world_size} on {self.device}"),
         ]
         rows += [(k, v) for k, v in self.components.items()]
+        for key, value in sorted((self.extra.get("eval") or {}).items()):
+            rows.append((key, f"{value:.4f}"))
         plan = str(self.extra.get("plan", "")).splitlines()
         if plan:
             rows.append(("placement", plan[0]))

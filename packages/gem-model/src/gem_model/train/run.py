@@ -182,6 +182,23 @@ class Run:
     def fit(self) -> RunSummary:
         tc = self.config.trainer
         self.pm.call("gem_run_started", run=self)
+        try:
+            first_loss, last_loss, wall, meter = self._loop()
+            if tc.checkpoint_at_end and tc.steps > self.start_step:
+                self.save_checkpoint(tc.steps)
+            final_eval = self.evaluate(tc.steps, ("valid", "test")) if tc.eval_at_end else {}
+        finally:
+            self.metrics.close()
+        summary = self._summary(first_loss, last_loss, wall, meter)
+        summary.extra["eval"] = final_eval
+        self.pm.call("gem_run_finished", run=self, summary=summary)
+        extra: list[ReportSection] = [s for group in self.pm.call("gem_report_sections", run=self, summary=summary) for s in group]
+        if self.env.is_main:
+            print(format_sections([summary.section(), *extra]), flush=True)
+        return summary
+
+    def _loop(self) -> tuple[float, float, float, Throughput]:
+        tc = self.config.trainer
         meter = Throughput(warmup=min(2, max(0, tc.steps - self.start_step - 1)))
         progress = Progress(tc.steps, self.start_step, tc.progress and self.env.is_main, self.config.name)
         first_loss = last_loss = float("nan")
@@ -201,17 +218,28 @@ class Run:
                 progress.update(step, logged)
                 if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
                     self.save_checkpoint(step + 1)
+                if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
+                    self.evaluate(step + 1, ("valid",))
         finally:
             progress.close()
-            self.metrics.close()
-        if tc.checkpoint_at_end and tc.steps > self.start_step:
-            self.save_checkpoint(tc.steps)
-        summary = self._summary(first_loss, last_loss, time.perf_counter() - wall, meter)
-        self.pm.call("gem_run_finished", run=self, summary=summary)
-        extra: list[ReportSection] = [s for group in self.pm.call("gem_report_sections", run=self, summary=summary) for s in group]
-        if self.env.is_main:
-            print(format_sections([summary.section(), *extra]), flush=True)
-        return summary
+        return first_loss, last_loss, time.perf_counter() - wall, meter
+
+    def evaluate(self, step: int, splits: tuple[str, ...]) -> dict[str, float]:
+        """Offline metrics from the data source (rank 0, unwrapped model); logged to the metrics file."""
+        out: dict[str, float] = {}
+        if not self.env.is_main:
+            return out
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for split in splits:
+                metrics = self.components.source.evaluate(self.model, device=self.env.device, split=split)
+                out.update({f"{split}/{k}": v for k, v in (metrics or {}).items()})
+        finally:
+            self.model.train(was_training)
+        if out:
+            self.metrics.write({"step": step, **out})
+        return out
 
     def _log(self, result: StepResult, mean_loss: float) -> dict[str, float]:
         s = max(result.seconds, 1e-12)

@@ -1,0 +1,3 @@
+"""An example third-party plugin for the GEM training framework."""
+
+__version__ = "0.1.0"
