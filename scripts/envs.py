@@ -180,7 +180,7 @@ def run_env(name: str, spec: MatrixEnv, pytest_args: list[str]) -> dict[str, obj
     if spec.core_alone:
         check_core_alone(env_dir)
     log(f"==== {name}: tests {' '.join(spec.tests)}")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [str(env_dir / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, *spec.tests],

@@ -7,10 +7,10 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GEM_DISABLE_PLUGIN_AUTOLOAD", "1")
 
-import secrets  # noqa: E402
+import secrets
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 SEED_ENV = "GEM_PRECISION_TEST_SEED"
 
@@ -23,4 +23,3 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
     print(f"{request.node.nodeid}: {SEED_ENV}={seed}")
     request.node.user_properties.append(("seed", seed))
     return torch.Generator().manual_seed(seed)
-

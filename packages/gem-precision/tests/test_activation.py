@@ -7,9 +7,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from gem_precision.activation import (
     CheckpointFullPolicy,
     CheckpointSelectivePolicy,
@@ -17,8 +14,10 @@ from gem_precision.activation import (
     NoActivationPolicy,
 )
 from gem_precision.saved_tensors import CountSavedTensors, Fp8SavedTensors
-from gem_precision.schemes import Bf16Scheme
+from gem_precision.schemes import Bf16Scheme, Fp8RowwiseScheme, MXFP8Scheme
 from gem_precision.testing import HstuLikeBlock, rel_err
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # e4m3 keeps 3 mantissa bits (~2**-5 relative error per saved element on average); a parameter
 # gradient sums products of several rounded tensors (~8% at worst over 20 seeds on this block)
@@ -68,7 +67,7 @@ def test_wrapping_keeps_the_block_and_its_names(cls: type, setup) -> None:
     wrapped = cls().wrap_block(block, "blocks.0")
     assert wrapped is block and list(wrapped.state_dict()) == keys
     if cls is not NoActivationPolicy:
-        with pytest.raises(ValueError, match="blocks.0: block already has activation policy"):
+        with pytest.raises(ValueError, match=r"blocks\.0: block already has activation policy"):
             cls().wrap_block(block, "blocks.0")
     copy.deepcopy(wrapped)(torch.randn(3, 64)).sum().backward()  # a copy runs on its own weights
     with torch.no_grad():
@@ -160,3 +159,19 @@ def test_fp8_saved_keeps_tiny_tensors(setup) -> None:
     assert policy.stats.compressed == 0
     for g, w in zip(got, want):
         assert rel_err(g, w) == 0
+
+
+@pytest.mark.parametrize("policy_cls", [CheckpointFullPolicy, CheckpointSelectivePolicy, Fp8SavedPolicy])
+@pytest.mark.parametrize("scheme_cls", [Bf16Scheme, Fp8RowwiseScheme, MXFP8Scheme], ids=lambda c: c.name)
+def test_policies_compose_with_converted_linears(setup, policy_cls: type, scheme_cls: type) -> None:
+    block, x, gy = setup
+    scheme = scheme_cls()
+    for name in ("uvqk", "out"):  # what the core does first: precision, then the activation policy
+        setattr(block, name, scheme.convert_linear(getattr(block, name), f"blocks.0.{name}"))
+    want = grads(copy.deepcopy(block), x, gy)
+    policy = policy_cls(policy_cls.Config(**SMALL)) if policy_cls is Fp8SavedPolicy else policy_cls()
+    got = grads(policy.wrap_block(copy.deepcopy(block), "blocks.0"), x, gy)
+    tol = FP8_SAVED_TOL if policy_cls is Fp8SavedPolicy else 0.0
+    assert rel_err(got[0], want[0]) == 0
+    for g, w in zip(got[1:], want[1:]):
+        assert rel_err(g, w) <= tol

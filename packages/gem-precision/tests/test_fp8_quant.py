@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from gem_precision.formats import E4M3, E5M2, Fp8Format
 from gem_precision.fp8_quant_triton import quantize_fp8_triton
 from gem_precision.fp8_reference import Fp8Operand, quantize_fp8_reference, scale_exponent
@@ -28,7 +27,9 @@ def encode(v: float, fmt: Fp8Format) -> int:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_scale_is_the_largest_power_of_two_that_fits(fmt: Fp8Format, gen: torch.Generator) -> None:
-    amax = torch.cat([wide_range_randn(1, 500, generator=gen).abs().flatten(), torch.tensor([fmt.max, 1.0, 1.75, 1.76, 3e38])])
+    amax = torch.cat(
+        [wide_range_randn(1, 500, generator=gen).abs().flatten(), torch.tensor([fmt.max, 1.0, 1.75, 1.76, 3e38])]
+    )
     s = scale_exponent(amax, fmt)
     for a, e in zip(amax.tolist(), s.tolist()):
         assert a * 2.0**e <= fmt.max and (e == 126 or a * 2.0 ** (e + 1) > fmt.max), (a, e)
@@ -100,7 +101,9 @@ def test_triton_random_bit_identical(gen: torch.Generator, shape, dtype, fmt: Fp
     torch.testing.assert_close(got.col_sum, want.col_sum, rtol=1e-5, atol=1e-5 * want.col_sum.abs().max().item())
 
 
-@pytest.mark.parametrize(("rows", "cols_t", "col_sum"), [(True, False, False), (False, True, True), (False, False, True)])
+@pytest.mark.parametrize(
+    ("rows", "cols_t", "col_sum"), [(True, False, False), (False, True, True), (False, False, True)]
+)
 def test_triton_partial_requests(gen: torch.Generator, rows: bool, cols_t: bool, col_sum: bool) -> None:
     x = torch.randn(40, 48, generator=gen)
     kwargs = {"granularity": "row", "fmt": E4M3, "rows": rows, "cols_t": cols_t, "col_sum": col_sum}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gem_precision.mx_gemm import mx_gemm_triton, native_mx_shape_problem, to_blocked
 from gem_precision.mx_reference import mx_gemm_reference, mx_quantize
 from gem_precision.testing import rel_err, wide_range_randn
@@ -25,7 +24,7 @@ def test_wide_range_scales_and_sub_k(gen: torch.Generator) -> None:
     a = mx_quantize(wide_range_randn(32, 256, generator=gen, spread=20))
     b = mx_quantize(wide_range_randn(32, 256, generator=gen, spread=20))
     want = mx_gemm_reference(a, b)
-    for sub_k in (1, 4):
+    for sub_k in (1, 2):
         got = mx_gemm_triton(a, b, out_dtype=torch.float32, config={**TINY, "SUB_K": sub_k})
         assert rel_err(got, want) < 1e-5
 
@@ -40,6 +39,7 @@ def test_bias_and_bf16_output(gen: torch.Generator) -> None:
     assert rel_err(got.float(), want) < 2**-8  # one bfloat16 rounding of the result
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
 def test_nan_block_poisons_only_its_row_and_column(gen: torch.Generator) -> None:
     x, w = torch.randn(32, 64, generator=gen), torch.randn(32, 64, generator=gen)
     x[3, 40] = float("inf")

@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
-
 from gem_precision.mx_reference import MX_BLOCK, MXTensor, mx_dequantize, mx_gemm_reference, mx_quantize
 from gem_precision.testing import mx_edge_cases, raw_bytes, rel_err, wide_range_randn
 
-E4M3_CODES = [(code, float(v)) for code, v in enumerate(torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist())]
+E4M3_CODES = [
+    (code, float(v))
+    for code, v in enumerate(torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist())
+]
 
 
 def encode_e4m3(v: float) -> int:
@@ -103,7 +105,12 @@ def test_dequantize_is_exact_and_error_is_bounded(gen: torch.Generator) -> None:
     # round to nearest with 3 mantissa bits: |error| <= 2**-4 |x|, plus saturation and the subnormal floor
     err = (deq - x).abs()
     block_amax = x.abs().view(8, 8, 32).amax(-1).repeat_interleave(32, dim=1)
-    assert (err <= x.abs() * 2.0**-4 + block_amax * 2.0**-9 + (x.abs() - 448 * 2.0 ** (block_amax.log2().floor() - 8)).clamp(min=0)).all()
+    assert (
+        err
+        <= x.abs() * 2.0**-4
+        + block_amax * 2.0**-9
+        + (x.abs() - 448 * 2.0 ** (block_amax.log2().floor() - 8)).clamp(min=0)
+    ).all()
 
 
 def test_gemm_reference_and_shape_checks(gen: torch.Generator) -> None:

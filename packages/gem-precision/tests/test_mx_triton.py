@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gem_precision.mx_reference import MXTensor, mx_dequantize, mx_quantize
 from gem_precision.mx_triton import mx_dequantize_triton, mx_quantize_triton
 from gem_precision.testing import mx_edge_cases, raw_bytes, wide_range_randn
@@ -58,7 +57,9 @@ def test_dequantize_kernel_matches_reference(gen: torch.Generator) -> None:
     x[3, 5] = float("nan")
     mx = mx_quantize(x)
     for dtype in (torch.float32, torch.bfloat16):
-        torch.testing.assert_close(mx_dequantize_triton(mx, dtype), mx_dequantize(mx, dtype), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(
+            mx_dequantize_triton(mx, dtype), mx_dequantize(mx, dtype), rtol=0, atol=0, equal_nan=True
+        )
 
 
 def test_rejects_bad_input() -> None:

@@ -6,9 +6,8 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import gem_precision.plugin as plugin
+import pytest
 from gem_model.components import ActivationPolicy, ComponentConfig, PrecisionScheme
 from gem_model.plugins import GemPluginManager
 
@@ -26,7 +25,9 @@ def test_registers_every_name(pm: GemPluginManager) -> None:
     assert set(pm.activation_policies.names()) == POLICIES
 
 
-@pytest.mark.parametrize(("registry", "base"), [("precision_schemes", PrecisionScheme), ("activation_policies", ActivationPolicy)])
+@pytest.mark.parametrize(
+    ("registry", "base"), [("precision_schemes", PrecisionScheme), ("activation_policies", ActivationPolicy)]
+)
 def test_classes_have_strict_configs(pm: GemPluginManager, registry: str, base: type) -> None:
     for name, entry in getattr(pm, registry).entries().items():
         cls = entry.cls

@@ -13,8 +13,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from gem_precision.formats import E4M3, fp8_format
 from gem_precision.fp8_reference import quantize_fp8_reference
 from gem_precision.mx_reference import mx_dequantize, mx_quantize
@@ -28,6 +26,7 @@ from gem_precision.schemes import (
     ScaledScheme,
 )
 from gem_precision.testing import rel_err
+from torch import nn
 
 SCALED = [Fp8TensorwiseScheme, Fp8RowwiseScheme, MXFP8Scheme]
 TOLERANCE = {"bf16": (1e-2, 1e-2), "fp8_tensorwise": (8e-2, 1e-1), "fp8_rowwise": (8e-2, 1e-1), "mxfp8": (1e-1, 1e-1)}
@@ -122,7 +121,9 @@ def test_mxfp8_matches_explicit_quantize_dequantize(problem) -> None:
 def test_mxfp8_triton_backend_equals_emulated(gen: torch.Generator) -> None:
     linear = nn.Linear(96, 64)
     x, gy = torch.randn(70, 96, generator=gen), torch.randn(70, 64, generator=gen)
-    emulated = run(MXFP8Scheme(MXFP8Scheme.Config(backend="emulated")).convert_linear(copy.deepcopy(linear), "p"), x, gy)
+    emulated = run(
+        MXFP8Scheme(MXFP8Scheme.Config(backend="emulated")).convert_linear(copy.deepcopy(linear), "p"), x, gy
+    )
     scheme = MXFP8Scheme(MXFP8Scheme.Config(backend="triton"))
     assert scheme.resolved_backend("cpu") == "triton"  # allowed on CPU only under TRITON_INTERPRET=1
     triton_out = run(scheme.convert_linear(copy.deepcopy(linear), "p"), x, gy)

@@ -24,11 +24,11 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import torch
+from gem_model.components import ActivationPolicy, ComponentConfig
 from pydantic import Field, field_validator
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from gem_model.components import ActivationPolicy, ComponentConfig
 from gem_precision.saved_tensors import Fp8SavedTensors, SavedTensorStats
 
 POLICY_ATTR = "_gem_activation_policy"
@@ -80,7 +80,9 @@ class CheckpointFullPolicy(ActivationPolicy):
         return install(block, fqn, self.name, self._run)
 
     def _run(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=self.config.preserve_rng_state, **kwargs)
+        return checkpoint(
+            forward, *args, use_reentrant=False, preserve_rng_state=self.config.preserve_rng_state, **kwargs
+        )
 
 
 DEFAULT_SAVE_OPS = ("mm", "addmm", "bmm", "_scaled_mm")

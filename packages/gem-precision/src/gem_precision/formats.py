@@ -7,6 +7,7 @@ scale can be stored as an exponent.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,7 +37,7 @@ class Fp8Format:
     def subnormal_magic(self) -> float:
         """1.5 * 2**(23 + log2(spacing below min_normal)): adding then subtracting it rounds a small
         fp32 value to that spacing with round-to-nearest-even (used by the software rounding)."""
-        spacing_exp = round(torch.tensor(self.min_normal).log2().item()) - self.mbits
+        spacing_exp = round(math.log2(self.min_normal)) - self.mbits
         return 1.5 * 2.0 ** (23 + spacing_exp)
 
 
@@ -62,8 +63,7 @@ def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:
     """
     if exponent.numel() and (int(exponent.min()) < -126 or int(exponent.max()) > 127):
         raise ValueError(
-            f"exact_pow2: exponents must lie in [-126, 127]; got [{int(exponent.min())}, "
-            f"{int(exponent.max())}]"
+            f"exact_pow2: exponents must lie in [-126, 127]; got [{int(exponent.min())}, {int(exponent.max())}]"
         )
     return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
 

@@ -96,7 +96,9 @@ def _fp8_cast_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    x = tl.load(
+        x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0
+    )
     x = x.to(tl.float32)
     if TENSORWISE:
         t_scale, t_inv, t_bad = _pow2_scale(tl.load(tensor_amax_ptr), EMAX)

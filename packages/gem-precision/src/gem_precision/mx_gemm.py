@@ -6,11 +6,15 @@ accumulation):
 
 - :func:`mx_gemm_triton`, for Hopper (and Ada): fp8 tensor-core ``tl.dot`` per 32-wide K slice into a
   temporary, folded into the float32 accumulator times the outer product of the slice's row scales
-  of A and column scales of B. A K step of ``32 * SUB_K`` issues ``SUB_K`` independent dots, so the
-  tensor cores work on the next slice while the CUDA cores fold the previous one. Large tiles,
-  software pipelining (``num_stages``) and grouped tile ordering (L2 reuse) are autotuned. The fold
-  costs two float32 operations per output element per 32 K (scale product and FMA) against 32 MACs
-  on the tensor cores, which bounds this kernel well below the fp8 peak on Hopper.
+  of A and column scales of B. A K step of ``32 * SUB_K`` (1 or 2) issues its dots before folding.
+  Tile sizes, software pipelining of the fp8 tiles (``num_stages``) and grouped tile ordering (L2
+  reuse) are autotuned; the scales are decoded once to float32, K-block-major, and each step
+  prefetches the next step's into registers. The fold costs two float32 operations per output
+  element per 32 K (a multiply and an FMA) against 32 fp8 MACs on the tensor cores: on an H100/H200
+  SM that is ~4x the tensor-core time of the slice, so the CUDA cores, not the tensor cores, bound
+  this kernel (at ~1 PFLOP/s with perfect overlap, and lower as Triton waits for each wgmma before
+  folding it). Blocks of 32 are what makes MXFP8 costly on Hopper; DeepSeek-style 1x128 blocks fold
+  4x less often.
 - :func:`mx_gemm_native`: ``torch._scaled_mm`` with e8m0 block scales (cuBLAS block scaling, CUDA
   capability 10.0 and later). Scales are rearranged into cuBLAS's 128x4 tiled layout first.
 """
@@ -24,34 +28,54 @@ import triton
 import triton.language as tl
 
 from gem_precision.mx_reference import MX_BLOCK, MXTensor
-from gem_precision.triton_common import check_triton_device, e8m0_to_float, interpreting
+from gem_precision.triton_common import check_triton_device, interpreting
 
 
 def _configs() -> list[triton.Config]:
-    out = []
-    for bm, bn, sub_k, stages, warps in (
-        (128, 128, 2, 4, 8),
-        (128, 128, 4, 3, 8),
-        (128, 256, 2, 3, 8),
-        (256, 128, 2, 3, 8),
-        (128, 64, 4, 4, 4),
-        (64, 128, 4, 4, 4),
-    ):
-        out.append(
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SUB_K": sub_k, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
-        )
-    return out
+    # (BLOCK_M, BLOCK_N, SUB_K, num_stages, num_warps); all compile for sm_90 without register spills.
+    # Triton waits for each wgmma before folding it, so MMA/fold overlap comes from several CTAs per
+    # SM: small tiles (fewer registers, higher occupancy) compete with large ones (more reuse).
+    shapes = (
+        (128, 128, 1, 4, 8), (64, 128, 1, 4, 4), (64, 256, 1, 4, 8), (128, 64, 1, 4, 4),
+        (256, 64, 1, 4, 8), (64, 128, 2, 4, 4), (64, 64, 2, 5, 4), (64, 64, 1, 4, 4),
+    )  # fmt: skip
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SUB_K": sk, "GROUP_M": 8}, num_stages=st, num_warps=w)
+        for bm, bn, sk, st, w in shapes
+    ]
+
+
+@triton.jit
+def _load_slice(a_rows, b_cols, k0, j: tl.constexpr, K, EVEN_K: tl.constexpr):
+    """The A [BLOCK_M, 32] and B [32, BLOCK_N] fp8 tiles of 32-wide K slice ``k0 / 32 + j``."""
+    kk = k0 + j * 32 + tl.arange(0, 32)
+    if EVEN_K:
+        return tl.load(a_rows + kk[None, :]), tl.load(b_cols + kk[:, None])
+    a = tl.load(a_rows + kk[None, :], mask=kk[None, :] < K, other=0.0)
+    b = tl.load(b_cols + kk[:, None], mask=kk[:, None] < K, other=0.0)
+    return a, b
+
+
+@triton.jit
+def _load_scales(sa_t, sb_t, kb, rm, rn, M, N, KB):
+    """float32 scales of slice ``kb`` for the tile's rows of A and columns of B (1 past the end)."""
+    ok = kb < KB  # kb * M stays far below 2**31: sa_t has 1/32 of A's elements
+    sa = tl.load(sa_t + kb * M + rm, mask=ok, other=1.0)
+    sb = tl.load(sb_t + kb * N + rn, mask=ok, other=1.0)
+    return sa, sb
 
 
 @triton.jit
 def _mx_gemm_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, bias_ptr,
-    M, N, K, stride_am, stride_bn, stride_sa, stride_sb, stride_cm,
+    a_ptr, b_ptr, sa_t, sb_t, c_ptr, bias_ptr,
+    M, N, K, KB, stride_am, stride_bn, stride_cm,
     M_BUCKET, K_BUCKET,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # M_BUCKET and K_BUCKET only key the autotuner (token counts change every step).
+    # sa_t [KB, M] and sb_t [KB, N] are the decoded float32 block scales, K-block-major, so that a
+    # K slice's scales for the tile are one contiguous, coalesced load.
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -65,31 +89,30 @@ def _mx_gemm_kernel(
     # Out-of-range rows/columns wrap around instead of being masked; their results are not stored.
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    rk = tl.arange(0, 32)
     a_rows = a_ptr + rm[:, None].to(tl.int64) * stride_am
     b_cols = b_ptr + rn[None, :].to(tl.int64) * stride_bn
-    sa_rows = sa_ptr + rm.to(tl.int64) * stride_sa
-    sb_cols = sb_ptr + rn.to(tl.int64) * stride_sb
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The scale loads are not pipelined by the compiler (they feed no dot), so each step loads the
+    # next step's scales into registers while it computes (a software double buffer).
+    sa0, sb0 = _load_scales(sa_t, sb_t, 0, rm, rn, M, N, KB)
+    if SUB_K == 2:
+        sa1, sb1 = _load_scales(sa_t, sb_t, 1, rm, rn, M, N, KB)
     for k0 in range(0, K, 32 * SUB_K):
-        for j in tl.static_range(SUB_K):
-            kk = k0 + j * 32 + rk
-            kb = k0 // 32 + j
-            if EVEN_K:
-                a = tl.load(a_rows + kk[None, :])
-                b = tl.load(b_cols + kk[:, None])
-                sa = tl.load(sa_rows + kb)
-                sb = tl.load(sb_cols + kb)
-            else:
-                a = tl.load(a_rows + kk[None, :], mask=kk[None, :] < K, other=0.0)
-                b = tl.load(b_cols + kk[:, None], mask=kk[:, None] < K, other=0.0)
-                # a slice entirely past K contributes 0 * 1: keep its scale finite
-                sa = tl.load(sa_rows + kb, mask=kb * 32 < K, other=127)
-                sb = tl.load(sb_cols + kb, mask=kb * 32 < K, other=127)
-            partial = tl.dot(a, b)
-            scale = e8m0_to_float(sa.to(tl.int32))[:, None] * e8m0_to_float(sb.to(tl.int32))[None, :]
-            acc += partial * scale
+        a, b = _load_slice(a_rows, b_cols, k0, 0, K, EVEN_K)
+        p0 = tl.dot(a, b)
+        if SUB_K == 2:
+            a, b = _load_slice(a_rows, b_cols, k0, 1, K, EVEN_K)
+            p1 = tl.dot(a, b)
+        next_kb = k0 // 32 + SUB_K
+        nsa0, nsb0 = _load_scales(sa_t, sb_t, next_kb, rm, rn, M, N, KB)
+        # fold: acc += p * (scale_a x scale_b), as one multiply and one FMA per element
+        acc = tl.fma(p0 * sa0[:, None], sb0[None, :], acc)
+        sa0, sb0 = nsa0, nsb0
+        if SUB_K == 2:
+            nsa1, nsb1 = _load_scales(sa_t, sb_t, next_kb + 1, rm, rn, M, N, KB)
+            acc = tl.fma(p1 * sa1[:, None], sb1[None, :], acc)
+            sa1, sb1 = nsa1, nsb1
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
@@ -102,6 +125,14 @@ def _mx_gemm_kernel(
 _heuristics = triton.heuristics({"EVEN_K": lambda args: args["K"] % (32 * args["SUB_K"]) == 0})
 _mx_gemm_fixed = _heuristics(_mx_gemm_kernel)
 _mx_gemm_tuned = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K_BUCKET"])(_heuristics(_mx_gemm_kernel))
+
+
+def decoded_scales_t(scale: torch.Tensor) -> torch.Tensor:
+    """e8m0 ``[rows, KB]`` -> float32 ``[KB, rows]`` (2**(e - 127); NaN for 0xFF), the GEMM's layout.
+
+    1/32 of the operand's elements: a small pass next to the GEMM, like cuBLAS's own scale layout.
+    """
+    return scale.view(torch.float8_e8m0fnu).to(torch.float32).t().contiguous()
 
 
 def _bucket(n: int) -> int:
@@ -128,7 +159,7 @@ def mx_gemm_triton(
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T (+ bias)`` as ``out_dtype``, by the Triton kernel.
 
-    ``config`` (keys BLOCK_M, BLOCK_N, SUB_K, GROUP_M, num_warps, num_stages) bypasses the
+    ``config`` (keys BLOCK_M, BLOCK_N, SUB_K (1 or 2), GROUP_M, num_warps, num_stages) bypasses the
     autotuner; under the interpreter a small fixed config is used.
     """
     check_triton_device(a.data, "mx_gemm_triton")
@@ -140,13 +171,15 @@ def mx_gemm_triton(
         return c
     if k == 0:
         return c.zero_() if bias is None else c.copy_(bias.expand(m, n))
+    if config is not None and config.get("SUB_K") not in (1, 2):
+        raise ValueError(f"mx_gemm_triton: config SUB_K must be 1 or 2, got {config.get('SUB_K')}")
     if config is None and interpreting():
         config = {"BLOCK_M": 32, "BLOCK_N": 32, "SUB_K": 2, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
-    sa, sb = a.scale.view(torch.uint8), b.scale.view(torch.uint8)
+    kb = a.scale.shape[1]
     args = (
-        a.data, b.data, sa, sb, c,
+        a.data, b.data, decoded_scales_t(a.scale), decoded_scales_t(b.scale), c,
         bias if bias is not None else c,
-        m, n, k, a.data.stride(0), b.data.stride(0), sa.stride(0), sb.stride(0), c.stride(0),
+        m, n, k, kb, a.data.stride(0), b.data.stride(0), c.stride(0),
         _bucket(m), _bucket(k),
     )  # fmt: skip
     if config is None:
@@ -214,7 +247,9 @@ def native_mx_probe(device_index: int) -> str | None:
     if torch.cuda.get_device_capability(device) < (10, 0):
         return f"CUDA capability {torch.cuda.get_device_capability(device)} < (10, 0)"
     gen = torch.Generator().manual_seed(0)
-    qa, qb = (MXTensor(*(t.to(device) for t in mx_quantize(torch.randn(128, 128, generator=gen)).tensors())) for _ in range(2))
+    qa, qb = (
+        MXTensor(*(t.to(device) for t in mx_quantize(torch.randn(128, 128, generator=gen)).tensors())) for _ in range(2)
+    )
     try:
         got = mx_gemm_native(qa, qb, out_dtype=torch.float32)
     except Exception as exc:  # the probe reports why; callers decide (native raises, auto records it)

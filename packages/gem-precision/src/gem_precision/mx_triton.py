@@ -54,29 +54,34 @@ def _mx_quantize_kernel(
     ROWS: tl.constexpr, COLS_T: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
+    # The tile is addressed as 4-d [row block, row in block, column block, column in block] so that
+    # both kinds of 32-blocks are plain axes (no reshape, which would pin a 1-element-per-thread
+    # layout on the load), and the contiguous last axis keeps 16-byte vector loads.
+    RB: tl.constexpr = BLOCK_R // 32
+    CB: tl.constexpr = BLOCK_C // 32
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < R)[:, None] & (cols < C)[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    i32 = tl.arange(0, 32)
+    rb = tl.arange(0, RB)
+    cb = tl.arange(0, CB)
+    rows = pid_r * BLOCK_R + rb[:, None, None, None] * 32 + i32[None, :, None, None]
+    cols = pid_c * BLOCK_C + cb[None, None, :, None] * 32 + i32[None, None, None, :]
+    mask = (rows < R) & (cols < C)
+    x = tl.load(x_ptr + rows.to(tl.int64) * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
     if ROWS:
-        blocks = tl.reshape(x, [BLOCK_R, BLOCK_C // 32, 32])
-        code, bits = _mx_encode(blocks, tl.max(abs_bits(blocks), axis=2), SOFTWARE_ROUND, 2)
-        out = q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :]
-        tl.store(out, tl.reshape(bits, [BLOCK_R, BLOCK_C]), mask=mask)
-        sb = pid_c * (BLOCK_C // 32) + tl.arange(0, BLOCK_C // 32)
-        smask = (rows < R)[:, None] & (sb < tl.cdiv(C, 32))[None, :]
-        tl.store(s_ptr + rows[:, None].to(tl.int64) * ld_s + sb[None, :], code, mask=smask)
+        code, bits = _mx_encode(x, tl.max(abs_bits(x), axis=3), SOFTWARE_ROUND, 3)
+        tl.store(q_ptr + rows.to(tl.int64) * C + cols, bits, mask=mask)
+        s_rows = pid_r * BLOCK_R + rb[:, None, None] * 32 + i32[None, :, None]  # [RB, 32, 1]
+        s_blocks = pid_c * CB + cb[None, None, :]  # [1, 1, CB]
+        smask = (s_rows < R) & (s_blocks < tl.cdiv(C, 32))
+        tl.store(s_ptr + s_rows.to(tl.int64) * ld_s + s_blocks, code, mask=smask)
     if COLS_T:
-        blocks = tl.reshape(x, [BLOCK_R // 32, 32, BLOCK_C])
-        code, bits = _mx_encode(blocks, tl.max(abs_bits(blocks), axis=1), SOFTWARE_ROUND, 1)
-        out = qt_ptr + cols[None, :].to(tl.int64) * R + rows[:, None]
-        tl.store(out, tl.reshape(bits, [BLOCK_R, BLOCK_C]), mask=mask)
-        rb = pid_r * (BLOCK_R // 32) + tl.arange(0, BLOCK_R // 32)
-        smask = (rb < tl.cdiv(R, 32))[:, None] & (cols < C)[None, :]
-        tl.store(st_ptr + cols[None, :].to(tl.int64) * ld_st + rb[:, None], code, mask=smask)
+        code, bits = _mx_encode(x, tl.max(abs_bits(x), axis=1), SOFTWARE_ROUND, 1)
+        tl.store(qt_ptr + cols.to(tl.int64) * R + rows, bits, mask=mask)
+        s_cols = pid_c * BLOCK_C + cb[None, :, None] * 32 + i32[None, None, :]  # [1, CB, 32]
+        s_blocks = pid_r * RB + rb[:, None, None]  # [RB, 1, 1]
+        smask = (s_cols < C) & (s_blocks < tl.cdiv(R, 32))
+        tl.store(st_ptr + s_cols.to(tl.int64) * ld_st + s_blocks, code, mask=smask)
 
 
 @triton.jit
@@ -161,4 +166,3 @@ def mx_dequantize_triton(mx: MXTensor, dtype: torch.dtype = torch.float32) -> to
             BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
         )  # fmt: skip
     return out
-

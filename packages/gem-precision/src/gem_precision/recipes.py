@@ -133,7 +133,9 @@ class MXRecipe(LinearRecipe):
 
     operand_type = MXTensor
 
-    def __init__(self, scheme: str, *, gemm: Literal["triton", "native", "native_or_triton", "emulated"], triton_quant: bool):
+    def __init__(
+        self, scheme: str, *, gemm: Literal["triton", "native", "native_or_triton", "emulated"], triton_quant: bool
+    ):
         self.scheme = scheme
         self.gemm = gemm
         self.backend = gemm

@@ -17,8 +17,8 @@ once. The accounting counts what stays alive: each distinct storage once, plus t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -94,7 +94,7 @@ def is_parameter_like(t: torch.Tensor, parameter_ptrs: set[int]) -> bool:
 class _Packed:
     """A compressed saved tensor."""
 
-    __slots__ = ("operand", "shape", "dtype")
+    __slots__ = ("dtype", "operand", "shape")
 
     def __init__(self, operand: MXTensor | Fp8Operand, shape: torch.Size, dtype: torch.dtype):
         self.operand, self.shape, self.dtype = operand, shape, dtype
@@ -172,7 +172,9 @@ class Fp8SavedTensors:
         return self._dequantize(saved.operand, saved.dtype).view(saved.shape)
 
     def _quantize(self, t: torch.Tensor) -> MXTensor | Fp8Operand:
-        t2d = t.reshape(-1, t.shape[-1]).contiguous()
+        t2d = t.reshape(-1, t.shape[-1])
+        if t2d.stride(-1) != 1:  # the kernels take any row stride (e.g. a column slice), not this
+            t2d = t2d.contiguous()
         on_gpu = t2d.device.type == "cuda"
         if self.granularity == "block32":
             if on_gpu:

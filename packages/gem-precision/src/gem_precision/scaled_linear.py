@@ -72,9 +72,7 @@ class ScaledLinear(nn.Module):
     linears before the model is moved to its device. The output has the dtype of the input.
     """
 
-    def __init__(
-        self, linear: nn.Linear, *, scheme: str, fqn: str, recipe_for: Callable[[torch.device], LinearRecipe]
-    ):
+    def __init__(self, linear: nn.Linear, *, scheme: str, fqn: str, recipe_for: Callable[[torch.device], LinearRecipe]):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features

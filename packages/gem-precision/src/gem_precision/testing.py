@@ -32,7 +32,9 @@ def mx_edge_cases() -> dict[str, torch.Tensor]:
     out = {name: torch.tensor(rows, dtype=torch.float32) for name, rows in cases.items()}
     gen = torch.Generator().manual_seed(1234)
     out["ragged_5x45"] = torch.randn(5, 45, generator=gen) * 10
-    out["ragged_33x70"] = torch.randn(33, 70, generator=gen).mul(torch.exp2(torch.randint(-40, 40, (33, 70), generator=gen).float()))
+    out["ragged_33x70"] = torch.randn(33, 70, generator=gen).mul(
+        torch.exp2(torch.randint(-40, 40, (33, 70), generator=gen).float())
+    )
     out["ragged_7x1"] = torch.randn(7, 1, generator=gen)
     return out
 

@@ -11,17 +11,12 @@ GPU; the benchmark checks both settings bit for bit against the torch references
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from gem_precision.device import triton_interpreting as interpreting
 from gem_precision.formats import Fp8Format
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def software_rounding_default() -> bool:
@@ -33,8 +28,7 @@ def check_triton_device(t: torch.Tensor, what: str) -> None:
     if t.device.type == "cuda" or (t.device.type == "cpu" and interpreting()):
         return
     raise RuntimeError(
-        f"{what}: Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); "
-        f"got a tensor on {t.device}"
+        f"{what}: Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); got a tensor on {t.device}"
     )
 
 
@@ -65,7 +59,8 @@ def round_to_fp8_grid(v, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, MAGIC: t
     normal = rounded.to(tl.float32, bitcast=True)
     # Subnormal range: the spacing is fixed; adding 1.5 * 2**k rounds to it in float32 hardware.
     sub = (v + MAGIC) - MAGIC
-    sub = (sub.to(tl.int32, bitcast=True) | (b & -2147483648)).to(tl.float32, bitcast=True)
+    sign = (b >> 31) << 31  # keeps -0.0 for tiny negatives, which round to zero
+    sub = (sub.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(v) < MIN_NORMAL, sub, normal)
 
 

@@ -1,0 +1,92 @@
+"""End-to-end training throughput of the GEM model, one run per precision scheme / activation policy.
+
+Runs the real trainer (``gem_model.trainer.train``) in this process for each variant and prints a
+table of tokens/s, samples/s, MFU and the loss, and writes JSON. Each variant first trains a few
+steps; the rates leave out the first two (warm-up, Triton compilation).
+
+    python benchmarks/train_h200.py --out results.json [--steps 30] [--variants bf16,fp8_rowwise]
+    python benchmarks/train_h200.py --config configs/tiny.yaml --device cpu --steps 5   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import sys
+import time
+import traceback
+
+import torch
+
+from gem_model.config_io import load_config
+from gem_model.plugins import GemPluginManager
+from gem_model.trainer import train
+
+VARIANTS: dict[str, list[str]] = {
+    "fp32": ["precision.scheme=fp32"],
+    "bf16": ["precision.scheme=bf16"],
+    "fp8_tensorwise": ["precision.scheme=fp8_tensorwise"],
+    "fp8_rowwise": ["precision.scheme=fp8_rowwise"],
+    "mxfp8": ["precision.scheme=mxfp8"],
+    "bf16+checkpoint_selective": ["precision.scheme=bf16", "activation.policy=checkpoint_selective"],
+    "bf16+fp8_saved": ["precision.scheme=bf16", "activation.policy=fp8_saved"],
+    "bf16+torch_attention": ["precision.scheme=bf16", "kernels.jagged_attention=torch", "kernels.norm_gate=torch"],
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/h200.yaml")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default=None)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    pm = GemPluginManager()
+    rows = []
+    for name in args.variants.split(","):
+        overrides = [
+            *VARIANTS[name], f"trainer.steps={args.steps}", f"trainer.device={args.device}", "trainer.progress=false",
+            "trainer.checkpoint_at_end=false", f"trainer.output_dir=/tmp/gem-bench/{name}", f"trainer.log_every={args.steps}",
+            *args.overrides,
+        ]
+        start = time.time()
+        try:
+            cfg = load_config(args.config, overrides)
+            s = train(cfg, pm)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+            rows.append({
+                "variant": name, "ok": True, "tokens_per_s": s.tokens_per_s, "samples_per_s": s.samples_per_s,
+                "mfu": s.mfu, "peak_tflops": s.peak_flops / 1e12, "first_loss": s.first_loss, "last_loss": s.last_loss,
+                "peak_mem_gib": peak, "wall_s": time.time() - start,
+            })
+        except Exception as exc:  # one failing variant must not hide the others
+            traceback.print_exc()
+            rows.append({"variant": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    print(f"\n{'variant':<28} {'tokens/s':>12} {'samples/s':>10} {'MFU %':>7} {'loss first->last':>18} {'mem GiB':>8}")
+    for r in rows:
+        if r["ok"]:
+            print(f"{r['variant']:<28} {r['tokens_per_s']:>12,.0f} {r['samples_per_s']:>10,.0f} {100 * r['mfu']:>7.2f} "
+                  f"{r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {r['peak_mem_gib']:>8.1f}")
+        else:
+            print(f"{r['variant']:<28} FAILED: {r['error']}")
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__, "command": " ".join(shlex.quote(a) for a in sys.argv), "config": args.config,
+    }
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
