@@ -6,11 +6,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import secrets  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+import secrets
+from collections.abc import Iterator
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 SEED_ENV = "GEM_KERNELS_TEST_SEED"
 

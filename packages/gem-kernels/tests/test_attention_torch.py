@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gem_kernels.attention import TorchJaggedAttention
-from gem_kernels.attention_torch import BUCKET_GROWTH, plan_buckets
+from gem_kernels.attention_torch import BUCKET_GROWTH, SMALL_BUCKET, plan_buckets
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
 
 pytestmark = pytest.mark.usefixtures("poison")
@@ -19,16 +18,16 @@ def test_buckets_cover_every_sequence_once_and_pad_little(gen: torch.Generator) 
     assert sorted(seen) == [b for b, n in enumerate(lengths) if n > 0]
     for size, seqs in buckets:
         assert size == max(lengths[b] for b in seqs)
-        assert all(lengths[b] * BUCKET_GROWTH >= size for b in seqs)
+        assert size <= SMALL_BUCKET or all(lengths[b] * BUCKET_GROWTH >= size for b in seqs)
 
 
 def test_short_sequences_are_not_padded_to_the_longest() -> None:
-    buckets = plan_buckets([1000, 3, 4, 2])
-    assert buckets[0] == (1000, [0])
-    assert all(size <= 4 for size, _ in buckets[1:])
+    assert plan_buckets([1000, 3, 4, 2]) == [(1000, [0]), (4, [2, 1, 3])]
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+)
 @pytest.mark.parametrize("window", [0, 5])
 def test_matches_reference(gen: torch.Generator, dtype: torch.dtype, tolerance: float, window: int) -> None:
     lengths = torch.randint(0, 60, (9,), generator=gen).tolist()
@@ -62,4 +61,4 @@ def test_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match="v must be"):
         TorchJaggedAttention()(q, q, torch.zeros(4, 3, 8), torch.tensor([0, 4]), max_seq_len=4, alpha=1.0)
     with pytest.raises(ValueError, match="num_targets"):
-        TorchJaggedAttention()(q, q, q, torch.tensor([0, 4]), max_seq_len=4, alpha=1.0, num_targets=torch.tensor([1, 2]))
+        TorchJaggedAttention()(q, q, q, torch.tensor([0, 4]), max_seq_len=4, alpha=1.0, num_targets=torch.ones(2))

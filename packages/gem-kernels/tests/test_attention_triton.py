@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-
+from gem_kernels import attention_triton, attention_triton_bwd
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
 
@@ -77,7 +77,7 @@ def test_head_dims(gen: torch.Generator, dims: tuple[int, int]) -> None:
     check(lengths, gen, dims=dims, heads=1, targets=random_targets(gen, lengths), window=6)
 
 
-@pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (32, 32)])
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (32, 32), (64, 16), (16, 64)])
 def test_block_shapes(gen: torch.Generator, blocks: tuple[int, int]) -> None:
     """Full, diagonal, window-edge and target blocks line up for any BLOCK_M x BLOCK_N."""
     lengths = random_lengths(gen, 3, 70)
@@ -129,7 +129,12 @@ def test_strided_views_of_a_fused_projection(gen: torch.Generator) -> None:
     assert max(errors.values()) < 1e-5, errors
 
 
-def test_more_sequences_than_one_scheduler_chunk(gen: torch.Generator) -> None:
-    """The in-kernel queue scans seq_offsets in chunks of 128 sequences; cross a few chunk borders."""
-    lengths = random_lengths(gen, 300, 5)
-    check(lengths, gen, heads=1, targets=random_targets(gen, lengths), window=2)
+def test_queue_scan_crosses_chunks(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-kernel queue scans seq_offsets a chunk of sequences at a time; shrink the chunk to 4 so
+    that a small batch crosses several chunk borders (with empty sequences on some of them)."""
+    monkeypatch.setattr(attention_triton, "CHUNK", 4)
+    monkeypatch.setattr(attention_triton_bwd, "CHUNK", 4)
+    lengths = random_lengths(gen, 13, 20)
+    lengths[3] = lengths[4] = 0
+    for dq in ("atomic", "separate"):
+        check(lengths, gen, targets=random_targets(gen, lengths), window=5, config=TritonJaggedAttention.Config(dq=dq))

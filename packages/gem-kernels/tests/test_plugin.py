@@ -6,11 +6,10 @@ import os
 import subprocess
 import sys
 
+import gem_kernels.plugin
 import pydantic
 import pytest
 import torch
-
-import gem_kernels.plugin
 from gem_kernels import availability
 from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
@@ -58,7 +57,7 @@ def no_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("no_interpreter")
 @pytest.mark.parametrize("kernel", [TritonJaggedAttention(), TritonNormGate()], ids=["attention", "norm_gate"])
 def test_triton_on_cpu_without_the_interpreter_is_an_error(kernel: TritonJaggedAttention | TritonNormGate) -> None:
-    with pytest.raises(KernelUnavailableError, match="CUDA device.*TRITON_INTERPRET=1"):
+    with pytest.raises(KernelUnavailableError, match=r"CUDA device.*TRITON_INTERPRET=1"):
         kernel.check_available(torch.device("cpu"))
     if not torch.cuda.is_available():
         with pytest.raises(KernelUnavailableError, match="no CUDA device"):

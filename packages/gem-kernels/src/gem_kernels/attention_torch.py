@@ -14,7 +14,9 @@ from gem_kernels.reference import attention_mask
 
 BUCKET_GROWTH = 1.25
 """A bucket holds lengths in ``[size / BUCKET_GROWTH, size]``: at most ~1.56x the work of no padding,
-and about ``log(max / min) / log(1.25)`` buckets (a dozen for lengths 16..200)."""
+and about ``log(max / min) / log(1.25)`` buckets (half a dozen for lengths 40..200)."""
+SMALL_BUCKET = 64
+"""Sequences this short share one bucket: padding them costs less than the ~20 ops of another bucket."""
 
 
 def plan_buckets(lengths: list[int], growth: float = BUCKET_GROWTH) -> list[tuple[int, list[int]]]:
@@ -22,7 +24,7 @@ def plan_buckets(lengths: list[int], growth: float = BUCKET_GROWTH) -> list[tupl
     buckets: list[tuple[int, list[int]]] = []
     for seq in sorted((b for b, n in enumerate(lengths) if n > 0), key=lambda b: -lengths[b]):
         n = lengths[seq]
-        if buckets and n * growth >= buckets[-1][0]:
+        if buckets and (n * growth >= buckets[-1][0] or buckets[-1][0] <= SMALL_BUCKET):
             buckets[-1][1].append(seq)
         else:
             buckets.append((n, [seq]))
@@ -45,33 +47,45 @@ def jagged_attention_torch(
     Differentiable through autograd. Reads ``seq_offsets`` on the host (a sync on GPU inputs).
     """
     num_rows, num_heads = q.shape[:2]
-    dim_v = v.shape[-1]
+    device = q.device
+    # 16-bit inputs are computed in float32: CPUs without bf16 matmul units are no slower for it,
+    # and the n x n weights are not rounded to 8 bits of mantissa.
+    compute = torch.promote_types(v.dtype, torch.float32)
     offsets = seq_offsets.tolist()
     lengths = [offsets[b + 1] - offsets[b] for b in range(len(offsets) - 1)]
-    targets = num_targets.tolist() if num_targets is not None else [0] * len(lengths)
-    device = q.device
-    parts: list[torch.Tensor] = []
-    rows: list[torch.Tensor] = []
-    for size, seqs in plan_buckets(lengths):
-        starts = torch.tensor([offsets[b] for b in seqs], device=device)
-        seq_lens = torch.tensor([lengths[b] for b in seqs], device=device)
-        seq_targets = torch.tensor([targets[b] for b in seqs], device=device)
-        positions = torch.arange(size, device=device)
-        # Padding slots re-read the sequence's last row: finite values that the mask zeroes, so
-        # no zero row has to be appended to (copies of) q, k and v.
-        gather = starts[:, None] + torch.minimum(positions[None, :], seq_lens[:, None] - 1)
-        inside = (positions[None, :] < seq_lens[:, None]).flatten()
-        nb = len(seqs)
-
-        def bucket(x: torch.Tensor, gather: torch.Tensor = gather, nb: int = nb, size: int = size) -> torch.Tensor:
-            return x.index_select(0, gather.flatten()).view(nb, size, num_heads, -1).transpose(1, 2)
-
-        scale = attention_mask(seq_lens, seq_targets, max_attn_len, size).to(v.dtype) / max_seq_len
-        weights = F.silu(alpha * (bucket(q) @ bucket(k).transpose(-1, -2))) * scale[:, None]
-        out = (weights @ bucket(v)).transpose(1, 2).reshape(nb * size, num_heads, dim_v)
-        keep = inside.nonzero().squeeze(1)
-        parts.append(out.index_select(0, keep))
-        rows.append(gather.flatten().index_select(0, keep))
-    if not parts:  # no rows at all: an empty result that still belongs to the autograd graph
+    buckets = plan_buckets(lengths)
+    if not buckets:  # no rows at all: an empty result that still belongs to the autograd graph
         return v * 0.0
-    return v.new_zeros((num_rows, num_heads, dim_v)).index_copy(0, torch.cat(rows), torch.cat(parts))
+    # Every bucket is a [sequences, size] block of slots in one flat padded buffer; row r of
+    # sequence b goes to slot first_slot[b] + (r - offsets[b]).
+    first_slot = [0] * len(lengths)
+    bucket_slots = []
+    used = 0
+    for size, seqs in buckets:
+        for i, seq in enumerate(seqs):
+            first_slot[seq] = used + i * size
+        bucket_slots.append(used)
+        used += size * len(seqs)
+    lengths_t = torch.tensor(lengths, device=device)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t, output_size=num_rows)
+    shift = torch.tensor(first_slot, device=device) - seq_offsets.to(device=device, dtype=torch.int64)[:-1]
+    slot_of_row = torch.arange(num_rows, device=device) + shift[seq_of_row]
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        # index_put into zeros: its backward is a gather (index_select's would be a slow scatter_add on CPU).
+        return x.new_zeros((used, num_heads, x.shape[-1]), dtype=compute).index_put((slot_of_row,), x.to(compute))
+
+    padded_q, padded_k, padded_v = pad(q), pad(k), pad(v)
+    targets = num_targets.to(device) if num_targets is not None else torch.zeros_like(lengths_t)
+    outs = []
+    for (size, seqs), slot in zip(buckets, bucket_slots, strict=True):
+        nb = len(seqs)
+        chosen = torch.tensor(seqs, device=device)
+
+        def bucket(x: torch.Tensor, slot: int = slot, nb: int = nb, size: int = size) -> torch.Tensor:
+            return x[slot : slot + nb * size].view(nb, size, num_heads, -1).transpose(1, 2)
+
+        scale = attention_mask(lengths_t[chosen], targets[chosen], max_attn_len, size).to(compute) / max_seq_len
+        weights = F.silu(alpha * (bucket(padded_q) @ bucket(padded_k).transpose(-1, -2))) * scale[:, None]
+        outs.append((weights @ bucket(padded_v)).transpose(1, 2).reshape(nb * size, num_heads, -1))
+    return torch.cat(outs)[slot_of_row].to(v.dtype)

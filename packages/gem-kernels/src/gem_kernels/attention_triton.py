@@ -43,8 +43,10 @@ from gem_kernels.attention_triton_common import (
     INTERPRET,
     allowed,
     cast,
+    device_guard,
     dim_block,
     dot,
+    fixed_block_warps,
     history_length,
     launch_once_tuned,
     load_tile,
@@ -55,21 +57,22 @@ from gem_kernels.attention_triton_common import (
     silu_mode,
 )
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for Hopper-class GPUs.
-_GPU_CONFIGS = [
-    (128, 128, 8, 2, 1),
-    (128, 64, 8, 3, 1),
-    (128, 64, 4, 3, 1),
-    (64, 64, 4, 3, 2),
-    (64, 128, 4, 2, 2),
-    (128, 128, 8, 3, 1),
-]
-_GPU_CONFIGS_WIDE = [(64, 64, 4, 2, 1), (64, 32, 4, 2, 2), (128, 32, 8, 2, 1), (64, 64, 8, 2, 1)]
-_INTERPRETER_CONFIGS = [(16, 16, 1, 1, 1)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for Hopper-class GPUs. Few on purpose:
+# each is a compile of a large kernel. Chosen from ptxas reports for sm_90 at head dim 128: these
+# stay within 255 registers without spilling (the 128 x 128 forward spills ~100 bytes; its larger
+# key block halves the shared-memory reads of q k^T, so it stays a candidate). 8-warp tiles take a
+# whole SM's registers; the 4-warp ones leave registers and shared memory for two programs per SM.
+FORWARD_CONFIGS = [(128, 128, 8, 2, 1), (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (64, 64, 4, 2, 2)]
+DQ_CONFIGS = [(128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 2)]
+WIDE_CONFIGS = [(128, 32, 8, 2, 1), (64, 64, 8, 2, 1), (32, 64, 4, 2, 2)]  # head dims above 128
+INTERPRETER_CONFIGS = [(16, 16, 1, 1, 1)]
 
 
-def make_configs(wide: bool) -> list[triton.Config]:
-    table = _INTERPRETER_CONFIGS if INTERPRET else (_GPU_CONFIGS_WIDE if wide else _GPU_CONFIGS)
+def make_configs(wide: bool, compute_dq: bool) -> list[triton.Config]:
+    if INTERPRET:
+        table = INTERPRETER_CONFIGS
+    else:
+        table = WIDE_CONFIGS if wide else (DQ_CONFIGS if compute_dq else FORWARD_CONFIGS)
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n, "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=s)
         for m, n, w, s, p in table
@@ -123,7 +126,7 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
 
 
 @triton.jit
-def _query_major_kernel(
+def query_major_kernel(
     Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
     stride_dom, stride_doh, stride_om, stride_oh,
@@ -197,15 +200,15 @@ def _query_major_kernel(
         tiles_before = chunk_end
 
 
-_TUNERS: dict[bool, object] = {}
+TUNERS: dict[tuple[bool, bool], object] = {}
 
 
-def _tuner(wide: bool) -> object:
-    if wide not in _TUNERS:
-        _TUNERS[wide] = triton.autotune(
-            configs=make_configs(wide), key=["AUTOTUNE_N", "DQK", "DV", "COMPUTE_DQ"], reset_to_zero=["COUNTER"]
-        )(_query_major_kernel)
-    return _TUNERS[wide]
+def _tuner(wide: bool, compute_dq: bool) -> object:
+    if (wide, compute_dq) not in TUNERS:
+        TUNERS[wide, compute_dq] = triton.autotune(
+            configs=make_configs(wide, compute_dq), key=["AUTOTUNE_N", "DQK", "DV"], reset_to_zero=["COUNTER"]
+        )(query_major_kernel)
+    return TUNERS[wide, compute_dq]
 
 
 def autotune_bucket(max_seq_len: int) -> int:
@@ -256,11 +259,12 @@ def query_major(
         HAS_WINDOW=max_attn_len > 0, SILU=silu_mode(q.dtype), IEEE=q.dtype == torch.float32,
         INTERP=INTERPRET, CHUNK=CHUNK,
     )
-    if blocks is not None:
-        block_m, block_n = blocks
-        fixed = dict(BLOCK_M=block_m, BLOCK_N=block_n, PROGRAMS_PER_SM=1)
-        _query_major_kernel[grid](*args, **meta, **fixed, num_warps=4, num_stages=2)  # type: ignore[index]
-        return out
-    tuner = _tuner(wide)
-    launch_once_tuned(tuner, lambda: tuner[grid](*args, **meta), [counter])  # type: ignore[index]
+    with device_guard(q.device):
+        if blocks is not None:
+            fixed = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], PROGRAMS_PER_SM=1)
+            warps = fixed_block_warps(*blocks)
+            query_major_kernel[grid](*args, **meta, **fixed, num_warps=warps, num_stages=2)  # type: ignore[index]
+        else:
+            tuner = _tuner(wide, compute_dq)
+            launch_once_tuned(tuner, lambda: tuner[grid](*args, **meta), [counter])  # type: ignore[index]
     return out

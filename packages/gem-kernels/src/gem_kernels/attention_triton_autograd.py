@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import torch
 
+from gem_kernels import attention_triton, attention_triton_bwd
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_bwd import key_major
 
@@ -50,7 +51,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
         if dq_mode == "atomic":
             dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, **options)
-            dq = dq_accum.mul_(alpha / max_seq_len).to(q.dtype)
+            dq = dq_accum.to(q.dtype)
         else:
             dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, **options)
             dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, **options)
@@ -80,3 +81,13 @@ def jagged_attention_triton(
     return JaggedAttentionFunction.apply(
         q, k, v, seq_offsets, num_targets, max_seq_len, alpha, max_attn_len, dq_mode, blocks
     )
+
+
+def autotuned_configs() -> dict[str, str]:
+    """What autotuning chose so far, per kernel and tuning key (for benchmark records)."""
+    found = {}
+    for kernel, tuners in (("query_major", attention_triton.TUNERS), ("key_major", attention_triton_bwd.TUNERS)):
+        for tuner in tuners.values():
+            for key, config in getattr(tuner, "cache", {}).items():
+                found[f"{kernel}{key}"] = str(config)
+    return found

@@ -22,8 +22,10 @@ from gem_kernels.attention_triton_common import (
     INTERPRET,
     allowed,
     cast,
+    device_guard,
     dim_block,
     dot,
+    fixed_block_warps,
     history_length,
     launch_once_tuned,
     load_tile,
@@ -34,21 +36,17 @@ from gem_kernels.attention_triton_common import (
     silu_mode,
 )
 
-# (BLOCK_M queries per step, BLOCK_N keys per tile, num_warps, num_stages, programs per SM).
-_GPU_CONFIGS = [
-    (64, 128, 8, 2, 1),
-    (64, 128, 8, 3, 1),
-    (32, 128, 4, 3, 1),
-    (64, 64, 4, 3, 2),
-    (32, 64, 4, 3, 2),
-    (128, 128, 8, 2, 1),
-]
-_GPU_CONFIGS_WIDE = [(32, 64, 4, 2, 1), (64, 64, 8, 2, 1), (32, 32, 4, 2, 2)]
-_INTERPRETER_CONFIGS = [(16, 16, 1, 1, 1)]
+# (BLOCK_M queries per step, BLOCK_N keys per tile, num_warps, num_stages, programs per SM): from
+# ptxas reports for sm_90 at head dim 128, tiles whose two fp32 accumulators fit 255 registers
+# without (or with a few bytes of) spills. Small query steps keep s^T and dp^T small, but then the
+# atomic dq product (M = BLOCK_M < 64) runs on mma.sync rather than wgmma; 64 x 64 keeps wgmma.
+CONFIGS = [(32, 128, 8, 3, 1), (16, 128, 8, 3, 1), (32, 128, 8, 2, 1), (32, 64, 8, 3, 1), (64, 64, 8, 2, 1)]
+WIDE_CONFIGS = [(16, 64, 8, 2, 1), (16, 32, 8, 2, 1), (16, 32, 4, 2, 2)]  # head dims above 128
+INTERPRETER_CONFIGS = [(16, 16, 1, 1, 1)]
 
 
 def _configs(wide: bool) -> list[triton.Config]:
-    table = _INTERPRETER_CONFIGS if INTERPRET else (_GPU_CONFIGS_WIDE if wide else _GPU_CONFIGS)
+    table = INTERPRETER_CONFIGS if INTERPRET else (WIDE_CONFIGS if wide else CONFIGS)
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n, "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=s)
         for m, n, w, s, p in table
@@ -84,7 +82,7 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 
 @triton.jit
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
-                    offs_m, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha,
+                    offs_m, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
                     MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                     CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr):
@@ -103,14 +101,15 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     ds_t = cast(ds_t, q.dtype, INTERP)
     dk = dot(ds_t, q, dk, IEEE, INTERP)
     if ATOMIC_DQ:
-        dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP)
+        # Scaled here so that the buffer only needs a cast afterwards, not another full read and write.
+        dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP) * (alpha / max_seq_len)
         tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=queries_ok[:, None] & d_qk_ok[None, :],
                       sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _key_major_kernel(
+def key_major_kernel(
     Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
@@ -157,14 +156,14 @@ def _key_major_kernel(
             for start in range(full_lo, full_hi, BLOCK_M):
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
-                    keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, False, ATOMIC_DQ,
+                    keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, False, ATOMIC_DQ,
                     HAS_WINDOW, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                 )
             for i in range(0, n_diag + n_tail):
                 start = tl.where(i < n_diag, diag_lo + i * BLOCK_M, full_hi + (i - n_diag) * BLOCK_M)
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
-                    keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, True, ATOMIC_DQ,
+                    keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, True, ATOMIC_DQ,
                     HAS_WINDOW, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                 )
             dk_ptrs = DK + seq_start * stride_dkm + head * stride_dkh + keys[:, None] * stride_dkm + offs_qk[None, :]
@@ -177,15 +176,15 @@ def _key_major_kernel(
         tiles_before = chunk_end
 
 
-_TUNERS: dict[bool, object] = {}
+TUNERS: dict[bool, object] = {}
 
 
 def _tuner(wide: bool) -> object:
-    if wide not in _TUNERS:
-        _TUNERS[wide] = triton.autotune(
+    if wide not in TUNERS:
+        TUNERS[wide] = triton.autotune(
             configs=_configs(wide), key=["AUTOTUNE_N", "DQK", "DV_DIM", "ATOMIC_DQ"], reset_to_zero=["COUNTER", "DQ"]
-        )(_key_major_kernel)
-    return _TUNERS[wide]
+        )(key_major_kernel)
+    return TUNERS[wide]
 
 
 def key_major(
@@ -202,8 +201,7 @@ def key_major(
     max_attn_len: int,
     blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds the unscaled ``dq``
-    sums into it (``dq = dq_accum * alpha / max_seq_len``)."""
+    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[-1]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -231,11 +229,13 @@ def key_major(
         HAS_TARGETS=num_targets is not None, HAS_WINDOW=max_attn_len > 0, SILU=silu_mode(q.dtype),
         IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=CHUNK,
     )
-    if blocks is not None:
-        fixed = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], PROGRAMS_PER_SM=1)
-        _key_major_kernel[grid](*args, **meta, **fixed, num_warps=4, num_stages=2)  # type: ignore[index]
-        return dk, dv
-    tuner = _tuner(max(dim_qk, dim_v) > 128)
-    resets = [counter] + ([dq] if atomic else [])
-    launch_once_tuned(tuner, lambda: tuner[grid](*args, **meta), resets)  # type: ignore[index]
+    with device_guard(q.device):
+        if blocks is not None:
+            fixed = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], PROGRAMS_PER_SM=1)
+            warps = fixed_block_warps(*blocks)
+            key_major_kernel[grid](*args, **meta, **fixed, num_warps=warps, num_stages=2)  # type: ignore[index]
+        else:
+            tuner = _tuner(max(dim_qk, dim_v) > 128)
+            resets = [counter] + ([dq] if atomic else [])
+            launch_once_tuned(tuner, lambda: tuner[grid](*args, **meta), resets)  # type: ignore[index]
     return dk, dv

@@ -5,6 +5,7 @@ Imported only when a Triton kernel is used (it imports triton at module level).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -42,11 +43,21 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current CUDA device: make it the one holding the tensors."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def num_programs(device: torch.device, programs_per_sm: int, tile_bound: int) -> int:
     """Persistent grid: enough programs to fill the device, never more than there can be tiles."""
     if INTERPRET:
-        return max(1, min(2, tile_bound))  # two, so the tests see programs racing for the queue
+        return max(1, min(2, tile_bound))  # two: the tests also see a program that finds the queue empty
     return max(1, min(num_sms(device.index or 0) * programs_per_sm, tile_bound))
+
+
+def fixed_block_warps(block_m: int, block_n: int) -> int:
+    """Warps for tile sizes set by hand: two warpgroups once a tile's fp32 scores would crowd one."""
+    return 1 if INTERPRET else (8 if block_m * block_n >= 128 * 64 else 4)
 
 
 def launch_once_tuned(tuner: object, launch: object, buffers: list[torch.Tensor]) -> None:
@@ -149,7 +160,7 @@ def locate_tile(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK
     before = tiles_end <= tile
     seq = chunk0 + tl.sum(before.to(tl.int32))
     first_tile = tiles_before + tl.sum(tl.where(before, tiles, 0))
-    seq_start = tl.load(SEQ_OFFSETS + seq)
+    seq_start = tl.load(SEQ_OFFSETS + seq).to(tl.int64)  # row * stride can pass 2^31 with int32 offsets
     seq_len = (tl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(tl.int32)
     blocks = (seq_len + BLOCK - 1) // BLOCK
     rank = tile - first_tile

@@ -26,7 +26,8 @@ def check_norm_gate_inputs(x: torch.Tensor, u: torch.Tensor, weight: torch.Tenso
 
 
 class TorchNormGate(NormGateKernel):
-    """``F.layer_norm`` then the gate, as separate torch ops."""
+    """``F.layer_norm`` then the gate, as separate torch ops in at least float32 (16-bit inputs would
+    otherwise round every intermediate, and the weight gradient sums those roundings)."""
 
     name = "torch"
 
@@ -34,7 +35,9 @@ class TorchNormGate(NormGateKernel):
         self, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
     ) -> torch.Tensor:
         check_norm_gate_inputs(x, u, weight, bias)
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps) * u
+        compute = torch.promote_types(x.dtype, torch.float32)
+        normed = F.layer_norm(x.to(compute), (x.shape[-1],), weight.to(compute), bias.to(compute), eps)
+        return (normed * u.to(compute)).to(x.dtype)
 
 
 class TritonNormGate(NormGateKernel):

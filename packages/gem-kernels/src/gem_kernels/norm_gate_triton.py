@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.attention_triton_common import INTERPRET, cast, num_programs
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, num_programs
 
 MAX_DIM = 16384
 """Rows are held in registers whole; wider rows would spill."""
@@ -98,10 +98,11 @@ class NormGateFunction(torch.autograd.Function):
         rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
         weight, bias = weight.contiguous(), bias.contiguous()
         if num_rows > 0:
-            _norm_gate_fwd[(triton.cdiv(num_rows, rows),)](
-                x2, u2, weight, bias, y, mean, rstd, x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
-                D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
-            )
+            with device_guard(x.device):
+                _norm_gate_fwd[(triton.cdiv(num_rows, rows),)](
+                    x2, u2, weight, bias, y, mean, rstd, x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
+                    D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
+                )
         ctx.save_for_backward(x2, u2, weight, bias, mean, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -120,11 +121,12 @@ class NormGateFunction(torch.autograd.Function):
         du = torch.empty_like(u2)
         dw_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
         db_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
-        _norm_gate_bwd[(programs,)](
-            x2, u2, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part, x2.stride(0), u2.stride(0),
-            dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
-            D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
-        )
+        with device_guard(x2.device):
+            _norm_gate_bwd[(programs,)](
+                x2, u2, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part, x2.stride(0), u2.stride(0),
+                dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
+                D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
+            )
         dw = dw_part[:, :dim].sum(0).to(weight.dtype)
         db = db_part[:, :dim].sum(0).to(bias.dtype)
         return dx.view(ctx.shape), du.view(ctx.shape), dw, db, None

@@ -1,0 +1,126 @@
+"""Compile the attention kernels for a GPU architecture on any machine, and report their resources.
+
+Triton compiles to PTX and cubin without a GPU. This catches what the interpreter never runs (inline
+PTX, layouts, shared-memory limits) and shows registers, spills and shared memory per configuration,
+which is how the autotuning configurations were chosen::
+
+    TRITON_INTERPRET=0 python -m gem_kernels.compile_report --arch 90 [--all-configs]
+
+Uses ``triton.compiler.ASTSource`` (present in triton 3.6 and 3.7); argument hints mirror what
+``triton.jit`` derives at launch (16-byte aligned pointers, strides divisible by 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from gem_kernels import attention_triton, attention_triton_bwd
+from gem_kernels.attention_triton_common import CHUNK, INTERPRET, dim_block
+
+KERNELS = ("forward", "dq", "dkdv", "dkdv_atomic")
+TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str
+    dtype: str = "bfloat16"
+    dim_qk: int = 128
+    dim_v: int = 128
+    targets: bool = True
+    window: bool = False
+
+
+def configs(kernel: str, wide: bool) -> list[tuple[int, int, int, int, int]]:
+    if kernel in ("forward", "dq"):
+        if wide:
+            return attention_triton.WIDE_CONFIGS
+        return attention_triton.DQ_CONFIGS if kernel == "dq" else attention_triton.FORWARD_CONFIGS
+    return attention_triton_bwd.WIDE_CONFIGS if wide else attention_triton_bwd.CONFIGS
+
+
+def _signature(fn: Any, pointers: dict[str, str], floats: tuple[str, ...]) -> dict[str, str]:
+    return {n: pointers.get(n) or ("fp32" if n in floats else "i32") for n in fn.arg_names}
+
+
+def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], arch: int = 90) -> dict[str, Any]:
+    """Compile one kernel variant with one (BLOCK_M, BLOCK_N, warps, stages, programs/SM) config."""
+    block_m, block_n, warps, stages, per_sm = config
+    t = TYPES[variant.dtype]
+    common = dict(
+        HAS_TARGETS=variant.targets, HAS_WINDOW=variant.window, SILU=0 if t == "fp32" else 2, IEEE=t == "fp32",
+        INTERP=False, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, PROGRAMS_PER_SM=per_sm,
+        BLOCK_DQK=dim_block(variant.dim_qk),
+    )
+    offsets = {"SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32"}
+    if variant.kernel in ("forward", "dq"):
+        fn = attention_triton.query_major_kernel
+        dim_out = variant.dim_qk if variant.kernel == "dq" else variant.dim_v
+        constants = dict(
+            DQK=variant.dim_qk, DV=variant.dim_v, D_OUT=dim_out, BLOCK_DV=dim_block(variant.dim_v),
+            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", **common,
+        )
+        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT")} | offsets
+        signature = _signature(fn, pointers, ("alpha", "out_scale"))
+    else:
+        fn = attention_triton_bwd.key_major_kernel
+        constants = dict(
+            DQK=variant.dim_qk, DV_DIM=variant.dim_v, BLOCK_DV=dim_block(variant.dim_v),
+            ATOMIC_DQ=variant.kernel == "dkdv_atomic", **common,
+        )
+        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV")} | {"DQ": "*fp32"} | offsets
+        signature = _signature(fn, pointers, ("alpha", "max_seq_len"))
+    for name in constants:
+        signature[name] = "constexpr"
+    hints = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if signature[name].startswith("*") or name.startswith("stride")
+    }
+    source = ASTSource(fn, signature, constants, hints)
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    return {"variant": variant, "config": config, "shared_bytes": compiled.metadata.shared,
+            **_cubin_usage(compiled.asm["cubin"])}
+
+
+def _cubin_usage(cubin: bytes) -> dict[str, int | None]:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=False).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"registers": int(found[1]) if found else None, "stack_bytes": int(found[2]) if found else None}
+
+
+def main() -> None:
+    if INTERPRET:
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels this would compile")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--dtype", choices=tuple(TYPES), default="bfloat16")
+    parser.add_argument("--dims", type=int, nargs=2, default=(128, 128), metavar=("DQK", "DV"))
+    parser.add_argument("--all-configs", action="store_true", help="every autotuning config, not just the first")
+    args = parser.parse_args()
+    for kernel in KERNELS:
+        variant = Variant(kernel, args.dtype, *args.dims)
+        table = configs(kernel, max(args.dims) > 128)
+        for config in table if args.all_configs else table[:1]:
+            r = compile_variant(variant, config, args.arch)
+            print(f"{kernel:<12} {config}  registers={r['registers']} spill_stack={r['stack_bytes']}B "
+                  f"shared={r['shared_bytes'] // 1024}KiB")
+
+
+if __name__ == "__main__":
+    main()

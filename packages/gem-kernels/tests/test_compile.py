@@ -1,0 +1,34 @@
+"""The compiled (GPU) path, which the interpreter never runs: compile every kernel for sm_90 on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import json
+from gem_kernels.compile_report import Variant, compile_variant, configs
+variants = [Variant(k, "bfloat16", 128, 128, targets=True, window=True)
+            for k in ("forward", "dq", "dkdv", "dkdv_atomic")]
+variants += [Variant(k, "float16", 25, 16, targets=False) for k in ("forward", "dkdv_atomic")]
+for v in variants:
+    r = compile_variant(v, configs(v.kernel, wide=False)[0])
+    print(json.dumps({"kernel": v.kernel, "dtype": v.dtype, "shared": r["shared_bytes"], "registers": r["registers"]}))
+"""
+HOPPER_SHARED_LIMIT = 227 * 1024
+
+
+def test_kernels_compile_for_hopper() -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 6
+    for report in reports:
+        assert report["shared"] <= HOPPER_SHARED_LIMIT, report
+        assert report["registers"] is not None, report
