@@ -12,6 +12,7 @@ import pytest
 
 from gem_model.cli import main
 
+
 @pytest.fixture
 def inline_env(monkeypatch):
     monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")

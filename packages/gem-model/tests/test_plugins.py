@@ -8,8 +8,7 @@ from typing import ClassVar
 
 import pytest
 
-from gem_model import testing
-from gem_model import hookimpl
+from gem_model import hookimpl, testing
 from gem_model.components import PrecisionScheme
 from gem_model.errors import DuplicateNameError, PluginError, UnknownNameError
 from gem_model.plugins import GemPluginManager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import gem_parallel.plugin
 from gem_model import testing
@@ -15,7 +16,6 @@ from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
 from gem_parallel.sharded import TorchrecDDPConfig, TorchrecDDPPlanner
 from gem_parallel.single import SinglePlanner
-from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 SPEC = SparseOptimizerSpec(RowWiseAdagrad, {"lr": 0.1})
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-import torch.distributed as dist
-
-from gem_model.markers import hookimpl
 from gem_model.components import (
     ActivationPolicy,
     CommStrategy,
@@ -29,6 +27,7 @@ from gem_model.components import (
     PrecisionScheme,
     PreparedModel,
 )
+from gem_model.markers import hookimpl
 
 
 def hstu_mask(n: int, t: int, window: int, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,14 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from gem_model.components import ActivationPolicy, CommStrategy, ParallelPlanner, PrecisionScheme, PreparedModel, SparseOptimizerSpec
+from gem_model.components import (
+    ActivationPolicy,
+    CommStrategy,
+    ParallelPlanner,
+    PrecisionScheme,
+    PreparedModel,
+    SparseOptimizerSpec,
+)
 from gem_model.config import ActivationConfig, PrecisionConfig
 from gem_model.distributed import DistEnv
 from gem_model.model.gem import GemModel
