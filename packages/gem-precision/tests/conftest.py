@@ -1,11 +1,12 @@
-"""Triton runs in its interpreter on CPU: set before anything imports triton."""
+"""Triton runs in its interpreter on CPU: set before anything imports triton (so at import, not
+in a fixture). Plugin autoload is switched off per test instead, so that it does not leak into
+other packages' tests of a combined pytest session."""
 
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("GEM_DISABLE_PLUGIN_AUTOLOAD", "1")
 
 import secrets
 
@@ -13,6 +14,13 @@ import pytest
 import torch
 
 SEED_ENV = "GEM_PRECISION_TEST_SEED"
+
+
+@pytest.fixture(autouse=True)
+def _no_installed_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever is installed beside gem-precision, its tests see only what they register."""
+    monkeypatch.setenv("GEM_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.delenv("GEM_PLUGINS", raising=False)
 
 
 @pytest.fixture
