@@ -128,3 +128,13 @@ def test_source_evaluation_runs_during_and_after_training(pm, tiny_overrides, tm
     records = [json.loads(x) for x in (tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 2, "valid/hr@10": 0.25} in records and records[-1] == {"step": 4, "valid/hr@10": 0.25, "test/hr@10": 0.25}
     assert "test/hr@10" in capsys.readouterr().out
+
+
+def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(pm, tiny_overrides, tmp_path):
+    from gem_model.errors import CheckpointError
+
+    train(load_config(None, [*tiny_overrides, "trainer.steps=2"]), pm)
+    before = sorted(p.name for p in (tmp_path / "gem-tiny" / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError, match="set trainer.resume=true"):
+        train(load_config(None, [*tiny_overrides, "trainer.steps=4"]), pm)
+    assert sorted(p.name for p in (tmp_path / "gem-tiny" / "checkpoints").iterdir()) == before

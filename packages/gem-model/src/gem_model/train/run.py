@@ -15,7 +15,7 @@ from gem_model.components import PreparedModel, SparseOptimizerSpec
 from gem_model.config import RunConfig
 from gem_model.data.loader import ShardedLoader
 from gem_model.distributed import DistEnv
-from gem_model.errors import KernelUnavailableError, NonFiniteLossError
+from gem_model.errors import CheckpointError, KernelUnavailableError, NonFiniteLossError
 from gem_model.model.flops import count_flops
 from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
@@ -89,6 +89,11 @@ class Run:
         self.last_checkpoint: Path | None = None
         if tc.resume:
             self.resume()
+        elif ckpt.latest_checkpoint(self.checkpointer.root) is not None:
+            raise CheckpointError(
+                f"{self.checkpointer.root} holds checkpoints of an earlier run; set trainer.resume=true to "
+                "continue it, or choose another trainer.output_dir (nothing was overwritten)"
+            )
 
     # -------------------------------------------------------------------------------------- a step
 
