@@ -10,6 +10,10 @@ FLOPs count the causal half of every sequence: forward 2 H (Dqk + Dv) S / 2, bac
 ``triton.testing.do_bench``. Before timing, each case checks the Triton output and gradients against
 the float64 reference on its first sequences, and that the full batch reproduces them.
 
+The kernels tune themselves per (dtype, head dims, mask kind, max_seq_len bucket, mean length
+bucket) on their first call; the record keeps, per case and dq mode, the config each kernel ran
+(``configs``), and for every tuning key all candidates' median ms (``autotuned_configs``).
+
     PYTHONPATH=packages/gem-model/src:packages/gem-kernels/src \\
         python benchmarks/jagged_attention.py --out results/jagged_attention.json [--quick] [--cases a,b]
 """
@@ -23,6 +27,7 @@ import json
 import math
 import platform
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,7 +36,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-from gem_kernels.attention_triton_autograd import autotuned_configs, jagged_attention_triton
+from gem_kernels.attention_triton_autograd import (
+    autotuned_configs,
+    clear_last_configs,
+    jagged_attention_triton,
+    last_configs,
+    resolve_dq_mode,
+)
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import attention_errors
 from triton.testing import do_bench
@@ -153,7 +164,8 @@ def padded(x: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    row: dict[str, Any] = {"case": name, **asdict(case), "errors": {}, "failures": {}}
+    row: dict[str, Any] = {"case": name, **asdict(case), "errors": {}, "failures": {}, "configs": {}}
+    started = time.perf_counter()
 
     def stage(label: str, fn: Callable[[], Any]) -> Any:
         try:
@@ -169,6 +181,7 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
         return row
     fwd_flops, bwd_flops = flops(case, inputs["squares"])
     row.update(rows=int(inputs["offsets"][-1]), squares=inputs["squares"], fwd_flops=fwd_flops, bwd_flops=bwd_flops)
+    row["dq_auto"] = resolve_dq_mode("auto", row["rows"], case.batch, case.heads)
     options = dict(max_seq_len=case.max_seq_len, alpha=1.0 / case.dim, num_targets=inputs["targets"])
     offsets = inputs["offsets"]
     for mode in DQ_MODES if args.dq == "both" else (args.dq,):
@@ -177,7 +190,9 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
             return jagged_attention_triton(q, k, v, offsets, dq_mode=mode, **options)
 
         # Autotune on the full batch first: the check's few sequences would tune for the wrong shape.
+        clear_last_configs()
         stage(f"warmup_{mode}", lambda f=triton_attention: run_once(f, inputs))
+        row["configs"][mode] = last_configs()  # what each kernel ran on the full batch (tuned just now)
         row["errors"][mode] = stage(f"check_{mode}", lambda mode=mode: check(case, inputs, mode))
         timed = stage(f"triton_{mode}", lambda f=triton_attention: time_fwd_bwd(f, inputs))
         if timed is not None:
@@ -208,6 +223,7 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
             row["sdpa_padded_fwd_ms"], row["sdpa_padded_bwd_ms"] = sd
     inputs.clear()  # frees this case's tensors before the next case allocates
     torch.cuda.empty_cache()
+    row["elapsed_s"] = round(time.perf_counter() - started, 1)
     return row
 
 
@@ -259,6 +275,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           "TF/s count real (causal, jagged) FLOPs for every column.")
 
 
+def print_configs(rows: list[dict[str, Any]]) -> None:
+    """Per case: the dq mode ``auto`` picks, its elapsed time, and the config each kernel ran."""
+    print()
+    print("configs run on the full batch (chosen by tuning on it) and dq_mode=auto's pick:")
+    for row in rows:
+        print(f"{row['case']:<12} auto dq -> {row.get('dq_auto', '-')}, {row.get('elapsed_s', '-')} s")
+        seen: set[tuple[str, str]] = set()
+        for configs in row.get("configs", {}).values():
+            for kernel, config in configs.items():
+                if (kernel, config) not in seen:
+                    seen.add((kernel, config))
+                    print(f"    {kernel:<12} {config}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write the results as JSON here")
@@ -276,26 +306,34 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown cases {unknown}; choose from {list(CASES)}")
     device = torch.device("cuda")
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def write_record() -> None:
+        record = {
+            "benchmark": "jagged_attention",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "command": " ".join([sys.executable, *sys.argv]),
+            "device": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "seed": SEED,
+            "autotuned_configs": autotuned_configs(),
+            "cases": rows,
+        }
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=2, default=str)
+
     for name in names:
         print(f"== {name}", file=sys.stderr, flush=True)
         rows.append(run_case(name, CASES[name], args, device))
+        print(f"== {name}: {rows[-1].get('elapsed_s')} s; {verdict(rows[-1])}", file=sys.stderr, flush=True)
+        if args.out:
+            write_record()  # after every case: a run cut short still leaves the cases it finished
     print_table(rows)
-    record = {
-        "benchmark": "jagged_attention",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "seed": SEED,
-        "autotuned_configs": autotuned_configs(),
-        "cases": rows,
-    }
+    print_configs(rows)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=2, default=str)
+        write_record()
         print(f"wrote {args.out}")
     return 1 if any(row["failures"] for row in rows) else 0
 

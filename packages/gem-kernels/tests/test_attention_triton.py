@@ -138,3 +138,99 @@ def test_queue_scan_crosses_chunks(gen: torch.Generator, monkeypatch: pytest.Mon
     lengths[3] = lengths[4] = 0
     for dq in ("atomic", "separate"):
         check(lengths, gen, targets=random_targets(gen, lengths), window=5, config=TritonJaggedAttention.Config(dq=dq))
+
+
+def test_queues_reset_themselves(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last program of every launch zeroes the work queue, so one buffer serves every launch."""
+    counters: list[torch.Tensor] = []
+
+    def counter(device: torch.device) -> torch.Tensor:
+        counters.append(torch.full((2,), 0, dtype=torch.int32, device=device))
+        return counters[-1]
+
+    monkeypatch.setattr(attention_triton, "queue_counter", counter)
+    monkeypatch.setattr(attention_triton_bwd, "queue_counter", counter)
+    lengths = random_lengths(gen, 5, 40)
+    for dq in ("atomic", "separate"):
+        check(lengths, gen, targets=random_targets(gen, lengths), config=TritonJaggedAttention.Config(dq=dq))
+    assert len(counters) == 5  # forward and dk/dv twice, the separate dq pass once
+    assert all(c.tolist() == [0, 0] for c in counters), [c.tolist() for c in counters]
+
+
+def test_forward_without_autograd_matches(gen: torch.Generator) -> None:
+    """Without grad the forward kernel runs directly, skipping the autograd function."""
+    from gem_kernels.attention_triton_autograd import jagged_attention_triton
+
+    lengths = random_lengths(gen, 4, 30)
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = random_qkv(int(offsets[-1]), 2, 16, 16, torch.bfloat16, gen)
+    targets = random_targets(gen, lengths)
+    options = dict(max_seq_len=32, alpha=0.25, num_targets=targets, max_attn_len=5)
+    with torch.no_grad():
+        direct = jagged_attention_triton(q, k, v, offsets, **options)
+    tracked = jagged_attention_triton(q.requires_grad_(), k, v, offsets, **options)
+    assert tracked.grad_fn is not None and direct.grad_fn is None
+    assert torch.equal(direct, tracked.detach())
+
+
+def test_dq_auto(gen: torch.Generator) -> None:
+    """``auto`` (the default) is exact whichever pass it picks; it picks as the H200 figures say."""
+    from gem_kernels.attention_triton_autograd import resolve_dq_mode
+
+    lengths = random_lengths(gen, 4, 40)
+    check(lengths, gen, targets=random_targets(gen, lengths), config=TritonJaggedAttention.Config())
+    assert TritonJaggedAttention.Config().dq == "auto"
+    # (rows, sequences, heads) of the benchmark cases whose two backward modes were timed
+    assert resolve_dq_mode("auto", 39011, 512, 4) == "atomic"  # N = 256, s = 0.3
+    assert resolve_dq_mode("auto", 15939, 128, 2) == "atomic"  # MovieLens-like
+    assert resolve_dq_mode("auto", 124189, 512, 4) == "separate"  # N = 256, s = 0.95
+    assert resolve_dq_mode("auto", 154387, 512, 4) == "separate"  # N = 1024, s = 0.3
+    assert resolve_dq_mode("atomic", 10**7, 512, 4) == "atomic"
+
+
+def test_tuning_keys() -> None:
+    from gem_kernels.attention_triton_common import length_buckets, pow2_at_least
+
+    assert [pow2_at_least(n) for n in (0, 1, 2, 3, 64, 65, 1000)] == [1, 1, 2, 4, 64, 128, 1024]
+    assert length_buckets(1024, 498459, 512) == (1024, 1024)  # s = 0.95: mean 974
+    assert length_buckets(1024, 154387, 512) == (1024, 512)  # s = 0.3: mean 302, tuned apart
+    assert length_buckets(200, 15939, 128) == (256, 128)
+    assert length_buckets(10, 3, 5) == (16, 16)
+
+
+def test_tuning_picks_the_fastest_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuning times every candidate once per key, drops those that fail, keeps the fastest, restores
+    what the timing runs accumulated into, and launches the winner; the next call only launches."""
+    import triton.testing
+    from gem_kernels import attention_triton_common as common
+
+    slow, fast, broken = (64, 64, 4, 2, 2), (128, 64, 8, 2, 1), (128, 128, 8, 3, 1)
+    times = {slow: 2.0, fast: 1.0}
+    launched: list[tuple] = []
+
+    def fake_run(self: object, config: tuple, *args: object) -> None:
+        if config == broken:
+            raise RuntimeError("out of resources: shared memory")
+        launched.append(config)
+
+    def fake_bench(fn: object, warmup: int, rep: int, return_mode: str) -> float:
+        fn()  # type: ignore[operator]
+        return times[launched[-1]]
+
+    monkeypatch.setattr(common.TunedKernel, "_run", fake_run)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    kernel = common.TunedKernel(
+        "probe", attention_triton.query_major_kernel, pointers=("Q", "K", "V", "DO", "OUT"),
+        floats=("alpha", "out_scale"), key_names=("a", "b"),
+    )
+    restored: list[int] = []
+    options = dict(variant=("v",), buckets=(1,), configs=[slow, broken, fast], device=torch.device("cpu"),
+                   tile_bound=lambda config: 1, after_tuning=lambda: restored.append(1))
+    kernel.launch((), dict, **options)  # type: ignore[arg-type]
+    assert kernel.chosen[("v", 1)] == fast and launched[-1] == fast and restored == [1]
+    record = kernel.records()["probe(a=v, b=1)"]
+    assert record["chosen"] == common.config_str(fast)
+    assert "out of resources" in record["trials_ms"][common.config_str(broken)]
+    before = len(launched)
+    kernel.launch((), dict, **options)  # type: ignore[arg-type]
+    assert launched[before:] == [fast] and restored == [1] and kernel.last == (("v", 1), fast)

@@ -21,7 +21,19 @@ Design
   sequence, head, then block (longest-running block first); a persistent grid of
   ``programs_per_sm x SMs`` programs claims them with an atomic counter. The queue is never
   materialised: each program scans ``seq_offsets`` a chunk at a time, so no host sync, no padded
-  grid, and no program is spent on padding.
+  grid, and no program is spent on padding. The last program to finish zeroes the counter again,
+  so one counter per (device, stream) serves every launch, without a memset per call.
+* Tuning: each kernel (forward, dq, dk/dv, dk/dv with atomic dq) picks its config once per key
+  (dtype, head dims, targets, window, ``max_seq_len`` and mean length ``L / B``, each rounded up to
+  a power of two) by timing every candidate on that call's inputs. The mean length splits batches
+  of short sequences from long ones with the same ``max_seq_len``: at N = 1024, s = 0.3 (mean 302)
+  a smaller query block wastes less of each sequence's padded last block than at s = 0.95.
+* Launching: after its first launch (through ``kernel[grid](...)``, which compiles), a
+  (config, argument specialisation) is launched straight through its compiled kernel, skipping
+  Triton's autotuner and JIT dispatch (``TunedKernel`` in ``attention_triton_common``). On small
+  batches the host's work is the cost of a call: ~200-400 us per forward before (Triton's
+  autotuner, JIT binding, a counter memset), ~40-60 us after, on a loaded 2-core CPU; the
+  MovieLens-like case (16k rows) took 0.173 ms per forward on the H200 for a few us of math.
 * Per tile, key blocks that are out of the mask are skipped; key blocks entirely inside it (all
   rows see all keys) run without any mask math; only the diagonal, window-edge and target blocks
   are masked elementwise.
@@ -41,42 +53,53 @@ import triton.language as tl
 from gem_kernels.attention_triton_common import (
     CHUNK,
     INTERPRET,
+    Config,
+    TunedKernel,
     allowed,
     cast,
     device_guard,
     dim_block,
     dot,
-    fixed_block_warps,
+    fixed_config,
     history_length,
-    launch_once_tuned,
+    length_buckets,
     load_tile,
     locate_tile,
-    num_programs,
+    queue_counter,
+    release_queue,
     scan_chunk,
     silu_and_grad,
     silu_mode,
 )
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for Hopper-class GPUs. Few on purpose:
-# each is a compile of a large kernel. Chosen from ptxas reports for sm_90 at head dim 128: these
-# stay within 255 registers without spilling (the 128 x 128 forward spills ~100 bytes; its larger
-# key block halves the shared-memory reads of q k^T, so it stays a candidate). 8-warp tiles take a
-# whole SM's registers; the 4-warp ones leave registers and shared memory for two programs per SM.
-FORWARD_CONFIGS = [(128, 128, 8, 2, 1), (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (64, 64, 4, 2, 2)]
-DQ_CONFIGS = [(128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 2)]
-WIDE_CONFIGS = [(128, 32, 8, 2, 1), (64, 64, 8, 2, 1), (32, 64, 4, 2, 2)]  # head dims above 128
-INTERPRETER_CONFIGS = [(16, 16, 1, 1, 1)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for Hopper-class GPUs. Each is a compile
+# of a large kernel, so few. From ptxas reports for sm_90 at head dim 128 (compile_report): these stay
+# within 255 registers without spilling (the 128 x 128 forward spills ~100 bytes; its larger key block
+# halves the shared-memory reads of q k^T, so it stays a candidate). 8-warp tiles take a whole SM's
+# registers; the 4-warp ones leave registers and shared memory for two programs per SM, whose
+# per-tile latency (claim, locate, first loads, store) then hides behind the other program's math,
+# which pays on short sequences (few key blocks per tile), as do their smaller query blocks (less of
+# each sequence's last block is padding). The 2026-11-30 H200 run chose (64, 32, 4, 3, 2) for the dq
+# pass at N = 256 and 1024, so both 4-warp shapes are candidates for the forward too.
+FORWARD_CONFIGS: list[Config] = [
+    (128, 128, 8, 2, 1), (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 64, 8, 4, 1),
+    (64, 64, 4, 2, 2), (64, 64, 4, 3, 2), (64, 32, 4, 3, 2),
+]
+DQ_CONFIGS: list[Config] = [
+    (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 2), (64, 32, 4, 2, 2),
+]
+WIDE_CONFIGS: list[Config] = [(128, 32, 8, 2, 1), (64, 64, 8, 2, 1), (32, 64, 4, 2, 2)]  # head dims above 128
+INTERPRETER_CONFIGS: list[Config] = [(16, 16, 1, 1, 1)]
 
 
-def make_configs(wide: bool, compute_dq: bool) -> list[triton.Config]:
+def make_configs(wide: bool, compute_dq: bool) -> list[Config]:
     if INTERPRET:
-        table = INTERPRETER_CONFIGS
-    else:
-        table = WIDE_CONFIGS if wide else (DQ_CONFIGS if compute_dq else FORWARD_CONFIGS)
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=s)
-        for m, n, w, s, p in table
-    ]
+        return INTERPRETER_CONFIGS
+    return WIDE_CONFIGS if wide else (DQ_CONFIGS if compute_dq else FORWARD_CONFIGS)
+
+
+KEY_NAMES = ("dtype", "dqk", "dv", "targets", "window", "chunk", "blocks", "n_bucket", "mean_bucket")
+"""What a tuning key holds: ``blocks`` is ``auto`` (tuned) or the tile sizes set by hand."""
 
 
 @triton.jit
@@ -125,12 +148,12 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
     return dot(cast(w, rhs.dtype, INTERP), rhs, acc, IEEE, INTERP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len"])  # no recompiles for B = 1, H = 1, W = 1
 def query_major_kernel(
     Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
     stride_dom, stride_doh, stride_om, stride_oh,
-    num_seqs, num_heads, alpha, out_scale, max_attn_len, AUTOTUNE_N,
+    num_seqs, num_heads, alpha, out_scale, max_attn_len,
     DQK: tl.constexpr, DV: tl.constexpr, D_OUT: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_OUT: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -147,13 +170,12 @@ def query_major_kernel(
     d_v_ok = offs_v < DV
     CHECK_QK: tl.constexpr = DQK != BLOCK_DQK
     CHECK_V: tl.constexpr = DV != BLOCK_DV
-    tile = tl.atomic_add(COUNTER, 1)
+    tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
         tiles, tiles_end = scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before, BLOCK_M, CHUNK)
         chunk_end = tiles_before + tl.sum(tiles)
         while tile < chunk_end:
-            next_tile = tl.atomic_add(COUNTER, 1)  # claimed early: the atomic's latency hides behind this tile
             seq, seq_start, seq_len, head, block, blocks = locate_tile(
                 tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_M
             )
@@ -167,9 +189,14 @@ def query_major_kernel(
                 do = load_tile(do_rows + offs_v[None, :], rows_ok, d_v_ok, True, CHECK_V)
             else:
                 do = q
+            history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
             k_ptrs = K + seq_start * stride_km + head * stride_kh + offs_n[:, None] * stride_km + offs_qk[None, :]
             v_ptrs = V + seq_start * stride_vm + head * stride_vh + offs_n[:, None] * stride_vm + offs_v[None, :]
-            history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
+            # The next tile. Relaxed: only atomicity matters, and acq_rel made each claim wait for the
+            # previous tile's output stores to drain. Triton hands a scalar atomic's result to every
+            # thread through shared memory behind a barrier, so the program waits for the round trip
+            # wherever it claims: here, at least, with this tile's targets load in flight.
+            next_tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
             full_lo, full_hi, left, diag_lo, n_left, n_hist, n_diag = _query_block_ranges(
                 m0, seq_len, history_len, max_attn_len, HAS_WINDOW, BLOCK_M, BLOCK_N
             )
@@ -198,21 +225,17 @@ def query_major_kernel(
             tl.store(out_ptrs, cast(acc * out_scale, OUT.dtype.element_ty, INTERP), mask=out_mask)
             tile = next_tile
         tiles_before = chunk_end
+    release_queue(COUNTER)
 
 
-TUNERS: dict[tuple[bool, bool], object] = {}
-
-
-def _tuner(wide: bool, compute_dq: bool) -> object:
-    if (wide, compute_dq) not in TUNERS:
-        TUNERS[wide, compute_dq] = triton.autotune(
-            configs=make_configs(wide, compute_dq), key=["AUTOTUNE_N", "DQK", "DV"], reset_to_zero=["COUNTER"]
-        )(query_major_kernel)
-    return TUNERS[wide, compute_dq]
-
-
-def autotune_bucket(max_seq_len: int) -> int:
-    return max(16, triton.next_power_of_2(max(1, max_seq_len)))
+FORWARD = TunedKernel(
+    "forward", query_major_kernel, pointers=("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER"),
+    floats=("alpha", "out_scale"), key_names=KEY_NAMES,
+)
+DQ = TunedKernel(
+    "dq", query_major_kernel, pointers=("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER"),
+    floats=("alpha", "out_scale"), key_names=KEY_NAMES,
+)
 
 
 def query_major(
@@ -230,41 +253,48 @@ def query_major(
 ) -> torch.Tensor:
     """The forward output, or ``dq`` when ``grad_out`` is given. Inputs have unit last-dim stride."""
     num_rows, num_heads, dim_qk = q.shape
-    dim_v = v.shape[-1]
+    dim_v = v.shape[2]
     compute_dq = grad_out is not None
     dim_out = dim_qk if compute_dq else dim_v
     out = torch.empty((num_rows, num_heads, dim_out), dtype=q.dtype if compute_dq else v.dtype, device=q.device)
-    num_seqs = seq_offsets.numel() - 1
+    num_seqs = seq_offsets.shape[0] - 1
     if num_rows == 0 or num_seqs <= 0:
         return out
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    device = q.device
     do = grad_out if grad_out is not None else q
+    alpha = float(alpha)
     scale = (alpha if compute_dq else 1.0) / max_seq_len
-    wide = max(dim_qk, dim_v) > 128
-    bucket = autotune_bucket(max_seq_len)
+    has_targets = num_targets is not None
+    has_window = max_attn_len > 0
+    chunk = CHUNK  # read at call time: tests shrink it
+    variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, chunk, "auto" if blocks is None else blocks)
 
-    def grid(meta: dict) -> tuple[int]:
-        bound = num_seqs * num_heads * triton.cdiv(max(max_seq_len, 1), meta["BLOCK_M"])
-        return (num_programs(q.device, meta["PROGRAMS_PER_SM"], bound),)
+    def constexprs() -> dict:
+        return dict(
+            DQK=dim_qk, DV=dim_v, D_OUT=dim_out, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v),
+            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
+            SILU=silu_mode(q.dtype), IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk,
+        )
 
-    args = (
-        q, k, v, do, out, seq_offsets, num_targets if num_targets is not None else seq_offsets, counter,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), out.stride(0), out.stride(1),
-        num_seqs, num_heads, alpha, scale, max_attn_len, bucket,
-    )
-    meta = dict(
-        DQK=dim_qk, DV=dim_v, D_OUT=dim_out, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v),
-        BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=num_targets is not None,
-        HAS_WINDOW=max_attn_len > 0, SILU=silu_mode(q.dtype), IEEE=q.dtype == torch.float32,
-        INTERP=INTERPRET, CHUNK=CHUNK,
-    )
-    with device_guard(q.device):
+    def tile_bound(config: Config) -> int:
+        return num_seqs * num_heads * -(-max(max_seq_len, 1) // config[0])
+
+    with device_guard(device):
+        counter = queue_counter(device)
+        args = (
+            q, k, v, do, out, seq_offsets, num_targets if num_targets is not None else seq_offsets, counter,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), out.stride(0), out.stride(1),
+            num_seqs, num_heads, alpha, scale, max_attn_len,
+        )
         if blocks is not None:
-            fixed = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], PROGRAMS_PER_SM=1)
-            warps = fixed_block_warps(*blocks)
-            query_major_kernel[grid](*args, **meta, **fixed, num_warps=warps, num_stages=2)  # type: ignore[index]
+            configs = [fixed_config(*blocks)]
+            buckets: tuple[int, int] = (0, 0)
         else:
-            tuner = _tuner(wide, compute_dq)
-            launch_once_tuned(tuner, lambda: tuner[grid](*args, **meta), [counter])  # type: ignore[index]
+            configs = make_configs(max(dim_qk, dim_v) > 128, compute_dq)
+            buckets = length_buckets(max_seq_len, num_rows, num_seqs)
+        (DQ if compute_dq else FORWARD).launch(
+            args, constexprs, variant=variant, buckets=buckets, configs=configs, device=device,
+            tile_bound=tile_bound,
+        )
     return out

@@ -9,8 +9,27 @@ import torch
 from gem_kernels import attention_triton, attention_triton_bwd
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_bwd import key_major
+from gem_kernels.attention_triton_common import config_str, key_label
 
-DqMode = Literal["atomic", "separate"]
+DqMode = Literal["auto", "atomic", "separate"]
+
+ATOMIC_DQ_BELOW_PAIRS = 2**24
+"""``auto`` takes atomic dq below this many (query, key) pairs, estimated as ``H L^2 / (2 B)``.
+
+On the H200 (2026-11-30, B = 512, H = 4, D = 128 bf16 unless noted; backward ms atomic / separate):
+N = 256 s = 0.95 0.779 / 0.712 (6.0e7 pairs), N = 256 s = 0.3 0.284 / 0.310 (5.9e6), N = 1024 s = 0.95
+5.698 / 5.034, N = 1024 s = 0.3 1.190 / 1.072 (9.3e7), N = 4096 s = 0.95 64.8 / 57.9, s = 0.3
+10.8 / 9.88; MovieLens-like (B = 128, H = 2, D = 64, N = 200: 2.0e6) 0.249 / 0.447. The separate
+pass wins from 6e7 pairs up (its two extra MMAs per tile pair cost less than the fp32 atomics, the
+zeroed fp32 buffer and its cast); the two small batches, where the second kernel's launch and
+drain do not pay off, favour atomics. 2^24 sits between the two groups."""
+
+
+def resolve_dq_mode(dq_mode: DqMode, num_rows: int, num_seqs: int, num_heads: int) -> Literal["atomic", "separate"]:
+    if dq_mode != "auto":
+        return dq_mode
+    pairs = num_heads * num_rows * num_rows / (2 * max(1, num_seqs))
+    return "atomic" if pairs < ATOMIC_DQ_BELOW_PAIRS else "separate"
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +67,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
         max_seq_len, alpha, max_attn_len, dq_mode, blocks = ctx.params
         grad_out = _unit_stride(grad_out)
         options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks)
-        if dq_mode == "atomic":
+        if resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "atomic":
             dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, **options)
             dq = dq_accum.to(q.dtype)
@@ -68,26 +87,58 @@ def jagged_attention_triton(
     alpha: float,
     num_targets: torch.Tensor | None = None,
     max_attn_len: int = 0,
-    dq_mode: DqMode = "atomic",
+    dq_mode: DqMode = "auto",
     blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Differentiable jagged HSTU attention (see :mod:`gem_kernels.attention_triton`).
 
-    ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of autotuning them.
+    ``dq_mode``: how the backward gets ``dq`` (``auto``: see :data:`ATOMIC_DQ_BELOW_PAIRS`).
+    ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of tuning them. Without autograd
+    (no grad mode, or no input that requires grad) the forward kernel runs directly, skipping the
+    autograd function's bookkeeping: on small batches the host's launch work is what the call costs.
     """
-    seq_offsets = seq_offsets.contiguous()
-    if num_targets is not None:
+    if not seq_offsets.is_contiguous():
+        seq_offsets = seq_offsets.contiguous()
+    if num_targets is not None and not num_targets.is_contiguous():
         num_targets = num_targets.contiguous()
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return query_major(
+            _unit_stride(q), _unit_stride(k), _unit_stride(v), None, seq_offsets, num_targets,
+            max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks,
+        )
     return JaggedAttentionFunction.apply(
         q, k, v, seq_offsets, num_targets, max_seq_len, alpha, max_attn_len, dq_mode, blocks
     )
 
 
-def autotuned_configs() -> dict[str, str]:
-    """What autotuning chose so far, per kernel and tuning key (for benchmark records)."""
-    found = {}
-    for kernel, tuners in (("query_major", attention_triton.TUNERS), ("key_major", attention_triton_bwd.TUNERS)):
-        for tuner in tuners.values():
-            for key, config in getattr(tuner, "cache", {}).items():
-                found[f"{kernel}{key}"] = str(config)
+KERNELS = {
+    "forward": attention_triton.FORWARD,
+    "dq": attention_triton.DQ,
+    "dkdv": attention_triton_bwd.DKDV,
+    "dkdv_atomic": attention_triton_bwd.DKDV_ATOMIC,
+}
+
+
+def autotuned_configs() -> dict[str, dict[str, Any]]:
+    """What tuning chose so far, per kernel and tuning key, with every candidate's median ms (for
+    benchmark records)."""
+    found: dict[str, dict[str, Any]] = {}
+    for kernel in KERNELS.values():
+        found.update(kernel.records())
     return found
+
+
+def last_configs() -> dict[str, str]:
+    """Per kernel, the tuning key and config of its latest launch."""
+    found = {}
+    for name, kernel in KERNELS.items():
+        if kernel.last is not None:
+            key, config = kernel.last
+            found[name] = f"{config_str(config)} [{key_label(kernel.key_names, key)}]"
+    return found
+
+
+def clear_last_configs() -> None:
+    """Forget the latest launches, so that :func:`last_configs` then reports only those that follow."""
+    for kernel in KERNELS.values():
+        kernel.last = None

@@ -16,21 +16,24 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.attention_triton import autotune_bucket
+from gem_kernels.attention_triton import KEY_NAMES
 from gem_kernels.attention_triton_common import (
     CHUNK,
     INTERPRET,
+    Config,
+    TunedKernel,
     allowed,
     cast,
     device_guard,
     dim_block,
     dot,
-    fixed_block_warps,
+    fixed_config,
     history_length,
-    launch_once_tuned,
+    length_buckets,
     load_tile,
     locate_tile,
-    num_programs,
+    queue_counter,
+    release_queue,
     scan_chunk,
     silu_and_grad,
     silu_mode,
@@ -40,17 +43,18 @@ from gem_kernels.attention_triton_common import (
 # ptxas reports for sm_90 at head dim 128, tiles whose two fp32 accumulators fit 255 registers
 # without (or with a few bytes of) spills. Small query steps keep s^T and dp^T small, but then the
 # atomic dq product (M = BLOCK_M < 64) runs on mma.sync rather than wgmma; 64 x 64 keeps wgmma.
-CONFIGS = [(32, 128, 8, 3, 1), (16, 128, 8, 3, 1), (32, 128, 8, 2, 1), (32, 64, 8, 3, 1), (64, 64, 8, 2, 1)]
-WIDE_CONFIGS = [(16, 64, 8, 2, 1), (16, 32, 8, 2, 1), (16, 32, 4, 2, 2)]  # head dims above 128
-INTERPRETER_CONFIGS = [(16, 16, 1, 1, 1)]
+# 64-key tiles pad less of each sequence's last key block, which pays on short sequences
+# (16 x 64: 180 registers, 218 with the atomic dq). 4-warp key tiles spill (two 64 x 128 fp32
+# accumulators in 128 threads), so every config here is one program per SM.
+CONFIGS: list[Config] = [
+    (32, 128, 8, 3, 1), (16, 128, 8, 3, 1), (32, 128, 8, 2, 1), (32, 64, 8, 3, 1), (64, 64, 8, 2, 1), (16, 64, 8, 3, 1),
+]
+WIDE_CONFIGS: list[Config] = [(16, 64, 8, 2, 1), (16, 32, 8, 2, 1), (16, 32, 4, 2, 2)]  # head dims above 128
+INTERPRETER_CONFIGS: list[Config] = [(16, 16, 1, 1, 1)]
 
 
-def _configs(wide: bool) -> list[triton.Config]:
-    table = INTERPRETER_CONFIGS if INTERPRET else (WIDE_CONFIGS if wide else CONFIGS)
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=s)
-        for m, n, w, s, p in table
-    ]
+def _configs(wide: bool) -> list[Config]:
+    return INTERPRETER_CONFIGS if INTERPRET else (WIDE_CONFIGS if wide else CONFIGS)
 
 
 @triton.jit
@@ -108,12 +112,12 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len"])  # no recompiles for B = 1, H = 1, W = 1
 def key_major_kernel(
     Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-    num_seqs, num_heads, alpha, max_seq_len, max_attn_len, AUTOTUNE_N,
+    num_seqs, num_heads, alpha, max_seq_len, max_attn_len,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
@@ -127,13 +131,12 @@ def key_major_kernel(
     d_v_ok = offs_v < DV_DIM
     CHECK_QK: tl.constexpr = DQK != BLOCK_DQK
     CHECK_V: tl.constexpr = DV_DIM != BLOCK_DV
-    tile = tl.atomic_add(COUNTER, 1)
+    tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
         tiles, tiles_end = scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before, BLOCK_N, CHUNK)
         chunk_end = tiles_before + tl.sum(tiles)
         while tile < chunk_end:
-            next_tile = tl.atomic_add(COUNTER, 1)  # claimed early: the atomic's latency hides behind this tile
             seq, seq_start, seq_len, head, block, _ = locate_tile(
                 tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_N
             )
@@ -148,6 +151,11 @@ def key_major_kernel(
             do_ptrs = DO + seq_start * stride_dom + head * stride_doh + offs_m[:, None] * stride_dom + offs_v[None, :]
             dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + offs_m[:, None] * stride_dqm + offs_qk[None, :]
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
+            # The next tile. Relaxed: only atomicity matters, and acq_rel made each claim wait for the
+            # previous tile's output stores to drain. Triton hands a scalar atomic's result to every
+            # thread through shared memory behind a barrier, so the program waits for the round trip
+            # wherever it claims: here, at least, with this tile's targets load in flight.
+            next_tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
             diag_lo, full_lo, full_hi, n_diag, n_tail = _key_block_ranges(
                 n0, seq_len, history_len, max_attn_len, HAS_WINDOW, BLOCK_M, BLOCK_N
             )
@@ -174,17 +182,14 @@ def key_major_kernel(
                      mask=keys_ok[:, None] & d_v_ok[None, :])
             tile = next_tile
         tiles_before = chunk_end
+    release_queue(COUNTER)
 
 
-TUNERS: dict[bool, object] = {}
-
-
-def _tuner(wide: bool) -> object:
-    if wide not in TUNERS:
-        TUNERS[wide] = triton.autotune(
-            configs=_configs(wide), key=["AUTOTUNE_N", "DQK", "DV_DIM", "ATOMIC_DQ"], reset_to_zero=["COUNTER", "DQ"]
-        )(key_major_kernel)
-    return TUNERS[wide]
+_POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER")
+DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES)
+DKDV_ATOMIC = TunedKernel(
+    "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES
+)
 
 
 def key_major(
@@ -203,39 +208,46 @@ def key_major(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it."""
     num_rows, num_heads, dim_qk = q.shape
-    dim_v = v.shape[-1]
+    dim_v = v.shape[2]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    num_seqs = seq_offsets.numel() - 1
+    num_seqs = seq_offsets.shape[0] - 1
     if num_rows == 0 or num_seqs <= 0:
         return dk, dv
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    device = q.device
     atomic = dq_accum is not None
-    dq = dq_accum if dq_accum is not None else torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+    dq = dq_accum if dq_accum is not None else dk  # unused without ATOMIC_DQ: any tensor of the row layout
+    has_targets = num_targets is not None
+    has_window = max_attn_len > 0
+    chunk = CHUNK  # read at call time: tests shrink it
+    variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, chunk, "auto" if blocks is None else blocks)
 
-    def grid(meta: dict) -> tuple[int]:
-        bound = num_seqs * num_heads * triton.cdiv(max(max_seq_len, 1), meta["BLOCK_N"])
-        return (num_programs(q.device, meta["PROGRAMS_PER_SM"], bound),)
+    def constexprs() -> dict:
+        return dict(
+            DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
+            HAS_TARGETS=has_targets, HAS_WINDOW=has_window, SILU=silu_mode(q.dtype),
+            IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk,
+        )
 
-    args = (
-        q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
-        counter, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), num_seqs, num_heads, alpha, float(max_seq_len), max_attn_len,
-        autotune_bucket(max_seq_len),
-    )
-    meta = dict(
-        DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
-        HAS_TARGETS=num_targets is not None, HAS_WINDOW=max_attn_len > 0, SILU=silu_mode(q.dtype),
-        IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=CHUNK,
-    )
-    with device_guard(q.device):
+    def tile_bound(config: Config) -> int:
+        return num_seqs * num_heads * -(-max(max_seq_len, 1) // config[1])
+
+    with device_guard(device):
+        counter = queue_counter(device)
+        args = (
+            q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
+            counter, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
+            dv.stride(0), dv.stride(1), num_seqs, num_heads, float(alpha), float(max_seq_len), max_attn_len,
+        )
         if blocks is not None:
-            fixed = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], PROGRAMS_PER_SM=1)
-            warps = fixed_block_warps(*blocks)
-            key_major_kernel[grid](*args, **meta, **fixed, num_warps=warps, num_stages=2)  # type: ignore[index]
+            configs = [fixed_config(*blocks)]
+            buckets: tuple[int, int] = (0, 0)
         else:
-            tuner = _tuner(max(dim_qk, dim_v) > 128)
-            resets = [counter] + ([dq] if atomic else [])
-            launch_once_tuned(tuner, lambda: tuner[grid](*args, **meta), resets)  # type: ignore[index]
+            configs = _configs(max(dim_qk, dim_v) > 128)
+            buckets = length_buckets(max_seq_len, num_rows, num_seqs)
+        (DKDV_ATOMIC if atomic else DKDV).launch(
+            args, constexprs, variant=variant, buckets=buckets, configs=configs, device=device,
+            tile_bound=tile_bound, after_tuning=dq_accum.zero_ if dq_accum is not None else None,
+        )
     return dk, dv
