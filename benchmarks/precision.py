@@ -65,14 +65,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def same_bits(a: Any, b: Any) -> bool:
-    pairs = zip(a.tensors(), b.tensors())
-    return all(
-        x.shape == y.shape and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-        for x, y in pairs
-    )
-
-
 def require(ok: bool, what: str) -> None:
     if not ok:
         raise AssertionError(f"correctness check failed, not timing: {what}")
@@ -81,43 +73,57 @@ def require(ok: bool, what: str) -> None:
 # ---------------------------------------------------------------------------------------- sections
 
 
+# tiles swept per mode: (BLOCK_R, BLOCK_C, num_warps) of the 4-d kernel, or (0, BLOCK_C, column
+# tiles per program) of the one-warp column kernel (mx_triton.Tile)
+MX_TILES = {
+    "rows": [(32, 128, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8), (32, 256, 8), (32, 512, 8), (64, 256, 4),
+             (32, 512, 4), (64, 512, 8)],
+    "cols_t": [(32, 128, 4), (64, 128, 4), (128, 64, 8), (0, 32, 1), (0, 32, 2), (0, 32, 4), (0, 64, 1), (0, 64, 2)],
+    "both": [(32, 128, 4), (64, 128, 8), (32, 64, 4), (0, 32, 1), (0, 32, 2), (0, 64, 1)],
+}  # fmt: skip
+
+
 def mx_quant(b: Bench) -> list[Row]:
-    from gem_precision.mx_reference import mx_quantize
+    from gem_precision.checks import check_mx_quantization, summarize
     from gem_precision.mx_triton import mx_dequantize_triton, mx_quantize_triton
     from gem_precision.testing import mx_edge_cases
 
     r, c = b.size((16384, 8192), (8192, 4096), (64, 96))
     x = b.randn(r, c)
+    cases = {"x": x, **{name: t.to(b.device) for name, t in mx_edge_cases().items()}}
     checks: Row = {}
-    for sw in (False, True):
-        got_r, got_c = mx_quantize_triton(x, rows=True, cols_t=True, software_round=sw)
-        ok = same_bits(got_r, mx_quantize(x)) and same_bits(got_c, mx_quantize(x, axis=0))
-        for t in mx_edge_cases().values():
-            t = t.to(b.device)
-            er, ec = mx_quantize_triton(t, rows=True, cols_t=True, software_round=sw)
-            ok &= same_bits(er, mx_quantize(t)) and same_bits(ec, mx_quantize(t, axis=0))
-        checks["hardware_cast" if not sw else "software_round"] = ok
-    # the interpreter's own fp8 cast is not round-to-nearest-even: only the software path applies there
-    require(checks["software_round" if b.smoke else "hardware_cast"], f"MX quantize vs reference, bit-exact: {checks}")
+    for sw in (False, True):  # the interpreter's own fp8 cast is not RNE: only software rounding there
+        diffs = [] if (b.smoke and not sw) else check_mx_quantization(cases, software_round=sw)
+        checks["software_round" if sw else "hardware_cast"] = "n/a (interpreter)" if b.smoke and not sw else not diffs
+        if diffs:
+            print(f"mx_quant: default tiles differ from the reference (software_round={sw}):\n{summarize(diffs)}")
     rows: list[Row] = []
     scale_bytes = r * -(-c // 32)
-    tiles = [None] + ([] if b.smoke else [(32, 128, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)])
     for mode, want_rows, want_cols in (("rows", True, False), ("cols_t", False, True), ("both", True, True)):
         written = (r * c + scale_bytes) * (int(want_rows) + int(want_cols))
         best: Row | None = None
-        for tile in tiles:
+        for tile in [None, *([] if b.smoke else MX_TILES[mode])]:
             kw = {"rows": want_rows, "cols_t": want_cols, "tile": tile}
+            row: Row = {"mode": mode, "shape": [r, c], "tile": tile or "default"}
+            try:  # a candidate counts only if it compiles, runs and gives the reference's bits
+                diffs = check_mx_quantization(
+                    {"x": x}, software_round=b.smoke, rows=want_rows, cols_t=want_cols, tile=tile
+                )
+            except Exception as exc:  # recorded on the row; the sweep goes on
+                rows.append({**row, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                continue
             ms = b.ms(lambda kw=kw: mx_quantize_triton(x, **kw))
-            row = {"mode": mode, "shape": [r, c], "tile": tile or "default", "ms": ms,
-                   "TB/s": (x.numel() * 2 + written) / ms / 1e9, "target TB/s": 3.4}  # fmt: skip
+            row.update({"ms": ms, "TB/s": (x.numel() * 2 + written) / ms / 1e9, "target TB/s": 3.4,
+                        "bit_exact": not diffs})  # fmt: skip
             rows.append(row)
-            best = row if best is None or ms < best["ms"] else best
+            if not diffs and (best is None or ms < best["ms"]):
+                best = row
         if best is not None:
             rows.append({**best, "tile": f"best={best['tile']}", "meets target": best["TB/s"] >= 3.4})
-    mx, _ = mx_quantize_triton(x)
+    mx = mx_quantize_triton(x)[0]
     ms = b.ms(lambda: mx_dequantize_triton(mx, torch.bfloat16))
     rows.append({"mode": "dequantize->bf16", "shape": [r, c], "ms": ms, "TB/s": (r * c * 3 + scale_bytes) / ms / 1e9})
-    rows[0]["bit_exact"] = checks
+    rows[0]["bit_exact (default tiles, edge cases)"] = checks
     return rows
 
 
@@ -127,7 +133,27 @@ def mx_gemm(b: Bench) -> list[Row]:
         [(4096, 4096, 4096), (16384, 1024, 1024)],
         [(64, 32, 96)],
     )
-    return [_mx_gemm_shape(b, m, n, k) for m, n, k in shapes]
+    rows = [_mx_gemm_shape(b, m, n, k) for m, n, k in shapes]
+    return rows + ([] if b.smoke else _mx_gemm_variants(b, *shapes[0]))
+
+
+def _mx_gemm_variants(b: Bench, m: int, n: int, k: int) -> list[Row]:
+    """Each autotune config timed alone; the best of each variant (fp8 fold, bf16 dequant) with its error."""
+    from gem_precision import mx_gemm as mg
+    from gem_precision.mx_reference import mx_gemm_reference
+    from gem_precision.mx_triton import mx_quantize_triton
+
+    a, bq = mx_quantize_triton(b.randn(m, k, seed=1))[0], mx_quantize_triton(b.randn(n, k, seed=2))[0]
+    want, best = mx_gemm_reference(a, bq), {}
+    for cfg in mg._configs():
+        conf = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        ms = b.ms(lambda conf=conf: mg.mx_gemm_triton(a, bq, config=conf))
+        if cfg.kwargs["DEQUANT"] not in best or ms < best[cfg.kwargs["DEQUANT"]][0]:
+            best[cfg.kwargs["DEQUANT"]] = (ms, conf)
+    return [{"M": m, "N": n, "K": k, "variant": ("fp8 fold", "bf16 dequant")[dq], "triton config": str(conf),
+             "triton TFLOP/s": 2.0 * m * n * k / ms / 1e9,
+             "rel_err": rel(mg.mx_gemm_triton(a, bq, out_dtype=torch.float32, config=conf), want)}
+            for dq, (ms, conf) in sorted(best.items())]  # fmt: skip
 
 
 def _mx_gemm_shape(b: Bench, m: int, n: int, k: int) -> Row:
@@ -162,22 +188,22 @@ def _mx_gemm_shape(b: Bench, m: int, n: int, k: int) -> Row:
 
 
 def fp8_linear(b: Bench) -> list[Row]:
+    from gem_precision.checks import check_fp8_quantization, summarize
     from gem_precision.formats import E4M3
     from gem_precision.fp8_quant_triton import quantize_fp8_triton
-    from gem_precision.fp8_reference import quantize_fp8_reference
     from gem_precision.schemes import Fp8RowwiseScheme, Fp8TensorwiseScheme, MXFP8Scheme
     from gem_precision.testing import mx_edge_cases
 
     m, k, n = b.size((65536, 4096, 4096), (16384, 2048, 2048), (64, 64, 32))
     x, gy = b.randn(m, k, seed=3), b.randn(m, n, seed=4)
-    ok = True  # the fused quantization, bit for bit, on random data and on the edge cases
-    for t in [x, *(e.to(b.device) for e in mx_edge_cases().values() if e.shape[0] > 1)]:
-        for gran in ("row", "tensor"):
-            kw = {"granularity": gran, "fmt": E4M3, "rows": True, "cols_t": True, "pad_to": 16}
-            got = quantize_fp8_triton(t, software_round=b.smoke, **kw)
-            want = quantize_fp8_reference(t, **kw)
-            ok &= same_bits(got.rows, want.rows) and same_bits(got.cols_t, want.cols_t)
-    require(ok, "fused fp8 quantization vs reference, bit-exact")
+    # the fused quantization, bit for bit, on random data and on the edge cases; a mismatch is
+    # reported in detail (and in the JSON) and marks the rows, but the timings still run
+    cases = {"x": x, **{name: e.to(b.device) for name, e in mx_edge_cases().items() if e.shape[0] > 1}}
+    diffs = check_fp8_quantization(cases, software_round=b.smoke)
+    if diffs:
+        print(f"fp8_linear: fused fp8 quantization differs from the reference:\n{summarize(diffs)}")
+    rows: list[Row] = [{"what": "fused fp8 quantization vs reference", "bit_exact": not diffs,
+                        "mismatching tensors": len(diffs), "_diagnostics": diffs}]  # fmt: skip
     torch.manual_seed(0)
     master = nn.Linear(k, n).to(b.device)
     bf16 = copy.deepcopy(master).to(torch.bfloat16)
@@ -193,7 +219,7 @@ def fp8_linear(b: Bench) -> list[Row]:
 
     t_bf16 = train_ms(bf16)
     ref = step(copy.deepcopy(bf16), x.detach().clone().requires_grad_(True))
-    rows: list[Row] = [{"what": "bf16 nn.Linear fwd+bwd", "shape": [m, k, n], "ms": t_bf16}]
+    rows.append({"what": "bf16 nn.Linear fwd+bwd", "shape": [m, k, n], "ms": t_bf16})
     native = "emulated" if b.smoke else "native"
     for cls, backend in ((Fp8RowwiseScheme, native), (Fp8TensorwiseScheme, native), (MXFP8Scheme, "auto")):
         fast = cls(cls.Config(backend=backend)).convert_linear(copy.deepcopy(master), "bench")
@@ -201,13 +227,15 @@ def fp8_linear(b: Bench) -> list[Row]:
         got = step(fast, x.detach().clone().requires_grad_(True))
         emu = step(slow, x.detach().clone().requires_grad_(True))
         errs = [rel(g, e) for g, e in zip(got, emu)]
-        require(max(errs) < 2e-2, f"{cls.name} vs its emulated backend: {errs}")
         vs_bf16 = [rel(g, r) for g, r in zip(got, ref)]
-        require(max(vs_bf16) < 0.15, f"{cls.name} vs bf16: {vs_bf16}")
+        del got, emu
+        # out of tolerance is recorded on the row, not fatal: the time is still worth having
+        ok = max(errs) < 2e-2 and max(vs_bf16) < 0.15
         ms = train_ms(fast)
         rows.append({"what": f"{cls.name} fwd+bwd (incl. quantization)", "shape": [m, k, n], "ms": ms,
                      "speedup vs bf16": t_bf16 / ms, "target": ">= 1.3x (fp8_rowwise)" if cls is Fp8RowwiseScheme else "",
-                     "rel_err vs emulated": max(errs), "rel_err vs bf16": max(vs_bf16)})  # fmt: skip
+                     "rel_err vs emulated": max(errs), "rel_err vs bf16": max(vs_bf16), "within tolerance": ok,
+                     "quantization bit-exact": not diffs if cls is not MXFP8Scheme else ""})  # fmt: skip
     if not b.smoke:  # where the time goes: fused quantization alone, and the three GEMMs alone
         for gran in ("row", "tensor"):
             ms = b.ms(lambda gran=gran: quantize_fp8_triton(x, granularity=gran, fmt=E4M3, cols_t=True, pad_to=16))
@@ -233,12 +261,7 @@ def fp8_linear(b: Bench) -> list[Row]:
 
 
 def activation(b: Bench) -> list[Row]:
-    from gem_precision.activation import (
-        CheckpointFullPolicy,
-        CheckpointSelectivePolicy,
-        Fp8SavedPolicy,
-        NoActivationPolicy,
-    )
+    from gem_precision import activation as act
     from gem_precision.testing import HstuLikeBlock
 
     tokens, dim = b.size((1 << 20, 512), (1 << 18, 512), (256, 64))
@@ -246,9 +269,10 @@ def activation(b: Bench) -> list[Row]:
     base = HstuLikeBlock(dim).to(b.device, torch.bfloat16)
     x0, gy = b.randn(tokens, dim, seed=5), b.randn(tokens, dim, seed=6)
     small = {"min_numel": 1024} if b.smoke else {}
-    policies = {"none": NoActivationPolicy(), "fp8_saved": Fp8SavedPolicy(Fp8SavedPolicy.Config(**small)),
-                "fp8_saved(row)": Fp8SavedPolicy(Fp8SavedPolicy.Config(granularity="row", **small)),
-                "checkpoint_selective": CheckpointSelectivePolicy(), "checkpoint_full": CheckpointFullPolicy()}  # fmt: skip
+    fp8 = act.Fp8SavedPolicy
+    policies = {"none": act.NoActivationPolicy(), "fp8_saved": fp8(fp8.Config(**small)),
+                "fp8_saved(row)": fp8(fp8.Config(granularity="row", **small)),
+                "checkpoint_selective": act.CheckpointSelectivePolicy(), "checkpoint_full": act.CheckpointFullPolicy()}  # fmt: skip
 
     def forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # stands in for the previous block's output: only what this block saves keeps it alive
@@ -270,12 +294,7 @@ def activation(b: Bench) -> list[Row]:
         limit = (0.05, 0.15) if name.startswith("fp8") else (1e-3, 1e-3)
         require(errs[0] < limit[0] and max(errs[1:]) < limit[1], f"{name}: gradient errors {errs}")
         del got
-        row: Row = {
-            "policy": name,
-            "tokens": tokens,
-            "dim": dim,
-            "grad rel_err (x, max param)": [errs[0], max(errs[1:])],
-        }
+        row: Row = {"policy": name, "tokens": tokens, "dim": dim, "grad rel_err (x, max param)": [errs[0], max(errs[1:])]}  # fmt: skip
         x = x0.detach().clone().requires_grad_(True)
         if b.device.type == "cuda":
             torch.cuda.synchronize()
@@ -287,15 +306,11 @@ def activation(b: Bench) -> list[Row]:
             row["peak GiB"] = (torch.cuda.max_memory_allocated() - start) / 2**30
             del y
         block.zero_grad(set_to_none=True)
-        if isinstance(policy, Fp8SavedPolicy):
+        if isinstance(policy, fp8):
             policy.reset_stats()
             forward(block, x)
             s = policy.stats
-            row["fp8 stats: compressed, in GiB, stored GiB"] = [
-                s.compressed,
-                s.bytes_in / 2**30,
-                s.bytes_stored / 2**30,
-            ]
+            row["fp8 stats: compressed, in GiB, stored GiB"] = [s.compressed, s.bytes_in / 2**30, s.bytes_stored / 2**30]  # fmt: skip
         row["step ms"] = b.ms(
             lambda block=block, x=x: forward(block, x).backward(gy), grad_to_none=[x, *block.parameters()]
         )
@@ -306,14 +321,8 @@ def activation(b: Bench) -> list[Row]:
         if "saved GiB" in row:
             row["saved reduction"] = 1 - row["saved GiB"] / none["saved GiB"]
             row["peak reduction"] = 1 - row["peak GiB"] / none["peak GiB"]
-    rows.append(
-        {
-            "policy": "targets (fp8_saved)",
-            "saved reduction": ">= 0.45",
-            "peak reduction": ">= 0.30",
-            "step cost vs none": "<= 0.05",
-        }
-    )
+    rows.append({"policy": "targets (fp8_saved)", "saved reduction": ">= 0.45", "peak reduction": ">= 0.30",
+                 "step cost vs none": "<= 0.05"})  # fmt: skip
     return rows
 
 
@@ -344,7 +353,7 @@ def meta(args: argparse.Namespace, device: torch.device) -> Row:
 
 def print_table(name: str, rows: list[Row]) -> None:
     print(f"\n== {name}")
-    keys = list(dict.fromkeys(k for row in rows for k in row))
+    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if not k.startswith("_")]  # _: JSON only
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     widths = {k: max(len(k), *(len(fmt(row.get(k, ""))) for row in rows)) for k in keys}
     print("  ".join(k.ljust(widths[k]) for k in keys))

@@ -15,11 +15,12 @@ import sys
 import tempfile
 
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
 from gem_precision import fp8_quant_triton, mx_gemm, mx_triton
 from gem_precision.formats import E4M3
 from gem_precision.triton_common import fp8_kernel_constants
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -51,6 +52,7 @@ def main() -> None:
     t = fp8_quant_triton._tiles()
     amax = {"row_amax_ptr": "*i32", "col_amax_ptr": "*i32", "tensor_amax_ptr": "*i32"}
     cfg = mx_gemm._configs()[0]
+    cfg16 = next(c for c in mx_gemm._configs() if c.kwargs["DEQUANT"])  # the bf16-dequant variant
     report = {}
     report["mx_quantize"] = build(
         mx_triton._mx_quantize_kernel,
@@ -58,6 +60,20 @@ def main() -> None:
          "qt_ptr": u8, "st_ptr": u8, "ld_st": i32},
         {"ROWS": True, "COLS_T": True, "SOFTWARE_ROUND": False, "BLOCK_R": br, "BLOCK_C": bc},
         w,
+    )  # fmt: skip
+    report["mx_quantize_cols"] = build(
+        mx_triton._mx_quantize_cols_kernel,
+        {"x_ptr": "*bf16", "R": i32, "C": i32, "stride_xr": i32, "q_ptr": u8, "s_ptr": u8, "ld_s": i32,
+         "qt_ptr": u8, "st_ptr": u8, "ld_st": i32},
+        {"ROWS": False, "SOFTWARE_ROUND": False, "BLOCK_C": 32, "NB": 2, "PACK_WORDS": True},
+        1,
+    )  # fmt: skip
+    report["fp8_rows"] = build(
+        fp8_quant_triton._fp8_rows_kernel,
+        {"x_ptr": "*bf16", "M": i32, "N": i32, "stride_xm": i32, "q_ptr": u8, "q_inv_ptr": f32},
+        {**{k: v for k, v in fp8_kernel_constants(E4M3).items() if k != "FP8_E5M2"}, "SOFTWARE_ROUND": False,
+         "BLOCK_M": 16, "BLOCK_N": 512, "ONE_CHUNK": True},
+        8,
     )  # fmt: skip
     report["mx_dequantize"] = build(
         mx_triton._mx_dequantize_kernel,
@@ -85,9 +101,18 @@ def main() -> None:
         {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_t": f32, "sb_t": f32, "c_ptr": "*bf16", "bias_ptr": f32,
          "M": i32, "N": i32, "K": i32, "KB": i32, "stride_am": i32, "stride_bn": i32, "stride_cm": i32,
          "M_BUCKET": i32, "K_BUCKET": i32},
-        {"HAS_BIAS": False, "EVEN_K": True, **cfg.kwargs},
+        {"HAS_BIAS": False, "EVEN_K": True, "F32_DOT": False, **cfg.kwargs},
         cfg.num_warps,
         cfg.num_stages,
+    )  # fmt: skip
+    report["mx_gemm_bf16"] = build(
+        mx_gemm._mx_gemm_kernel,
+        {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_t": f32, "sb_t": f32, "c_ptr": "*bf16", "bias_ptr": f32,
+         "M": i32, "N": i32, "K": i32, "KB": i32, "stride_am": i32, "stride_bn": i32, "stride_cm": i32,
+         "M_BUCKET": i32, "K_BUCKET": i32},
+        {"HAS_BIAS": False, "EVEN_K": True, "F32_DOT": False, **cfg16.kwargs},
+        cfg16.num_warps,
+        cfg16.num_stages,
     )  # fmt: skip
     json.dump(report, sys.stdout)
 

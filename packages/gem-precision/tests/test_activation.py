@@ -7,6 +7,9 @@ import copy
 
 import pytest
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from gem_precision.activation import (
     CheckpointFullPolicy,
     CheckpointSelectivePolicy,
@@ -16,8 +19,6 @@ from gem_precision.activation import (
 from gem_precision.saved_tensors import CountSavedTensors, Fp8SavedTensors
 from gem_precision.schemes import Bf16Scheme, Fp8RowwiseScheme, MXFP8Scheme
 from gem_precision.testing import HstuLikeBlock, rel_err
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # e4m3 keeps 3 mantissa bits (~2**-5 relative error per saved element on average); a parameter
 # gradient sums products of several rounded tensors (~8% at worst over 20 seeds on this block)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from gem_precision.formats import E4M3, E5M2, Fp8Format
 from gem_precision.fp8_quant_triton import quantize_fp8_triton
 from gem_precision.fp8_reference import Fp8Operand, quantize_fp8_reference, scale_exponent

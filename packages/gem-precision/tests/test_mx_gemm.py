@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from gem_precision.mx_gemm import mx_gemm_triton, native_mx_shape_problem, to_blocked
 from gem_precision.mx_reference import mx_gemm_reference, mx_quantize
 from gem_precision.testing import rel_err, wide_range_randn
@@ -70,3 +71,22 @@ def test_to_blocked_follows_the_cublas_layout(gen: torch.Generator) -> None:
             tile = (r // 128) * n_col_tiles + c // 4
             expected[tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4] = scale[r, c]
     assert torch.equal(flat, expected)
+
+
+@pytest.mark.parametrize("sub_k", [1, 2, 4])
+def test_bf16_dequant_variant_matches_reference(gen: torch.Generator, sub_k: int) -> None:
+    # DEQUANT: scaled bf16 operands (exact) into one float32 accumulation, no per-slice fold
+    a = mx_quantize(wide_range_randn(40, 200, generator=gen, spread=20))
+    b = mx_quantize(wide_range_randn(33, 200, generator=gen, spread=20))
+    got = mx_gemm_triton(a, b, out_dtype=torch.float32, config={**TINY, "SUB_K": sub_k, "DEQUANT": 1})
+    assert rel_err(got, mx_gemm_reference(a, b)) < 1e-6
+
+
+def test_autotune_list_has_both_variants() -> None:
+    from gem_precision.mx_gemm import _configs
+
+    kinds = {c.kwargs["DEQUANT"] for c in _configs()}
+    assert kinds == {0, 1}
+    with pytest.raises(ValueError, match="SUB_K"):
+        a = mx_quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
+        mx_gemm_triton(a, a, config={**TINY, "SUB_K": 4})

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from gem_precision.mx_reference import MX_BLOCK, MXTensor, mx_dequantize, mx_gemm_reference, mx_quantize
 from gem_precision.testing import mx_edge_cases, raw_bytes, rel_err, wide_range_randn
 

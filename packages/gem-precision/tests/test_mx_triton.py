@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from gem_precision.mx_reference import MXTensor, mx_dequantize, mx_quantize
 from gem_precision.mx_triton import mx_dequantize_triton, mx_quantize_triton
 from gem_precision.testing import mx_edge_cases, raw_bytes, wide_range_randn

@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 
-import gem_precision.plugin as plugin
 import pytest
+
+import gem_precision.plugin as plugin
 from gem_model.components import ActivationPolicy, ComponentConfig, PrecisionScheme
 from gem_model.plugins import GemPluginManager
 

@@ -13,6 +13,8 @@ import copy
 
 import pytest
 import torch
+from torch import nn
+
 from gem_precision.formats import E4M3, fp8_format
 from gem_precision.fp8_reference import quantize_fp8_reference
 from gem_precision.mx_reference import mx_dequantize, mx_quantize
@@ -26,7 +28,6 @@ from gem_precision.schemes import (
     ScaledScheme,
 )
 from gem_precision.testing import rel_err
-from torch import nn
 
 SCALED = [Fp8TensorwiseScheme, Fp8RowwiseScheme, MXFP8Scheme]
 TOLERANCE = {"bf16": (1e-2, 1e-2), "fp8_tensorwise": (8e-2, 1e-1), "fp8_rowwise": (8e-2, 1e-1), "mxfp8": (1e-1, 1e-1)}

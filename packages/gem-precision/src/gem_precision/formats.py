@@ -47,6 +47,9 @@ FORMATS: dict[str, Fp8Format] = {"e4m3": E4M3, "e5m2": E5M2}
 
 FP8_NAN_BITS = 0x7F
 """The byte written for every element of a non-finite scaling group (a NaN in e4m3fn and e5m2)."""
+FP32_NAN_BITS = 0x7FC00000
+"""The float32 dequantization factor of a non-finite group, written as these bits by the kernels and
+the references alike (a NaN made by arithmetic may carry another payload on some devices)."""
 
 
 def fp8_format(name: str) -> Fp8Format:

@@ -30,7 +30,6 @@ from gem_precision.triton_common import (
     check_triton_device,
     fp8_kernel_constants,
     interpreting,
-    pow2_from_biased,
     software_rounding_default,
 )
 
@@ -75,8 +74,9 @@ def _pow2_scale(amax_bits, EMAX: tl.constexpr):
     s = EMAX - floor_log2 - ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # max = 1.75 * 2**EMAX
     s = tl.minimum(tl.maximum(s, -126), 126)
     nonfinite = amax_bits >= 0x7F800000
-    scale = tl.where(nonfinite, float("nan"), pow2_from_biased(127 + s))
-    scale_inv = tl.where(nonfinite, float("nan"), pow2_from_biased(127 - s))
+    # NaN as explicit bits (formats.FP32_NAN_BITS), the same payload the reference writes
+    scale = tl.where(nonfinite, 0x7FC00000, (127 + s) << 23).to(tl.float32, bitcast=True)
+    scale_inv = tl.where(nonfinite, 0x7FC00000, (127 - s) << 23).to(tl.float32, bitcast=True)
     return scale, scale_inv, nonfinite
 
 
@@ -193,3 +193,94 @@ def quantize_fp8_triton(
     rows_op = Fp8Operand(q.view(fmt.dtype), q_inv.view(scale_shape)) if rows else None
     cols_op = Fp8Operand(qt.view(fmt.dtype), qt_inv.view(scale_shape)) if cols_t else None
     return Fp8Pair(rows_op, cols_op, sums.sum(dim=0) if col_sum else None)
+
+
+# ------------------------------------------- one-pass row-wise quantize / dequantize (saved tensors)
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    x_ptr, M, N, stride_xm, q_ptr, q_inv_ptr,
+    EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr,
+    SOFTWARE_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_CHUNK: tl.constexpr,
+):  # fmt: skip
+    # e4m3 with one scale per row, every row in this program: the amax is a register reduction, not
+    # a second kernel and atomics. When a row fits one chunk (ONE_CHUNK) x is read once; otherwise
+    # the second read of this program's rows comes from L2.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * N
+    cols = tl.arange(0, BLOCK_N)
+    if ONE_CHUNK:
+        x = tl.load(x_rows + cols[None, :], mask=rmask[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
+        amax = tl.max(abs_bits(x), axis=1)
+    else:
+        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for n0 in range(0, N, BLOCK_N):
+            mask = rmask[:, None] & (n0 + cols < N)[None, :]
+            x = tl.load(x_rows + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(abs_bits(x), axis=1))
+    scale, inv, bad = _pow2_scale(amax, EMAX)
+    tl.store(q_inv_ptr + rows, inv, mask=rmask)
+    if ONE_CHUNK:
+        bits = cast_to_fp8_bits(x * scale[:, None], False, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
+        bits = tl.where(bad[:, None], 127, bits.to(tl.int32))
+        tl.store(q_rows + cols[None, :], bits.to(tl.uint8), mask=rmask[:, None] & (cols < N)[None, :])
+    else:
+        for n0 in range(0, N, BLOCK_N):
+            mask = rmask[:, None] & (n0 + cols < N)[None, :]
+            x = tl.load(x_rows + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            bits = cast_to_fp8_bits(x * scale[:, None], False, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
+            bits = tl.where(bad[:, None], 127, bits.to(tl.int32))
+            tl.store(q_rows + n0 + cols[None, :], bits.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _fp8_rows_dequantize_kernel(q_ptr, q_inv_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    inv = tl.load(q_inv_ptr + rows, mask=rows < M, other=1.0)
+    tl.store(out_ptr + offs, (q * inv[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_ROW_CHUNK = 4096  # elements of a row per chunk (fp32 in registers: BLOCK_M * BLOCK_N <= 8192)
+
+
+def quantize_fp8_rows_triton(x: torch.Tensor, *, software_round: bool | None = None) -> Fp8Operand:
+    """e4m3 with one power-of-two scale per row, in one kernel: the bits of
+    ``quantize_fp8_reference(x, granularity="row", fmt=E4M3).rows`` (rows only, no padding)."""
+    from gem_precision.formats import E4M3
+
+    check_triton_device(x, "quantize_fp8_rows_triton")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_fp8_rows_triton: expected 2-d with contiguous rows, got {x.shape} {x.stride()}")
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
+    q_inv = torch.empty(m, dtype=torch.float32, device=x.device)
+    block_n = min(triton.next_power_of_2(max(n, 1)), 64 if interpreting() else _ROW_CHUNK)
+    block_m = max(1, min(64, (256 if interpreting() else 8192) // block_n))
+    if m and n:
+        _fp8_rows_kernel[(triton.cdiv(m, block_m),)](
+            x, m, n, x.stride(0), q, q_inv, **{k: v for k, v in fp8_kernel_constants(E4M3).items() if k != "FP8_E5M2"},
+            SOFTWARE_ROUND=software_rounding_default() if software_round is None else software_round,
+            BLOCK_M=block_m, BLOCK_N=block_n, ONE_CHUNK=n <= block_n, num_warps=4 if block_m * block_n <= 2048 else 8,
+        )  # fmt: skip
+    return Fp8Operand(q.view(E4M3.dtype), q_inv.view(-1, 1))
+
+
+def dequantize_fp8_rows_triton(op: Fp8Operand, dtype: torch.dtype) -> torch.Tensor:
+    """``op.dequantize(dtype)`` for a row-scaled e4m3 operand, in one pass (no float32 copy)."""
+    check_triton_device(op.data, "dequantize_fp8_rows_triton")
+    m, n = op.data.shape
+    out = torch.empty((m, n), dtype=dtype, device=op.data.device)
+    bm, bn = (16, 64) if interpreting() else (32, 256)
+    if m and n:
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _fp8_rows_dequantize_kernel[grid](
+            op.data.view(torch.uint8), op.scale_inv.reshape(-1), out, m, n, BLOCK_M=bm, BLOCK_N=bn, num_warps=4
+        )
+    return out

@@ -21,9 +21,10 @@ from typing import Literal
 
 import torch
 
-from gem_precision.formats import FP8_NAN_BITS, Fp8Format, exact_pow2
+from gem_precision.formats import FP8_NAN_BITS, FP32_NAN_BITS, Fp8Format, abs_bits, exact_pow2
 
 Granularity = Literal["tensor", "row"]
+_MAX_FRACTION_BITS = 0x600000  # the fraction field of 1.75, the mantissa of both e4m3 and e5m2 maxima
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,20 @@ class Fp8Pair:
 
 
 def scale_exponent(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """int32 ``s``: the largest integer with ``amax * 2**s <= fmt.max``, clamped to [-126, 126]."""
-    mantissa, exponent = torch.frexp(amax.float())  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
-    # floor(log2 amax) = exponent - 1; the fp8 max is 1.75 * 2**emax, so a mantissa above 1.75
-    # (0.875 in frexp's convention) costs one more power of two.
-    s = fmt.emax - (exponent - 1) - (mantissa > 0.875).to(exponent.dtype)
-    s = torch.where(amax == 0, torch.full_like(s, 126), s)
-    return s.clamp(-126, 126).to(torch.int32)
+    """int32 ``s``: the largest integer with ``amax * 2**s <= fmt.max``, clamped to [-126, 126].
+
+    Computed from the float32 bits with integer operations, exactly as the Triton kernels do
+    (``fp8_quant_triton._pow2_scale``), not with ``frexp``/``log2`` from a math library: the same
+    formula on CPU, on CUDA and in the kernel, so the reference cannot drift from the kernel on a
+    device whose libm (or flush-to-zero mode) treats a corner differently. For a subnormal amax the
+    biased exponent field is 0, so ``s`` comes out >= 134 and clamps to 126, as does amax = 0;
+    for NaN/inf the group is marked non-finite anyway.
+    """
+    bits = abs_bits(amax.float().contiguous())
+    floor_log2 = (bits >> 23) - 127
+    # fmt.max = 1.75 * 2**emax: a mantissa above 1.75 (fraction bits > 0x600000) costs one more bit
+    above = ((bits & 0x7FFFFF) > _MAX_FRACTION_BITS).to(torch.int32)
+    return (fmt.emax - floor_log2 - above).clamp(-126, 126).to(torch.int32)
 
 
 def _quantize_groups(x: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format) -> Fp8Operand:
@@ -75,7 +83,8 @@ def _quantize_groups(x: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format) -> Fp8
     nonfinite = ~torch.isfinite(amax)
     q = (x * exact_pow2(s)).to(fmt.dtype)
     bits = torch.where(nonfinite, torch.tensor(FP8_NAN_BITS, dtype=torch.uint8), q.view(torch.uint8))
-    scale_inv = torch.where(nonfinite, torch.tensor(float("nan")), exact_pow2(-s))
+    nan = torch.tensor(FP32_NAN_BITS, dtype=torch.int32).view(torch.float32)
+    scale_inv = torch.where(nonfinite, nan, exact_pow2(-s))
     return Fp8Operand(bits.view(fmt.dtype), scale_inv)
 
 

@@ -2,19 +2,37 @@
 
 Two implementations of the same contract (A ``[M, K]``, B ``[N, K]``, both with blocks of 32 along K;
 the result equals :func:`gem_precision.mx_reference.mx_gemm_reference` up to the order of float32
-accumulation):
+accumulation, and in the fp8 variant below the fp8 MMA's shortened accumulation):
 
-- :func:`mx_gemm_triton`, for Hopper (and Ada): fp8 tensor-core ``tl.dot`` per 32-wide K slice into a
-  temporary, folded into the float32 accumulator times the outer product of the slice's row scales
-  of A and column scales of B. A K step of ``32 * SUB_K`` (1 or 2) issues its dots before folding.
-  Tile sizes, software pipelining of the fp8 tiles (``num_stages``) and grouped tile ordering (L2
-  reuse) are autotuned; the scales are decoded once to float32, K-block-major, and each step
-  prefetches the next step's into registers. The fold costs two float32 operations per output
-  element per 32 K (a multiply and an FMA) against 32 fp8 MACs on the tensor cores: on an H100/H200
-  SM that is ~4x the tensor-core time of the slice, so the CUDA cores, not the tensor cores, bound
-  this kernel (at ~1 PFLOP/s with perfect overlap, and lower as Triton waits for each wgmma before
-  folding it). Blocks of 32 are what makes MXFP8 costly on Hopper; DeepSeek-style 1x128 blocks fold
-  4x less often.
+- :func:`mx_gemm_triton`, for Hopper (and Ada). Hopper has no block-scaled MMA (Triton's
+  ``tl.dot_scaled`` emulates it: 123-201 TFLOP/s here), so a 32-wide K block's scales must be
+  applied outside the tensor cores. Two variants, both in the autotune list:
+
+  ``DEQUANT=0`` (fp8 fold): one fp8 ``tl.dot`` per 32-wide K slice into a temporary, folded into
+  the float32 accumulator times the outer product of the slice's scales (a multiply and an FMA per
+  output element per 32 K, on the CUDA cores). Roofline at 8192^3 on an H200 SM (4096 fp8 MAC/clk
+  on the tensor cores, 128 float32 ops/clk on the CUDA cores), per 32-K slice of a 128x128 tile:
+  tensor cores 128x128x32 / 4096 = 128 clk, fold 2 x 16384 / 128 = 256 clk. The fold bounds it at
+  ~990 TFLOP/s with perfect overlap, ~660 TFLOP/s when, as Triton does, each wgmma is waited for
+  before its fold (128 + 256 clk, one CTA of 8 warps per SM at 254 registers). Measured: 324
+  TFLOP/s (64x128 tiles, 4 warps); the rest is issue overhead of the fold, the scale loads and the
+  wgmma waits. Accuracy: Hopper's fp8 MMA does not accumulate in full float32 (it aligns the 32
+  products to the largest and keeps ~14 mantissa bits, as DeepSeek-V3 measured), so each slice
+  sum has a relative error of ~2**-14.5 and the result ~4.5e-5 against the float32 reference. The
+  usual cure, promoting partial sums to float32 more often, is already at its limit here: every
+  wgmma (fp8 K = 32, its minimum) is promoted.
+
+  ``DEQUANT=1`` (bf16 dequant): each fp8 slice of A and B is multiplied by its scales into bfloat16
+  in registers (exact: 3 mantissa bits times a power of two; values below 2**-126 lose bits), and
+  one bf16 wgmma chain accumulates the whole K in float32 (bf16 MMAs keep float32 partial sums:
+  the error should be at the summation-order level, well below 1e-5; the benchmark reports it). CUDA-core work is (BLOCK_M + BLOCK_N) x 32 conversions per slice instead of
+  BLOCK_M x BLOCK_N folds, against bf16 tensor-core time, twice fp8's: 256 clk per 128x128x32,
+  ~190-300 clk of conversions. Its ceiling is the bf16 rate, i.e. the emulated path (dequantize +
+  bf16 mm, 698 TFLOP/s, 97% of bf16), without the dequantized copy in memory.
+
+  The issue's ">= 2x the emulated path" cannot be met on Hopper: the emulated path already runs at
+  the bf16 tensor-core rate, and fp8's is 2x bf16 only with free scaling; a plain fp8 GEMM
+  (``torch._scaled_mm``, per-tensor scales) reaches 1.8x on this H200.
 - :func:`mx_gemm_native`: ``torch._scaled_mm`` with e8m0 block scales (cuBLAS block scaling, CUDA
   capability 10.0 and later). Scales are rearranged into cuBLAS's 128x4 tiled layout first.
 """
@@ -32,16 +50,24 @@ from gem_precision.triton_common import check_triton_device, interpreting
 
 
 def _configs() -> list[triton.Config]:
-    # (BLOCK_M, BLOCK_N, SUB_K, num_stages, num_warps); all compile for sm_90 without register spills.
-    # Triton waits for each wgmma before folding it, so MMA/fold overlap comes from several CTAs per
-    # SM: small tiles (fewer registers, higher occupancy) compete with large ones (more reuse).
+    # (BLOCK_M, BLOCK_N, SUB_K, num_stages, num_warps, DEQUANT); all compile for sm_90 without
+    # register spills (tests/compile_sm90.py checks the first of each kind).
+    # fp8 fold (DEQUANT 0): Triton waits for each wgmma before folding it, so MMA/fold overlap comes
+    # from several CTAs per SM: small tiles (fewer registers, higher occupancy) compete with large
+    # ones (more reuse). bf16 dequant (DEQUANT 1): the CUDA-core work is (BLOCK_M + BLOCK_N) * 32
+    # per 32 K instead of BLOCK_M * BLOCK_N, so large tiles pay off, and the accumulator stays in
+    # the tensor cores across K (tl.dot(a, b, acc)).
     shapes = (
-        (128, 128, 1, 4, 8), (64, 128, 1, 4, 4), (64, 256, 1, 4, 8), (128, 64, 1, 4, 4),
-        (256, 64, 1, 4, 8), (64, 128, 2, 4, 4), (64, 64, 2, 5, 4), (64, 64, 1, 4, 4),
+        (128, 128, 1, 4, 8, 0), (64, 128, 1, 4, 4, 0), (64, 256, 1, 4, 8, 0), (128, 64, 1, 4, 4, 0),
+        (256, 64, 1, 4, 8, 0), (64, 128, 2, 4, 4, 0), (64, 64, 2, 5, 4, 0), (64, 64, 1, 4, 4, 0),
+        (128, 128, 2, 3, 8, 1), (128, 256, 2, 3, 8, 1), (256, 128, 2, 3, 8, 1), (128, 128, 4, 3, 8, 1),
+        (128, 256, 1, 4, 8, 1), (64, 256, 2, 4, 4, 1),
     )  # fmt: skip
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SUB_K": sk, "GROUP_M": 8}, num_stages=st, num_warps=w)
-        for bm, bn, sk, st, w in shapes
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "SUB_K": sk, "GROUP_M": 8, "DEQUANT": dq}, num_stages=st, num_warps=w
+        )
+        for bm, bn, sk, st, w, dq in shapes
     ]
 
 
@@ -72,6 +98,7 @@ def _mx_gemm_kernel(
     M_BUCKET, K_BUCKET,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DEQUANT: tl.constexpr = 0, F32_DOT: tl.constexpr = False,
 ):  # fmt: skip
     # M_BUCKET and K_BUCKET only key the autotuner (token counts change every step).
     # sa_t [KB, M] and sb_t [KB, N] are the decoded float32 block scales, K-block-major, so that a
@@ -93,27 +120,49 @@ def _mx_gemm_kernel(
     b_cols = b_ptr + rn[None, :].to(tl.int64) * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The scale loads are not pipelined by the compiler (they feed no dot), so each step loads the
-    # next step's scales into registers while it computes (a software double buffer).
-    sa0, sb0 = _load_scales(sa_t, sb_t, 0, rm, rn, M, N, KB)
-    if SUB_K == 2:
-        sa1, sb1 = _load_scales(sa_t, sb_t, 1, rm, rn, M, N, KB)
-    for k0 in range(0, K, 32 * SUB_K):
-        a, b = _load_slice(a_rows, b_cols, k0, 0, K, EVEN_K)
-        p0 = tl.dot(a, b)
+    if DEQUANT:
+        # Each 32-wide slice of A and B times its scales, as bfloat16 (exact: 3 mantissa bits times
+        # a power of two), into one bf16 wgmma chain accumulating in float32 across all of K.
+        for k0 in range(0, K, 32 * SUB_K):
+            for j in tl.static_range(SUB_K):
+                a, b = _load_slice(a_rows, b_cols, k0, j, K, EVEN_K)
+                sa, sb = _load_scales(sa_t, sb_t, k0 // 32 + j, rm, rn, M, N, KB)
+                a32 = a.to(tl.float32) * sa[:, None]
+                b32 = b.to(tl.float32) * sb[None, :]
+                if F32_DOT:  # the interpreter (triton 3.7) multiplies bf16 dot operands as raw bits
+                    acc = tl.dot(a32, b32, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a32.to(tl.bfloat16), b32.to(tl.bfloat16), acc)
+    else:
+        # The scale loads are not pipelined by the compiler (they feed no dot), so each step loads the
+        # next step's scales into registers while it computes (a software double buffer).
+        sa0, sb0 = _load_scales(sa_t, sb_t, 0, rm, rn, M, N, KB)
         if SUB_K == 2:
-            a, b = _load_slice(a_rows, b_cols, k0, 1, K, EVEN_K)
-            p1 = tl.dot(a, b)
-        next_kb = k0 // 32 + SUB_K
-        nsa0, nsb0 = _load_scales(sa_t, sb_t, next_kb, rm, rn, M, N, KB)
-        # fold: acc += p * (scale_a x scale_b), as one multiply and one FMA per element
-        acc = tl.fma(p0 * sa0[:, None], sb0[None, :], acc)
-        sa0, sb0 = nsa0, nsb0
-        if SUB_K == 2:
-            nsa1, nsb1 = _load_scales(sa_t, sb_t, next_kb + 1, rm, rn, M, N, KB)
-            acc = tl.fma(p1 * sa1[:, None], sb1[None, :], acc)
-            sa1, sb1 = nsa1, nsb1
+            sa1, sb1 = _load_scales(sa_t, sb_t, 1, rm, rn, M, N, KB)
+        for k0 in range(0, K, 32 * SUB_K):
+            a, b = _load_slice(a_rows, b_cols, k0, 0, K, EVEN_K)
+            p0 = tl.dot(a, b)
+            if SUB_K == 2:
+                a, b = _load_slice(a_rows, b_cols, k0, 1, K, EVEN_K)
+                p1 = tl.dot(a, b)
+            next_kb = k0 // 32 + SUB_K
+            nsa0, nsb0 = _load_scales(sa_t, sb_t, next_kb, rm, rn, M, N, KB)
+            # fold: acc += p * (scale_a x scale_b), as one multiply and one FMA per element
+            acc = tl.fma(p0 * sa0[:, None], sb0[None, :], acc)
+            sa0, sb0 = nsa0, nsb0
+            if SUB_K == 2:
+                nsa1, nsb1 = _load_scales(sa_t, sb_t, next_kb + 1, rm, rn, M, N, KB)
+                acc = tl.fma(p1 * sa1[:, None], sb1[None, :], acc)
+                sa1, sb1 = nsa1, nsb1
 
+    _store_tile(acc, c_ptr, bias_ptr, pid_m, pid_n, rn, M, N, stride_cm, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_tile(
+    acc, c_ptr, bias_ptr, pid_m, pid_n, rn, M, N, stride_cm,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -159,8 +208,9 @@ def mx_gemm_triton(
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T (+ bias)`` as ``out_dtype``, by the Triton kernel.
 
-    ``config`` (keys BLOCK_M, BLOCK_N, SUB_K (1 or 2), GROUP_M, num_warps, num_stages) bypasses the
-    autotuner; under the interpreter a small fixed config is used.
+    ``config`` (keys BLOCK_M, BLOCK_N, SUB_K (1 or 2; 1, 2 or 4 with DEQUANT), GROUP_M, num_warps,
+    num_stages, optional DEQUANT 0/1) bypasses the autotuner; under the interpreter a small fixed
+    config is used.
     """
     check_triton_device(a.data, "mx_gemm_triton")
     m, n, k = _check_operands(a, b, "mx_gemm_triton")
@@ -171,8 +221,8 @@ def mx_gemm_triton(
         return c
     if k == 0:
         return c.zero_() if bias is None else c.copy_(bias.expand(m, n))
-    if config is not None and config.get("SUB_K") not in (1, 2):
-        raise ValueError(f"mx_gemm_triton: config SUB_K must be 1 or 2, got {config.get('SUB_K')}")
+    if config is not None and config.get("SUB_K") not in ((1, 2, 4) if config.get("DEQUANT") else (1, 2)):
+        raise ValueError(f"mx_gemm_triton: config SUB_K must be 1 or 2 (1, 2 or 4 with DEQUANT), got {config}")
     if config is None and interpreting():
         config = {"BLOCK_M": 32, "BLOCK_N": 32, "SUB_K": 2, "GROUP_M": 2, "num_warps": 4, "num_stages": 1}
     kb = a.scale.shape[1]
@@ -187,11 +237,11 @@ def mx_gemm_triton(
         def grid(meta: dict[str, int]) -> tuple[int]:
             return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-        _mx_gemm_tuned[grid](*args, HAS_BIAS=bias is not None)
+        _mx_gemm_tuned[grid](*args, HAS_BIAS=bias is not None, F32_DOT=interpreting())
     else:
         meta = dict(config)
         grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _mx_gemm_fixed[grid](*args, HAS_BIAS=bias is not None, **meta)
+        _mx_gemm_fixed[grid](*args, HAS_BIAS=bias is not None, F32_DOT=interpreting(), **meta)
     return c
 
 

@@ -13,6 +13,27 @@ dtype and shape (contiguous).
 
 A tensor saved several times (the same view of the same storage at the same version) is packed
 once. The accounting counts what stays alive: each distinct storage once, plus the packed bytes.
+Packed copies are held only by autograd's saved variables, so each is freed as soon as the last
+backward node that saved it has run (the codec keeps weak references only); the original is freed
+by whatever last used it in the forward (the codec never holds it). On CUDA both directions are
+one Triton pass: no float32 temporary of a saved tensor.
+
+What limits the step-time cost: bytes, not kernels. Compressing B bytes of bf16 activations reads B
+and writes ~B/2 in the forward, reads ~B/2 and writes B in backward: ~3B of HBM traffic, against
+~3.3-3.5 TB/s for these kernels (4.26 TB/s device copy). Per token a block of width d saves ~30d
+bytes (15 KiB at d = 512 for the HSTU-like block) and runs ~30d**2 GEMM FLOPs (fwd + bwd), so
+
+    compression time / GEMM time ~= 3 * 30d / BW  /  (30d**2 / F) = 3F / (BW * d) ~= 600 / d
+
+with F ~= 700 TFLOP/s (bf16): about 1.2x the block's GEMM time at d = 512 (the benchmark measures
++10 ms on a 45.5 ms step, the traffic floor), ~15% at d = 4096. A few percent needs fewer saved
+bytes (checkpointing), not a faster codec.
+
+What limits the peak: the transient of the backward nodes, which no saved-tensor policy changes. In
+the benchmark block, silu's backward holds grad_s, the saved h (dequantized) and grad_h, three
+[L, 4d] bf16 tensors: 12 of ``none``'s 18 GiB, plus the 1 GiB output; and the forward keeps its
+locals (the [L, 4d] silu output) alive until it returns, next to the packed copies. Compression
+cuts what is kept between forward and backward (-48%), the peak much less (~-11% expected there).
 """
 
 from __future__ import annotations
@@ -91,10 +112,17 @@ def is_parameter_like(t: torch.Tensor, parameter_ptrs: set[int]) -> bool:
     return False
 
 
-class _Packed:
-    """A compressed saved tensor."""
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the codec runs the Triton kernels on ``t`` (CUDA) or the torch references (tests
+    patch it to run the kernels under the interpreter)."""
+    return t.device.type == "cuda"
 
-    __slots__ = ("dtype", "operand", "shape")
+
+class _Packed:
+    """A compressed saved tensor. Only autograd's saved variables hold it (strongly): it is freed
+    when the last backward node that saved it has run."""
+
+    __slots__ = ("__weakref__", "dtype", "operand", "shape")
 
     def __init__(self, operand: MXTensor | Fp8Operand, shape: torch.Size, dtype: torch.dtype):
         self.operand, self.shape, self.dtype = operand, shape, dtype
@@ -135,8 +163,12 @@ class Fp8SavedTensors:
         self.min_numel = min_numel
         self.parameter_ptrs = {p.untyped_storage().data_ptr() for p in parameters}
         self.counter = SavedBytesCounter()
-        # one packed copy per saved view: (storage id, view) -> (weak storage ref, packed)
-        self._packed: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], _Packed]] = {}
+        # one packed copy per saved view: (storage id, view) -> (weak storage ref, weak packed ref).
+        # Weak on both sides: the codec lives as long as any node that saved through it (its unpack
+        # is stored with each saved variable), so a strong reference here kept every packed copy to
+        # the end of backward, instead of freeing each one after its node ran (+2.7 GiB at the
+        # benchmark's peak).
+        self._packed: dict[tuple[Any, ...], tuple[weakref.ref[torch.UntypedStorage], weakref.ref[_Packed]]] = {}
 
     @property
     def stats(self) -> SavedTensorStats:
@@ -160,9 +192,11 @@ class Fp8SavedTensors:
         key = (id(storage), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
         hit = self._packed.get(key)
         if hit is not None and hit[0]() is storage:
-            return hit[1]
+            packed = hit[1]()
+            if packed is not None:
+                return packed
         packed = _Packed(self._quantize(t.detach()), t.shape, t.dtype)
-        self._packed[key] = (weakref.ref(storage), packed)
+        self._packed[key] = (weakref.ref(storage), weakref.ref(packed))
         self.counter.count(t, packed.nbytes())
         return packed
 
@@ -175,24 +209,29 @@ class Fp8SavedTensors:
         t2d = t.reshape(-1, t.shape[-1])
         if t2d.stride(-1) != 1:  # the kernels take any row stride (e.g. a column slice), not this
             t2d = t2d.contiguous()
-        on_gpu = t2d.device.type == "cuda"
+        on_gpu = use_triton(t2d)
         if self.granularity == "block32":
             if on_gpu:
                 from gem_precision.mx_triton import mx_quantize_triton
 
                 return mx_quantize_triton(t2d)[0]  # type: ignore[return-value]
             return mx_quantize(t2d)
-        if on_gpu:
-            from gem_precision.fp8_quant_triton import quantize_fp8_triton
+        if on_gpu:  # one kernel: row amax in registers, no stats pass, no atomics
+            from gem_precision.fp8_quant_triton import quantize_fp8_rows_triton
 
-            return quantize_fp8_triton(t2d, granularity="row", fmt=E4M3).rows  # type: ignore[return-value]
+            return quantize_fp8_rows_triton(t2d)
         return quantize_fp8_reference(t2d, granularity="row", fmt=E4M3).rows  # type: ignore[return-value]
 
     @staticmethod
     def _dequantize(operand: MXTensor | Fp8Operand, dtype: torch.dtype) -> torch.Tensor:
+        on_gpu = use_triton(operand.data)
         if isinstance(operand, Fp8Operand):
+            if on_gpu:  # one pass to ``dtype``; the torch path builds a float32 copy of the whole tensor
+                from gem_precision.fp8_quant_triton import dequantize_fp8_rows_triton
+
+                return dequantize_fp8_rows_triton(operand, dtype)
             return operand.dequantize(dtype)
-        if operand.data.device.type == "cuda":
+        if on_gpu:
             from gem_precision.mx_triton import mx_dequantize_triton
 
             return mx_dequantize_triton(operand, dtype)

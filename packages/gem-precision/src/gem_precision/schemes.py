@@ -30,10 +30,10 @@ from abc import abstractmethod
 from typing import ClassVar, Literal
 
 import torch
-from gem_model.components import ComponentConfig, PrecisionScheme
 from pydantic import Field
 from torch import nn
 
+from gem_model.components import ComponentConfig, PrecisionScheme
 from gem_precision.device import (
     FP8_MIN_CAPABILITY,
     MX_NATIVE_MIN_CAPABILITY,
