@@ -181,7 +181,7 @@ def run_env(name: str, spec: MatrixEnv, pytest_args: list[str]) -> dict[str, obj
         check_core_alone(env_dir)
     log(f"==== {name}: tests {' '.join(spec.tests)}")
     # small tensors: one thread per process is faster on the 2-core CI machine than two competing
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [str(env_dir / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, *spec.tests],
