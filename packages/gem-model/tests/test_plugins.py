@@ -30,7 +30,7 @@ def plugin_module(name: str, **hooks) -> types.ModuleType:
 
 def test_builtins_register_through_the_same_hooks():
     pm = GemPluginManager(autoload=False)
-    assert pm.data_sources.names() == ["synthetic"]
+    assert pm.data_sources.names() == ["movielens_1m", "synthetic"]
     assert pm.load_balancers.names() == ["round_robin"]
     assert pm.data_sources.get("synthetic").provider.distribution == "gem-model"
 

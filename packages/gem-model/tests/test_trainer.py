@@ -138,3 +138,21 @@ def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(pm, tiny_overr
     with pytest.raises(CheckpointError, match="set trainer.resume=true"):
         train(load_config(None, [*tiny_overrides, "trainer.steps=4"]), pm)
     assert sorted(p.name for p in (tmp_path / "gem-tiny" / "checkpoints").iterdir()) == before
+
+
+def test_time_limit_stops_after_the_step_that_crosses_it(pm, tiny_overrides, tmp_path):
+    summary = train(load_config(None, [*tiny_overrides, "trainer.steps=50", "trainer.time_limit_s=1e-9"]), pm)
+    assert summary.steps == 1
+    assert [json.loads(x)["step"] for x in (tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert latest_checkpoint(tmp_path / "gem-tiny" / "checkpoints").name == "step_00000001"
+
+
+def test_sequence_tables_can_start_from_a_normal_distribution(pm, tiny_overrides):
+    from gem_model.model.embeddings import SparseArch
+    from gem_model.data.synthetic import SyntheticSource
+
+    spec = SyntheticSource().feature_spec()
+    arch = SparseArch(spec, 16, seed=0, sequence_init_std=0.3)
+    std = arch.ec.embeddings["item"].weight.std().item()
+    assert abs(std - 0.3) < 0.01
+    assert arch.ebc.embedding_bags["t_user_id"].weight.abs().max() <= 0.05

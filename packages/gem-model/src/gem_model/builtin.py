@@ -12,9 +12,10 @@ if TYPE_CHECKING:
 
 @hookimpl
 def gem_register_data_sources():
+    from gem_model.data.movielens import MovieLensSource
     from gem_model.data.synthetic import SyntheticSource
 
-    return [SyntheticSource]
+    return [SyntheticSource, MovieLensSource]
 
 
 @hookimpl

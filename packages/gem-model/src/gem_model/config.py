@@ -54,6 +54,21 @@ class ModelConfig(Strict):
     task_weight: float = Field(1.0, ge=0.0)
     use_candidate: bool = Field(True, description="append the candidate item to the sequence as a target")
     use_side_features: bool = Field(True, description="feed the non-sequence tower into the cross step")
+    embedding_init_std: float | None = Field(
+        None, gt=0.0, description="draw the sequence tables (items, actions) from N(0, std); None: uniform, small"
+    )
+    context_token: bool = Field(
+        False,
+        description="prepend one token made from the non-sequence tower to every sequence (HSTU's contextual "
+        "token), so the side features reach every position, the next-item loss and the retrieval query; "
+        "needs use_side_features",
+    )
+
+    @model_validator(mode="after")
+    def _context_needs_side_features(self) -> ModelConfig:
+        if self.context_token and not self.use_side_features:
+            raise ValueError("model.context_token needs model.use_side_features: true (it is built from that tower)")
+        return self
 
 
 class DataConfig(Strict):
@@ -99,6 +114,9 @@ class TrainerConfig(Strict):
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
     checkpoint_at_end: bool = True
     resume: bool = Field(False, description="continue from the latest checkpoint in output_dir")
+    time_limit_s: float | None = Field(
+        None, gt=0.0, description="stop after the step that crosses this many seconds of training (then evaluate)"
+    )
     eval_every: int = Field(0, ge=0, description="evaluate on the validation split every N steps (0: never)")
     eval_at_end: bool = Field(True, description="evaluate on the validation and test splits after the last step")
     progress: bool = True

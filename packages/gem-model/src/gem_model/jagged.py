@@ -37,20 +37,31 @@ def positions_in_sequence(lengths: torch.Tensor, offsets: torch.Tensor | None = 
     )
 
 
-def append_one(
-    values: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor
+def insert_one(
+    values: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor, *, at_start: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append ``extra[b]`` at the end of sequence ``b``: returns the new values and lengths.
+    """Put ``extra[b]`` at the end (or, ``at_start``, the front) of sequence ``b``.
 
-    Differentiable in ``values`` and ``extra``. Rows of ``values`` move down by the number of
-    sequences before them; row ``b`` of ``extra`` lands at the new end of sequence ``b``.
+    Returns the new values and lengths; differentiable in ``values`` and ``extra``. Rows of
+    ``values`` move down by the number of sequences before them (plus one when inserting in front).
     """
     b = lengths.numel()
     new_lengths = lengths + 1
     new_offsets = offsets_of(new_lengths)
-    hist_index = torch.arange(values.shape[0], device=values.device) + sequence_ids(lengths, values.shape[0])
-    extra_index = new_offsets[1:] - 1
+    shift = sequence_ids(lengths, values.shape[0]) + (1 if at_start else 0)
+    hist_index = torch.arange(values.shape[0], device=values.device) + shift
+    extra_index = new_offsets[:-1] if at_start else new_offsets[1:] - 1
     out = values.new_zeros((values.shape[0] + b, *values.shape[1:]))
     out = out.index_copy(0, hist_index, values)
     out = out.index_copy(0, extra_index, extra.to(values.dtype))
     return out, new_lengths
+
+
+def append_one(values: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append ``extra[b]`` at the end of sequence ``b``."""
+    return insert_one(values, lengths, extra)
+
+
+def prepend_one(values: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put ``first[b]`` before the rows of sequence ``b``."""
+    return insert_one(values, lengths, first, at_start=True)

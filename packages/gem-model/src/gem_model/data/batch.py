@@ -17,12 +17,24 @@ ITEM_TABLE = "item"
 ACTION_TABLE = "action"
 
 
+POOLINGS = ("sum", "mean")
+
+
 @dataclass(frozen=True)
 class PooledFeature:
-    """A non-sequence categorical feature with its own table (pooled by sum)."""
+    """A non-sequence categorical feature with its own table.
+
+    A sample may carry any number of ids of the feature (a bag, possibly empty); their embeddings are
+    pooled by ``pooling``: ``"sum"`` or ``"mean"`` (an empty bag pools to zeros either way).
+    """
 
     name: str
     num_embeddings: int
+    pooling: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooled feature {self.name!r}: pooling {self.pooling!r} is not one of {POOLINGS}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,7 @@ def build_batch(
     actions: torch.Tensor,
     negatives: torch.Tensor,
     candidates: torch.Tensor | None,
-    pooled: dict[str, torch.Tensor],
+    pooled: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     dense: torch.Tensor,
     labels: torch.Tensor,
     sample_ids: torch.Tensor | None = None,
@@ -105,7 +117,8 @@ def build_batch(
     """Assemble a :class:`Batch` from flat tensors.
 
     ``history`` is ``(values, lengths)`` of the item ids; ``actions`` has the same values layout;
-    ``negatives`` is ``[B, K]``; ``candidates`` is ``[B]`` or None; each pooled feature is ``[B]``.
+    ``negatives`` is ``[B, K]``; ``candidates`` is ``[B]`` or None. A pooled feature is either ``[B]``
+    (one id per sample) or ``(values, lengths)`` with ``lengths`` ``[B]`` (a bag of ids per sample).
     """
     values, lengths = history
     b = int(lengths.numel())
@@ -118,10 +131,11 @@ def build_batch(
         lengths=torch.cat([lengths, lengths, torch.full((b,), k, dtype=torch.long), cand_lens]).long(),
     )
     names = list(pooled)
+    bags = [_as_bag(n, pooled[n], b) for n in names]
     pooled_kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=names,
-        values=torch.cat([pooled[n].reshape(-1) for n in names]).long() if names else torch.empty(0, dtype=torch.long),
-        lengths=torch.ones(b * len(names), dtype=torch.long),
+        values=torch.cat([v for v, _ in bags]).long() if names else torch.empty(0, dtype=torch.long),
+        lengths=torch.cat([n for _, n in bags]).long() if names else torch.empty(0, dtype=torch.long),
     )
     return Batch(
         sequence=sequence,
@@ -130,3 +144,21 @@ def build_batch(
         labels=labels.float(),
         sample_ids=sample_ids if sample_ids is not None else torch.arange(b),
     )
+
+
+def _as_bag(
+    name: str, feature: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, lengths) of one pooled feature given as ``[B]`` ids or as a ``(values, lengths)`` bag."""
+    if isinstance(feature, tuple):
+        values, lengths = feature
+        values, lengths = values.reshape(-1), lengths.reshape(-1)
+    else:
+        values = feature.reshape(-1)
+        lengths = torch.ones(values.numel(), dtype=torch.long)
+    if lengths.numel() != batch_size or int(lengths.sum()) != values.numel():
+        raise ValueError(
+            f"pooled feature {name!r}: {lengths.numel()} lengths adding up to {int(lengths.sum())} for "
+            f"{values.numel()} values; expected {batch_size} lengths (one per sample) that add up to the values"
+        )
+    return values, lengths

@@ -2,17 +2,20 @@
 
 Sequence features (history items, actions, negatives, the candidate) go through one
 ``EmbeddingCollection`` (unpooled, jagged); non-sequence categorical features through an
-``EmbeddingBagCollection`` (sum-pooled). A parallel planner may shard both.
+``EmbeddingBagCollection`` (each feature sum- or mean-pooled, as its spec says). A parallel planner
+may shard both.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from gem_model.data.batch import ACTION_TABLE, CAND_ITEM, ITEM_TABLE, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, FeatureSpec
+
+_POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -34,7 +37,7 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 class SparseArch(nn.Module):
     """Embedding lookups. ``grad_scale`` is set by a planner whose table gradients are summed over ranks."""
 
-    def __init__(self, spec: FeatureSpec, dim: int, *, seed: int = 0):
+    def __init__(self, spec: FeatureSpec, dim: int, *, seed: int = 0, sequence_init_std: float | None = None):
         super().__init__()
         self.spec = spec
         self.grad_scale = 1.0
@@ -55,7 +58,11 @@ class SparseArch(nn.Module):
             EmbeddingBagCollection(
                 tables=[
                     EmbeddingBagConfig(
-                        name=f"t_{p.name}", embedding_dim=dim, num_embeddings=p.num_embeddings, feature_names=[p.name]
+                        name=f"t_{p.name}",
+                        embedding_dim=dim,
+                        num_embeddings=p.num_embeddings,
+                        feature_names=[p.name],
+                        pooling=_POOLING[p.pooling],
                     )
                     for p in spec.pooled
                 ]
@@ -63,13 +70,17 @@ class SparseArch(nn.Module):
             if spec.pooled
             else None
         )
+        self.sequence_init_std = sequence_init_std
         self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int) -> None:
         # Seeded and independent of the global RNG, so every world size starts from the same tables.
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
-            for _, p in sorted(self.named_parameters()):
+            for name, p in sorted(self.named_parameters()):
+                if self.sequence_init_std is not None and name.startswith("ec."):
+                    p.copy_(torch.empty(p.shape).normal_(0.0, self.sequence_init_std, generator=g))
+                    continue
                 bound = (1.0 / p.shape[0]) ** 0.5 if p.shape[0] < 100 else 0.05
                 p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
 

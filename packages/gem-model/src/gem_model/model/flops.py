@@ -52,7 +52,8 @@ def count_flops(
     dqk, dv = config.attention_dim, config.value_dim
     b = history_lengths.numel()
     cand = 1 if config.use_candidate else 0
-    seq_lengths = history_lengths + cand
+    lead = 1 if config.context_token else 0
+    seq_lengths = history_lengths + cand + lead
     tokens = float(seq_lengths.sum())
     pairs = attention_pairs(seq_lengths, causal=causal, num_targets=cand)
     blocks = config.num_blocks
@@ -67,6 +68,8 @@ def count_flops(
         return b * (2.0 * t * d * 3 * d + 4.0 * t * t * d + 2.0 * t * d * d + 2 * 2.0 * t * d * 2 * d)
 
     towers = 0.0
+    if lead:
+        towers += 2.0 * b * feat_tokens * d * d  # the context token's projection
     if side and spec.num_dense:
         towers += 2.0 * b * spec.num_dense * d
     if side and feat_tokens:

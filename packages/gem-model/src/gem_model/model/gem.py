@@ -3,6 +3,7 @@
 Data flow of :meth:`GemModel.forward`::
 
     sequence KJT --EmbeddingCollection--> item + action (+ position) embeddings, jagged [L, D]
+        (+ with ``context_token``, the non-sequence tower's summary prepended to each sequence)
         (+ the candidate item appended to each sequence as a target)
         --HSTU blocks--> per-position outputs
            |-> next-item sampled softmax (history positions predict the following item)
@@ -26,7 +27,7 @@ from torch import nn
 from gem_model.components import JaggedAttentionKernel, NormGateKernel
 from gem_model.config import ModelConfig
 from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
-from gem_model.jagged import append_one, offsets_of, positions_in_sequence, sequence_ids
+from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, sequence_ids
 from gem_model.model.embeddings import SparseArch
 from gem_model.model.hstu import HSTUBlock, TokenMixer
 
@@ -52,12 +53,13 @@ class GemModel(nn.Module):
         self.config, self.spec = config, spec
         d = config.embedding_dim
         extra = 1 if config.use_candidate else 0
-        if spec.max_history + extra > config.max_seq_len:
+        lead = 1 if config.context_token else 0
+        if spec.max_history + extra + lead > config.max_seq_len:
             raise ValueError(
                 f"model.max_seq_len {config.max_seq_len} is shorter than the data's longest history "
-                f"({spec.max_history}) plus the candidate ({extra})"
+                f"({spec.max_history}) plus the candidate ({extra}) plus the context token ({lead})"
             )
-        self.sparse = SparseArch(spec, d, seed=seed)
+        self.sparse = SparseArch(spec, d, seed=seed, sequence_init_std=config.embedding_init_std)
         self.position = nn.Embedding(config.max_seq_len, d) if config.position_embedding else None
         alpha = config.alpha if config.alpha is not None else config.attention_dim**-0.5
         self.blocks = nn.ModuleList(
@@ -84,6 +86,14 @@ class GemModel(nn.Module):
         )
         self.cross = nn.ModuleList(TokenMixer(d, config.num_heads, config.dropout) for _ in range(config.cross_layers))
         self.num_tokens = 2 + (self.num_feature_tokens() if side else 0)
+        self.context_proj = None
+        if config.context_token:
+            if not side or self.num_feature_tokens() == 0:
+                raise ValueError(
+                    "model.context_token needs model.use_side_features and a data source with pooled or dense "
+                    "features; this source has none"
+                )
+            self.context_proj = nn.Linear(self.num_feature_tokens() * d, d)
         self.task_head = (
             nn.Sequential(
                 nn.Linear(self.num_tokens * d, config.mlp_hidden), nn.GELU(), nn.Linear(config.mlp_hidden, len(spec.tasks))
@@ -112,6 +122,18 @@ class GemModel(nn.Module):
 
     # ------------------------------------------------------------------------------------ forward
 
+    def _feature_tokens(self, batch: Batch, pooled: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+        """The non-sequence tower: pooled features (+ the dense token) after the interaction layers, ``[B, T, D]``."""
+        feats = [pooled[p.name] for p in self.spec.pooled]
+        if self.dense_proj is not None:
+            feats.append(self.dense_proj(batch.dense).to(dtype))
+        if not feats:
+            return None
+        f = torch.stack(feats, 1)
+        for layer in self.interaction:
+            f = layer(f)
+        return f
+
     def encode(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Run the towers. Returns per-position sequence outputs and the sample-level tokens."""
         cfg = self.config
@@ -121,11 +143,19 @@ class GemModel(nn.Module):
         x = item_emb + seq[SEQ_ACTION].values()
         lengths = hist_lengths
         num_targets = None
+        features = None
+        lead = 0  # rows before the history in each sequence: the context token
+        if self.context_proj is not None:
+            features = self._feature_tokens(batch, pooled, x.dtype)
+            assert features is not None  # checked in __init__
+            context = self.context_proj(features.flatten(1))
+            x, lengths = prepend_one(x, lengths, context)
+            lead = 1
         if cfg.use_candidate:
             cand = seq[CAND_ITEM]
             if int(cand.lengths().min()) != 1 or int(cand.lengths().max()) != 1:
                 raise ValueError(f"model.use_candidate needs exactly one {CAND_ITEM!r} per sample")
-            x, lengths = append_one(x, hist_lengths, cand.values())
+            x, lengths = append_one(x, lengths, cand.values())
             num_targets = torch.ones_like(lengths)
         offsets = offsets_of(lengths)
         if self.position is not None:
@@ -141,26 +171,21 @@ class GemModel(nn.Module):
             summary = torch.where(has_any[:, None], x[last.clamp(min=0)], x.new_zeros(()))
         else:  # every sequence empty and no candidate
             summary = x.new_zeros(b, x.shape[1])
-        hist_rows = (
-            torch.arange(x.shape[0], device=x.device)[
-                positions_in_sequence(lengths, offsets) < hist_lengths.repeat_interleave(lengths)
-            ]
-            if cfg.use_candidate
-            else torch.arange(x.shape[0], device=x.device)
-        )
+        rows = torch.arange(x.shape[0], device=x.device)
+        if cfg.use_candidate or lead:
+            pos = positions_in_sequence(lengths, offsets)
+            hist_rows = rows[(pos >= lead) & (pos < lead + hist_lengths.repeat_interleave(lengths))]
+        else:
+            hist_rows = rows
         hist_out = x[hist_rows]
         owner = sequence_ids(hist_lengths, hist_out.shape[0])
         mean = x.new_zeros(b, x.shape[1]).index_add(0, owner, hist_out) / hist_lengths.clamp(min=1)[:, None]
         tokens = [summary, mean]
         if cfg.use_side_features:
-            feats = [pooled[p.name] for p in self.spec.pooled]
-            if self.dense_proj is not None:
-                feats.append(self.dense_proj(batch.dense).to(x.dtype))
-            if feats:
-                f = torch.stack(feats, 1)
-                for layer in self.interaction:
-                    f = layer(f)
-                tokens += list(f.unbind(1))
+            if features is None:  # computed after the sequence tower, as before context tokens existed
+                features = self._feature_tokens(batch, pooled, x.dtype)
+            if features is not None:
+                tokens += list(features.unbind(1))
         return {
             "hist_out": hist_out,
             "hist_lengths": hist_lengths,
@@ -185,27 +210,33 @@ class GemModel(nn.Module):
         return ModelOutput(logits, task_loss, next_sum, next_count)
 
     def next_item_loss(self, enc: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled softmax: position i of a history predicts the item at i + 1 against the sample's negatives."""
+        """Sampled softmax: position i of a history predicts the item at i + 1 against the sample's negatives.
+
+        The negative logits come from one batched matmul of each sample's (padded) queries with its
+        own negatives, ``[B, n, D] x [B, D, K]``, so no ``[positions, K, D]`` copy of the negatives is
+        ever built (that copy dominated memory and time with hundreds of negatives).
+        """
         cfg = self.config
         lengths = enc["hist_lengths"]
         offsets = offsets_of(lengths)
         pos = positions_in_sequence(lengths, offsets)
         owner = sequence_ids(lengths, pos.numel())
-        query_mask = pos < (lengths[owner] - 1)
-        rows = torch.nonzero(query_mask).squeeze(1)
+        rows = torch.nonzero(pos < (lengths[owner] - 1)).squeeze(1)
         count = torch.tensor(rows.numel(), device=lengths.device)
         if rows.numel() == 0:
             return enc["hist_out"].sum() * 0.0, count
-        k = self.spec.num_negatives
+        k, b = self.spec.num_negatives, lengths.numel()
         query = enc["hist_out"][rows].float()
         positive = enc["item_emb"][rows + 1].float()
-        negatives = enc["neg_emb"].float().reshape(-1, k, query.shape[1])[owner[rows]]
+        negatives = enc["neg_emb"].float().reshape(b, k, query.shape[1])
         if cfg.l2_normalize:
             query, positive, negatives = (F.normalize(z, dim=-1, eps=1e-6) for z in (query, positive, negatives))
         pos_logit = (query * positive).sum(-1, keepdim=True)
-        neg_logit = torch.einsum("qd,qkd->qk", query, negatives)
+        o, p = owner[rows], pos[rows]
+        padded = query.new_zeros(b, int(lengths.max()) - 1, query.shape[1]).index_put((o, p), query)
+        neg_logit = torch.bmm(padded, negatives.transpose(1, 2))[o, p]
         items = batch.sequence[SEQ_ITEM].values()
-        neg_ids = batch.sequence[NEG_ITEM].values().reshape(-1, k)[owner[rows]]
+        neg_ids = batch.sequence[NEG_ITEM].values().reshape(b, k)[o]
         neg_logit = neg_logit.masked_fill(neg_ids == items[rows + 1][:, None], float("-inf"))
         logits = torch.cat([pos_logit, neg_logit], 1) / cfg.temperature
         loss = torch.logsumexp(logits, 1) - logits[:, 0]
@@ -215,7 +246,10 @@ class GemModel(nn.Module):
 
     @torch.no_grad()
     def user_embeddings(self, batch: Batch) -> torch.Tensor:
-        """The query vector of each sample: the last history position's output (for retrieval)."""
+        """The query vector of each sample: the last history position's output (for retrieval).
+
+        With ``context_token`` a sample with an empty history gets the context token's output.
+        """
         enc = self.encode(batch)
         return F.normalize(enc["summary"].float(), dim=-1, eps=1e-6) if self.config.l2_normalize else enc["summary"]
 
@@ -223,3 +257,4 @@ class GemModel(nn.Module):
     def item_embeddings(self) -> torch.Tensor:
         w = self.sparse.item_table().float()
         return F.normalize(w, dim=-1, eps=1e-6) if self.config.l2_normalize else w
+

@@ -86,6 +86,7 @@ class Run:
         self.metrics = MetricsFile(self.output_dir / "metrics.jsonl" if env.is_main else None)
         self.peak, self.peak_source = peak_flops(env.device, config.precision.scheme.name, tc.peak_flops)
         self.start_step = 0
+        self.steps_done = config.trainer.steps  # fewer when trainer.time_limit_s stops the run early
         self.last_checkpoint: Path | None = None
         if tc.resume:
             self.resume()
@@ -189,9 +190,9 @@ class Run:
         self.pm.call("gem_run_started", run=self)
         try:
             first_loss, last_loss, wall, meter = self._loop()
-            if tc.checkpoint_at_end and tc.steps > self.start_step:
-                self.save_checkpoint(tc.steps)
-            final_eval = self.evaluate(tc.steps, ("valid", "test")) if tc.eval_at_end else {}
+            if tc.checkpoint_at_end and self.steps_done > self.start_step:
+                self.save_checkpoint(self.steps_done)
+            final_eval = self.evaluate(self.steps_done, ("valid", "test")) if tc.eval_at_end else {}
         finally:
             self.metrics.close()
         summary = self._summary(first_loss, last_loss, wall, meter)
@@ -215,19 +216,31 @@ class Run:
                 meter.add(result.seconds, result.samples, result.tokens, result.flops)
                 first_loss = result.loss if math.isnan(first_loss) else first_loss
                 window.append(result.loss)
+                stop = tc.time_limit_s is not None and self._out_of_time(wall, tc.time_limit_s)
+                last = step + 1 == tc.steps or stop
                 logged = None
-                if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+                if (step + 1) % tc.log_every == 0 or last:
                     last_loss = sum(window) / len(window)
                     window.clear()
                     logged = self._log(result, last_loss)
                 progress.update(step, logged)
-                if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
+                if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and not last:
                     self.save_checkpoint(step + 1)
-                if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
+                if tc.eval_every and (step + 1) % tc.eval_every == 0 and not last:
                     self.evaluate(step + 1, ("valid",))
+                if stop:
+                    self.steps_done = step + 1
+                    break
         finally:
             progress.close()
         return first_loss, last_loss, time.perf_counter() - wall, meter
+
+    def _out_of_time(self, start: float, limit: float) -> bool:
+        """Every rank takes the same decision (rank 0's clock), so no rank waits in a collective alone."""
+        late = torch.tensor([float(time.perf_counter() - start > limit)], dtype=torch.float64, device=self.env.device)
+        if self.env.distributed:
+            late = self.comm.all_reduce_sum(late * float(self.env.is_main))
+        return bool(late.item() > 0)
 
     def evaluate(self, step: int, splits: tuple[str, ...]) -> dict[str, float]:
         """Offline metrics from the data source (rank 0, unwrapped model); logged to the metrics file."""
@@ -267,7 +280,7 @@ class Run:
         c = self.config
         return RunSummary(
             name=c.name,
-            steps=c.trainer.steps,
+            steps=self.steps_done,
             first_loss=first,
             last_loss=last,
             wall_seconds=wall,

