@@ -86,8 +86,8 @@ class Batch:
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         return Batch(
-            sequence=self.sequence.to(device, non_blocking=non_blocking),
-            pooled=self.pooled.to(device, non_blocking=non_blocking),
+            sequence=kjt_to(self.sequence, device, non_blocking),
+            pooled=kjt_to(self.pooled, device, non_blocking),
             dense=self.dense.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             sample_ids=self.sample_ids.to(device, non_blocking=non_blocking),
@@ -101,6 +101,21 @@ class Batch:
             labels=self.labels.pin_memory(),
             sample_ids=self.sample_ids.pin_memory(),
         )
+
+
+def kjt_to(kjt: KeyedJaggedTensor, device: torch.device, non_blocking: bool = False) -> KeyedJaggedTensor:
+    """A new KJT on ``device`` built from the raw tensors.
+
+    ``KeyedJaggedTensor.to`` in some torchrec versions carries over caches (e.g. the dict of
+    per-key jagged tensors made by an earlier ``to_dict()``) that still point at the old device.
+    """
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values().to(device, non_blocking=non_blocking),
+        weights=kjt.weights_or_none().to(device, non_blocking=non_blocking) if kjt.weights_or_none() is not None else None,
+        lengths=kjt.lengths().to(device, non_blocking=non_blocking),
+        offsets=kjt.offsets().to(device, non_blocking=non_blocking),
+    )
 
 
 def build_batch(
