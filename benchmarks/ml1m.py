@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a run is stopped")
     p.add_argument("--out-json")
     p.add_argument("--out-md")
+    p.add_argument("--from-json", help="re-render --out-md from an earlier --out-json; trains nothing")
     p.add_argument("--section", help="name of this run's section in --out-md (default: the device kind)")
     return p.parse_args(argv)
 
@@ -112,10 +113,30 @@ def read_results(run: Run, log: Path) -> None:
     finals = [r for r in records if "test/hr@10" in r]
     run.final = {k: v for k, v in finals[-1].items() if "/" in k} if finals else {}
     run.valid_curve = [(r["step"], r["valid/hr@10"]) for r in records if "valid/hr@10" in r]
+    steps_done(run)
     text = log.read_text(errors="replace") if log.is_file() else ""
     found = re.findall(r"wall time\s+([0-9.]+) s", text)
     run.train_loop_s = float(found[-1]) if found else math.nan
     run.log_tail = "\n".join(text.splitlines()[-15:])
+
+
+def steps_done(run: Run) -> None:
+    """Steps and epochs actually trained: the final evaluation's step, fewer than planned when
+    trainer.time_limit_s stopped the run."""
+    if run.final and run.valid_curve and 0 < run.valid_curve[-1][0] < run.steps:
+        done = int(run.valid_curve[-1][0])
+        run.epochs, run.steps = run.epochs * done / run.steps, done
+
+
+def runs_from_json(path: str) -> tuple[list[Run], dict[str, Any]]:
+    """The runs and meta of an earlier --out-json (for --from-json: re-render without training)."""
+    blob = json.loads(Path(path).read_text())
+    runs = []
+    for r in blob["runs"]:
+        run = Run(**{**r, "output_dir": Path(r["output_dir"]), "valid_curve": [tuple(c) for c in r["valid_curve"]]})
+        steps_done(run)
+        runs.append(run)
+    return runs, blob["meta"]
 
 
 def execute(runs: list[Run], parallel: int, threads: int, timeout: float) -> None:
@@ -170,7 +191,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                 row[f"{split}/{m}"] = mean_std([r.final.get(f"{split}/{m}", math.nan) for r in group])
         row["wall_s"] = mean_std([r.wall_s for r in group])
         row["train_loop_s"] = mean_std([r.train_loop_s for r in group])
-        row["epochs"] = group[0].epochs if group else math.nan
+        row["epochs"] = mean_std([r.epochs for r in group])[0] if group else math.nan
         curves = [dict(r.valid_curve) for r in group]
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         row["valid_hr@10_curve"] = [(s, mean_std([c[s] for c in curves])[0]) for s in steps]
@@ -247,6 +268,13 @@ def write_md(path: Path, section: str, body: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        runs, meta = runs_from_json(args.from_json)
+        text = markdown(summarize(runs), meta)
+        print(text)
+        if args.out_md:
+            write_md(Path(args.out_md), args.section or meta["section"], text)
+        return 0
     runs = plan_runs(args)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.parallel))
     start = time.perf_counter()

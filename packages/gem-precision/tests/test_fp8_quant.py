@@ -115,3 +115,12 @@ def test_triton_partial_requests(gen: torch.Generator, rows: bool, cols_t: bool,
     if cols_t:
         assert_same(got.cols_t, want.cols_t)
     assert (got.col_sum is None) == (not col_sum)
+
+
+def test_tensor_scales_with_both_outputs_take_the_software_rounding_path():
+    # the hardware cast miscompiled this combination on the H200 (rows of the row-major operand)
+    from gem_precision.fp8_quant_triton import _cast_software_round
+
+    assert _cast_software_round(None, tensorwise=True, rows=True, cols_t=True) is True
+    assert _cast_software_round(False, tensorwise=True, rows=True, cols_t=True) is False  # asked for
+    assert _cast_software_round(True, tensorwise=False, rows=True, cols_t=True) is True

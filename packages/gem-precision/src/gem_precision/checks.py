@@ -103,11 +103,12 @@ def summarize(diffs: list[Diff], limit: int = 6) -> str:
     return "\n".join(lines)
 
 
-def check_fp8_quantization(cases: dict[str, torch.Tensor], *, software_round: bool) -> list[Diff]:
+def check_fp8_quantization(cases: dict[str, torch.Tensor], *, software_round: bool | None) -> list[Diff]:
     """The fused fp8 quantization (rows + cols_t, row and tensor scales, e4m3) against the reference,
     bit for bit, on each named 2-d tensor. On a mismatch on CUDA, each diff also says whether the
     kernel with the other rounding path and the reference computed on the CPU agree, which tells a
-    kernel fault from a device-dependent reference."""
+    kernel fault from a device-dependent reference. ``software_round=None`` checks the kernel's
+    default path (what the schemes run)."""
     from gem_precision.formats import E4M3
     from gem_precision.fp8_quant_triton import quantize_fp8_triton
     from gem_precision.fp8_reference import quantize_fp8_reference
@@ -122,7 +123,9 @@ def check_fp8_quantization(cases: dict[str, torch.Tensor], *, software_round: bo
             for part in ("rows", "cols_t"):
                 found += compare_operands(f"{name}/{gran}/{part}", getattr(got, part), getattr(want, part), source=t)
             if found and t.is_cuda:
-                other = quantize_fp8_triton(t, software_round=not software_round, **kw)
+                # the other path: hardware cast when the default was checked, else the flip
+                flip = False if software_round is None else not software_round
+                other = quantize_fp8_triton(t, software_round=flip, **kw)
                 cpu = quantize_fp8_reference(t.cpu(), **kw)
                 for d in found:
                     part = d["what"].split("/")[2].split(".")[0]
