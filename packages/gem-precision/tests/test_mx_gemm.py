@@ -87,6 +87,11 @@ def test_autotune_list_has_both_variants() -> None:
 
     kinds = {c.kwargs["DEQUANT"] for c in _configs()}
     assert kinds == {0, 1}
+    # the default tuner holds only the float32-accumulating variant (the 1e-5 contract on Hopper)
+    from gem_precision.mx_gemm import _mx_gemm_tuned, _mx_gemm_tuned_fp8_acc
+
+    assert {c.kwargs["DEQUANT"] for c in _mx_gemm_tuned.configs} == {1}
+    assert {c.kwargs["DEQUANT"] for c in _mx_gemm_tuned_fp8_acc.configs} == {0, 1}
     with pytest.raises(ValueError, match="SUB_K"):
         a = mx_quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
         mx_gemm_triton(a, a, config={**TINY, "SUB_K": 4})
