@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
+from triton.testing import do_bench
+
 from gem_kernels.attention_triton_autograd import (
     autotuned_configs,
     clear_last_configs,
@@ -45,7 +47,6 @@ from gem_kernels.attention_triton_autograd import (
 )
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import attention_errors
-from triton.testing import do_bench
 
 SEED = 1001
 REP_MS = 300  # do_bench's budget per measurement: a few repetitions even of the 80 ms cases

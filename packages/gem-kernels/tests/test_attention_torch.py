@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from gem_kernels.attention import TorchJaggedAttention
 from gem_kernels.attention_torch import BUCKET_GROWTH, SMALL_BUCKET, plan_buckets
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from gem_kernels import attention_triton, attention_triton_bwd
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
@@ -202,6 +203,7 @@ def test_tuning_picks_the_fastest_config(monkeypatch: pytest.MonkeyPatch) -> Non
     """Tuning times every candidate once per key, drops those that fail, keeps the fastest, restores
     what the timing runs accumulated into, and launches the winner; the next call only launches."""
     import triton.testing
+
     from gem_kernels import attention_triton_common as common
 
     slow, fast, broken = (64, 64, 4, 2, 2), (128, 64, 8, 2, 1), (128, 128, 8, 3, 1)

@@ -153,10 +153,11 @@ def test_specialisation_key_refines_tritons() -> None:
     finer, never coarser), with and without ``do_not_specialize``."""
     pytest.importorskip("triton.backends.nvidia")
     import torch
-    from gem_kernels.attention_triton_common import _spec
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
+
+    from gem_kernels.attention_triton_common import _spec
 
     backend = CUDABackend(GPUTarget("cuda", 90, 32))
     values = [0, 1, 2, 15, 16, 17, 31, 32, 33, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**32, 2**32 + 1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
 from gem_kernels.reference import norm_gate_reference
 from gem_kernels.testing import relative_error

@@ -6,10 +6,11 @@ import os
 import subprocess
 import sys
 
-import gem_kernels.plugin
 import pydantic
 import pytest
 import torch
+
+import gem_kernels.plugin
 from gem_kernels import availability
 from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate

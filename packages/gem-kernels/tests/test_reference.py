@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from gem_kernels.reference import attention_mask, jagged_attention_reference
 from gem_kernels.testing import offsets_from_lengths, random_qkv
 

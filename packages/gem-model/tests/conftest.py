@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gem_model import testing  # noqa: E402
-
-from gem_model.config_io import load_config  # noqa: E402
-from gem_model.plugins import GemPluginManager  # noqa: E402
+from gem_model import testing
+from gem_model.config_io import load_config
+from gem_model.plugins import GemPluginManager
 
 
 @pytest.fixture(autouse=True)

@@ -148,8 +148,8 @@ def test_time_limit_stops_after_the_step_that_crosses_it(pm, tiny_overrides, tmp
 
 
 def test_sequence_tables_can_start_from_a_normal_distribution(pm, tiny_overrides):
-    from gem_model.model.embeddings import SparseArch
     from gem_model.data.synthetic import SyntheticSource
+    from gem_model.model.embeddings import SparseArch
 
     spec = SyntheticSource().feature_spec()
     arch = SparseArch(spec, 16, seed=0, sequence_init_std=0.3)

@@ -8,12 +8,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from gem_model.components import ComponentConfig, JaggedAttentionKernel
-from gem_model.errors import KernelUnavailableError
 from pydantic import model_validator
 
 from gem_kernels.attention_torch import jagged_attention_torch
 from gem_kernels.availability import require_triton
+from gem_model.components import ComponentConfig, JaggedAttentionKernel
+from gem_model.errors import KernelUnavailableError
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -11,6 +11,7 @@ import importlib.util
 import os
 
 import torch
+
 from gem_model.errors import KernelUnavailableError
 
 _TRUTHY = ("1", "true", "yes", "on", "y")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from gem_model import hookimpl
-from gem_model.components import Kernel
-
 from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
+from gem_model import hookimpl
+from gem_model.components import Kernel
 
 
 @hookimpl

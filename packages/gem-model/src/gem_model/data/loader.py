@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from gem_model.components import DataSource, LoadBalancer
 from gem_model.data.batch import Batch
 from gem_model.data.validation import validate_batch
