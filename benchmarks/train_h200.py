@@ -37,6 +37,18 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
+def write_json(path: str | None, config: str, rows: list[dict]) -> None:
+    if not path:
+        return
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__, "command": " ".join(shlex.quote(a) for a in sys.argv), "config": config,
+    }  # fmt: skip
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/h200.yaml")
@@ -67,6 +79,7 @@ def main() -> int:
         except Exception as exc:  # one failing variant must not hide the others
             traceback.print_exc()
             rows.append({"variant": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        write_json(args.out, args.config, rows)  # after every variant: a run cut short keeps what it finished
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -77,14 +90,7 @@ def main() -> int:
                   f"{r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {r['peak_mem_gib']:>8.1f}")
         else:
             print(f"{r['variant']:<28} FAILED: {r['error']}")
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-        "torch": torch.__version__, "command": " ".join(shlex.quote(a) for a in sys.argv), "config": args.config,
-    }
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    write_json(args.out, args.config, rows)
     return 0 if all(r["ok"] for r in rows) else 1
 
 
