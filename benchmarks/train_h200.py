@@ -130,10 +130,10 @@ def main() -> int:
             if profiler is not None:
                 if args.steps < 3 + args.profile_steps:
                     raise ValueError(f"--profile needs --steps >= {3 + args.profile_steps}")
-                pm.register(profiler, name="step-profiler")
+                profiled = GemPluginManager()  # its own manager: the profiler sees this variant only
+                profiled.register(profiler, name="step-profiler")
                 with profiler.prof:
-                    s = train(cfg, pm)
-                pm.pm.unregister(name="step-profiler")
+                    s = train(cfg, profiled)
             else:
                 s = train(cfg, pm)
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0

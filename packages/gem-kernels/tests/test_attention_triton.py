@@ -204,7 +204,7 @@ def test_tuning_picks_the_fastest_config(monkeypatch: pytest.MonkeyPatch) -> Non
     what the timing runs accumulated into, and launches the winner; the next call only launches."""
     import triton.testing
 
-    from gem_kernels import attention_triton_common as common
+    from gem_kernels import launcher
 
     slow, fast, broken = (64, 64, 4, 2, 2), (128, 64, 8, 2, 1), (128, 128, 8, 3, 1)
     times = {slow: 2.0, fast: 1.0}
@@ -219,9 +219,9 @@ def test_tuning_picks_the_fastest_config(monkeypatch: pytest.MonkeyPatch) -> Non
         fn()  # type: ignore[operator]
         return times[launched[-1]]
 
-    monkeypatch.setattr(common.TunedKernel, "_run", fake_run)
+    monkeypatch.setattr(launcher.TunedKernel, "_run", fake_run)
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
-    kernel = common.TunedKernel(
+    kernel = launcher.TunedKernel(
         "probe", attention_triton.query_major_kernel, pointers=("Q", "K", "V", "DO", "OUT"),
         floats=("alpha", "out_scale"), key_names=("a", "b"),
     )
@@ -231,8 +231,8 @@ def test_tuning_picks_the_fastest_config(monkeypatch: pytest.MonkeyPatch) -> Non
     kernel.launch((), dict, **options)  # type: ignore[arg-type]
     assert kernel.chosen[("v", 1)] == fast and launched[-1] == fast and restored == [1]
     record = kernel.records()["probe(a=v, b=1)"]
-    assert record["chosen"] == common.config_str(fast)
-    assert "out of resources" in record["trials_ms"][common.config_str(broken)]
+    assert record["chosen"] == launcher.config_str(fast)
+    assert "out of resources" in record["trials_ms"][launcher.config_str(broken)]
     before = len(launched)
     kernel.launch((), dict, **options)  # type: ignore[arg-type]
     assert launched[before:] == [fast] and restored == [1] and kernel.last == (("v", 1), fast)

@@ -59,19 +59,20 @@ class StandIn(DriverBase):
 driver.set_active(StandIn())
 
 from gem_kernels import attention_triton_common as common
+from gem_kernels import launcher
 common.num_sms = lambda index: 132
 from gem_kernels.attention_triton import DQ, FORWARD, query_major
 from gem_kernels.attention_triton_bwd import DKDV, DKDV_ATOMIC, key_major
 
-assert not common.INTERPRET and common.DIRECT_LAUNCH
+assert not common.INTERPRET and launcher.DIRECT_LAUNCH
 recorded = []
-original_run = common.TunedKernel._run
+original_run = launcher.TunedKernel._run
 
 def recording_run(self, *args, **kwargs):
     recorded.append((self, args, kwargs))
     return original_run(self, *args, **kwargs)
 
-common.TunedKernel._run = recording_run
+launcher.TunedKernel._run = recording_run
 
 def same(a, b):
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -157,7 +158,7 @@ def test_specialisation_key_refines_tritons() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
 
-    from gem_kernels.attention_triton_common import _spec
+    from gem_kernels.launcher import _spec
 
     backend = CUDABackend(GPUTarget("cuda", 90, 32))
     values = [0, 1, 2, 15, 16, 17, 31, 32, 33, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**32, 2**32 + 1,

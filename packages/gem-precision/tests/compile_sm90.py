@@ -96,24 +96,12 @@ def main() -> None:
          "BLOCK_M": t["cast_m"], "BLOCK_N": t["cast_n"]},
         t["warps"],
     )  # fmt: skip
-    report["mx_gemm"] = build(
-        mx_gemm._mx_gemm_kernel,
-        {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_t": f32, "sb_t": f32, "c_ptr": "*bf16", "bias_ptr": f32,
-         "M": i32, "N": i32, "K": i32, "KB": i32, "stride_am": i32, "stride_bn": i32, "stride_cm": i32,
-         "M_BUCKET": i32, "K_BUCKET": i32},
-        {"HAS_BIAS": False, "EVEN_K": True, "F32_DOT": False, **cfg.kwargs},
-        cfg.num_warps,
-        cfg.num_stages,
-    )  # fmt: skip
-    report["mx_gemm_bf16"] = build(
-        mx_gemm._mx_gemm_kernel,
-        {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_t": f32, "sb_t": f32, "c_ptr": "*bf16", "bias_ptr": f32,
-         "M": i32, "N": i32, "K": i32, "KB": i32, "stride_am": i32, "stride_bn": i32, "stride_cm": i32,
-         "M_BUCKET": i32, "K_BUCKET": i32},
-        {"HAS_BIAS": False, "EVEN_K": True, "F32_DOT": False, **cfg16.kwargs},
-        cfg16.num_warps,
-        cfg16.num_stages,
-    )  # fmt: skip
+    mx_args = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_t": f32, "sb_t": f32, "c_ptr": "*bf16", "bias_ptr": f32,
+               "M": i32, "N": i32, "K": i32, "KB": i32, "stride_am": i32, "stride_bn": i32, "stride_cm": i32,
+               "M_BUCKET": i32, "K_BUCKET": i32}  # fmt: skip
+    for name, config in (("mx_gemm", cfg), ("mx_gemm_bf16", cfg16)):
+        constexprs = {"HAS_BIAS": False, "EVEN_K": True, "F32_DOT": False, **config.kwargs}
+        report[name] = build(mx_gemm._mx_gemm_kernel, mx_args, constexprs, config.num_warps, config.num_stages)
     json.dump(report, sys.stdout)
 
 

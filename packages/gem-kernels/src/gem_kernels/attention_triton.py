@@ -30,7 +30,7 @@ Design
   a smaller query block wastes less of each sequence's padded last block than at s = 0.95.
 * Launching: after its first launch (through ``kernel[grid](...)``, which compiles), a
   (config, argument specialisation) is launched straight through its compiled kernel, skipping
-  Triton's autotuner and JIT dispatch (``TunedKernel`` in ``attention_triton_common``). On small
+  Triton's autotuner and JIT dispatch (``TunedKernel`` in ``launcher``). On small
   batches the host's work is the cost of a call: ~200-400 us per forward before (Triton's
   autotuner, JIT binding, a counter memset), ~40-60 us after, on a loaded 2-core CPU; the
   MovieLens-like case (16k rows) took 0.173 ms per forward on the H200 for a few us of math.
@@ -53,14 +53,11 @@ import triton.language as tl
 from gem_kernels.attention_triton_common import (
     CHUNK,
     INTERPRET,
-    Config,
-    TunedKernel,
     allowed,
     cast,
     device_guard,
     dim_block,
     dot,
-    fixed_config,
     history_length,
     length_buckets,
     load_tile,
@@ -71,6 +68,7 @@ from gem_kernels.attention_triton_common import (
     silu_and_grad,
     silu_mode,
 )
+from gem_kernels.launcher import Config, TunedKernel, fixed_config
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for Hopper-class GPUs. Each is a compile
 # of a large kernel, so few. From ptxas reports for sm_90 at head dim 128 (compile_report): these stay

@@ -9,7 +9,7 @@ import torch
 from gem_kernels import attention_triton, attention_triton_bwd
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_bwd import key_major
-from gem_kernels.attention_triton_common import config_str, key_label
+from gem_kernels.launcher import config_str, key_label
 
 DqMode = Literal["auto", "atomic", "separate"]
 

@@ -20,14 +20,11 @@ from gem_kernels.attention_triton import KEY_NAMES
 from gem_kernels.attention_triton_common import (
     CHUNK,
     INTERPRET,
-    Config,
-    TunedKernel,
     allowed,
     cast,
     device_guard,
     dim_block,
     dot,
-    fixed_config,
     history_length,
     length_buckets,
     load_tile,
@@ -38,6 +35,7 @@ from gem_kernels.attention_triton_common import (
     silu_and_grad,
     silu_mode,
 )
+from gem_kernels.launcher import Config, TunedKernel, fixed_config
 
 # (BLOCK_M queries per step, BLOCK_N keys per tile, num_warps, num_stages, programs per SM): from
 # ptxas reports for sm_90 at head dim 128, tiles whose two fp32 accumulators fit 255 registers
