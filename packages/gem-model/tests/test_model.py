@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gem_model.config import ModelConfig
 from gem_model.data.balance import RoundRobinBalancer
+from gem_model.data.batch import FeatureSpec, build_batch
 from gem_model.data.loader import ShardedLoader
 from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
+from gem_model.data.validation import validate_batch
 from gem_model.jagged import append_one, gather_rows, offsets_of, positions_in_sequence
 from gem_model.model.flops import attention_pairs, batch_flops
 from gem_model.model.gem import GemModel
@@ -79,3 +82,85 @@ def test_causal_pairs_count_the_hstu_mask():
     # n = 4 with one target: history of 3 -> 6 causal pairs; the target sees 3 history + itself
     assert attention_pairs(torch.tensor([4]), causal=True, num_targets=1) == 10
     assert attention_pairs(torch.tensor([4, 0]), causal=False) == 16
+
+
+def _negatives_pair(per_position: bool, l2: bool) -> tuple[GemModel, FeatureSpec]:
+    spec = FeatureSpec(
+        num_items=20, num_actions=2, pooled=(), num_dense=0, tasks=(), num_negatives=3, max_history=8,
+        negatives_per_position=per_position,
+    )
+    cfg = ModelConfig(
+        embedding_dim=8, num_blocks=1, num_heads=2, attention_dim=4, value_dim=4, max_seq_len=8,
+        use_candidate=False, use_side_features=False, cross_layers=0, l2_normalize=l2,
+    )
+    return GemModel(cfg, spec, attention=LoopAttention(), norm_gate=TorchNormGate(), seed=5), spec
+
+
+@pytest.mark.parametrize("l2", [True, False])
+def test_per_position_negatives_match_a_direct_computation(l2):
+    """Each predicted position scores its own negatives; repeating the shared ones gives the shared loss."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([3, 0, 4, 1])
+    items = torch.randint(20, (int(lengths.sum()),), generator=g)
+    items[1] = 7  # the positive of sample 0's first position ...
+    shared = torch.randint(20, (4, 3), generator=g)
+    shared[0, 1] = 7  # ... is also one of its negatives: that logit is masked
+    rows = (lengths - 1).clamp(min=0)
+    common = dict(history=(items, lengths), actions=torch.ones_like(items), candidates=None, pooled={},
+                  dense=torch.zeros(4, 0), labels=torch.zeros(4, 0))
+    shared_model, _ = _negatives_pair(False, l2)
+    per_model, per_spec = _negatives_pair(True, l2)
+    per_model.load_state_dict(shared_model.state_dict())
+    tiled = (shared.repeat_interleave(rows, 0).reshape(-1), rows * 3)
+    base = shared_model(build_batch(negatives=shared, **common))
+    tiled_out = per_model(build_batch(negatives=tiled, **common))
+    torch.testing.assert_close(tiled_out.next_item_loss_sum, base.next_item_loss_sum, rtol=1e-5, atol=1e-5)
+    assert int(base.next_item_count) == int(rows.sum()) == 5
+
+    own = torch.randint(20, (int(rows.sum()), 3), generator=g)
+    batch = build_batch(negatives=(own.reshape(-1), rows * 3), **common)
+    validate_batch(batch, per_spec)
+    out = per_model(batch)
+    enc = per_model.encode(batch)
+    emb = per_model.sparse.item_table()
+    norm = (lambda z: torch.nn.functional.normalize(z, dim=-1, eps=1e-6)) if l2 else (lambda z: z)
+    expected, r = torch.zeros(()), 0
+    for b, n in enumerate(lengths.tolist()):
+        start = int(lengths[:b].sum())
+        for p in range(n - 1):
+            q, target = norm(enc["hist_out"][start + p]), int(items[start + p + 1])
+            logits = [q @ norm(emb[target])] + [
+                q @ norm(emb[j]) if j != target else torch.tensor(float("-inf")) for j in own[r].tolist()
+            ]
+            expected = expected + torch.logsumexp(torch.stack(logits) / 0.05, 0) - logits[0] / 0.05
+            r += 1
+    torch.testing.assert_close(out.next_item_loss_sum, expected, rtol=1e-4, atol=1e-4)
+    bad = build_batch(negatives=(own.reshape(-1)[:-3], rows * 3 - torch.tensor([0, 0, 3, 0])), **common)
+    with pytest.raises(ValueError, match="each predicted position needs exactly 3 negatives; sample 2 has 6, expected 9"):
+        validate_batch(bad, per_spec)
+
+
+def test_item_input_scale_and_initialisation_options():
+    spec = FeatureSpec(num_items=50, num_actions=2, pooled=(), num_dense=0, tasks=(), num_negatives=2, max_history=60)
+    cfg = ModelConfig(embedding_dim=64, num_blocks=2, max_seq_len=64, use_candidate=False, use_side_features=False,
+                      cross_layers=0, position_init_std=0.5, uvqk_init_std=0.02, embedding_init_std=0.1)
+    model = GemModel(cfg, spec, attention=LoopAttention(), norm_gate=TorchNormGate())
+    assert model.position.weight.std().item() == pytest.approx(0.5, rel=0.05)
+    assert all(b.uvqk.weight.std().item() == pytest.approx(0.02, rel=0.05) for b in model.blocks)
+    for b in model.blocks:  # the out projection stays Xavier uniform: std = bound / sqrt(3)
+        xavier = (6.0 / sum(b.out.weight.shape)) ** 0.5 / 3**0.5
+        assert b.out.weight.std().item() == pytest.approx(xavier, rel=0.1)
+    assert model.sparse.item_table().std().item() == pytest.approx(0.1, rel=0.05)
+    # scale_item_input multiplies the item embeddings entering the sequence by sqrt(D): with the position
+    # embedding and dropout off, the first block's input is exactly that
+    seen = {}
+    for scale in (False, True):
+        m = GemModel(cfg.model_copy(update={"scale_item_input": scale, "position_embedding": False}), spec,
+                     attention=LoopAttention(), norm_gate=TorchNormGate())
+        m.blocks[0].register_forward_pre_hook(lambda mod, args, s=scale: seen.__setitem__(s, args[0].detach()))
+        items = torch.tensor([3, 4, 5])
+        m.eval().encode(build_batch(history=(items, torch.tensor([3])), actions=torch.ones_like(items),
+                                    negatives=torch.zeros(1, 2, dtype=torch.long), candidates=None, pooled={},
+                                    dense=torch.zeros(1, 0), labels=torch.zeros(1, 0)))
+        action = m.sparse.ec.embeddings["action"].weight[1]
+        torch.testing.assert_close(seen[scale] - action, m.sparse.item_table()[items] * (8.0 if scale else 1.0))

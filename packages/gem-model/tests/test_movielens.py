@@ -164,6 +164,25 @@ def test_negatives_uniform_over_the_catalogue_or_from_the_batch(source):
     assert set(batch.sequence["neg_item"].values().tolist()) <= {B, A, C, F}  # train items of users 1-2
 
 
+@pytest.mark.parametrize("kind", ["uniform", "in_batch"])
+def test_negatives_per_position_and_rank_shares(source, kind):
+    src = source(num_negatives=4, negatives_per="position", negatives=kind, max_users=2)
+    spec = src.feature_spec()
+    assert spec.negatives_per_position
+    whole = src.make_batch(1, 2, torch.arange(2))
+    validate_batch(whole, spec)
+    neg = whole.sequence["neg_item"]
+    assert neg.lengths().tolist() == ((whole.history_lengths() - 1) * 4).tolist() == [8, 4]  # histories of 3 and 2
+    per_sample = neg.values().split(neg.lengths().tolist())
+    part = src.make_batch(1, 2, torch.tensor([1]))
+    assert torch.equal(part.sequence["neg_item"].values(), per_sample[1])
+    if kind == "in_batch":
+        assert set(neg.values().tolist()) <= {B, A, C, F}
+    else:
+        rows = neg.values().reshape(-1, 4)
+        assert not all(torch.equal(r, rows[0]) for r in rows)  # each position draws its own
+
+
 # ------------------------------------------------------------------------------------------ features
 
 
@@ -257,19 +276,31 @@ class DescendingScorer:
 
 
 @pytest.mark.parametrize("split", ["valid", "test"])
-def test_evaluation_ranks_the_split_target_over_the_catalogue(source, split):
-    src = source(eval_batch_size=2)
+@pytest.mark.parametrize("exclude_seen", [True, False])
+def test_evaluation_ranks_the_split_target_over_the_catalogue(source, split, exclude_seen):
+    src = source(eval_batch_size=2, exclude_seen=exclude_seen)
     scorer = DescendingScorer()
     metrics = src.evaluate(scorer, device=torch.device("cpu"), split=split)
     keep = 2 if split == "valid" else 1
-    assert [seq for chunk in scorer.seen for seq in chunk] == [s[:-keep] for s in SEQUENCES] and len(scorer.seen) == 2
-    ranks = [s[-keep] for s in SEQUENCES]
+    inputs = [s[:-keep] for s in SEQUENCES]
+    assert [seq for chunk in scorer.seen for seq in chunk] == inputs and len(scorer.seen) == 2
+    targets = [s[-keep] for s in SEQUENCES]
+    unfiltered = targets  # item i ranks i-th
+    # without the items the user's input holds: only unseen items with a smaller id rank above
+    filtered = [sum(1 for i in range(t) if i not in seen) for t, seen in zip(targets, inputs, strict=True)]
+    assert filtered != unfiltered  # the hand-made case tells the two protocols apart
+    ranks = filtered if exclude_seen else unfiltered
     assert metrics["hr@10"] == 1.0 and metrics["hr@50"] == 1.0
     assert metrics["ndcg@10"] == pytest.approx(sum(1 / math.log2(r + 2) for r in ranks) / 3)
     assert metrics["ndcg@50"] == metrics["ndcg@10"]
-    assert source(max_eval_users=1).evaluate(DescendingScorer(), device=torch.device("cpu"), split=split)[
-        "ndcg@10"
-    ] == pytest.approx(1 / math.log2(ranks[0] + 2))
+    if exclude_seen:
+        assert metrics["ndcg@10_unfiltered"] == pytest.approx(sum(1 / math.log2(r + 2) for r in unfiltered) / 3)
+    else:
+        assert not any(k.endswith("_unfiltered") for k in metrics)
+    one = source(max_eval_users=1, exclude_seen=exclude_seen)
+    assert one.evaluate(DescendingScorer(), device=torch.device("cpu"), split=split)["ndcg@10"] == pytest.approx(
+        1 / math.log2(ranks[0] + 2)
+    )
 
 
 # ----------------------------------------------------------------------------- the context token option
@@ -388,7 +419,7 @@ def test_two_training_steps_and_evaluation_on_a_slice_of_users(pm, tiny_override
     records = [json.loads(x) for x in (tmp_path / cfg.name / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     final = records[-1]
-    keys = {f"{s}/{m}@{k}" for s in ("valid", "test") for m in ("hr", "ndcg") for k in (10, 50)}
+    keys = {f"{s}/{m}@{k}{u}" for s in ("valid", "test") for m in ("hr", "ndcg") for k in (10, 50) for u in ("", "_unfiltered")}
     assert set(final) == keys | {"step"} and set(summary.extra["eval"]) == keys
     assert all(0.0 <= final[k] <= 1.0 for k in keys) and final["test/hr@50"] >= final["test/hr@10"]
     assert any(r["step"] == 1 and "valid/hr@10" in r for r in records)  # the evaluation after step 1

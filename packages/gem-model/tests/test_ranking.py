@@ -51,6 +51,20 @@ def test_catalogue_ranks_by_inner_product_in_chunks():
     assert m["hr@10"] == pytest.approx(3 / 7) and m["hr@50"] == pytest.approx(5 / 7)
 
 
+def test_excluded_items_are_not_candidates_but_the_target_always_is():
+    n = 10
+    items = torch.eye(n)
+    queries = (n - torch.arange(n, dtype=torch.float32)).repeat(3, 1)  # item i ranks i-th
+    targets = torch.tensor([5, 5, 2])
+    exclude = torch.tensor([[0, 1, 7, -1], [-1, -1, -1, -1], [2, 0, 1, 3]])  # user 3 lists its own target
+    assert catalogue_ranks(queries, items, targets, exclude=exclude).tolist() == [3, 5, 0]
+    assert catalogue_ranks(queries, items, targets, exclude=exclude, chunk=1).tolist() == [3, 5, 0]
+    with pytest.raises(ValueError, match="outside the catalogue of 10 items"):
+        catalogue_ranks(queries, items, targets, exclude=torch.tensor([[10], [0], [0]]))
+    with pytest.raises(ValueError, match=r"exclude must be \[B, M\] with B = 3"):
+        catalogue_ranks(queries, items, targets, exclude=torch.tensor([0, 1, 2]))
+
+
 def test_bad_inputs_say_what_is_wrong():
     with pytest.raises(ValueError, match=r"target ids must lie in \[0, 3\]"):
         target_ranks(torch.zeros(1, 4), torch.tensor([4]))

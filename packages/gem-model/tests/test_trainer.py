@@ -6,11 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from pydantic import ValidationError
+from torchrec.optim import optimizers as torchrec_optimizers
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from gem_model import hookimpl
+from gem_model.config import TrainerConfig
 from gem_model.config_io import load_config
 from gem_model.errors import NonFiniteLossError
 from gem_model.train.checkpoint import latest_checkpoint
+from gem_model.train.optim import SPARSE_OPTIMIZERS, sparse_optimizer_spec
 from gem_model.trainer import train
 
 
@@ -29,16 +35,28 @@ def test_training_lowers_the_loss_and_writes_metrics(pm, tiny_overrides, tmp_pat
     assert "== summary" in out and "tokens / s" in out and "MFU" in out
 
 
-def test_resumed_run_continues_with_identical_losses(pm, tiny_overrides, tmp_path):
-    straight = load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/a", "trainer.steps=6"])
-    train(straight, pm)
-    first = load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/b", "trainer.steps=3"])
-    train(first, pm)
-    resumed = load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/b", "trainer.steps=6", "trainer.resume=true"])
-    train(resumed, pm)
+@pytest.mark.parametrize("sparse_optimizer", sorted(SPARSE_OPTIMIZERS))
+def test_resumed_run_continues_with_identical_losses(pm, tiny_overrides, tmp_path, sparse_optimizer):
+    common = [*tiny_overrides, f"trainer.sparse_optimizer={sparse_optimizer}"]
+    if sparse_optimizer == "adam":
+        common.append("trainer.sparse_lr=0.003")
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/a", "trainer.steps=6"]), pm)
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/b", "trainer.steps=3"]), pm)
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/b", "trainer.steps=6", "trainer.resume=true"]), pm)
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert len(b) == 6
+    assert len(b) == 6 and a[-1] < a[0]
     assert a == b  # bit-identical: model, both optimizers, data position and RNG all restored
+
+
+def test_sparse_optimizers_by_name():
+    tc = TrainerConfig(sparse_lr=0.01, sparse_eps=1e-7, betas=(0.8, 0.9))
+    adagrad = sparse_optimizer_spec(tc)
+    assert adagrad.cls is RowWiseAdagrad and adagrad.fused() == (RowWiseAdagrad, {"lr": 0.01, "eps": 1e-7})
+    adam = sparse_optimizer_spec(tc.model_copy(update={"sparse_optimizer": "adam"}))
+    assert adam.cls is torch.optim.Adam and adam.kwargs == {"lr": 0.01, "betas": (0.8, 0.9), "eps": 1e-7}
+    assert adam.fused() == (torchrec_optimizers.Adam, {"lr": 0.01, "beta1": 0.8, "beta2": 0.9, "eps": 1e-7})
+    with pytest.raises(ValidationError, match="sparse_optimizer"):
+        TrainerConfig(sparse_optimizer="sgd")
 
 
 def test_resume_with_dropout_restores_the_rng(pm, tiny_overrides, tmp_path):

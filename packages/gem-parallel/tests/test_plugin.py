@@ -9,11 +9,12 @@ from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 import gem_parallel.plugin
 from gem_model import testing
 from gem_model.components import SparseOptimizerSpec
-from gem_model.config import ModelConfig
+from gem_model.config import ModelConfig, TrainerConfig
 from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
 from gem_model.distributed import DistEnv
 from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
+from gem_model.train.optim import sparse_optimizer_spec
 from gem_parallel.sharded import TorchrecDDPConfig, TorchrecDDPPlanner
 from gem_parallel.single import SinglePlanner
 
@@ -59,3 +60,9 @@ def test_torchrec_ddp_options_are_validated():
     assert TorchrecDDPConfig(sharding_types=["row_wise"]).sharding_types == ["row_wise"]
     with pytest.raises(ValueError):
         TorchrecDDPConfig(sharding_types=["diagonal"])
+
+
+def test_torchrec_ddp_refuses_a_table_optimizer_fbgemm_cannot_fuse_on_cpu():
+    adam = sparse_optimizer_spec(TrainerConfig(sparse_optimizer="adam"))
+    with pytest.raises(ValueError, match="'adam': FBGEMM's fused table update has no CPU kernel"):
+        TorchrecDDPPlanner().prepare(model(), env=env(2, "gloo"), comm=testing.PlainComm(), sparse_optimizer=adam)

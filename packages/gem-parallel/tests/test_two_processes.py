@@ -26,6 +26,7 @@ def step_losses(path: Path) -> list[float]:
 
 
 def test_sharded_run_matches_one_process_and_resumes_exactly(reference_overrides, tmp_path):
+    """One process steps the tables with torch's optimizer; two step them inside FBGEMM's fused kernels."""
     steps = ["trainer.steps=6", "trainer.checkpoint_every=3", "trainer.checkpoint_at_end=false"]
     gem_train([*reference_overrides, *steps, "parallel.planner=single", f"trainer.output_dir={tmp_path}/one"])
     two = gem_train(

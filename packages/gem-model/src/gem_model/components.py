@@ -189,10 +189,25 @@ class PreparedModel:
 
 @dataclass(frozen=True)
 class SparseOptimizerSpec:
-    """The embedding tables' optimizer, chosen by the trainer config."""
+    """The embedding tables' optimizer, chosen by the trainer config (``trainer.sparse_optimizer``).
+
+    ``cls(params, **kwargs)`` is a torch optimizer for unsharded tables. A planner that fuses the
+    update into torchrec's embedding kernels passes :meth:`fused` to ``apply_optimizer_in_backward``
+    instead: ``fused_cls`` (a class torchrec maps to an FBGEMM optimizer) and ``fused_kwargs``
+    (FBGEMM's names, e.g. ``beta1``/``beta2``); each defaults to its unfused counterpart.
+    """
 
     cls: type
     kwargs: dict[str, Any]
+    fused_cls: type | None = None
+    fused_kwargs: dict[str, Any] | None = None
+    name: str = ""
+    """The ``trainer.sparse_optimizer`` name it was built from (for error messages)."""
+    fused_on_cpu: bool = True
+    """False where FBGEMM's CPU kernels lack the fused update (its Adam is CUDA only)."""
+
+    def fused(self) -> tuple[type, dict[str, Any]]:
+        return (self.fused_cls or self.cls), dict(self.kwargs if self.fused_kwargs is None else self.fused_kwargs)
 
 
 class ParallelPlanner(Component):

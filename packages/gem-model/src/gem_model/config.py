@@ -57,6 +57,15 @@ class ModelConfig(Strict):
     embedding_init_std: float | None = Field(
         None, gt=0.0, description="draw the sequence tables (items, actions) from N(0, std); None: uniform, small"
     )
+    scale_item_input: bool = Field(
+        False, description="multiply the item embeddings entering the sequence by sqrt(embedding_dim) (SASRec, HSTU)"
+    )
+    position_init_std: float | None = Field(
+        None, gt=0.0, description="draw the position embedding from N(0, std); None: Xavier uniform like other weights"
+    )
+    uvqk_init_std: float | None = Field(
+        None, gt=0.0, description="draw the HSTU blocks' uvqk projections from N(0, std); None: Xavier uniform"
+    )
     context_token: bool = Field(
         False,
         description="prepend one token made from the non-sequence tower to every sequence (HSTU's contextual "
@@ -106,7 +115,10 @@ class TrainerConfig(Strict):
     dense_lr: float = Field(2e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.98)
-    sparse_lr: float = Field(0.05, gt=0.0, description="row-wise Adagrad learning rate of the tables")
+    sparse_optimizer: Literal["rowwise_adagrad", "adam"] = Field(
+        "rowwise_adagrad", description="optimizer of the embedding tables (gem_model.train.optim)"
+    )
+    sparse_lr: float = Field(0.05, gt=0.0, description="learning rate of the tables' optimizer")
     sparse_eps: float = Field(1e-8, gt=0.0)
     grad_clip: float | None = Field(None, gt=0.0)
     log_every: int = Field(10, gt=0)

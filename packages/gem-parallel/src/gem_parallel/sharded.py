@@ -75,10 +75,16 @@ class TorchrecDDPPlanner(ParallelPlanner):
                 "parallel.planner 'torchrec_ddp' needs a process group: launch with torchrun "
                 "(or gem-train run --nproc N), or use parallel.planner=single"
             )
+        if env.device.type == "cpu" and not sparse_optimizer.fused_on_cpu:
+            raise ValueError(
+                f"trainer.sparse_optimizer {sparse_optimizer.name!r}: FBGEMM's fused table update has no CPU kernel, "
+                "so parallel.planner 'torchrec_ddp' cannot use it on the CPU; use rowwise_adagrad there or run on CUDA"
+            )
         pg = dist.GroupMember.WORLD
         assert pg is not None
         full = {f"sparse.{k}": v.detach().clone() for k, v in model.sparse.state_dict().items()}
-        apply_optimizer_in_backward(sparse_optimizer.cls, list(model.sparse.parameters()), sparse_optimizer.kwargs)
+        fused_cls, fused_kwargs = sparse_optimizer.fused()
+        apply_optimizer_in_backward(fused_cls, list(model.sparse.parameters()), fused_kwargs)
         codecs = get_qcomm_codecs_registry(comm.embedding_qcomms()) if comm.embedding_qcomms() else None
         sharders = [
             EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs),

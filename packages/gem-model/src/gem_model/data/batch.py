@@ -48,6 +48,15 @@ class FeatureSpec:
     tasks: tuple[str, ...]
     num_negatives: int
     max_history: int
+    negatives_per_position: bool = False
+    """False: ``num_negatives`` per sample, shared by its positions; True: ``num_negatives`` for each
+    predicted position (each history position but the last), laid out position by position."""
+
+    def negatives_of(self, history_lengths: torch.Tensor) -> torch.Tensor:
+        """How many negatives each sample carries, given its history lengths."""
+        if self.negatives_per_position:
+            return torch.clamp(history_lengths - 1, min=0) * self.num_negatives
+        return torch.full_like(history_lengths, self.num_negatives)
 
     def table_of(self, feature: str) -> tuple[str, int]:
         """(table name, number of rows) that ``feature`` is looked up in."""
@@ -122,7 +131,7 @@ def build_batch(
     *,
     history: list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor],
     actions: torch.Tensor,
-    negatives: torch.Tensor,
+    negatives: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     candidates: torch.Tensor | None,
     pooled: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     dense: torch.Tensor,
@@ -132,18 +141,23 @@ def build_batch(
     """Assemble a :class:`Batch` from flat tensors.
 
     ``history`` is ``(values, lengths)`` of the item ids; ``actions`` has the same values layout;
-    ``negatives`` is ``[B, K]``; ``candidates`` is ``[B]`` or None. A pooled feature is either ``[B]``
+    ``negatives`` is ``[B, K]`` (per sample) or ``(values, lengths)`` (any number per sample, e.g. K per
+    predicted position); ``candidates`` is ``[B]`` or None. A pooled feature is either ``[B]``
     (one id per sample) or ``(values, lengths)`` with ``lengths`` ``[B]`` (a bag of ids per sample).
     """
     values, lengths = history
     b = int(lengths.numel())
-    k = negatives.shape[1] if negatives.numel() else 0
+    if isinstance(negatives, tuple):
+        neg_values, neg_lengths = negatives
+    else:
+        k = negatives.shape[1] if negatives.numel() else 0
+        neg_values, neg_lengths = negatives.reshape(-1), torch.full((b,), k, dtype=torch.long)
     cand_vals = candidates if candidates is not None else torch.empty(0, dtype=torch.long)
     cand_lens = torch.ones(b, dtype=torch.long) if candidates is not None else torch.zeros(b, dtype=torch.long)
     sequence = KeyedJaggedTensor.from_lengths_sync(
         keys=list(SEQUENCE_KEYS),
-        values=torch.cat([values, actions, negatives.reshape(-1), cand_vals]).long(),
-        lengths=torch.cat([lengths, lengths, torch.full((b,), k, dtype=torch.long), cand_lens]).long(),
+        values=torch.cat([values, actions, neg_values, cand_vals]).long(),
+        lengths=torch.cat([lengths, lengths, neg_lengths, cand_lens]).long(),
     )
     names = list(pooled)
     bags = [_as_bag(n, pooled[n], b) for n in names]

@@ -9,7 +9,9 @@ Protocol. Each user's ratings, sorted by timestamp (ties keep file order), form 
 last item is the test target, the one before it the validation target, and training reads the rest
 (its most recent ``max_len`` items). Every movie of the item file (3,883, of which 3,706 are rated)
 is an item id, mapped one to one in file order; every one is a candidate in the full-catalogue
-evaluation (:mod:`gem_model.data.ranking`).
+evaluation (:mod:`gem_model.data.ranking`) except, with ``exclude_seen`` (the default), the items
+of the user's input history: the HSTU authors' trainer filters them (``filter_invalid_ids``), so
+the paper's figures are on that protocol. The unfiltered metrics are reported beside them.
 
 Training. Each user is one sample per epoch: the training sequence, every position predicting the
 next item with the sampled softmax (no candidate, no BCE tasks). An epoch is a permutation of the
@@ -19,7 +21,8 @@ that epoch). Every global batch is a pure function of ``(seed, step)``, so resum
 data. Negatives: ``uniform`` draws them uniformly over the whole catalogue, as the paper's trainer
 does (``LocalNegativesSampler``); ``in_batch`` draws them from the items of the global batch's
 histories, i.e. in proportion to popularity. Both are drawn per sample (``num_negatives`` shared by
-the sample's positions) from a generator seeded by ``(seed, step)``.
+the sample's positions; ``negatives_per: sample``) or per predicted position (``negatives_per:
+position``, the paper's way), from a generator seeded by ``(seed, step)``.
 
 Features. Sequence: item ids; the ratings 1-5 as action types (``actions: ratings``) or one action
 for every item (``actions: none``, the paper's ids-only input). Non-sequence (``side_features``):
@@ -62,10 +65,18 @@ class MovieLensConfig(ComponentConfig):
     negatives: Literal["uniform", "in_batch"] = Field(
         "uniform", description="uniform over the catalogue (the paper), or drawn from the global batch's items"
     )
+    negatives_per: Literal["sample", "position"] = Field(
+        "sample", description="num_negatives per sample, shared by its positions, or per predicted position (the paper)"
+    )
     actions: Literal["ratings", "none"] = Field("ratings", description="ratings as action types, or ids only")
     side_features: bool = Field(False, description="user attributes and a genre bag as pooled features")
     genre_window: int = Field(50, ge=1, description="the genre bag holds the genres of this many recent items")
     zip_prefix_len: int = Field(2, ge=1, le=5, description="leading zip-code characters kept as a feature")
+    exclude_seen: bool = Field(
+        True,
+        description="evaluation: the items of the user's input history are not candidates (the HSTU authors' "
+        "trainer and SASRec do this); the unfiltered metrics are reported as well",
+    )
     max_users: int | None = Field(None, ge=1, description="use only the first N users of the user file")
     max_eval_users: int | None = Field(None, ge=1, description="evaluate only the first N users")
     eval_batch_size: int = Field(1024, ge=1)
@@ -227,6 +238,7 @@ class MovieLensSource(DataSource):
             tasks=(),
             num_negatives=c.num_negatives,
             max_history=c.max_len,
+            negatives_per_position=c.negatives_per == "position",
         )
 
     # ----------------------------------------------------------------------------------- histories
@@ -242,7 +254,13 @@ class MovieLensSource(DataSource):
         lengths = torch.clamp(self._counts[users] - keep, max=self.config.max_len)
         return ends - lengths, lengths
 
-    def _batch(self, users: torch.Tensor, split: str, negatives: torch.Tensor, sample_ids: torch.Tensor) -> Batch:
+    def _batch(
+        self,
+        users: torch.Tensor,
+        split: str,
+        negatives: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        sample_ids: torch.Tensor,
+    ) -> Batch:
         c, d = self.config, self.data
         starts, lengths = self.history(users, split)
         rows = segments(starts, lengths)
@@ -294,16 +312,18 @@ class MovieLensSource(DataSource):
         c = self.config
         users = self.users_of_step(step, b)
         g = torch.Generator().manual_seed(c.seed * 1_000_003 + step * 7_919 + 17)
-        k = c.num_negatives
+        starts, lengths = self.history(users, "train")
+        # per sample: one row of k per user; per position: one row of k per predicted position
+        rows_per_user = torch.clamp(lengths - 1, min=0) if c.negatives_per == "position" else torch.ones_like(lengths)
+        shape = (int(rows_per_user.sum()), c.num_negatives)
         if c.negatives == "uniform":
-            negatives = torch.randint(self.data.num_items, (b, k), generator=g)
+            negatives = torch.randint(self.data.num_items, shape, generator=g)
         else:
-            starts, lengths = self.history(users, "train")
             pool = self.data.items[segments(starts, lengths)]
             if pool.numel() == 0:
                 raise ValueError(f"step {step}: in_batch negatives need items, but every history is empty")
-            negatives = pool[torch.randint(pool.numel(), (b, k), generator=g)]
-        data = {"users": users, "negatives": negatives}
+            negatives = pool[torch.randint(pool.numel(), shape, generator=g)]
+        data = {"users": users, "negatives": negatives, "neg_rows": rows_per_user}
         self._step = ((step, b), data)
         return data
 
@@ -312,9 +332,10 @@ class MovieLensSource(DataSource):
 
     def make_batch(self, step: int, global_batch_size: int, indices: torch.Tensor) -> Batch:
         d = self._global(step, global_batch_size)
-        return self._batch(
-            d["users"][indices], "train", d["negatives"][indices], sample_ids=indices + step * global_batch_size
-        )
+        rows, k = d["neg_rows"], self.config.num_negatives
+        mine = segments(offsets_of(rows)[:-1][indices], rows[indices])
+        negatives = (d["negatives"][mine].reshape(-1), rows[indices] * k)
+        return self._batch(d["users"][indices], "train", negatives, sample_ids=indices + step * global_batch_size)
 
     # ---------------------------------------------------------------------------------- evaluation
 
@@ -332,15 +353,36 @@ class MovieLensSource(DataSource):
             raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
         return self._batch(users, split, torch.empty(users.numel(), 0, dtype=torch.long), sample_ids=users)
 
+    def seen_items(self, users: torch.Tensor, split: str) -> torch.Tensor:
+        """``[B, M]`` ids of the items the model reads for ``split`` (its input history), ``-1`` pads."""
+        starts, lengths = self.history(users, split)
+        out = torch.full((users.numel(), max(int(lengths.max()), 1) if lengths.numel() else 1), -1, dtype=torch.long)
+        owner = torch.repeat_interleave(torch.arange(users.numel()), lengths)
+        pos = torch.arange(owner.numel()) - offsets_of(lengths)[:-1][owner]
+        out[owner, pos] = self.data.items[segments(starts, lengths)]
+        return out
+
     @torch.no_grad()
     def evaluate(self, model, *, device: torch.device, split: str) -> dict[str, float]:
-        """HR@10/50 and NDCG@10/50 of the ``split`` target over the whole catalogue (needs an unsharded item table)."""
+        """HR@10/50 and NDCG@10/50 of the ``split`` target over the whole catalogue (needs an unsharded item table).
+
+        With ``exclude_seen`` (the HSTU authors' evaluation) the items of the user's input history are
+        not candidates; the same metrics with every item a candidate come as ``<metric>_unfiltered``.
+        """
         items = model.item_embeddings().to(device)
         if items.shape[0] != self.data.num_items:
             raise ValueError(f"the model's item table has {items.shape[0]} rows, the catalogue {self.data.num_items}")
-        ranks = []
+        ranks, unfiltered = [], []
         for users in self.eval_users().split(self.config.eval_batch_size):
             batch = self.eval_batch(users, split).to(device)
             queries = model.user_embeddings(batch).float()
-            ranks.append(catalogue_ranks(queries, items, self.targets(users, split).to(device)).cpu())
-        return ranking_metrics(torch.cat(ranks), DEFAULT_KS)
+            targets = self.targets(users, split).to(device)
+            unfiltered.append(catalogue_ranks(queries, items, targets).cpu())
+            if self.config.exclude_seen:
+                seen = self.seen_items(users, split).to(device)
+                ranks.append(catalogue_ranks(queries, items, targets, exclude=seen).cpu())
+        if not self.config.exclude_seen:
+            return ranking_metrics(torch.cat(unfiltered), DEFAULT_KS)
+        out = ranking_metrics(torch.cat(ranks), DEFAULT_KS)
+        out.update({f"{k}_unfiltered": v for k, v in ranking_metrics(torch.cat(unfiltered), DEFAULT_KS).items()})
+        return out

@@ -1,10 +1,11 @@
 """Full-catalogue ranking metrics: HR@K and NDCG@K of one held-out target per user.
 
-Every item of the catalogue is a candidate (no filtering of items the user has already seen, as in
-the HSTU and SASRec evaluations). The rank of the target is the number of catalogue items that score
-at least as high as the target, the target itself excluded: ties count against the target, so a model
-that scores everything alike gets no credit (with learned float embeddings ties do not occur in
-practice). With 0-based ``rank``::
+Every item of the catalogue is a candidate, except, when ``exclude`` is given, the items listed there
+for the user (the HSTU authors' trainer removes the items of the user's input history from the
+ranking, as SASRec's evaluation does; the target itself always stays a candidate). The rank of the
+target is the number of candidates that score at least as high as the target, the target itself
+excluded: ties count against the target, so a model that scores everything alike gets no credit
+(with learned float embeddings ties do not occur in practice). With 0-based ``rank``::
 
     HR@K   = 1                    if rank < K else 0
     NDCG@K = 1 / log2(rank + 2)   if rank < K else 0
@@ -36,14 +37,38 @@ def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (scores >= target_score).sum(1) - 1
 
 
+def exclude_items(scores: torch.Tensor, exclude: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``scores [B, N]`` with the ids of ``exclude [B, M]`` (``-1`` pads) set to ``-inf``, targets kept."""
+    if exclude.dim() != 2 or exclude.shape[0] != scores.shape[0]:
+        raise ValueError(f"exclude must be [B, M] with B = {scores.shape[0]}; got {tuple(exclude.shape)}")
+    if exclude.numel() and int(exclude.max()) >= scores.shape[1]:
+        raise ValueError(f"exclude holds id {int(exclude.max())}, outside the catalogue of {scores.shape[1]} items")
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    valid = exclude >= 0
+    rows = torch.arange(scores.shape[0], device=scores.device)[:, None].expand_as(exclude)
+    mask[rows[valid], exclude[valid]] = True
+    mask[torch.arange(scores.shape[0], device=scores.device), targets.long()] = False
+    return scores.masked_fill(mask, float("-inf"))
+
+
 def catalogue_ranks(
-    queries: torch.Tensor, items: torch.Tensor, targets: torch.Tensor, *, chunk: int = 1024
+    queries: torch.Tensor,
+    items: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    exclude: torch.Tensor | None = None,
+    chunk: int = 1024,
 ) -> torch.Tensor:
-    """Ranks of ``targets`` when ``queries [B, D]`` score every row of ``items [N, D]`` by inner product."""
-    out = [
-        target_ranks(queries[s : s + chunk].float() @ items.float().T, targets[s : s + chunk])
-        for s in range(0, queries.shape[0], chunk)
-    ]
+    """Ranks of ``targets`` when ``queries [B, D]`` score every row of ``items [N, D]`` by inner product.
+
+    ``exclude`` (``[B, M]`` item ids, ``-1`` pads) removes those items from each user's candidates.
+    """
+    out = []
+    for s in range(0, queries.shape[0], chunk):
+        scores = queries[s : s + chunk].float() @ items.float().T
+        if exclude is not None:
+            scores = exclude_items(scores, exclude[s : s + chunk], targets[s : s + chunk])
+        out.append(target_ranks(scores, targets[s : s + chunk]))
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=queries.device)
 
 

@@ -51,8 +51,14 @@ def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
     if not torch.equal(seq[SEQ_ITEM].lengths(), seq[SEQ_ACTION].lengths()):
         raise ValueError(f"features {SEQ_ITEM!r} and {SEQ_ACTION!r} must have the same lengths per sample")
     neg_lengths = seq[NEG_ITEM].lengths()
-    if neg_lengths.numel() and bool((neg_lengths != spec.num_negatives).any()):
-        raise ValueError(f"feature {NEG_ITEM!r}: every sample needs exactly {spec.num_negatives} negatives")
+    expected = spec.negatives_of(seq[SEQ_ITEM].lengths())
+    if neg_lengths.numel() and not torch.equal(neg_lengths, expected):
+        b_bad = int(torch.nonzero(neg_lengths != expected)[0, 0])
+        per = "each predicted position" if spec.negatives_per_position else "every sample"
+        raise ValueError(
+            f"feature {NEG_ITEM!r}: {per} needs exactly {spec.num_negatives} negatives; sample {b_bad} has "
+            f"{int(neg_lengths[b_bad])}, expected {int(expected[b_bad])}"
+        )
     too_long = seq[SEQ_ITEM].lengths() > spec.max_history
     if bool(too_long.any()):
         n = int(seq[SEQ_ITEM].lengths().max())

@@ -112,7 +112,16 @@ class GemModel(nn.Module):
             for name, p in self.named_parameters():
                 if name.startswith("sparse."):
                     continue
-                if p.dim() >= 2:
+                if p.dim() < 2:
+                    continue
+                std = None
+                if name == "position.weight":
+                    std = self.config.position_init_std
+                elif name.startswith("blocks.") and name.endswith(".uvqk.weight"):
+                    std = self.config.uvqk_init_std
+                if std is not None:
+                    p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
+                else:
                     bound = (6.0 / (p.shape[0] + p.shape[1])) ** 0.5
                     p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
 
@@ -140,7 +149,7 @@ class GemModel(nn.Module):
         seq, pooled = self.sparse(batch.sequence, batch.pooled)
         hist_lengths = seq[SEQ_ITEM].lengths()
         item_emb = seq[SEQ_ITEM].values()
-        x = item_emb + seq[SEQ_ACTION].values()
+        x = (item_emb * cfg.embedding_dim**0.5 if cfg.scale_item_input else item_emb) + seq[SEQ_ACTION].values()
         lengths = hist_lengths
         num_targets = None
         features = None
@@ -210,11 +219,13 @@ class GemModel(nn.Module):
         return ModelOutput(logits, task_loss, next_sum, next_count)
 
     def next_item_loss(self, enc: dict[str, torch.Tensor], batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled softmax: position i of a history predicts the item at i + 1 against the sample's negatives.
+        """Sampled softmax: position i of a history predicts the item at i + 1 against negatives.
 
-        The negative logits come from one batched matmul of each sample's (padded) queries with its
-        own negatives, ``[B, n, D] x [B, D, K]``, so no ``[positions, K, D]`` copy of the negatives is
-        ever built (that copy dominated memory and time with hundreds of negatives).
+        The negatives are the sample's, shared by its positions, or with the spec's
+        ``negatives_per_position`` each position's own (``[positions, K]``, the HSTU paper's way).
+        Shared negatives are scored by one batched matmul of each sample's (padded) queries with its
+        own negatives, ``[B, n, D] x [B, D, K]``, so no ``[positions, K, D]`` copy of them is built
+        (that copy dominated memory and time with hundreds of negatives).
         """
         cfg = self.config
         lengths = enc["hist_lengths"]
@@ -228,15 +239,21 @@ class GemModel(nn.Module):
         k, b = self.spec.num_negatives, lengths.numel()
         query = enc["hist_out"][rows].float()
         positive = enc["item_emb"][rows + 1].float()
-        negatives = enc["neg_emb"].float().reshape(b, k, query.shape[1])
+        per_position = self.spec.negatives_per_position
+        negatives = enc["neg_emb"].float().reshape(rows.numel() if per_position else b, k, query.shape[1])
         if cfg.l2_normalize:
             query, positive, negatives = (F.normalize(z, dim=-1, eps=1e-6) for z in (query, positive, negatives))
         pos_logit = (query * positive).sum(-1, keepdim=True)
         o, p = owner[rows], pos[rows]
-        padded = query.new_zeros(b, int(lengths.max()) - 1, query.shape[1]).index_put((o, p), query)
-        neg_logit = torch.bmm(padded, negatives.transpose(1, 2))[o, p]
+        neg_ids = batch.sequence[NEG_ITEM].values()
+        if per_position:  # the negatives of row r are negatives[r]
+            neg_logit = torch.bmm(negatives, query[:, :, None]).squeeze(-1)
+            neg_ids = neg_ids.reshape(rows.numel(), k)
+        else:
+            padded = query.new_zeros(b, int(lengths.max()) - 1, query.shape[1]).index_put((o, p), query)
+            neg_logit = torch.bmm(padded, negatives.transpose(1, 2))[o, p]
+            neg_ids = neg_ids.reshape(b, k)[o]
         items = batch.sequence[SEQ_ITEM].values()
-        neg_ids = batch.sequence[NEG_ITEM].values().reshape(b, k)[o]
         neg_logit = neg_logit.masked_fill(neg_ids == items[rows + 1][:, None], float("-inf"))
         logits = torch.cat([pos_logit, neg_logit], 1) / cfg.temperature
         loss = torch.logsumexp(logits, 1) - logits[:, 0]

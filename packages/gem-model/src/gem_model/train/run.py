@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from gem_model.components import PreparedModel, SparseOptimizerSpec
+from gem_model.components import PreparedModel
 from gem_model.config import RunConfig
 from gem_model.data.loader import ShardedLoader
 from gem_model.distributed import DistEnv
@@ -22,6 +21,7 @@ from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
 from gem_model.train import checkpoint as ckpt
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
+from gem_model.train.optim import sparse_optimizer_spec
 from gem_model.train.prepare import prepare_model
 from gem_model.train.progress import Progress
 from gem_model.train.report import ReportSection, RunSummary, format_sections
@@ -75,7 +75,7 @@ class Run:
             planner=components.planner,
             env=env,
             comm=components.comm,
-            sparse_optimizer=SparseOptimizerSpec(RowWiseAdagrad, {"lr": tc.sparse_lr, "eps": tc.sparse_eps}),
+            sparse_optimizer=sparse_optimizer_spec(tc),
         )
         self.dense_names = [n for n, _ in self.prepared.dense_parameters]
         self.dense_optimizer = torch.optim.AdamW(

@@ -1,0 +1,54 @@
+"""The embedding tables' optimizers, by name (``trainer.sparse_optimizer``).
+
+- ``rowwise_adagrad``: one Adagrad accumulator per table row (torchrec's ``RowWiseAdagrad``; FBGEMM's
+  ``EXACT_ROWWISE_ADAGRAD`` when a planner fuses it). Small state, the usual choice for huge tables.
+- ``adam``: Adam with ``trainer.betas`` (``torch.optim.Adam``; FBGEMM's ``ADAM`` when fused, through
+  torchrec's placeholder ``torchrec.optim.Adam``). Two
+  full-size moments per table, as the HSTU paper's trainer uses for its (small) item table.
+
+Both take ``trainer.sparse_lr`` and ``trainer.sparse_eps``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torchrec.optim import optimizers as torchrec_optimizers
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from gem_model.components import SparseOptimizerSpec
+from gem_model.config import TrainerConfig
+
+
+def _rowwise_adagrad(tc: TrainerConfig) -> SparseOptimizerSpec:
+    return SparseOptimizerSpec(RowWiseAdagrad, {"lr": tc.sparse_lr, "eps": tc.sparse_eps}, name="rowwise_adagrad")
+
+
+def _adam(tc: TrainerConfig) -> SparseOptimizerSpec:
+    b1, b2 = tc.betas
+    return SparseOptimizerSpec(
+        torch.optim.Adam,
+        {"lr": tc.sparse_lr, "betas": (b1, b2), "eps": tc.sparse_eps},
+        # torchrec's placeholder class takes FBGEMM's argument names (torch's Adam would refuse them)
+        fused_cls=torchrec_optimizers.Adam,
+        fused_kwargs={"lr": tc.sparse_lr, "beta1": b1, "beta2": b2, "eps": tc.sparse_eps},
+        name="adam",
+        fused_on_cpu=False,
+    )
+
+
+SPARSE_OPTIMIZERS: dict[str, Callable[[TrainerConfig], SparseOptimizerSpec]] = {
+    "rowwise_adagrad": _rowwise_adagrad,
+    "adam": _adam,
+}
+
+
+def sparse_optimizer_spec(tc: TrainerConfig) -> SparseOptimizerSpec:
+    try:
+        build = SPARSE_OPTIMIZERS[tc.sparse_optimizer]
+    except KeyError:  # the config's Literal normally catches this first
+        raise ValueError(
+            f"trainer.sparse_optimizer {tc.sparse_optimizer!r} is not one of {sorted(SPARSE_OPTIMIZERS)}"
+        ) from None
+    return build(tc)
