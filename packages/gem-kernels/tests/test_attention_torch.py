@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gem_kernels.attention import TorchJaggedAttention
+from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
 from gem_kernels.attention_torch import BUCKET_GROWTH, SMALL_BUCKET, plan_buckets
+from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
+from gem_model.errors import KernelUnavailableError
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -63,3 +65,41 @@ def test_rejects_mismatched_shapes() -> None:
         TorchJaggedAttention()(q, q, torch.zeros(4, 3, 8), torch.tensor([0, 4]), max_seq_len=4, alpha=1.0)
     with pytest.raises(ValueError, match="num_targets"):
         TorchJaggedAttention()(q, q, q, torch.tensor([0, 4]), max_seq_len=4, alpha=1.0, num_targets=torch.ones(2))
+
+
+def test_relative_position_bias_matches_the_reference_and_a_direct_loop(gen: torch.Generator) -> None:
+    """Forward and every gradient, the bias's included, against the padded reference; the reference
+    itself against the formula written out per (i, j)."""
+    lengths = [7, 0, 30, 3, 12]
+    offsets = offsets_from_lengths(lengths)
+    n_max = 32
+    q, k, v = random_qkv(int(offsets[-1]), 2, 8, 8, torch.float64, gen)
+    bias = torch.randn(2 * n_max - 1, generator=gen, dtype=torch.float64)
+    targets = torch.tensor([2, 0, 0, 1, 4])
+    grad_out = torch.randn(v.shape, generator=gen, dtype=torch.float64)
+    got, want = [], []
+    for fn, out in ((TorchJaggedAttention(), got), (jagged_attention_reference, want)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        y = fn(*leaves[:3], offsets, max_seq_len=n_max, alpha=0.3, num_targets=targets, position_bias=leaves[3])
+        y.backward(grad_out)
+        out.extend([y.detach(), *(t.grad for t in leaves)])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert want[4].abs().sum() > 0  # the bias is trained
+    # sequence 2 (30 rows, no targets): row i attends to j <= i with the bias of j - i
+    s = int(offsets[2])
+    for i in (0, 17, 29):
+        expected = sum(
+            torch.nn.functional.silu(0.3 * (q[s + i] * k[s + j]).sum(-1) + bias[j - i + n_max - 1])[:, None] / n_max * v[s + j]
+            for j in range(i + 1)
+        )
+        torch.testing.assert_close(want[0][s + i], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_relative_position_bias_shape_and_kernel_support_are_checked(gen: torch.Generator) -> None:
+    q, k, v = random_qkv(10, 1, 4, 4, torch.float32, gen)
+    with pytest.raises(ValueError, match=r"position_bias must be \[2 \* max_seq_len - 1\] = \[19\]"):
+        TorchJaggedAttention()(q, k, v, torch.tensor([0, 10]), max_seq_len=10, alpha=1.0, position_bias=torch.zeros(10))
+    with pytest.raises(KernelUnavailableError, match="'triton' has no relative position bias"):
+        TritonJaggedAttention()(q, k, v, torch.tensor([0, 10]), max_seq_len=10, alpha=1.0, position_bias=torch.zeros(19))
+    assert TorchJaggedAttention.supports_position_bias and not TritonJaggedAttention.supports_position_bias

@@ -164,3 +164,21 @@ def test_item_input_scale_and_initialisation_options():
                                     dense=torch.zeros(1, 0), labels=torch.zeros(1, 0)))
         action = m.sparse.ec.embeddings["action"].weight[1]
         torch.testing.assert_close(seen[scale] - action, m.sparse.item_table()[items] * (8.0 if scale else 1.0))
+
+
+def test_relative_position_bias_trains_and_needs_a_kernel_that_has_it():
+    cfg = ModelConfig(max_seq_len=32, relative_position_bias=True)
+    model, data = build(cfg)
+    biases = [b.position_bias for b in model.blocks]
+    assert all(p is not None and p.shape == (63,) and 0.01 < p.std().item() < 0.03 for p in biases)
+    out = model(next(data))
+    (out.task_loss_sum + out.next_item_loss_sum).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in biases)
+
+    class NoBias(LoopAttention):
+        name = "no_bias"
+        supports_position_bias = False
+
+    spec = SyntheticSource(SyntheticConfig(max_len=31)).feature_spec()
+    with pytest.raises(ValueError, match="relative_position_bias needs an attention kernel .* 'no_bias' does not"):
+        GemModel(cfg, spec, attention=NoBias(), norm_gate=TorchNormGate())

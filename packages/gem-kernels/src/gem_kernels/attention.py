@@ -51,6 +51,7 @@ class TorchJaggedAttention(JaggedAttentionKernel):
     """Pure torch; sequences bucketed by length, each bucket padded to its own longest sequence."""
 
     name = "torch"
+    supports_position_bias = True
 
     def __call__(
         self,
@@ -63,11 +64,12 @@ class TorchJaggedAttention(JaggedAttentionKernel):
         alpha: float,
         num_targets: torch.Tensor | None = None,
         max_attn_len: int = 0,
+        position_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
         return jagged_attention_torch(
             q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
-            max_attn_len=max_attn_len,
+            max_attn_len=max_attn_len, position_bias=position_bias,
         )
 
 
@@ -113,8 +115,14 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         alpha: float,
         num_targets: torch.Tensor | None = None,
         max_attn_len: int = 0,
+        position_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
+        if position_bias is not None:
+            raise KernelUnavailableError(
+                f"kernels.{self.op}: 'triton' has no relative position bias; use the 'torch' kernel for "
+                "model.relative_position_bias"
+            )
         require_triton(q.device, op=self.op, name=self.name, in_call=True)
         if q.dtype not in TRITON_DTYPES:
             raise KernelUnavailableError(

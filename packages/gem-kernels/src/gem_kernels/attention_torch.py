@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_kernels.reference import attention_mask
+from gem_model.jagged import relative_bias_matrix
 
 BUCKET_GROWTH = 1.25
 """A bucket holds lengths in ``[size / BUCKET_GROWTH, size]``: at most ~1.56x the work of no padding,
@@ -41,6 +42,7 @@ def jagged_attention_torch(
     alpha: float,
     num_targets: torch.Tensor | None = None,
     max_attn_len: int = 0,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as :func:`gem_kernels.reference.jagged_attention_reference`, bucketed by length.
 
@@ -86,6 +88,9 @@ def jagged_attention_torch(
             return x[slot : slot + nb * size].view(nb, size, num_heads, -1).transpose(1, 2)
 
         scale = attention_mask(lengths_t[chosen], targets[chosen], max_attn_len, size).to(compute) / max_seq_len
-        weights = F.silu(alpha * (bucket(padded_q) @ bucket(padded_k).transpose(-1, -2))) * scale[:, None]
+        scores = alpha * (bucket(padded_q) @ bucket(padded_k).transpose(-1, -2))
+        if position_bias is not None:
+            scores = scores + relative_bias_matrix(position_bias.to(compute), size, max_seq_len)
+        weights = F.silu(scores) * scale[:, None]
         outs.append((weights @ bucket(padded_v)).transpose(1, 2).reshape(nb * size, num_heads, -1))
     return torch.cat(outs)[slot_of_row].to(v.dtype)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gem_model.jagged import relative_bias_matrix
+
 
 def effective_positions(lengths: torch.Tensor, num_targets: torch.Tensor | None, size: int) -> torch.Tensor:
     """``p(i) = min(i, n - t)`` for ``i < size`` and every sequence: int64 ``[B, size]``."""
@@ -46,10 +48,12 @@ def jagged_attention_reference(
     alpha: float,
     num_targets: torch.Tensor | None = None,
     max_attn_len: int = 0,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j>) / max_seq_len * v_j`` per sequence.
+    """``out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j> + r[j - i]) / max_seq_len * v_j`` per sequence.
 
-    Differentiable in ``q``, ``k`` and ``v``. Pads to the longest sequence of the batch.
+    ``r[j - i] = position_bias[j - i + max_seq_len - 1]`` (0 without ``position_bias``).
+    Differentiable in ``q``, ``k``, ``v`` and ``position_bias``. Pads to the longest sequence of the batch.
     """
     compute = torch.promote_types(v.dtype, torch.float32)
     num_rows, num_heads, _ = q.shape
@@ -65,6 +69,8 @@ def jagged_attention_reference(
         return out.index_put((seq_of_row, pos_of_row), x.to(compute)).transpose(1, 2)
 
     scores = alpha * pad(q) @ pad(k).transpose(-1, -2)
+    if position_bias is not None:
+        scores = scores + relative_bias_matrix(position_bias.to(compute), size, max_seq_len)
     mask = attention_mask(lengths, num_targets, max_attn_len, size)[:, None]
     weights = torch.where(mask, F.silu(scores), 0.0) / max_seq_len
     out = (weights @ pad(v)).transpose(1, 2)  # [B, size, H, Dv]

@@ -68,18 +68,24 @@ class JaggedAttentionKernel(Kernel):
 
     For rows ``i, j`` of the same sequence ``b`` (rows ``seq_offsets[b]:seq_offsets[b+1]``)::
 
-        out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j>) / max_seq_len * v_j
+        out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j> + r[j - i]) / max_seq_len * v_j
 
     With ``n`` the sequence length and ``t = num_targets[b]`` (0 when ``num_targets`` is None), the
     effective position is ``p(i) = min(i, n - t)`` and ``mask(i, j)`` holds when ``i == j`` or
     ``0 < p(i) - p(j) <= W`` (``W = max_attn_len``; ``W = 0`` means no window). History is causal;
     each target sees the history and itself only. No term crosses sequences.
 
+    ``r`` is the optional relative position bias (HSTU's positional attention bias, shared by the
+    heads): ``position_bias[j - i + max_seq_len - 1]``, 0 when ``position_bias`` is None. Only
+    kernels with ``supports_position_bias`` take it; the model checks that before training.
+
     Shapes: ``q, k`` ``[L, H, Dqk]``, ``v`` ``[L, H, Dv]``, ``seq_offsets`` int ``[B + 1]``,
-    ``num_targets`` int ``[B]``; returns ``[L, H, Dv]`` in the dtype of ``v``.
+    ``num_targets`` int ``[B]``, ``position_bias`` ``[2 * max_seq_len - 1]`` (differentiable);
+    returns ``[L, H, Dv]`` in the dtype of ``v``.
     """
 
     op: ClassVar[str] = "jagged_attention"
+    supports_position_bias: ClassVar[bool] = False
 
     @abstractmethod
     def __call__(
@@ -93,6 +99,7 @@ class JaggedAttentionKernel(Kernel):
         alpha: float,
         num_targets: torch.Tensor | None = None,
         max_attn_len: int = 0,
+        position_bias: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -57,6 +57,11 @@ class ModelConfig(Strict):
     embedding_init_std: float | None = Field(
         None, gt=0.0, description="draw the sequence tables (items, actions) from N(0, std); None: uniform, small"
     )
+    relative_position_bias: bool = Field(
+        False,
+        description="a learned bias per relative position added to the attention scores in every block "
+        "(HSTU's positional attention bias); needs an attention kernel that supports it (torch)",
+    )
     scale_item_input: bool = Field(
         False, description="multiply the item embeddings entering the sequence by sqrt(embedding_dim) (SASRec, HSTU)"
     )

@@ -65,3 +65,15 @@ def append_one(values: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor)
 def prepend_one(values: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Put ``first[b]`` before the rows of sequence ``b``."""
     return insert_one(values, lengths, first, at_start=True)
+
+
+def relative_bias_matrix(position_bias: torch.Tensor, size: int, max_seq_len: int) -> torch.Tensor:
+    """``[size, size]`` matrix ``B[i, j] = position_bias[j - i + max_seq_len - 1]`` (relative positions)."""
+    if position_bias.shape != (2 * max_seq_len - 1,):
+        raise ValueError(
+            f"position_bias must be [2 * max_seq_len - 1] = [{2 * max_seq_len - 1}], got {tuple(position_bias.shape)}"
+        )
+    if size > max_seq_len:
+        raise ValueError(f"a sequence of {size} rows is longer than max_seq_len {max_seq_len}")
+    pos = torch.arange(size, device=position_bias.device)
+    return position_bias[pos[None, :] - pos[:, None] + max_seq_len - 1]

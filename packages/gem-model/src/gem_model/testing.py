@@ -27,6 +27,7 @@ from gem_model.components import (
     PrecisionScheme,
     PreparedModel,
 )
+from gem_model.jagged import relative_bias_matrix
 from gem_model.markers import hookimpl
 
 
@@ -43,8 +44,9 @@ class LoopAttention(JaggedAttentionKernel):
     """One sequence at a time: full n x n products per sequence, no padding across sequences."""
 
     name: ClassVar[str] = "loop"
+    supports_position_bias: ClassVar[bool] = True
 
-    def __call__(self, q, k, v, seq_offsets, *, max_seq_len, alpha, num_targets=None, max_attn_len=0):
+    def __call__(self, q, k, v, seq_offsets, *, max_seq_len, alpha, num_targets=None, max_attn_len=0, position_bias=None):
         outs = []
         for b in range(seq_offsets.numel() - 1):
             s, e = int(seq_offsets[b]), int(seq_offsets[b + 1])
@@ -53,6 +55,8 @@ class LoopAttention(JaggedAttentionKernel):
                 continue
             t = int(num_targets[b]) if num_targets is not None else 0
             scores = torch.einsum("ihd,jhd->hij", q[s:e], k[s:e]) * alpha
+            if position_bias is not None:
+                scores = scores + relative_bias_matrix(position_bias, n, max_seq_len)
             w = F.silu(scores) / max_seq_len * hstu_mask(n, t, max_attn_len, q.device)
             outs.append(torch.einsum("hij,jhd->ihd", w, v[s:e]))
         return torch.cat(outs) if outs else v.new_zeros(v.shape)

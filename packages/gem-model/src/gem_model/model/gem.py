@@ -62,6 +62,11 @@ class GemModel(nn.Module):
         self.sparse = SparseArch(spec, d, seed=seed, sequence_init_std=config.embedding_init_std)
         self.position = nn.Embedding(config.max_seq_len, d) if config.position_embedding else None
         alpha = config.alpha if config.alpha is not None else config.attention_dim**-0.5
+        if config.relative_position_bias and not attention.supports_position_bias:
+            raise ValueError(
+                f"model.relative_position_bias needs an attention kernel that supports it; kernels.jagged_attention "
+                f"{attention.name!r} does not (use 'torch')"
+            )
         self.blocks = nn.ModuleList(
             HSTUBlock(
                 dim=d,
@@ -74,6 +79,7 @@ class GemModel(nn.Module):
                 dropout=config.dropout,
                 attention=attention,
                 norm_gate=norm_gate,
+                position_bias=config.relative_position_bias,
             )
             for _ in range(config.num_blocks)
         )
@@ -111,6 +117,9 @@ class GemModel(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.startswith("sparse."):
+                    continue
+                if name.endswith(".position_bias"):  # HSTU's initialisation of its relative bias
+                    p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=g))
                     continue
                 if p.dim() < 2:
                     continue

@@ -4,6 +4,7 @@ One block, on the ``[L, D]`` values of a jagged batch::
 
     u, v, q, k = split(silu(W_uvqk · layer_norm(x)))
     a = jagged_attention(q, k, v)                  # pointwise silu attention, causal + targets
+                                                   # (+ optional relative position bias)
     x = x + W_o · dropout(norm_gate(a, u))         # layer_norm(a) * u
 """
 
@@ -30,6 +31,7 @@ class HSTUBlock(nn.Module):
         dropout: float,
         attention: JaggedAttentionKernel,
         norm_gate: NormGateKernel,
+        position_bias: bool = False,
     ):
         super().__init__()
         self.num_heads, self.attention_dim, self.value_dim = num_heads, attention_dim, value_dim
@@ -40,6 +42,8 @@ class HSTUBlock(nn.Module):
         self.gate_bias = nn.Parameter(torch.zeros(num_heads * value_dim))
         self.out = nn.Linear(num_heads * value_dim, dim)
         self.dropout = nn.Dropout(dropout)
+        # r[j - i] of the attention scores, shared by the heads (HSTU's relative position bias)
+        self.position_bias = nn.Parameter(torch.zeros(2 * max_seq_len - 1)) if position_bias else None
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | None) -> torch.Tensor:
         n, h = x.shape[0], self.num_heads
@@ -55,6 +59,7 @@ class HSTUBlock(nn.Module):
             alpha=self.alpha,
             num_targets=num_targets,
             max_attn_len=self.max_attn_len,
+            **({} if self.position_bias is None else {"position_bias": self.position_bias}),
         )
         y = self.norm_gate(attn.reshape(n, h * dv), u, self.gate_weight, self.gate_bias, 1e-6)
         return x + self.out(self.dropout(y)).to(x.dtype)
