@@ -37,6 +37,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("hr@10", "ndcg@10", "hr@50", "ndcg@50")
+# the same with every item a candidate (the source reports them when it excludes the user's history)
+UNFILTERED = ("hr@10_unfiltered", "ndcg@10_unfiltered")
 NUM_USERS = 6040
 # "Actions Speak Louder than Words" (Zhai et al., ICML 2024), Table 2, MovieLens-1M.
 PAPER = [
@@ -51,6 +53,7 @@ class Run:
     config: str
     name: str
     seed: int
+    variant: str
     command: list[str]
     output_dir: Path
     steps: int
@@ -72,6 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--users", type=int, help="only the first N users (data.source.options.max_users)")
     p.add_argument("--epochs", type=float, help="train this many epochs instead of the config's trainer.steps")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:KEY=VALUE[,KEY=VALUE...]",
+        help="run every config x seed once more per variant, with these overrides on top of --set "
+        "(default: one variant, 'base', without extra overrides)",
+    )
     p.add_argument("--threads", type=int, help="OMP/torch threads per run (default: cores / parallel)")
     p.add_argument("--runs-dir", default="runs/ml1m-bench")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a run is stopped")
@@ -86,14 +97,15 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
     from gem_model.config_io import load_config
 
     runs = []
-    for config_arg in args.configs:
+    for config_arg, (variant, extra) in ((c, v) for c in args.configs for v in parse_variants(args.variant)):
         config_path = str(Path(config_arg).resolve())
-        cfg = load_config(config_path, args.set)
+        overrides = [*args.set, *extra]
+        cfg = load_config(config_path, overrides)
         users = min(args.users or NUM_USERS, NUM_USERS)
         per_epoch = math.ceil(users / cfg.data.global_batch_size)
         steps = round(args.epochs * per_epoch) if args.epochs is not None else cfg.trainer.steps
         for seed in args.seeds:
-            name = f"{cfg.name}-s{seed}"
+            name = f"{cfg.name}-s{seed}" if variant == "base" else f"{cfg.name}-{variant}-s{seed}"
             out = Path(args.runs_dir).resolve() / name
             cmd = [sys.executable, "-m", "gem_model", "run", "-c", config_path, f"name={name}"]
             cmd += [f"trainer.seed={seed}", f"data.source.options.seed={seed}", f"trainer.device={args.device}"]
@@ -102,9 +114,22 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
                 cmd.append(f"data.source.options.max_users={args.users}")
             if args.device == "cpu":
                 cmd += ["kernels.jagged_attention=torch", "kernels.norm_gate=torch"]
-            cmd += args.set
-            runs.append(Run(config_arg, name, seed, cmd, out, steps, steps / per_epoch))
+            cmd += overrides
+            runs.append(Run(config_arg, name, seed, variant, cmd, out, steps, steps / per_epoch))
     return runs
+
+
+def parse_variants(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """``["label:k=v,k=v", ...]`` -> ``[(label, [k=v, k=v]), ...]``; no specs: one variant, 'base'."""
+    out = []
+    for spec in specs:
+        label, sep, rest = spec.partition(":")
+        if not sep or not re.fullmatch(r"[a-z0-9_.-]+", label):
+            raise SystemExit(f"--variant {spec!r}: expected LABEL:KEY=VALUE[,KEY=VALUE...], a label of [a-z0-9_.-]")
+        out.append((label, [o for o in rest.split(",") if o]))
+    if len({label for label, _ in out}) != len(out):
+        raise SystemExit("--variant labels must be unique")
+    return out or [("base", [])]
 
 
 def read_results(run: Run, log: Path) -> None:
@@ -133,7 +158,8 @@ def runs_from_json(path: str) -> tuple[list[Run], dict[str, Any]]:
     blob = json.loads(Path(path).read_text())
     runs = []
     for r in blob["runs"]:
-        run = Run(**{**r, "output_dir": Path(r["output_dir"]), "valid_curve": [tuple(c) for c in r["valid_curve"]]})
+        fields = {"variant": "base", **r, "output_dir": Path(r["output_dir"])}
+        run = Run(**{**fields, "valid_curve": [tuple(c) for c in r["valid_curve"]]})
         steps_done(run)
         runs.append(run)
     return runs, blob["meta"]
@@ -183,11 +209,12 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     rows = []
-    for config in dict.fromkeys(r.config for r in runs):
-        group = [r for r in runs if r.config == config and r.returncode == 0 and r.final]
-        row: dict[str, Any] = {"config": config, "runs": len(group), "seeds": [r.seed for r in group]}
+    for config, variant in dict.fromkeys((r.config, r.variant) for r in runs):
+        group = [r for r in runs if (r.config, r.variant) == (config, variant) and r.returncode == 0 and r.final]
+        row: dict[str, Any] = {"config": config, "variant": variant, "runs": len(group), "seeds": [r.seed for r in group]}
+        row["overrides"] = next((variant_overrides(r) for r in runs if (r.config, r.variant) == (config, variant)), [])
         for split in ("test", "valid"):
-            for m in METRICS:
+            for m in METRICS + UNFILTERED:
                 row[f"{split}/{m}"] = mean_std([r.final.get(f"{split}/{m}", math.nan) for r in group])
         row["wall_s"] = mean_std([r.wall_s for r in group])
         row["train_loop_s"] = mean_std([r.train_loop_s for r in group])
@@ -197,6 +224,19 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         row["valid_hr@10_curve"] = [(s, mean_std([c[s] for c in curves])[0]) for s in steps]
         rows.append(row)
     return rows
+
+
+def variant_overrides(run: Run) -> list[str]:
+    """The overrides a run got beyond the benchmark's own (seed, device, output, steps, threads)."""
+    own = ("name=", "trainer.seed=", "data.source.options.seed=", "trainer.device=", "trainer.output_dir=",
+           "trainer.progress=", "trainer.steps=")
+    cmd = run.command
+    start = cmd.index("-c") + 2 if "-c" in cmd else len(cmd)
+    return [c for c in cmd[start:] if not c.startswith(own)]
+
+
+def label(row: dict[str, Any]) -> str:
+    return f"`{row['config']}`" + ("" if row.get("variant", "base") == "base" else f" {row['variant']}")
 
 
 def device_name(device: str) -> str:
@@ -223,25 +263,30 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"### {meta['section']}: {meta['device']}, {meta['date']}",
         "",
-        "| model | HR@10 | NDCG@10 | HR@50 | NDCG@50 | runs | epochs | wall-clock per run (s) | training loop (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | HR@10 | NDCG@10 | HR@50 | NDCG@50 | HR@10, NDCG@10 with seen items | runs | epochs "
+        "| wall-clock per run (s) | training loop (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, vals in PAPER:
         lines.append(
-            f"| {name} | " + " | ".join(f"{vals[m]:.4f}" if m in vals else "-" for m in METRICS) + " | | | | |"
+            f"| {name} | " + " | ".join(f"{vals[m]:.4f}" if m in vals else "-" for m in METRICS) + " | | | | | |"
         )
     for row in rows:
         wall, loop = row["wall_s"], row["train_loop_s"]
+        seen = [row.get(f"test/{m}", (math.nan, math.nan)) for m in UNFILTERED]
+        seen_cell = "-" if math.isnan(seen[0][0]) else f"{seen[0][0]:.4f}, {seen[1][0]:.4f}"
         lines.append(
-            f"| `{row['config']}` (test) | "
+            f"| {label(row)} (test) | "
             + " | ".join(cell(row[f"test/{m}"]) for m in METRICS)
-            + f" | {row['runs']} | {row['epochs']:.4g} | {wall[0]:.0f} ± {wall[1]:.0f} | {loop[0]:.0f} ± {loop[1]:.0f} |"
+            + f" | {seen_cell} | {row['runs']} | {row['epochs']:.4g} | {wall[0]:.0f} ± {wall[1]:.0f} "
+            f"| {loop[0]:.0f} ± {loop[1]:.0f} |"
         )
-    lines += ["", "Validation (mean over seeds):", ""]
+    lines += ["", "Validation (mean over seeds), and each row's overrides:", ""]
     for row in rows:
         vals = ", ".join(f"{m} {row[f'valid/{m}'][0]:.4f}" for m in METRICS)
         curve = " ".join(f"{s}:{v:.3f}" for s, v in row["valid_hr@10_curve"])
-        lines.append(f"- `{row['config']}`: {vals}; HR@10 by step: {curve}")
+        extra = " ".join(f"`{o}`" for o in row.get("overrides", [])) or "none"
+        lines.append(f"- {label(row)}: {vals}; HR@10 by step: {curve}; overrides: {extra}")
     lines += [
         "",
         f"{meta['runs']} runs, {meta['parallel']} at a time on one device; the whole benchmark took "
