@@ -34,6 +34,9 @@ from gem_model.trainer import train
 VARIANTS: dict[str, list[str]] = {
     "fp32": ["precision.scheme=fp32"],
     "bf16": ["precision.scheme=bf16"],
+    # bf16 linears that also return bf16: q, k, v reach the attention in bf16 instead of float32
+    # (with float32 inputs the Triton attention computes in IEEE fp32, without tensor cores)
+    "bf16_out": ["precision.scheme=bf16", "precision.scheme.options.output_dtype=bfloat16"],
     "fp8_tensorwise": ["precision.scheme=fp8_tensorwise"],
     "fp8_rowwise": ["precision.scheme=fp8_rowwise"],
     "mxfp8": ["precision.scheme=mxfp8"],
