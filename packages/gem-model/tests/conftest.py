@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+# pytest runs with --import-mode=importlib, which puts no test folder on sys.path; the MovieLens
+# tests share their hand-made dataset through this folder's movielens_cases module
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from movielens_cases import source_factory
 
 from gem_model import testing
 from gem_model.config_io import load_config
@@ -51,3 +57,9 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
 @pytest.fixture
 def tiny_config(tiny_overrides):
     return load_config(None, tiny_overrides)
+
+
+@pytest.fixture
+def source(tmp_path):
+    """``source(**options)``: a MovieLens source over the hand-made dataset of ``movielens_cases``."""
+    return source_factory(tmp_path / "ml")
