@@ -100,6 +100,76 @@ def test_relative_position_bias_shape_and_kernel_support_are_checked(gen: torch.
     q, k, v = random_qkv(10, 1, 4, 4, torch.float32, gen)
     with pytest.raises(ValueError, match=r"position_bias must be \[2 \* max_seq_len - 1\] = \[19\]"):
         TorchJaggedAttention()(q, k, v, torch.tensor([0, 10]), max_seq_len=10, alpha=1.0, position_bias=torch.zeros(10))
-    with pytest.raises(KernelUnavailableError, match="'triton' has no relative position bias"):
+    with pytest.raises(KernelUnavailableError, match="'triton' has no relative attention bias"):
         TritonJaggedAttention()(q, k, v, torch.tensor([0, 10]), max_seq_len=10, alpha=1.0, position_bias=torch.zeros(19))
     assert TorchJaggedAttention.supports_position_bias and not TritonJaggedAttention.supports_position_bias
+
+
+def test_time_bias_matches_the_reference_the_loop_kernel_and_the_formula(gen: torch.Generator) -> None:
+    """Time and position bias together, with targets: forward and every gradient (both biases included)
+    of the bucketed kernel and the loop kernel against the padded reference; the reference against
+    the formula written out per (i, j) on one sequence."""
+    from gem_model.jagged import time_buckets
+    from gem_model.testing import LoopAttention
+
+    lengths = [7, 0, 30, 3, 12]
+    offsets = offsets_from_lengths(lengths)
+    n_max, rows = 32, int(offsets[-1])
+    q, k, v = random_qkv(rows, 2, 8, 8, torch.float64, gen)
+    position_bias = torch.randn(2 * n_max - 1, generator=gen, dtype=torch.float64)
+    time_bias = torch.randn(40, generator=gen, dtype=torch.float64)
+    # keys: increasing times with gaps from 0 s to ~10 days; queries: the next row's time or later
+    times = torch.cumsum(torch.randint(0, 10**6, (rows,), generator=gen), 0)
+    query_times = times + torch.randint(0, 10**5, (rows,), generator=gen)
+    targets = torch.tensor([2, 0, 0, 1, 4])
+    grad_out = torch.randn(v.shape, generator=gen, dtype=torch.float64)
+    results = []
+    for fn in (jagged_attention_reference, TorchJaggedAttention(), LoopAttention()):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, position_bias, time_bias)]
+        y = fn(*leaves[:3], offsets, max_seq_len=n_max, alpha=0.3, num_targets=targets,
+               position_bias=leaves[3], time_bias=leaves[4], timestamps=times, query_timestamps=query_times)
+        y.backward(grad_out)
+        results.append([y.detach(), *(t.grad for t in leaves)])
+    for other in results[1:]:
+        for a, b in zip(other, results[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    used = time_buckets(query_times[:, None] - times[None, :], 40).unique()
+    assert used.numel() > 5 and results[0][5].abs().sum() > 0  # many buckets in play, the time bias is trained
+    s = int(offsets[2])  # sequence 2: 30 rows, no targets
+    for i in (0, 11, 29):
+        expected = sum(
+            torch.nn.functional.silu(
+                0.3 * (q[s + i] * k[s + j]).sum(-1)
+                + position_bias[j - i + n_max - 1]
+                + time_bias[time_buckets(query_times[s + i] - times[s + j], 40)]
+            )[:, None] / n_max * v[s + j]
+            for j in range(i + 1)
+        )
+        torch.testing.assert_close(results[0][0][s + i], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_time_buckets_on_known_differences() -> None:
+    from gem_model.jagged import time_buckets
+
+    dt = torch.tensor([0, 1, -1, 2, 100, -100, 86_400, 10**12])
+    # ln(2) / 0.301 = 2.30, ln(100) / 0.301 = 15.3, ln(86400) / 0.301 = 37.8, ln(1e12) / 0.301 = 91.8
+    assert time_buckets(dt, 128).tolist() == [0, 0, 0, 2, 15, 15, 37, 91]
+    assert time_buckets(dt, 20).tolist() == [0, 0, 0, 2, 15, 15, 19, 19]
+
+
+def test_time_bias_inputs_are_checked(gen: torch.Generator) -> None:
+    q, k, v = random_qkv(10, 1, 4, 4, torch.float32, gen)
+    offsets, ts = torch.tensor([0, 10]), torch.arange(10)
+    attn = TorchJaggedAttention()
+    call = {"max_seq_len": 10, "alpha": 1.0}
+    with pytest.raises(ValueError, match="time_bias, timestamps and query_timestamps come together"):
+        attn(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts)
+    with pytest.raises(ValueError, match=r"query_timestamps must be integer \[L\] = \[10\], got torch.float32"):
+        attn(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts, query_timestamps=ts.float())
+    with pytest.raises(ValueError, match=r"timestamps must be integer \[L\] = \[10\], got torch.int64 \(9,\)"):
+        attn(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts[:9], query_timestamps=ts)
+    with pytest.raises(ValueError, match="time_bias must be a non-empty"):
+        attn(q, k, v, offsets, **call, time_bias=torch.zeros(2, 4), timestamps=ts, query_timestamps=ts)
+    with pytest.raises(KernelUnavailableError, match="'triton' has no relative attention bias"):
+        TritonJaggedAttention()(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts, query_timestamps=ts)
+    assert TorchJaggedAttention.supports_time_bias and not TritonJaggedAttention.supports_time_bias

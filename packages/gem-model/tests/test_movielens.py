@@ -31,6 +31,11 @@ def test_sequences_are_time_ordered_ties_in_file_order_and_split_last_two(source
     actions = train.sequence["seq_action"].values().split(train.history_lengths().tolist())
     user1 = src.users_of_step(0, 3).tolist().index(0)
     assert actions[user1].tolist() == [3, 5, 4]  # ratings of B, A, C
+    # the HSTU authors' split: training reads the validation item too; evaluation is unchanged
+    authors = source(train_on_validation=True)
+    train = authors.make_batch(0, 3, torch.arange(3))
+    assert dict(zip(authors.users_of_step(0, 3).tolist(), items_of(train))) == {u: s[:-1] for u, s in enumerate(SEQUENCES)}
+    assert items_of(authors.eval_batch(users, "valid")) == [s[:-2] for s in SEQUENCES]
 
 
 def test_catalogue_is_the_item_file_in_order(source):

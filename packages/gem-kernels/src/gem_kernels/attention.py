@@ -47,11 +47,38 @@ def check_attention_inputs(
         raise ValueError(f"jagged_attention: {problem}")
 
 
+def check_time_inputs(
+    q: torch.Tensor,
+    time_bias: torch.Tensor | None,
+    timestamps: torch.Tensor | None,
+    query_timestamps: torch.Tensor | None,
+) -> None:
+    """The time bias comes with both timestamp vectors, integer ``[L]``, or none of the three comes."""
+    given = [t is not None for t in (time_bias, timestamps, query_timestamps)]
+    if not any(given):
+        return
+    problem = None
+    if not all(given):
+        problem = "time_bias, timestamps and query_timestamps come together (all three or none)"
+    else:
+        assert time_bias is not None and timestamps is not None and query_timestamps is not None
+        for name, t in (("timestamps", timestamps), ("query_timestamps", query_timestamps)):
+            if t.shape != (q.shape[0],) or t.is_floating_point():
+                problem = f"{name} must be integer [L] = [{q.shape[0]}], got {t.dtype} {tuple(t.shape)}"
+                break
+        else:
+            if time_bias.dim() != 1 or time_bias.numel() == 0:
+                problem = f"time_bias must be a non-empty [num_buckets] vector, got {tuple(time_bias.shape)}"
+    if problem is not None:
+        raise ValueError(f"jagged_attention: {problem}")
+
+
 class TorchJaggedAttention(JaggedAttentionKernel):
     """Pure torch; sequences bucketed by length, each bucket padded to its own longest sequence."""
 
     name = "torch"
     supports_position_bias = True
+    supports_time_bias = True
 
     def __call__(
         self,
@@ -65,11 +92,16 @@ class TorchJaggedAttention(JaggedAttentionKernel):
         num_targets: torch.Tensor | None = None,
         max_attn_len: int = 0,
         position_bias: torch.Tensor | None = None,
+        time_bias: torch.Tensor | None = None,
+        timestamps: torch.Tensor | None = None,
+        query_timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
+        check_time_inputs(q, time_bias, timestamps, query_timestamps)
         return jagged_attention_torch(
             q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
-            max_attn_len=max_attn_len, position_bias=position_bias,
+            max_attn_len=max_attn_len, position_bias=position_bias, time_bias=time_bias,
+            timestamps=timestamps, query_timestamps=query_timestamps,
         )
 
 
@@ -116,12 +148,15 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         num_targets: torch.Tensor | None = None,
         max_attn_len: int = 0,
         position_bias: torch.Tensor | None = None,
+        time_bias: torch.Tensor | None = None,
+        timestamps: torch.Tensor | None = None,
+        query_timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
-        if position_bias is not None:
+        if position_bias is not None or time_bias is not None:
             raise KernelUnavailableError(
-                f"kernels.{self.op}: 'triton' has no relative position bias; use the 'torch' kernel for "
-                "model.relative_position_bias"
+                f"kernels.{self.op}: 'triton' has no relative attention bias; use the 'torch' kernel for "
+                "model.relative_position_bias and model.relative_time_bias"
             )
         require_triton(q.device, op=self.op, name=self.name, in_call=True)
         if q.dtype not in TRITON_DTYPES:

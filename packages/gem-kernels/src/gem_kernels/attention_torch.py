@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_kernels.reference import attention_mask
-from gem_model.jagged import relative_bias_matrix
+from gem_model.jagged import relative_bias_matrix, time_bias_matrix
 
 BUCKET_GROWTH = 1.25
 """A bucket holds lengths in ``[size / BUCKET_GROWTH, size]``: at most ~1.56x the work of no padding,
@@ -43,6 +43,9 @@ def jagged_attention_torch(
     num_targets: torch.Tensor | None = None,
     max_attn_len: int = 0,
     position_bias: torch.Tensor | None = None,
+    time_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as :func:`gem_kernels.reference.jagged_attention_reference`, bucketed by length.
 
@@ -78,6 +81,11 @@ def jagged_attention_torch(
         return x.new_zeros((used, num_heads, x.shape[-1]), dtype=compute).index_put((slot_of_row,), x.to(compute))
 
     padded_q, padded_k, padded_v = pad(q), pad(k), pad(v)
+    if time_bias is not None:
+        assert timestamps is not None and query_timestamps is not None
+        padded_times = [
+            t.new_zeros(used).index_put((slot_of_row,), t.to(device)) for t in (query_timestamps, timestamps)
+        ]
     targets = num_targets.to(device) if num_targets is not None else torch.zeros_like(lengths_t)
     outs = []
     for (size, seqs), slot in zip(buckets, bucket_slots, strict=True):
@@ -91,6 +99,9 @@ def jagged_attention_torch(
         scores = alpha * (bucket(padded_q) @ bucket(padded_k).transpose(-1, -2))
         if position_bias is not None:
             scores = scores + relative_bias_matrix(position_bias.to(compute), size, max_seq_len)
+        if time_bias is not None:
+            qt, kt = (t[slot : slot + nb * size].view(nb, size) for t in padded_times)
+            scores = scores + time_bias_matrix(time_bias.to(compute), qt, kt)[:, None]
         weights = F.silu(scores) * scale[:, None]
         outs.append((weights @ bucket(padded_v)).transpose(1, 2).reshape(nb * size, num_heads, -1))
     return torch.cat(outs)[slot_of_row].to(v.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gem_model.jagged import relative_bias_matrix
+from gem_model.jagged import relative_bias_matrix, time_bias_matrix
 
 
 def effective_positions(lengths: torch.Tensor, num_targets: torch.Tensor | None, size: int) -> torch.Tensor:
@@ -49,11 +49,15 @@ def jagged_attention_reference(
     num_targets: torch.Tensor | None = None,
     max_attn_len: int = 0,
     position_bias: torch.Tensor | None = None,
+    time_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j> + r[j - i]) / max_seq_len * v_j`` per sequence.
+    """``out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j> + r(i, j)) / max_seq_len * v_j`` per sequence.
 
-    ``r[j - i] = position_bias[j - i + max_seq_len - 1]`` (0 without ``position_bias``).
-    Differentiable in ``q``, ``k``, ``v`` and ``position_bias``. Pads to the longest sequence of the batch.
+    ``r(i, j) = position_bias[j - i + max_seq_len - 1] + time_bias[bucket(query_timestamps[i] - timestamps[j])]``
+    (each term 0 when its bias is None). Differentiable in ``q``, ``k``, ``v`` and both biases. Pads to
+    the longest sequence of the batch.
     """
     compute = torch.promote_types(v.dtype, torch.float32)
     num_rows, num_heads, _ = q.shape
@@ -71,6 +75,12 @@ def jagged_attention_reference(
     scores = alpha * pad(q) @ pad(k).transpose(-1, -2)
     if position_bias is not None:
         scores = scores + relative_bias_matrix(position_bias.to(compute), size, max_seq_len)
+    if time_bias is not None:
+        assert timestamps is not None and query_timestamps is not None, "time_bias needs both timestamp vectors"
+        times = [
+            t.new_zeros(num_seqs, size).index_put((seq_of_row, pos_of_row), t) for t in (query_timestamps, timestamps)
+        ]
+        scores = scores + time_bias_matrix(time_bias.to(compute), *times)[:, None]
     mask = attention_mask(lengths, num_targets, max_attn_len, size)[:, None]
     weights = torch.where(mask, F.silu(scores), 0.0) / max_seq_len
     out = (weights @ pad(v)).transpose(1, 2)  # [B, size, H, Dv]

@@ -75,17 +75,22 @@ class JaggedAttentionKernel(Kernel):
     ``0 < p(i) - p(j) <= W`` (``W = max_attn_len``; ``W = 0`` means no window). History is causal;
     each target sees the history and itself only. No term crosses sequences.
 
-    ``r`` is the optional relative position bias (HSTU's positional attention bias, shared by the
-    heads): ``position_bias[j - i + max_seq_len - 1]``, 0 when ``position_bias`` is None. Only
-    kernels with ``supports_position_bias`` take it; the model checks that before training.
+    ``r`` is the optional relative attention bias (HSTU's, shared by the heads), the sum of
+    ``position_bias[j - i + max_seq_len - 1]`` and, with ``time_bias``,
+    ``time_bias[bucket(query_timestamps[i] - timestamps[j])]``
+    (:func:`gem_model.jagged.time_buckets`); 0 when both are None. Only kernels with
+    ``supports_position_bias`` / ``supports_time_bias`` take them; the model checks that before training.
 
     Shapes: ``q, k`` ``[L, H, Dqk]``, ``v`` ``[L, H, Dv]``, ``seq_offsets`` int ``[B + 1]``,
-    ``num_targets`` int ``[B]``, ``position_bias`` ``[2 * max_seq_len - 1]`` (differentiable);
-    returns ``[L, H, Dv]`` in the dtype of ``v``.
+    ``num_targets`` int ``[B]``, ``position_bias`` ``[2 * max_seq_len - 1]``, ``time_bias``
+    ``[num_buckets]`` (both differentiable), ``timestamps`` and ``query_timestamps`` int ``[L]`` (the
+    time of each row as a key, and the time its query is asked at); returns ``[L, H, Dv]`` in the
+    dtype of ``v``.
     """
 
     op: ClassVar[str] = "jagged_attention"
     supports_position_bias: ClassVar[bool] = False
+    supports_time_bias: ClassVar[bool] = False
 
     @abstractmethod
     def __call__(
@@ -100,6 +105,9 @@ class JaggedAttentionKernel(Kernel):
         num_targets: torch.Tensor | None = None,
         max_attn_len: int = 0,
         position_bias: torch.Tensor | None = None,
+        time_bias: torch.Tensor | None = None,
+        timestamps: torch.Tensor | None = None,
+        query_timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -62,6 +62,13 @@ class ModelConfig(Strict):
         description="a learned bias per relative position added to the attention scores in every block "
         "(HSTU's positional attention bias); needs an attention kernel that supports it (torch)",
     )
+    relative_time_bias: bool = Field(
+        False,
+        description="a learned bias per bucket of log time difference added to the attention scores in every "
+        "block (the time half of HSTU's relative attention bias; the query's time is that of the action it "
+        "predicts); needs timestamps from the data source and an attention kernel that supports it (torch)",
+    )
+    time_bias_buckets: int = Field(128, ge=1, description="buckets of the relative time bias (ln(|dt|) / 0.301 each)")
     scale_item_input: bool = Field(
         False, description="multiply the item embeddings entering the sequence by sqrt(embedding_dim) (SASRec, HSTU)"
     )

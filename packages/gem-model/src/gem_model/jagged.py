@@ -77,3 +77,32 @@ def relative_bias_matrix(position_bias: torch.Tensor, size: int, max_seq_len: in
         raise ValueError(f"a sequence of {size} rows is longer than max_seq_len {max_seq_len}")
     pos = torch.arange(size, device=position_bias.device)
     return position_bias[pos[None, :] - pos[:, None] + max_seq_len - 1]
+
+
+TIME_BUCKET_STEP = 0.301
+"""Width of one time bucket in natural-log seconds (HSTU's bucketing: ``ln(|dt|) / 0.301``)."""
+
+
+def time_buckets(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Bucket of each time difference (seconds): ``min(floor(ln(max(|dt|, 1)) / 0.301), num_buckets - 1)``.
+
+    Bucket 0 holds differences under 1.35 s; each next bucket covers 1.35x longer spans.
+    """
+    logs = torch.log(dt.abs().clamp(min=1).to(torch.float64)) / TIME_BUCKET_STEP
+    return logs.long().clamp(max=num_buckets - 1)
+
+
+def time_bias_matrix(time_bias: torch.Tensor, query_times: torch.Tensor, key_times: torch.Tensor) -> torch.Tensor:
+    """``[..., n, n]`` matrix ``B[i, j] = time_bias[bucket(query_times[i] - key_times[j])]``.
+
+    ``query_times`` and ``key_times`` are ``[..., n]`` integer timestamps (seconds); ``time_bias`` is
+    ``[num_buckets]``. Differentiable in ``time_bias``.
+    """
+    if time_bias.dim() != 1 or time_bias.numel() == 0:
+        raise ValueError(f"time_bias must be a non-empty [num_buckets] vector, got {tuple(time_bias.shape)}")
+    if query_times.is_floating_point() or key_times.is_floating_point():
+        raise ValueError(
+            f"timestamps must be integers (seconds), got {query_times.dtype} and {key_times.dtype}"
+        )
+    dt = query_times[..., :, None] - key_times[..., None, :]
+    return time_bias[time_buckets(dt, time_bias.numel())]

@@ -27,7 +27,7 @@ from gem_model.components import (
     PrecisionScheme,
     PreparedModel,
 )
-from gem_model.jagged import relative_bias_matrix
+from gem_model.jagged import relative_bias_matrix, time_bias_matrix
 from gem_model.markers import hookimpl
 
 
@@ -45,8 +45,12 @@ class LoopAttention(JaggedAttentionKernel):
 
     name: ClassVar[str] = "loop"
     supports_position_bias: ClassVar[bool] = True
+    supports_time_bias: ClassVar[bool] = True
 
-    def __call__(self, q, k, v, seq_offsets, *, max_seq_len, alpha, num_targets=None, max_attn_len=0, position_bias=None):
+    def __call__(
+        self, q, k, v, seq_offsets, *, max_seq_len, alpha, num_targets=None, max_attn_len=0, position_bias=None,
+        time_bias=None, timestamps=None, query_timestamps=None,
+    ):
         outs = []
         for b in range(seq_offsets.numel() - 1):
             s, e = int(seq_offsets[b]), int(seq_offsets[b + 1])
@@ -57,6 +61,8 @@ class LoopAttention(JaggedAttentionKernel):
             scores = torch.einsum("ihd,jhd->hij", q[s:e], k[s:e]) * alpha
             if position_bias is not None:
                 scores = scores + relative_bias_matrix(position_bias, n, max_seq_len)
+            if time_bias is not None:
+                scores = scores + time_bias_matrix(time_bias, query_timestamps[s:e], timestamps[s:e])
             w = F.silu(scores) / max_seq_len * hstu_mask(n, t, max_attn_len, q.device)
             outs.append(torch.einsum("hij,jhd->ihd", w, v[s:e]))
         return torch.cat(outs) if outs else v.new_zeros(v.shape)

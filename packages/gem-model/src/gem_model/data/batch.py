@@ -78,6 +78,10 @@ class Batch:
     ``neg_item`` (sampled negatives for the next-item loss, ``num_negatives`` per sample) and
     ``cand_item`` (the candidate item, 0 or 1 per sample). ``pooled`` holds the non-sequence
     categorical features. ``labels`` is ``[B, num_tasks]`` in {0, 1}.
+
+    Optional times (integer seconds; empty when the source has none): ``timestamps`` holds the time
+    of each history item (the values layout of ``seq_item``), ``request_times`` ``[B]`` the time of
+    the action the sample predicts after its history (the request time of a recommendation).
     """
 
     sequence: KeyedJaggedTensor
@@ -85,6 +89,12 @@ class Batch:
     dense: torch.Tensor
     labels: torch.Tensor
     sample_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    timestamps: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    request_times: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+    @property
+    def has_times(self) -> bool:
+        return self.request_times.numel() > 0 or self.timestamps.numel() > 0
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +110,8 @@ class Batch:
             dense=self.dense.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             sample_ids=self.sample_ids.to(device, non_blocking=non_blocking),
+            timestamps=self.timestamps.to(device, non_blocking=non_blocking),
+            request_times=self.request_times.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Batch:
@@ -109,6 +121,8 @@ class Batch:
             dense=self.dense.pin_memory(),
             labels=self.labels.pin_memory(),
             sample_ids=self.sample_ids.pin_memory(),
+            timestamps=self.timestamps.pin_memory(),
+            request_times=self.request_times.pin_memory(),
         )
 
 
@@ -137,6 +151,7 @@ def build_batch(
     dense: torch.Tensor,
     labels: torch.Tensor,
     sample_ids: torch.Tensor | None = None,
+    times: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Batch:
     """Assemble a :class:`Batch` from flat tensors.
 
@@ -144,6 +159,7 @@ def build_batch(
     ``negatives`` is ``[B, K]`` (per sample) or ``(values, lengths)`` (any number per sample, e.g. K per
     predicted position); ``candidates`` is ``[B]`` or None. A pooled feature is either ``[B]``
     (one id per sample) or ``(values, lengths)`` with ``lengths`` ``[B]`` (a bag of ids per sample).
+    ``times`` is ``(timestamps, request_times)`` (see :class:`Batch`) or None.
     """
     values, lengths = history
     b = int(lengths.numel())
@@ -172,6 +188,7 @@ def build_batch(
         dense=dense.float(),
         labels=labels.float(),
         sample_ids=sample_ids if sample_ids is not None else torch.arange(b),
+        **({} if times is None else {"timestamps": times[0].long(), "request_times": times[1].long()}),
     )
 
 

@@ -27,7 +27,10 @@ position``, the paper's way), from a generator seeded by ``(seed, step)``.
 Features. Sequence: item ids; the ratings 1-5 as action types (``actions: ratings``) or one action
 for every item (``actions: none``, the paper's ids-only input). Non-sequence (``side_features``):
 the user's gender, age group, occupation and zip-code prefix, and a mean-pooled bag of the genres of
-the user's ``genre_window`` most recent history items.
+the user's ``genre_window`` most recent history items. Times: every batch carries the rating
+timestamps of the history and, as the request time, the timestamp of the item that follows it (the
+split's target; in training the validation item, which no position predicts), for the model's
+relative time bias.
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ class MovieLensConfig(ComponentConfig):
         description="evaluation: the items of the user's input history are not candidates (the HSTU authors' "
         "trainer and SASRec do this); the unfiltered metrics are reported as well",
     )
+    train_on_validation: bool = Field(
+        False,
+        description="train on the validation item too (all but the last item, as the HSTU authors' trainer does); "
+        "the validation metrics then score an item the model was trained on",
+    )
     max_users: int | None = Field(None, ge=1, description="use only the first N users of the user file")
     max_eval_users: int | None = Field(None, ge=1, description="evaluate only the first N users")
     eval_batch_size: int = Field(1024, ge=1)
@@ -113,6 +121,7 @@ class MovieLensData:
 
     items: torch.Tensor  # int64 [ratings], item ids of each user's ratings in time order
     ratings: torch.Tensor  # int64 [ratings], 1..5
+    times: torch.Tensor  # int64 [ratings], Unix seconds
     offsets: torch.Tensor  # int64 [users + 1]
     user_attrs: dict[str, torch.Tensor]  # feature -> int64 [users]
     user_vocab: dict[str, int]  # feature -> number of values
@@ -181,6 +190,7 @@ def load_movielens(folder: str, zip_prefix_len: int = 2) -> MovieLensData:
     return MovieLensData(
         items=item[order],
         ratings=rating[order],
+        times=stamp[order],
         offsets=offsets_of(counts),
         user_attrs=attrs,
         user_vocab=vocab,
@@ -247,9 +257,10 @@ class MovieLensSource(DataSource):
         """(starts, lengths) in the flat sequences of what the model reads for ``split``.
 
         ``train`` and ``valid`` read all but the last two items; ``test`` also reads the validation
-        item. The item at ``starts + lengths`` is the split's target.
+        item, and so does ``train`` with ``train_on_validation``. The item at ``starts + lengths`` is
+        the split's target.
         """
-        keep = {"train": 2, "valid": 2, "test": 1}[split]
+        keep = {"train": 1 if self.config.train_on_validation else 2, "valid": 2, "test": 1}[split]
         ends = self.data.offsets[users] + self._counts[users] - keep
         lengths = torch.clamp(self._counts[users] - keep, max=self.config.max_len)
         return ends - lengths, lengths
@@ -286,6 +297,8 @@ class MovieLensSource(DataSource):
             dense=torch.zeros(b, 0),
             labels=torch.zeros(b, 0),
             sample_ids=sample_ids,
+            # each item's time, and the time of the split's target (the request time of the query)
+            times=(d.times[rows], d.times[starts + lengths]),
         )
 
     # ------------------------------------------------------------------------------------ training

@@ -75,5 +75,14 @@ def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
         raise ValueError(f"dense features: shape {tuple(batch.dense.shape)}, expected {(b, spec.num_dense)}")
     if tuple(batch.labels.shape) != (b, len(spec.tasks)):
         raise ValueError(f"labels: shape {tuple(batch.labels.shape)}, expected {(b, len(spec.tasks))}")
+    if batch.has_times:
+        rows = seq[SEQ_ITEM].values().numel()
+        if tuple(batch.timestamps.shape) != (rows,) or tuple(batch.request_times.shape) != (b,):
+            raise ValueError(
+                f"times: timestamps {tuple(batch.timestamps.shape)} and request_times {tuple(batch.request_times.shape)}, "
+                f"expected one per history item ({rows},) and one per sample ({b},)"
+            )
+        if batch.timestamps.is_floating_point() or batch.request_times.is_floating_point():
+            raise ValueError("times: timestamps and request_times must be integers (seconds)")
     if not bool(torch.isfinite(batch.dense).all()):
         raise ValueError("dense features contain NaN or Inf")

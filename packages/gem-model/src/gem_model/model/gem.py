@@ -67,6 +67,11 @@ class GemModel(nn.Module):
                 f"model.relative_position_bias needs an attention kernel that supports it; kernels.jagged_attention "
                 f"{attention.name!r} does not (use 'torch')"
             )
+        if config.relative_time_bias and not attention.supports_time_bias:
+            raise ValueError(
+                f"model.relative_time_bias needs an attention kernel that supports it; kernels.jagged_attention "
+                f"{attention.name!r} does not (use 'torch')"
+            )
         self.blocks = nn.ModuleList(
             HSTUBlock(
                 dim=d,
@@ -80,6 +85,7 @@ class GemModel(nn.Module):
                 attention=attention,
                 norm_gate=norm_gate,
                 position_bias=config.relative_position_bias,
+                time_buckets=config.time_bias_buckets if config.relative_time_bias else 0,
             )
             for _ in range(config.num_blocks)
         )
@@ -118,7 +124,7 @@ class GemModel(nn.Module):
             for name, p in self.named_parameters():
                 if name.startswith("sparse."):
                     continue
-                if name.endswith(".position_bias"):  # HSTU's initialisation of its relative bias
+                if name.endswith((".position_bias", ".time_bias")):  # HSTU's initialisation of its relative bias
                     p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=g))
                     continue
                 if p.dim() < 2:
@@ -152,6 +158,20 @@ class GemModel(nn.Module):
             f = layer(f)
         return f
 
+    def _history_times(self, batch: Batch, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key, query)`` timestamps of the history rows: an item's own time, and the time of the action
+        its position predicts (the next item's, the request time at the last position)."""
+        if not batch.has_times:
+            raise ValueError(
+                "model.relative_time_bias needs timestamps in the batch (Batch.timestamps and request_times); "
+                "this data source gives none"
+            )
+        key = batch.timestamps
+        query = torch.cat([key[1:], key.new_zeros(min(1, key.numel()))])
+        last = offsets_of(lengths)[1:] - 1
+        has_any = lengths > 0
+        return key, query.index_put((last[has_any],), batch.request_times[has_any])
+
     def encode(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Run the towers. Returns per-position sequence outputs and the sample-level tokens."""
         cfg = self.config
@@ -163,16 +183,24 @@ class GemModel(nn.Module):
         num_targets = None
         features = None
         lead = 0  # rows before the history in each sequence: the context token
+        times = self._history_times(batch, hist_lengths) if cfg.relative_time_bias else None
         if self.context_proj is not None:
             features = self._feature_tokens(batch, pooled, x.dtype)
             assert features is not None  # checked in __init__
             context = self.context_proj(features.flatten(1))
+            if times is not None:  # the context token's time: the first item's (the request time if none)
+                nonempty = hist_lengths > 0
+                first = batch.request_times.index_put((nonempty,), times[0][offsets_of(hist_lengths)[:-1][nonempty]])
+                times = (prepend_one(times[0], hist_lengths, first)[0], prepend_one(times[1], hist_lengths, first)[0])
             x, lengths = prepend_one(x, lengths, context)
             lead = 1
         if cfg.use_candidate:
             cand = seq[CAND_ITEM]
             if int(cand.lengths().min()) != 1 or int(cand.lengths().max()) != 1:
                 raise ValueError(f"model.use_candidate needs exactly one {CAND_ITEM!r} per sample")
+            if times is not None:  # the candidate is asked about at the request time
+                times = (append_one(times[0], lengths, batch.request_times)[0],
+                         append_one(times[1], lengths, batch.request_times)[0])
             x, lengths = append_one(x, lengths, cand.values())
             num_targets = torch.ones_like(lengths)
         offsets = offsets_of(lengths)
@@ -180,7 +208,7 @@ class GemModel(nn.Module):
             x = x + self.position(positions_in_sequence(lengths, offsets))
         x = self.input_dropout(x)
         for block in self.blocks:
-            x = block(x, offsets, num_targets)
+            x = block(x, offsets, num_targets, times)
         x = self.seq_norm(x)
         b = lengths.numel()
         last = offsets[1:] - 1

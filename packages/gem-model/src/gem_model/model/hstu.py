@@ -4,7 +4,7 @@ One block, on the ``[L, D]`` values of a jagged batch::
 
     u, v, q, k = split(silu(W_uvqk · layer_norm(x)))
     a = jagged_attention(q, k, v)                  # pointwise silu attention, causal + targets
-                                                   # (+ optional relative position bias)
+                                                   # (+ optional relative position / time bias)
     x = x + W_o · dropout(norm_gate(a, u))         # layer_norm(a) * u
 """
 
@@ -32,6 +32,7 @@ class HSTUBlock(nn.Module):
         attention: JaggedAttentionKernel,
         norm_gate: NormGateKernel,
         position_bias: bool = False,
+        time_buckets: int = 0,
     ):
         super().__init__()
         self.num_heads, self.attention_dim, self.value_dim = num_heads, attention_dim, value_dim
@@ -44,10 +45,24 @@ class HSTUBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         # r[j - i] of the attention scores, shared by the heads (HSTU's relative position bias)
         self.position_bias = nn.Parameter(torch.zeros(2 * max_seq_len - 1)) if position_bias else None
+        # r(bucket of t_query(i) - t_key(j)), shared by the heads (HSTU's relative time bias)
+        self.time_bias = nn.Parameter(torch.zeros(time_buckets)) if time_buckets else None
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        num_targets: torch.Tensor | None,
+        times: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``times``: ``(key, query)`` integer timestamps per row, needed when the block has a time bias."""
         n, h = x.shape[0], self.num_heads
         dv, dqk = self.value_dim, self.attention_dim
+        bias: dict[str, torch.Tensor] = {} if self.position_bias is None else {"position_bias": self.position_bias}
+        if self.time_bias is not None:
+            if times is None:
+                raise ValueError("an HSTU block with a time bias needs the rows' (key, query) timestamps")
+            bias.update(time_bias=self.time_bias, timestamps=times[0], query_timestamps=times[1])
         uvqk = F.silu(self.uvqk(F.layer_norm(x, x.shape[-1:])))
         u, v, q, k = torch.split(uvqk, [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
         attn = self.attention(
@@ -59,7 +74,7 @@ class HSTUBlock(nn.Module):
             alpha=self.alpha,
             num_targets=num_targets,
             max_attn_len=self.max_attn_len,
-            **({} if self.position_bias is None else {"position_bias": self.position_bias}),
+            **bias,
         )
         y = self.norm_gate(attn.reshape(n, h * dv), u, self.gate_weight, self.gate_bias, 1e-6)
         return x + self.out(self.dropout(y)).to(x.dtype)
