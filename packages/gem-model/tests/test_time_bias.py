@@ -101,3 +101,19 @@ def test_time_bias_trains_and_needs_times_and_a_kernel_that_has_it(source):
     cfg = ModelConfig(max_seq_len=8, relative_time_bias=True, use_candidate=False)
     with pytest.raises(ValueError, match="relative_time_bias needs an attention kernel .* 'no_time' does not"):
         GemModel(cfg, src.feature_spec(), attention=NoTime(), norm_gate=TorchNormGate())
+
+
+def test_gather_bias_sums_the_gradient_per_entry_like_plain_indexing():
+    from gem_model.jagged import gather_bias
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(40, generator=g, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 40, (3, 50, 50), generator=g)
+    index[0, 0, 0] = 39  # the last entry is hit, entry 7 never
+    index[index == 7] = 8
+    weight = torch.randn(3, 50, 50, generator=g, dtype=torch.float64)
+    (got,) = torch.autograd.grad((gather_bias(table, index) * weight).sum(), table)
+    (want,) = torch.autograd.grad((table[index] * weight).sum(), table)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert got[7] == 0 and got[39] != 0
+    assert torch.equal(gather_bias(table.detach(), index), table.detach()[index])
