@@ -9,6 +9,11 @@ what the kernel uses: the ``bincount`` row). The two are checked against each ot
 data before timing. (The position bias is a ``[n, n]`` matrix shared by the batch and always uses
 plain indexing.)
 
+A second table times what one model step asks of the kernel: ``--blocks`` calls on the same
+sequences (one per HSTU block), forward and backward, with the kernel's layout cache
+(``LayoutCache``: the bucketing, its host sync, the masks and the time-bucket ids are computed by
+the first call only) and without it (every call plans again, as before the cache).
+
     python benchmarks/attention_bias.py --device cuda --out-json /tmp/attention_bias.json
 """
 
@@ -23,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from gem_kernels.attention_torch import jagged_attention_torch
+from gem_kernels import attention_torch
+from gem_kernels.attention_torch import LayoutCache, jagged_attention_torch
 from gem_model import jagged
 
 
@@ -33,6 +39,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--max-len", type=int, default=200)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--blocks", type=int, default=8, help="calls per step in the layout-cache table")
     p.add_argument("--out-json")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -59,19 +66,23 @@ def main() -> None:
     plain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda table, index: table[index]  # noqa: E731
     fused = jagged.gather_bias
 
-    def step(kw: dict) -> list[torch.Tensor]:
+    def step(kw: dict, calls: int = 1, cache: LayoutCache | None = None) -> list[torch.Tensor]:
         leaves = [q, k, v, *(t for t in kw.values() if t.requires_grad)]
-        out = jagged_attention_torch(q, k, v, offsets, max_seq_len=args.max_len, alpha=1.0, **kw)
+        out = sum(
+            jagged_attention_torch(q, k, v, offsets, max_seq_len=args.max_len, alpha=1.0, cache=cache, **kw)
+            for _ in range(calls)
+        )
         return list(torch.autograd.grad(out, leaves, grad_out))
 
-    def timed(kw: dict) -> float:
+    def timed(kw: dict, calls: int = 1, cached: bool = False) -> float:
+        shared = LayoutCache() if cached else None
         for _ in range(3):
-            step(kw)
+            step(kw, calls, shared)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(args.iters):
-            step(kw)
+            step(kw, calls, shared)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - start) / args.iters * 1e3
@@ -81,7 +92,7 @@ def main() -> None:
         for gather_name, gather in (("index", plain), ("bincount", fused)):
             if "time_bias" not in kw and gather_name == "bincount":  # only the time bias takes gather_bias
                 continue
-            jagged.gather_bias = gather
+            attention_torch.gather_bias = gather  # what the kernel calls
             grads = step(kw)
             if gather_name == "index":
                 reference = grads
@@ -89,17 +100,29 @@ def main() -> None:
             else:
                 err = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(grads, reference))
             rows_out.append({"case": name, "gather": gather_name if kw else "-", "ms": timed(kw), "max_rel_err": err})
-    jagged.gather_bias = fused
+    attention_torch.gather_bias = fused
+    step_rows = []
+    for case, kw in cases.items():
+        plain_grads, cached_grads = step(kw, args.blocks), step(kw, args.blocks, LayoutCache())
+        err = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(cached_grads, plain_grads))
+        step_rows.append({"case": case, "calls": args.blocks, "ms_no_cache": timed(kw, args.blocks),
+                          "ms_cache": timed(kw, args.blocks, cached=True), "max_rel_err": err})
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"attention forward + backward, {args.batch} sequences, {rows} rows, {name}, {dt.date.today()}")
     print("| bias | gradient of the time bias | ms per fwd + bwd | max rel. error vs index |")
     print("|---|---|---|---|")
     for r in rows_out:
         print(f"| {r['case']} | {r['gather']} | {r['ms']:.2f} | {r['max_rel_err']:.1e} |")
+    print(f"\n{args.blocks} calls on the same sequences (one model step's attention), forward + backward")
+    print("| bias | ms without the layout cache | ms with it | speed-up | max rel. error |")
+    print("|---|---|---|---|---|")
+    for r in step_rows:
+        print(f"| {r['case']} | {r['ms_no_cache']:.2f} | {r['ms_cache']:.2f} | "
+              f"{r['ms_no_cache'] / r['ms_cache']:.2f}x | {r['max_rel_err']:.1e} |")
     if args.out_json:
         with open(args.out_json, "w") as fh:
             json.dump({"device": name, "date": str(dt.date.today()), "batch": args.batch, "rows": rows,
-                       "torch": torch.__version__, "results": rows_out}, fh, indent=1)
+                       "torch": torch.__version__, "results": rows_out, "step": step_rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

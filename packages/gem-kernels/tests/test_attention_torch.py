@@ -173,3 +173,43 @@ def test_time_bias_inputs_are_checked(gen: torch.Generator) -> None:
     with pytest.raises(KernelUnavailableError, match="'triton' has no relative attention bias"):
         TritonJaggedAttention()(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts, query_timestamps=ts)
     assert TorchJaggedAttention.supports_time_bias and not TritonJaggedAttention.supports_time_bias
+
+
+def test_layout_cache_reuses_a_layout_only_for_the_same_unmodified_inputs(gen: torch.Generator, monkeypatch) -> None:
+    """The blocks of a model call the kernel with the same offsets: planned once. A new offsets
+    tensor, or the same one changed in place, is planned again, and every result matches the reference."""
+    from gem_kernels import attention_torch
+
+    plans = []
+    real = attention_torch.plan_layout
+    monkeypatch.setattr(attention_torch, "plan_layout", lambda *a: plans.append(1) or real(*a))
+    times = []
+    real_times = attention_torch.time_index
+    monkeypatch.setattr(attention_torch, "time_index", lambda *a: times.append(1) or real_times(*a))
+    attn = TorchJaggedAttention()
+    lengths = [9, 0, 4, 13]
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = random_qkv(26, 2, 4, 4, torch.float64, gen)
+    stamps = torch.cumsum(torch.randint(0, 10**5, (26,), generator=gen), 0)
+    bias = {"time_bias": torch.randn(30, generator=gen, dtype=torch.float64), "timestamps": stamps,
+            "query_timestamps": stamps + 7}
+
+    def check(offsets: torch.Tensor, **kw) -> None:
+        got = attn(q, k, v, offsets, max_seq_len=16, alpha=0.5, **kw)
+        want = jagged_attention_reference(q, k, v, offsets, max_seq_len=16, alpha=0.5, **kw)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+    for _ in range(3):  # three "blocks"
+        check(offsets, **bias)
+    assert len(plans) == 1 and len(times) == 1
+    stamps[:5] += 10**6  # the times change in place: new time buckets, same layout
+    check(offsets, **bias)
+    assert len(plans) == 1 and len(times) == 2
+    offsets[1:] = offsets_from_lengths([3, 6, 4, 13])[1:]  # the offsets change in place
+    check(offsets)
+    assert len(plans) == 2
+    check(offsets_from_lengths([20, 0, 3, 3]))  # another tensor
+    assert len(plans) == 3
+    check(offsets_from_lengths([9, 0, 4, 13]), num_targets=torch.tensor([2, 0, 1, 3]))
+    check(offsets_from_lengths([9, 0, 4, 13]), num_targets=torch.tensor([2, 0, 1, 3]), max_attn_len=3)
+    assert len(plans) == 5

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from pydantic import model_validator
 
-from gem_kernels.attention_torch import jagged_attention_torch
+from gem_kernels.attention_torch import LayoutCache, jagged_attention_torch
 from gem_kernels.availability import require_triton
 from gem_model.components import ComponentConfig, JaggedAttentionKernel
 from gem_model.errors import KernelUnavailableError
@@ -80,6 +80,10 @@ class TorchJaggedAttention(JaggedAttentionKernel):
     supports_position_bias = True
     supports_time_bias = True
 
+    def __init__(self, config: ComponentConfig | None = None):
+        super().__init__(config)
+        self.cache = LayoutCache()  # the blocks of a model share the layout of a step's sequences
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -101,7 +105,7 @@ class TorchJaggedAttention(JaggedAttentionKernel):
         return jagged_attention_torch(
             q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
             max_attn_len=max_attn_len, position_bias=position_bias, time_bias=time_bias,
-            timestamps=timestamps, query_timestamps=query_timestamps,
+            timestamps=timestamps, query_timestamps=query_timestamps, cache=self.cache,
         )
 
 
