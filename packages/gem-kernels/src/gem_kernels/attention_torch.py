@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_kernels.reference import attention_mask
-from gem_model.jagged import gather_bias, relative_bias_matrix, time_buckets
+from gem_model.jagged import gather_bias, relative_bias_matrix, time_bucket_matrix
 
 BUCKET_GROWTH = 1.25
 """A bucket holds lengths in ``[size / BUCKET_GROWTH, size]``: at most ~1.56x the work of no padding,
@@ -133,14 +133,11 @@ class LayoutCache:
 
 
 def time_index(layout: Layout, timestamps: torch.Tensor, query_timestamps: torch.Tensor, num_buckets: int) -> list[torch.Tensor]:
-    """Per bucket of ``layout``, ``[count, size, size]`` :func:`~gem_model.jagged.time_buckets` of query - key time."""
+    """Per bucket of ``layout``, ``[count, size, size]`` :func:`~gem_model.jagged.time_bucket_matrix` of query and key times."""
     device = layout.slot_of_row.device
     padded = [t.new_zeros(layout.used).index_put((layout.slot_of_row,), t.to(device)) for t in (query_timestamps, timestamps)]
-    out = []
-    for k in range(len(layout.sizes)):
-        qt, kt = layout.view(padded[0], k), layout.view(padded[1], k)
-        out.append(time_buckets(qt[:, :, None] - kt[:, None, :], num_buckets))
-    return out
+    return [time_bucket_matrix(layout.view(padded[0], k), layout.view(padded[1], k), num_buckets)
+            for k in range(len(layout.sizes))]
 
 
 def jagged_attention_torch(

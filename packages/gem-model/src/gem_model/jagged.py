@@ -123,6 +123,11 @@ def time_buckets(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
     return logs.long().clamp(max=num_buckets - 1)
 
 
+def time_bucket_matrix(query_times: torch.Tensor, key_times: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """``[..., n, n]`` bucket ids ``time_buckets(query_times[i] - key_times[j])`` of ``[..., n]`` timestamps."""
+    return time_buckets(query_times[..., :, None] - key_times[..., None, :], num_buckets)
+
+
 def time_bias_matrix(time_bias: torch.Tensor, query_times: torch.Tensor, key_times: torch.Tensor) -> torch.Tensor:
     """``[..., n, n]`` matrix ``B[i, j] = time_bias[bucket(query_times[i] - key_times[j])]``.
 
@@ -135,5 +140,4 @@ def time_bias_matrix(time_bias: torch.Tensor, query_times: torch.Tensor, key_tim
         raise ValueError(
             f"timestamps must be integers (seconds), got {query_times.dtype} and {key_times.dtype}"
         )
-    dt = query_times[..., :, None] - key_times[..., None, :]
-    return gather_bias(time_bias, time_buckets(dt, time_bias.numel()))
+    return gather_bias(time_bias, time_bucket_matrix(query_times, key_times, time_bias.numel()))
