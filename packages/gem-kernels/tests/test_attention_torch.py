@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
+from gem_kernels.attention import TorchJaggedAttention
 from gem_kernels.attention_torch import BUCKET_GROWTH, SMALL_BUCKET, plan_buckets
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
-from gem_model.errors import KernelUnavailableError
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -96,13 +95,11 @@ def test_relative_position_bias_matches_the_reference_and_a_direct_loop(gen: tor
         torch.testing.assert_close(want[0][s + i], expected, rtol=1e-10, atol=1e-12)
 
 
-def test_relative_position_bias_shape_and_kernel_support_are_checked(gen: torch.Generator) -> None:
+def test_relative_position_bias_shape_is_checked(gen: torch.Generator) -> None:
     q, k, v = random_qkv(10, 1, 4, 4, torch.float32, gen)
     with pytest.raises(ValueError, match=r"position_bias must be \[2 \* max_seq_len - 1\] = \[19\]"):
         TorchJaggedAttention()(q, k, v, torch.tensor([0, 10]), max_seq_len=10, alpha=1.0, position_bias=torch.zeros(10))
-    with pytest.raises(KernelUnavailableError, match="'triton' has no relative attention bias"):
-        TritonJaggedAttention()(q, k, v, torch.tensor([0, 10]), max_seq_len=10, alpha=1.0, position_bias=torch.zeros(19))
-    assert TorchJaggedAttention.supports_position_bias and not TritonJaggedAttention.supports_position_bias
+    assert TorchJaggedAttention.supports_position_bias  # triton's: test_attention_triton_bias.py
 
 
 def test_time_bias_matches_the_reference_the_loop_kernel_and_the_formula(gen: torch.Generator) -> None:
@@ -170,9 +167,7 @@ def test_time_bias_inputs_are_checked(gen: torch.Generator) -> None:
         attn(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts[:9], query_timestamps=ts)
     with pytest.raises(ValueError, match="time_bias must be a non-empty"):
         attn(q, k, v, offsets, **call, time_bias=torch.zeros(2, 4), timestamps=ts, query_timestamps=ts)
-    with pytest.raises(KernelUnavailableError, match="'triton' has no relative attention bias"):
-        TritonJaggedAttention()(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts, query_timestamps=ts)
-    assert TorchJaggedAttention.supports_time_bias and not TritonJaggedAttention.supports_time_bias
+    assert TorchJaggedAttention.supports_time_bias
 
 
 def test_layout_cache_reuses_a_layout_only_for_the_same_unmodified_inputs(gen: torch.Generator, monkeypatch) -> None:

@@ -63,6 +63,7 @@ from gem_kernels import launcher
 common.num_sms = lambda index: 132
 from gem_kernels.attention_triton import DQ, FORWARD, query_major
 from gem_kernels.attention_triton_bwd import DKDV, DKDV_ATOMIC, key_major
+from gem_kernels.attention_triton_bias import BiasGrads, prepare_bias
 
 assert not common.INTERPRET and launcher.DIRECT_LAUNCH
 recorded = []
@@ -101,8 +102,15 @@ for layout in ("contiguous", "fused", "misaligned"):
         "dkdv": lambda: key_major(q, k, v, grad_out, offsets, None, None, max_attn_len=0, **common_args),
         "dkdv_atomic": lambda: key_major(q, k, v, grad_out, offsets, targets, accum, max_attn_len=0, **common_args),
     }
+    if layout == "contiguous":  # the relative biases add pointer and int arguments: the same must hold
+        bias = prepare_bias(torch.randn(41), torch.randn(16), torch.arange(40) * 1000, torch.arange(40) * 1000 + 7, 21)
+        grads = BiasGrads.zeros(bias, True, True, 21, torch.device("cpu"))
+        calls["forward+bias"] = lambda: query_major(q, k, v, None, offsets, targets, max_attn_len=2, bias=bias,
+                                                    **common_args)
+        calls["dkdv_atomic+bias"] = lambda: key_major(q, k, v, grad_out, offsets, targets, accum, max_attn_len=0,
+                                                      bias=bias, bias_grads=grads, **common_args)
     for name, call in calls.items():
-        kernel = {"forward": FORWARD, "dq": DQ, "dkdv": DKDV, "dkdv_atomic": DKDV_ATOMIC}[name]
+        kernel = {"forward": FORWARD, "dq": DQ, "dkdv": DKDV, "dkdv_atomic": DKDV_ATOMIC}[name.split("+")[0]]
         entries = len(kernel._compiled)
         recorded.clear(); LAUNCHES.clear()
         call()  # a new specialisation: through kernel[grid](...), which compiles
@@ -146,7 +154,7 @@ def test_direct_launch_passes_what_the_jit_passes() -> None:
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(report) == 13 and report["precompiled"] == 2, report
+    assert len(report) == 15 and report["precompiled"] == 2, report
 
 
 def test_specialisation_key_refines_tritons() -> None:

@@ -110,9 +110,11 @@ class TorchJaggedAttention(JaggedAttentionKernel):
 
 
 class TritonJaggedAttention(JaggedAttentionKernel):
-    """Triton forward and backward (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+    """Triton forward and backward (CUDA, or CPU under ``TRITON_INTERPRET=1``), with both relative biases."""
 
     name = "triton"
+    supports_position_bias = True
+    supports_time_bias = True
 
     class Config(ComponentConfig):
         dq: Literal["auto", "atomic", "separate"] = "auto"
@@ -157,17 +159,17 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         query_timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
-        if position_bias is not None or time_bias is not None:
-            raise KernelUnavailableError(
-                f"kernels.{self.op}: 'triton' has no relative attention bias; use the 'torch' kernel for "
-                "model.relative_position_bias and model.relative_time_bias"
-            )
+        check_time_inputs(q, time_bias, timestamps, query_timestamps)
+        for name, table in (("position_bias", position_bias), ("time_bias", time_bias)):
+            if table is not None and not table.is_floating_point():
+                raise ValueError(f"jagged_attention: {name} must be floating point, got {table.dtype}")
         require_triton(q.device, op=self.op, name=self.name, in_call=True)
         if q.dtype not in TRITON_DTYPES:
             raise KernelUnavailableError(
                 f"kernels.{self.op}: 'triton' takes float32, bfloat16 or float16 inputs, got {q.dtype}"
             )
-        others = [t for t in (k, v, seq_offsets, num_targets) if t is not None and t.device != q.device]
+        others = [t for t in (k, v, seq_offsets, num_targets, position_bias, time_bias, timestamps, query_timestamps)
+                  if t is not None and t.device != q.device]
         if others:
             raise ValueError(f"jagged_attention: all inputs must be on {q.device}, found {others[0].device}")
         from gem_kernels.attention_triton_autograd import jagged_attention_triton
@@ -177,5 +179,6 @@ class TritonJaggedAttention(JaggedAttentionKernel):
             blocks = (self.config.block_m, self.config.block_n)
         return jagged_attention_triton(
             q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
-            max_attn_len=max_attn_len, dq_mode=self.config.dq, blocks=blocks,
+            max_attn_len=max_attn_len, position_bias=position_bias, time_bias=time_bias, timestamps=timestamps,
+            query_timestamps=query_timestamps, dq_mode=self.config.dq, blocks=blocks,
         )

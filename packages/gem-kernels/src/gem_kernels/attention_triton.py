@@ -9,11 +9,12 @@ sequence ``b`` of length ``n``; ``t = num_targets[b]`` (0 without targets), ``N 
     out[i, h] = sum_j mask(i, j) * silu(alpha * <q[i, h], k[j, h]>) / N * v[j, h]
     mask(i, j) = (i == j) or (0 < p(i) - p(j) and (W == 0 or p(i) - p(j) <= W))
 
-No term crosses sequences. Gradients (``s = alpha <q_i, k_j>``, ``g = d out``)::
+No term crosses sequences. With HSTU's relative biases, ``r(i, j)`` joins the score before the silu
+(:mod:`gem_kernels.attention_triton_bias`). Gradients (``s = alpha <q_i, k_j> + r(i, j)``, ``g = d out``)::
 
     dv[j] = sum_i mask * silu(s) / N * g[i]
     ds    = mask * <g[i], v[j]> * silu'(s) / N
-    dq[i] = alpha * sum_j ds * k[j],   dk[j] = alpha * sum_i ds * q[i]
+    dq[i] = alpha * sum_j ds * k[j],   dk[j] = alpha * sum_i ds * q[i],   d r(i, j) = ds
 
 Design
 ------
@@ -50,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_kernels.attention_triton_bias import NO_BIAS, RelativeBias, relative_bias
 from gem_kernels.attention_triton_common import (
     CHUNK,
     INTERPRET,
@@ -66,6 +68,7 @@ from gem_kernels.attention_triton_common import (
     release_queue,
     scan_chunk,
     silu_and_grad,
+    silu_and_grad_biased,
     silu_mode,
 )
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
@@ -96,8 +99,9 @@ def make_configs(wide: bool, compute_dq: bool) -> list[Config]:
     return WIDE_CONFIGS if wide else (DQ_CONFIGS if compute_dq else FORWARD_CONFIGS)
 
 
-KEY_NAMES = ("dtype", "dqk", "dv", "targets", "window", "chunk", "blocks", "n_bucket", "mean_bucket")
-"""What a tuning key holds: ``blocks`` is ``auto`` (tuned) or the tile sizes set by hand."""
+KEY_NAMES = ("dtype", "dqk", "dv", "targets", "window", "bias", "chunk", "blocks", "n_bucket", "mean_bucket")
+"""What a tuning key holds: ``bias`` the relative biases (``RelativeBias.label``), ``blocks`` is
+``auto`` (tuned) or the tile sizes set by hand."""
 
 
 @triton.jit
@@ -126,7 +130,9 @@ def _query_block_ranges(m0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.c
 @triton.jit
 def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n,
                       d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha,
+                      PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets,
                       MASKED: tl.constexpr, COMPUTE_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                       SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                       CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr):
     keys = start + offs_n
@@ -134,7 +140,18 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
     k = load_tile(k_ptrs + start * stride_km, keys_ok, d_qk_ok, MASKED, CHECK_QK)
     v = load_tile(v_ptrs + start * stride_vm, keys_ok, d_v_ok, MASKED, CHECK_V)
     s = dot(q, tl.trans(k), None, IEEE, INTERP)
-    silu, grad = silu_and_grad(s, alpha, SILU)
+    if HAS_POS or HAS_TIME:
+        key_t = keys
+        if HAS_TIME:
+            if MASKED:
+                key_t = tl.load(key_times + keys, mask=keys_ok, other=0)
+            else:
+                key_t = tl.load(key_times + keys)
+        r, _ = relative_bias(PB, TB, EDGES, queries[:, None], keys[None, :], query_t[:, None], key_t[None, :],
+                             pos_offset, num_buckets, HAS_POS, HAS_TIME)
+        silu, grad = silu_and_grad_biased(s, alpha, r, SILU)
+    else:
+        silu, grad = silu_and_grad(s, alpha, SILU)
     if COMPUTE_DQ:
         w = dot(do, tl.trans(v), None, IEEE, INTERP) * grad
         rhs = k
@@ -146,19 +163,23 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
     return dot(cast(w, rhs.dtype, INTERP), rhs, acc, IEEE, INTERP)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len"])  # no recompiles for B = 1, H = 1, W = 1
+# no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets"])
 def query_major_kernel(
-    Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
+    Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
     stride_dom, stride_doh, stride_om, stride_oh,
-    num_seqs, num_heads, alpha, out_scale, max_attn_len,
+    num_seqs, num_heads, alpha, out_scale, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV: tl.constexpr, D_OUT: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_OUT: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
-    """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue."""
+    """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue. ``PB``,
+    ``TB``: position and time bias tables; ``EDGES``: the time buckets' edge table; ``TS``, ``QTS``:
+    int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -188,6 +209,11 @@ def query_major_kernel(
             else:
                 do = q
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
+            key_times = TS
+            query_t = queries
+            if HAS_TIME_BIAS:
+                key_times = TS + seq_start
+                query_t = tl.load(QTS + seq_start + queries, mask=rows_ok, other=0)
             k_ptrs = K + seq_start * stride_km + head * stride_kh + offs_n[:, None] * stride_km + offs_qk[None, :]
             v_ptrs = V + seq_start * stride_vm + head * stride_vh + offs_n[:, None] * stride_vm + offs_v[None, :]
             # The next tile. Relaxed: only atomicity matters, and acq_rel made each claim wait for the
@@ -202,7 +228,8 @@ def query_major_kernel(
             for start in range(full_lo, full_hi, BLOCK_N):
                 acc = _query_block_step(
                     acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
-                    d_v_ok, seq_len, history_len, max_attn_len, alpha, False, COMPUTE_DQ, HAS_WINDOW,
+                    d_v_ok, seq_len, history_len, max_attn_len, alpha, PB, TB, EDGES, key_times, query_t,
+                    pos_offset, num_buckets, False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS,
                     SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                 )
             for i in range(0, n_left + n_hist + n_diag):
@@ -214,7 +241,8 @@ def query_major_kernel(
                 )
                 acc = _query_block_step(
                     acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
-                    d_v_ok, seq_len, history_len, max_attn_len, alpha, True, COMPUTE_DQ, HAS_WINDOW,
+                    d_v_ok, seq_len, history_len, max_attn_len, alpha, PB, TB, EDGES, key_times, query_t,
+                    pos_offset, num_buckets, True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS,
                     SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                 )
             out_ptrs = (OUT + seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om
@@ -226,14 +254,10 @@ def query_major_kernel(
     release_queue(COUNTER)
 
 
-FORWARD = TunedKernel(
-    "forward", query_major_kernel, pointers=("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER"),
-    floats=("alpha", "out_scale"), key_names=KEY_NAMES,
-)
-DQ = TunedKernel(
-    "dq", query_major_kernel, pointers=("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER"),
-    floats=("alpha", "out_scale"), key_names=KEY_NAMES,
-)
+_POINTERS = ("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES", "TS", "QTS")
+FORWARD = TunedKernel("forward", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"),
+                      key_names=KEY_NAMES)
+DQ = TunedKernel("dq", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"), key_names=KEY_NAMES)
 
 
 def query_major(
@@ -248,8 +272,10 @@ def query_major(
     alpha: float,
     max_attn_len: int,
     blocks: tuple[int, int] | None = None,
+    bias: RelativeBias = NO_BIAS,
 ) -> torch.Tensor:
-    """The forward output, or ``dq`` when ``grad_out`` is given. Inputs have unit last-dim stride."""
+    """The forward output, or ``dq`` when ``grad_out`` is given. Inputs have unit last-dim stride;
+    ``bias`` comes from :func:`gem_kernels.attention_triton_bias.prepare_bias`."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     compute_dq = grad_out is not None
@@ -265,12 +291,14 @@ def query_major(
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
     chunk = CHUNK  # read at call time: tests shrink it
-    variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, chunk, "auto" if blocks is None else blocks)
+    variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(), chunk,
+               "auto" if blocks is None else blocks)
 
     def constexprs() -> dict:
         return dict(
             DQK=dim_qk, DV=dim_v, D_OUT=dim_out, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v),
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
+            HAS_POS_BIAS=bias.position is not None, HAS_TIME_BIAS=bias.time is not None,
             SILU=silu_mode(q.dtype), IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk,
         )
 
@@ -281,9 +309,9 @@ def query_major(
         counter = queue_counter(device)
         args = (
             q, k, v, do, out, seq_offsets, num_targets if num_targets is not None else seq_offsets, counter,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            *bias.pointers(q), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), out.stride(0), out.stride(1),
-            num_seqs, num_heads, alpha, scale, max_attn_len,
+            num_seqs, num_heads, alpha, scale, max_attn_len, max_seq_len - 1, bias.num_buckets,
         )
         if blocks is not None:
             configs = [fixed_config(*blocks)]

@@ -8,6 +8,7 @@ import torch
 
 from gem_kernels import attention_triton, attention_triton_bwd
 from gem_kernels.attention_triton import query_major
+from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias, prepare_bias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.launcher import config_str, key_label
 
@@ -51,30 +52,41 @@ class JaggedAttentionFunction(torch.autograd.Function):
         max_attn_len: int,
         dq_mode: DqMode,
         blocks: tuple[int, int] | None,
+        position_bias: torch.Tensor | None,
+        time_bias: torch.Tensor | None,
+        bias: RelativeBias,
     ) -> torch.Tensor:
+        # position_bias and time_bias are inputs only so that autograd routes their gradients;
+        # the kernels read the prepared copies in ``bias``.
         q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
         out = query_major(
             q, k, v, None, seq_offsets, num_targets,
-            max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks,
+            max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias,
         )
-        ctx.save_for_backward(q, k, v, seq_offsets, num_targets)
-        ctx.params = (max_seq_len, alpha, max_attn_len, dq_mode, blocks)
+        # saved, not kept on ctx: autograd then checks that nothing changed them in place before backward
+        ctx.save_for_backward(q, k, v, seq_offsets, num_targets, bias.position, bias.time, bias.timestamps,
+                              bias.query_timestamps)
+        ctx.params = (max_seq_len, alpha, max_attn_len, dq_mode, blocks, bias.edges)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, seq_offsets, num_targets = ctx.saved_tensors
-        max_seq_len, alpha, max_attn_len, dq_mode, blocks = ctx.params
+        q, k, v, seq_offsets, num_targets, *tables = ctx.saved_tensors
+        max_seq_len, alpha, max_attn_len, dq_mode, blocks, edges = ctx.params
+        bias = RelativeBias(*tables, edges=edges)
         grad_out = _unit_stride(grad_out)
-        options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks)
+        options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias)
+        needs_position, needs_time = ctx.needs_input_grad[10], ctx.needs_input_grad[11]
+        grads = BiasGrads.zeros(bias, needs_position, needs_time, max_seq_len, q.device)
         if resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "atomic":
             dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, **options)
+            dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, bias_grads=grads, **options)
             dq = dq_accum.to(q.dtype)
         else:
-            dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, **options)
+            dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, bias_grads=grads, **options)
             dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, **options)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        d_position, d_time = grads.result(bias, max_seq_len)
+        return dq, dk, dv, None, None, None, None, None, None, None, d_position, d_time, None
 
 
 def jagged_attention_triton(
@@ -87,10 +99,17 @@ def jagged_attention_triton(
     alpha: float,
     num_targets: torch.Tensor | None = None,
     max_attn_len: int = 0,
+    position_bias: torch.Tensor | None = None,
+    time_bias: torch.Tensor | None = None,
+    timestamps: torch.Tensor | None = None,
+    query_timestamps: torch.Tensor | None = None,
     dq_mode: DqMode = "auto",
     blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Differentiable jagged HSTU attention (see :mod:`gem_kernels.attention_triton`).
+    """Differentiable jagged HSTU attention (see :mod:`gem_kernels.attention_triton`), in ``q``, ``k``,
+    ``v`` and the relative biases ``position_bias`` ``[2 max_seq_len - 1]`` and ``time_bias``
+    ``[num_buckets]`` (with int ``[L]`` ``timestamps`` and ``query_timestamps``; semantics of
+    :class:`gem_model.components.JaggedAttentionKernel`).
 
     ``dq_mode``: how the backward gets ``dq`` (``auto``: see :data:`ATOMIC_DQ_BELOW_PAIRS`).
     ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of tuning them. Without autograd
@@ -101,13 +120,16 @@ def jagged_attention_triton(
         seq_offsets = seq_offsets.contiguous()
     if num_targets is not None and not num_targets.is_contiguous():
         num_targets = num_targets.contiguous()
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    bias = prepare_bias(position_bias, time_bias, timestamps, query_timestamps, max_seq_len)
+    leaves = (q, k, v, position_bias, time_bias)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
         return query_major(
             _unit_stride(q), _unit_stride(k), _unit_stride(v), None, seq_offsets, num_targets,
-            max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks,
+            max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias,
         )
     return JaggedAttentionFunction.apply(
-        q, k, v, seq_offsets, num_targets, max_seq_len, alpha, max_attn_len, dq_mode, blocks
+        q, k, v, seq_offsets, num_targets, max_seq_len, alpha, max_attn_len, dq_mode, blocks,
+        position_bias, time_bias, bias,
     )
 
 

@@ -8,6 +8,8 @@ pair: ``s^T = k q^T``, ``dp^T = v g^T``, ``dv += silu(s)^T g``, ``dk += ds^T q``
 neighbouring key blocks of the same sequence, so those atomics stay in L2). Without ``ATOMIC_DQ`` a
 query-major pass computes ``dq`` instead (three more MMAs: ``s``, ``dp`` are recomputed).
 The queue is the forward's, over key blocks, first key block (the one most queries see) first.
+With relative biases, each (query block, key block) pair also adds its share of the bias gradients
+(pre-reduced in the tile: :func:`gem_kernels.attention_triton_bias.position_grad` and ``time_grad``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton import KEY_NAMES
+from gem_kernels.attention_triton_bias import (
+    NO_BIAS,
+    POSITION_STRIPES,
+    TIME_STRIPES,
+    BiasGrads,
+    RelativeBias,
+    position_grad,
+    relative_bias,
+    time_grad,
+)
 from gem_kernels.attention_triton_common import (
     CHUNK,
     INTERPRET,
@@ -33,6 +45,7 @@ from gem_kernels.attention_triton_common import (
     release_queue,
     scan_chunk,
     silu_and_grad,
+    silu_and_grad_biased,
     silu_mode,
 )
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
@@ -84,21 +97,40 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 
 @triton.jit
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
-                    offs_m, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
+                    offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
+                    PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
                     MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-                    CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr):
+                    CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     queries = start + offs_m
     queries_ok = queries < seq_len
     q = load_tile(q_ptrs + start * stride_qm, queries_ok, d_qk_ok, MASKED, CHECK_QK)
     do = load_tile(do_ptrs + start * stride_dom, queries_ok, d_v_ok, MASKED, CHECK_V)
     s_t = dot(k, tl.trans(q), None, IEEE, INTERP)
-    silu_t, grad_t = silu_and_grad(s_t, alpha, SILU)
+    if HAS_POS or HAS_TIME:
+        query_t = queries
+        if HAS_TIME:
+            if MASKED:
+                query_t = tl.load(query_times + queries, mask=queries_ok, other=0)
+            else:
+                query_t = tl.load(query_times + queries)
+        r_t, bucket_t = relative_bias(PB, TB, EDGES, queries[None, :], keys[:, None], query_t[None, :],
+                                      key_t[:, None], pos_offset, num_buckets, HAS_POS, HAS_TIME)
+        silu_t, grad_t = silu_and_grad_biased(s_t, alpha, r_t, SILU)
+    else:
+        silu_t, grad_t = silu_and_grad(s_t, alpha, SILU)
     ds_t = dot(v, tl.trans(do), None, IEEE, INTERP) * grad_t
     if MASKED:
         keep = allowed(queries[None, :], keys[:, None], history_len, max_attn_len, HAS_WINDOW)
         silu_t = tl.where(keep, silu_t, 0.0)
         ds_t = tl.where(keep, ds_t, 0.0)
+    # ds_t is d out / d r (times N) for every (key, query) pair: zero where masked or padded
+    if POS_GRAD:
+        position_grad(DPB, ds_t, n0 - start + pos_offset, 2 * pos_offset + 1, BLOCK_N, BLOCK_M)
+    if TIME_GRAD:
+        time_grad(DTB, ds_t, bucket_t, num_buckets)
     dv = dot(cast(silu_t, do.dtype, INTERP), do, dv, IEEE, INTERP)
     ds_t = cast(ds_t, q.dtype, INTERP)
     dk = dot(ds_t, q, dk, IEEE, INTERP)
@@ -110,17 +142,23 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len"])  # no recompiles for B = 1, H = 1, W = 1
+# no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets"])
 def key_major_kernel(
-    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
+    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-    num_seqs, num_heads, alpha, max_seq_len, max_attn_len,
+    num_seqs, num_heads, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
+    POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
+    """dk, dv (and dq with ``ATOMIC_DQ``) for every (sequence, head, key block) tile; with ``POS_GRAD`` /
+    ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
+    ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -129,6 +167,10 @@ def key_major_kernel(
     d_v_ok = offs_v < DV_DIM
     CHECK_QK: tl.constexpr = DQK != BLOCK_DQK
     CHECK_V: tl.constexpr = DV_DIM != BLOCK_DV
+    if POS_GRAD:  # this program's stripe of the gradient buffers
+        DPB = DPB + (tl.program_id(0) % POS_STRIPES) * (2 * pos_offset + 1)
+    if TIME_GRAD:
+        DTB = DTB + (tl.program_id(0) % TIME_STRIPES) * num_buckets
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
@@ -149,6 +191,11 @@ def key_major_kernel(
             do_ptrs = DO + seq_start * stride_dom + head * stride_doh + offs_m[:, None] * stride_dom + offs_v[None, :]
             dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + offs_m[:, None] * stride_dqm + offs_qk[None, :]
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
+            query_times = QTS
+            key_t = keys
+            if HAS_TIME_BIAS:
+                query_times = QTS + seq_start
+                key_t = tl.load(TS + seq_start + keys, mask=keys_ok, other=0)
             # The next tile. Relaxed: only atomicity matters, and acq_rel made each claim wait for the
             # previous tile's output stores to drain. Triton hands a scalar atomic's result to every
             # thread through shared memory behind a barrier, so the program waits for the round trip
@@ -162,15 +209,19 @@ def key_major_kernel(
             for start in range(full_lo, full_hi, BLOCK_M):
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
-                    keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, False, ATOMIC_DQ,
-                    HAS_WINDOW, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
+                    n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, False, ATOMIC_DQ, HAS_WINDOW,
+                    HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
+                    BLOCK_M, BLOCK_N,
                 )
             for i in range(0, n_diag + n_tail):
                 start = tl.where(i < n_diag, diag_lo + i * BLOCK_M, full_hi + (i - n_diag) * BLOCK_M)
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
-                    keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, True, ATOMIC_DQ,
-                    HAS_WINDOW, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
+                    n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, True, ATOMIC_DQ, HAS_WINDOW,
+                    HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
+                    BLOCK_M, BLOCK_N,
                 )
             dk_ptrs = DK + seq_start * stride_dkm + head * stride_dkh + keys[:, None] * stride_dkm + offs_qk[None, :]
             dv_ptrs = DV + seq_start * stride_dvm + head * stride_dvh + keys[:, None] * stride_dvm + offs_v[None, :]
@@ -183,7 +234,8 @@ def key_major_kernel(
     release_queue(COUNTER)
 
 
-_POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER")
+_POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES",
+             "TS", "QTS", "DPB", "DTB")
 DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES)
 DKDV_ATOMIC = TunedKernel(
     "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES
@@ -203,8 +255,11 @@ def key_major(
     alpha: float,
     max_attn_len: int,
     blocks: tuple[int, int] | None = None,
+    bias: RelativeBias = NO_BIAS,
+    bias_grads: BiasGrads | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it."""
+    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it, and
+    with ``bias_grads`` (zeroed, :meth:`BiasGrads.zeros`) the bias gradients times ``max_seq_len``."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -217,15 +272,25 @@ def key_major(
     dq = dq_accum if dq_accum is not None else dk  # unused without ATOMIC_DQ: any tensor of the row layout
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
+    grads = bias_grads if bias_grads is not None else BiasGrads(None, None)
+    grad_flags = (grads.position is not None, grads.time is not None)
     chunk = CHUNK  # read at call time: tests shrink it
-    variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, chunk, "auto" if blocks is None else blocks)
+    variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
+               "auto" if blocks is None else blocks)
 
     def constexprs() -> dict:
         return dict(
             DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
-            HAS_TARGETS=has_targets, HAS_WINDOW=has_window, SILU=silu_mode(q.dtype),
+            HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
+            HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
+            POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
             IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk,
         )
+
+    def restore() -> None:  # tuning runs added into the accumulators
+        if dq_accum is not None:
+            dq_accum.zero_()
+        grads.zero_()
 
     def tile_bound(config: Config) -> int:
         return num_seqs * num_heads * -(-max(max_seq_len, 1) // config[1])
@@ -234,9 +299,10 @@ def key_major(
         counter = queue_counter(device)
         args = (
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
-            counter, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-            dv.stride(0), dv.stride(1), num_seqs, num_heads, float(alpha), float(max_seq_len), max_attn_len,
+            counter, *bias.pointers(q), *grads.pointers(dq), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, float(alpha),
+            float(max_seq_len), max_attn_len, max_seq_len - 1, bias.num_buckets,
         )
         if blocks is not None:
             configs = [fixed_config(*blocks)]
@@ -246,6 +312,6 @@ def key_major(
             buckets = length_buckets(max_seq_len, num_rows, num_seqs)
         (DKDV_ATOMIC if atomic else DKDV).launch(
             args, constexprs, variant=variant, buckets=buckets, configs=configs, device=device,
-            tile_bound=tile_bound, after_tuning=dq_accum.zero_ if dq_accum is not None else None,
+            tile_bound=tile_bound, after_tuning=restore,
         )
     return dk, dv

@@ -156,18 +156,34 @@ def _tanh(x, APPROX: tl.constexpr):
 
 
 @triton.jit
+def _silu_exact(z):
+    sig = tl.sigmoid(z)
+    return z * sig, sig * (1.0 + z * (1.0 - sig))
+
+
+@triton.jit
+def _silu_tanh(h, APPROX: tl.constexpr):
+    # sigmoid(z) = (1 + tanh(z / 2)) / 2, so with h = z / 2 and t = tanh(h):
+    # silu = h + h t and silu' = (1 + t) / 2 * (1 + h - h t).
+    t = _tanh(h, APPROX)
+    ht = h * t
+    return h + ht, (0.5 + 0.5 * t) * (1.0 + h - ht)
+
+
+@triton.jit
 def silu_and_grad(s, alpha, SILU: tl.constexpr):
     """``silu(alpha * s)`` and ``silu'(alpha * s)`` from raw scores ``s`` (fp32)."""
     if SILU == 0:
-        z = s * alpha
-        sig = tl.sigmoid(z)
-        return z * sig, sig * (1.0 + z * (1.0 - sig))
-    # sigmoid(z) = (1 + tanh(z / 2)) / 2, so with h = z / 2 and t = tanh(h):
-    # silu = h + h t and silu' = (1 + t) / 2 * (1 + h - h t).
-    h = s * (0.5 * alpha)
-    t = _tanh(h, SILU == 2)
-    ht = h * t
-    return h + ht, (0.5 + 0.5 * t) * (1.0 + h - ht)
+        return _silu_exact(s * alpha)
+    return _silu_tanh(s * (0.5 * alpha), SILU == 2)
+
+
+@triton.jit
+def silu_and_grad_biased(s, alpha, r, SILU: tl.constexpr):
+    """``silu(alpha * s + r)`` and its derivative: the same algebra with the relative bias ``r``."""
+    if SILU == 0:
+        return _silu_exact(s * alpha + r)
+    return _silu_tanh(s * (0.5 * alpha) + 0.5 * r, SILU == 2)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gem_kernels import attention_triton, attention_triton_bwd
+from gem_kernels import attention_triton, attention_triton_bias, attention_triton_bwd
 from gem_kernels.attention_triton_common import CHUNK, INTERPRET, dim_block
 
 KERNELS = ("forward", "dq", "dkdv", "dkdv_atomic")
@@ -39,6 +39,9 @@ class Variant:
     dim_v: int = 128
     targets: bool = True
     window: bool = False
+    position_bias: bool = False
+    time_bias: bool = False
+    """With a bias, the dk/dv kernels also accumulate its gradient."""
 
 
 def configs(kernel: str, wide: bool) -> list[tuple[int, int, int, int, int]]:
@@ -60,9 +63,10 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
     common = dict(
         HAS_TARGETS=variant.targets, HAS_WINDOW=variant.window, SILU=0 if t == "fp32" else 2, IEEE=t == "fp32",
         INTERP=False, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, PROGRAMS_PER_SM=per_sm,
-        BLOCK_DQK=dim_block(variant.dim_qk),
+        BLOCK_DQK=dim_block(variant.dim_qk), HAS_POS_BIAS=variant.position_bias, HAS_TIME_BIAS=variant.time_bias,
     )
-    offsets = {"SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32"}
+    offsets = {"SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "PB": "*fp32", "TB": "*fp32",
+               "EDGES": "*i64", "TS": "*i64", "QTS": "*i64"}
     if variant.kernel in ("forward", "dq"):
         fn = attention_triton.query_major_kernel
         dim_out = variant.dim_qk if variant.kernel == "dq" else variant.dim_v
@@ -76,9 +80,12 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
         fn = attention_triton_bwd.key_major_kernel
         constants = dict(
             DQK=variant.dim_qk, DV_DIM=variant.dim_v, BLOCK_DV=dim_block(variant.dim_v),
-            ATOMIC_DQ=variant.kernel == "dkdv_atomic", **common,
+            ATOMIC_DQ=variant.kernel == "dkdv_atomic", POS_GRAD=variant.position_bias, TIME_GRAD=variant.time_bias,
+            POS_STRIPES=attention_triton_bias.POSITION_STRIPES, TIME_STRIPES=attention_triton_bias.TIME_STRIPES,
+            **common,
         )
-        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV")} | {"DQ": "*fp32"} | offsets
+        pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV")} | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32"}
+                    | offsets)
         signature = _signature(fn, pointers, ("alpha", "max_seq_len"))
     for name in constants:
         signature[name] = "constexpr"
@@ -112,9 +119,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=tuple(TYPES), default="bfloat16")
     parser.add_argument("--dims", type=int, nargs=2, default=(128, 128), metavar=("DQK", "DV"))
     parser.add_argument("--all-configs", action="store_true", help="every autotuning config, not just the first")
+    parser.add_argument("--bias", choices=("none", "position", "time", "both"), default="none")
     args = parser.parse_args()
     for kernel in KERNELS:
-        variant = Variant(kernel, args.dtype, *args.dims)
+        variant = Variant(kernel, args.dtype, *args.dims, position_bias=args.bias in ("position", "both"),
+                          time_bias=args.bias in ("time", "both"))
         table = configs(kernel, max(args.dims) > 128)
         for config in table if args.all_configs else table[:1]:
             r = compile_variant(variant, config, args.arch)
