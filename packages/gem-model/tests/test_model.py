@@ -182,3 +182,23 @@ def test_relative_position_bias_trains_and_needs_a_kernel_that_has_it():
     spec = SyntheticSource(SyntheticConfig(max_len=31)).feature_spec()
     with pytest.raises(ValueError, match="relative_position_bias needs an attention kernel .* 'no_bias' does not"):
         GemModel(cfg, spec, attention=NoBias(), norm_gate=TorchNormGate())
+
+
+def test_device_table_init_builds_on_meta_and_draws_within_the_host_bounds():
+    from gem_model.model.embeddings import SparseArch, table_bound
+
+    spec = SyntheticSource(SyntheticConfig(num_items=500, num_users=50)).feature_spec()
+    arch = SparseArch(spec, 16, seed=3, on_meta=True)
+    assert arch.on_meta and all(p.is_meta for p in arch.parameters())
+    arch.materialize_on(torch.device("cpu"), seed=3)
+    assert not arch.on_meta
+    for name, p in arch.named_parameters():
+        bound = table_bound(p.shape[0])
+        assert not p.is_meta and float(p.abs().max()) <= bound, name
+        assert float(p.std()) > bound / 4, name  # drawn, not left empty or zero
+    again = SparseArch(spec, 16, seed=3, on_meta=True)
+    again.materialize_on(torch.device("cpu"), seed=3)
+    for (name, a), (_, b) in zip(arch.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), name  # seeded
+    with pytest.raises(ValueError, match="cannot take model.embedding_init_std"):
+        SparseArch(spec, 16, sequence_init_std=0.02, on_meta=True)

@@ -174,3 +174,36 @@ def test_sequence_tables_can_start_from_a_normal_distribution(pm, tiny_overrides
     std = arch.ec.embeddings["item"].weight.std().item()
     assert abs(std - 0.3) < 0.01
     assert arch.ebc.embedding_bags["t_user_id"].weight.abs().max() <= 0.05
+
+
+class LearningRates:
+    def __init__(self):
+        self.dense: list[float] = []
+        self.sparse: list[float] = []
+
+    @hookimpl(wrapper=True)
+    def gem_train_step(self, run, step):
+        result = yield
+        self.dense.append(run.dense_optimizer.param_groups[0]["lr"])
+        self.sparse.append(run.prepared.sparse_optimizer.param_groups[0]["lr"])
+        return result
+
+
+def test_warmup_ramps_both_learning_rates_and_survives_a_resume(pm, tiny_overrides, tmp_path):
+    rates = LearningRates()
+    pm.register(rates, name="rates")
+    common = [*tiny_overrides, "trainer.warmup_steps=4", "trainer.dense_lr=0.004", "trainer.sparse_lr=0.04"]
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/a", "trainer.steps=6"]), pm)
+    ramp = [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert rates.dense == pytest.approx([0.004 * f for f in ramp]) and rates.sparse == pytest.approx([0.04 * f for f in ramp])
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/b", "trainer.steps=2"]), pm)
+    train(load_config(None, [*common, f"trainer.output_dir={tmp_path}/b", "trainer.steps=6", "trainer.resume=true"]), pm)
+    assert rates.dense[6:] == rates.dense[:6] and losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_no_warmup_leaves_the_losses_bitwise_unchanged(pm, tiny_overrides, tmp_path):
+    # warmup_steps=1 sets every step's rate to the full one: the schedule's code runs, the numbers must not move
+    train(load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/off", "trainer.warmup_steps=0"]), pm)
+    train(load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/one", "trainer.warmup_steps=1"]), pm)
+    off, one = losses(tmp_path / "off"), losses(tmp_path / "one")
+    assert len(off) == 6 and off == one

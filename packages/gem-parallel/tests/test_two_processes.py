@@ -48,3 +48,15 @@ def test_sharded_run_matches_one_process_and_resumes_exactly(reference_overrides
         nproc=2,
     )
     assert step_losses(run_dir) == two_losses[3:]
+
+
+def test_warmup_reaches_the_fused_table_optimizer(reference_overrides, tmp_path):
+    """FBGEMM fixes a step's table learning rate in the lookup's forward: a warm-up set any later
+    would lag a step behind the one-process run, whose torch optimizer reads it at ``step()``."""
+    common = [*reference_overrides, "trainer.steps=4", "trainer.warmup_steps=3", "trainer.checkpoint_at_end=false"]
+    gem_train([*common, "parallel.planner=single", f"trainer.output_dir={tmp_path}/one"])
+    gem_train([*common, "parallel.planner=torchrec_ddp", f"trainer.output_dir={tmp_path}/two"], nproc=2)
+    one_losses, two_losses = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert len(one_losses) == 4
+    for a, b in zip(one_losses, two_losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (one_losses, two_losses)

@@ -77,11 +77,14 @@ def test_forward_and_gradients_close_to_fp32(cls: type, problem) -> None:
         assert rel_err(g, w) < grad_tol
 
 
-def test_bf16_output_dtype_option(problem) -> None:
+def test_schemes_declare_their_activation_dtype(problem) -> None:
     linear, x, _ = problem
-    module = Bf16Scheme(Bf16Scheme.Config(output_dtype="bfloat16")).convert_linear(linear, "proj")
-    assert isinstance(module, Bf16Linear) and module(x).dtype == torch.bfloat16
-    assert Bf16Scheme().convert_linear(linear, "proj")(x.bfloat16()).dtype == torch.bfloat16
+    assert Fp32Scheme.activation_dtype == "float32"
+    for cls in (Bf16Scheme, Fp8TensorwiseScheme, Fp8RowwiseScheme, MXFP8Scheme):
+        assert cls.activation_dtype == "bfloat16", cls.name
+    module = Bf16Scheme().convert_linear(linear, "proj")
+    assert isinstance(module, Bf16Linear)
+    assert module(x.bfloat16()).dtype == torch.bfloat16 and module(x).dtype == x.dtype
 
 
 @pytest.mark.parametrize("cls", [Fp8TensorwiseScheme, Fp8RowwiseScheme], ids=lambda c: c.name)

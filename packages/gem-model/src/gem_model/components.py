@@ -134,19 +134,35 @@ class NormGateKernel(Kernel):
 
 
 class PrecisionScheme(Component):
-    """Numerics of the dense ``nn.Linear`` layers, applied by module swap.
+    """Numerics of the dense ``nn.Linear`` layers, applied by module swap, and the dtype in which
+    activations flow through the whole model when this scheme is the run's ``precision.scheme``.
 
     The core decides which linears a scheme gets (per-module overrides, minimum dims, exclusions)
-    and calls :meth:`convert_linear` for each; embedding tables are never touched.
+    and calls :meth:`convert_linear` for each; embedding tables are never touched. The model then
+    runs in :attr:`activation_dtype` (see :mod:`gem_model.precision`): embedding outputs are cast to
+    it once, every linear, norm, gate and attention kernel receives it, and losses, logsumexp and
+    normalisation statistics are computed in float32. Parameters stay float32 master weights.
     """
+
+    activation_dtype: ClassVar[str] = "float32"
+    """``"float32"`` or ``"bfloat16"``: the dtype of the activations between the model's ops under
+    this scheme (``precision.activation_dtype: auto`` takes it). A scheme whose GEMMs run in 16 or 8
+    bits declares ``"bfloat16"``, so no fp32 copy of an activation is made between two GEMMs."""
 
     @abstractmethod
     def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
         """Return the module that replaces ``linear`` (same call signature, same parameters).
 
         The returned module must keep ``linear.weight`` and ``linear.bias`` as its parameters (the
-        fp32 master weights), so optimizers and checkpoints see the same names.
+        fp32 master weights), so optimizers and checkpoints see the same names. It is called with
+        inputs in the run's activation dtype; if it returns another dtype the core casts the output
+        back (so a scheme that computes in float16 and returns float32 still fits a bfloat16 model).
         """
+
+    def check_module(self, module: nn.Module, fqn: str, device: torch.device) -> None:
+        """Raise ``ValueError`` naming ``fqn`` if ``module`` (from :meth:`convert_linear`) cannot run on
+        ``device`` (a backend the device lacks, a shape the GEMM cannot take). Called for every
+        converted linear when the run is built, so such a run is refused before it trains."""
 
 
 class ActivationPolicy(Component):

@@ -57,10 +57,16 @@ class ModelConfig(Strict):
     embedding_init_std: float | None = Field(
         None, gt=0.0, description="draw the sequence tables (items, actions) from N(0, std); None: uniform, small"
     )
+    table_init: Literal["host", "device"] = Field(
+        "host",
+        description="host: the tables are drawn on the CPU from the seed, identical for every world size and "
+        "planner; device: they are built on the meta device and the planner draws them on the training device "
+        "(uniform, same bounds), which takes seconds instead of minutes for tables of tens of GB",
+    )
     relative_position_bias: bool = Field(
         False,
         description="a learned bias per relative position added to the attention scores in every block "
-        "(HSTU's positional attention bias); needs an attention kernel that supports it (torch)",
+        "(HSTU's positional attention bias); needs an attention kernel that supports it (gem-kernels: torch, triton)",
     )
     relative_time_bias: bool = Field(
         False,
@@ -105,6 +111,11 @@ class PrecisionConfig(Strict):
     )
     exclude: list[str] = Field(default_factory=list, description="module-name patterns left in fp32")
     min_dim: int = Field(0, ge=0, description="linears with a smaller in or out dim stay fp32")
+    activation_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of the activations between the model's ops (gem_model.precision); auto: the one "
+        "the scheme declares (bfloat16 for bf16, fp8 and MX schemes, float32 for fp32)",
+    )
 
 
 class ActivationConfig(Strict):
@@ -132,14 +143,30 @@ class TrainerConfig(Strict):
     )
     sparse_lr: float = Field(0.05, gt=0.0, description="learning rate of the tables' optimizer")
     sparse_eps: float = Field(1e-8, gt=0.0)
-    grad_clip: float | None = Field(None, gt=0.0)
+    grad_clip: float | None = Field(None, gt=0.0, description="clip the dense gradients' global norm to this")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="linear learning-rate warm-up over this many steps, of dense_lr and of sparse_lr alike "
+        "(torchrec's fused table optimizers take a new rate every step too): step s trains at "
+        "min(1, (s + 1) / warmup_steps) times the rate; a function of the step, so a resume continues it; 0: none",
+    )
+    prefetch: int = Field(
+        2,
+        ge=0,
+        description="batches built ahead in a background thread while the step runs (on CUDA also pinned "
+        "and copied to the device on a stream of their own; gem_model.data.prefetch); 0: built inside the step",
+    )
     log_every: int = Field(10, gt=0)
     output_dir: str = "runs/{name}"
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
     checkpoint_at_end: bool = True
     resume: bool = Field(False, description="continue from the latest checkpoint in output_dir")
     time_limit_s: float | None = Field(
-        None, gt=0.0, description="stop after the step that crosses this many seconds of training (then evaluate)"
+        None,
+        gt=0.0,
+        description="stop after the first step that reduces its loss past this many seconds of training "
+        "(rank 0's clock, read with the step's one host sync), then evaluate",
     )
     eval_every: int = Field(0, ge=0, description="evaluate on the validation split every N steps (0: never)")
     eval_at_end: bool = Field(True, description="evaluate on the validation and test splits after the last step")

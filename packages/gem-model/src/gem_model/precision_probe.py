@@ -39,8 +39,8 @@ from gem_model.distributed import pick_device
 from gem_model.errors import ConfigError, KernelUnavailableError
 from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
+from gem_model.precision import precision_plan, set_submodule
 from gem_model.resolve import resolve_components
-from gem_model.train.prepare import _set_submodule, precision_plan
 
 # cheapest first; schemes missing from the order are tried after these, in registry order
 DEFAULT_ORDER: tuple[str, ...] = ("mxfp8", "fp8_rowwise", "fp8_tensorwise", "bf16", "fp32")
@@ -299,11 +299,11 @@ def _measure(
 def _loss_with(model: GemModel, fqn: str, module: nn.Module, batches: list[Batch]) -> float:
     """Mean loss with ``module`` in place of ``fqn`` (and everything else as it is)."""
     original = model.get_submodule(fqn)
-    _set_submodule(model, fqn, module)
+    set_submodule(model, fqn, module)
     try:
         return sum(model_loss(model, b) for b in batches) / len(batches)
     finally:
-        _set_submodule(model, fqn, original)
+        set_submodule(model, fqn, original)
 
 
 def _rel(err2: float, ref2: float) -> float:

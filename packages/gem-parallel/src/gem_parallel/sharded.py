@@ -82,7 +82,10 @@ class TorchrecDDPPlanner(ParallelPlanner):
             )
         pg = dist.GroupMember.WORLD
         assert pg is not None
-        full = {f"sparse.{k}": v.detach().clone() for k, v in model.sparse.state_dict().items()}
+        # Tables built on the meta device (model.table_init: device) are drawn by torchrec on each
+        # rank's device, uniformly within the configs' weight_init bounds; others are copied from the host.
+        on_meta = model.sparse.on_meta
+        full = {} if on_meta else {f"sparse.{k}": v.detach().clone() for k, v in model.sparse.state_dict().items()}
         fused_cls, fused_kwargs = sparse_optimizer.fused()
         apply_optimizer_in_backward(fused_cls, list(model.sparse.parameters()), fused_kwargs)
         codecs = get_qcomm_codecs_registry(comm.embedding_qcomms()) if comm.embedding_qcomms() else None
@@ -94,8 +97,10 @@ class TorchrecDDPPlanner(ParallelPlanner):
             name: ParameterConstraints(sharding_types=list(self.config.sharding_types), compute_kernels=["fused"])
             for name in _table_names(model)
         }
-        planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=env.world_size, compute_device=env.device.type), constraints=constraints
+        hbm = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
+        planner = EmbeddingShardingPlanner(  # the device's real HBM, not torchrec's 32 GB default
+            topology=Topology(world_size=env.world_size, compute_device=env.device.type, hbm_cap=hbm),
+            constraints=constraints,
         )
         plan = planner.collective_plan(model, sharders, pg)
         model.sparse.grad_scale = 1.0 if get_gradient_division() else 1.0 / env.world_size
@@ -107,14 +112,15 @@ class TorchrecDDPPlanner(ParallelPlanner):
             sharders=sharders,
             data_parallel_wrapper=_CommAwareDDP(comm, self.config),
         )
-        copied = copy_full_into_shards(dmp, full)
+        copied = 0 if on_meta else copy_full_into_shards(dmp, full)
+        where = "drawn on the device" if on_meta else f"{copied} copied from the host"
         dense = list(in_backward_optimizer_filter(dmp.named_parameters()))
         return PreparedModel(
             module=dmp,
             dense_parameters=dense,
             sparse_optimizer=dmp.fused_optimizer,
             sparse_optimizer_fused=True,
-            plan_summary=f"{copied} tables sharded over {env.world_size} ranks\n{plan}",
+            plan_summary=f"tables sharded over {env.world_size} ranks ({where})\n{plan}",
         )
 
 

@@ -27,6 +27,8 @@ class SinglePlanner(ParallelPlanner):
                 f"parallel.planner 'single' runs one process, but this run has {env.world_size}; "
                 "use parallel.planner=torchrec_ddp"
             )
+        if model.sparse.on_meta:  # model.table_init: device
+            model.sparse.materialize_on(env.device, model.seed)
         model.to(env.device)
         tables = {f"sparse.{n}": p for n, p in model.sparse.named_parameters()}
         dense = [(n, p) for n, p in model.named_parameters() if not n.startswith("sparse.")]

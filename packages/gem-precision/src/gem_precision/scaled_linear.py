@@ -112,23 +112,21 @@ class Bf16Linear(nn.Module):
     """Drop-in for an ``nn.Linear`` computing its GEMMs in bfloat16 from float32 master weights.
 
     The weight and bias are cast to bfloat16 for each call (autograd casts the gradients back to
-    float32); the output is cast to ``output_dtype`` (None: the input's dtype).
+    float32); the output has the dtype of the input (bfloat16 when the model's activations are).
     """
 
-    def __init__(self, linear: nn.Linear, *, fqn: str, output_dtype: torch.dtype | None):
+    def __init__(self, linear: nn.Linear, *, fqn: str):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.fqn = fqn
-        self.output_dtype = output_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bf16 = torch.bfloat16
         bias = None if self.bias is None else self.bias.to(bf16)
-        y = F.linear(x.to(bf16), self.weight.to(bf16), bias)
-        return y.to(self.output_dtype or x.dtype)
+        return F.linear(x.to(bf16), self.weight.to(bf16), bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, scheme=bf16"

@@ -61,22 +61,24 @@ class Fp32Scheme(PrecisionScheme):
 
 
 class Bf16Scheme(PrecisionScheme):
-    """bfloat16 GEMMs from float32 master weights (see :class:`Bf16Linear`)."""
+    """bfloat16 GEMMs from float32 master weights (see :class:`Bf16Linear`); activations in bfloat16."""
 
     name: ClassVar[str] = "bf16"
+    activation_dtype: ClassVar[str] = "bfloat16"
 
     class Config(ComponentConfig):
-        output_dtype: Literal["input", "bfloat16"] = Field(
-            "input", description="dtype of the linear's output: the input's, or always bfloat16"
-        )
+        pass
 
     def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
-        out = None if self.config.output_dtype == "input" else torch.bfloat16
-        return Bf16Linear(linear, fqn=fqn, output_dtype=out)
+        return Bf16Linear(linear, fqn=fqn)
 
 
 class ScaledScheme(PrecisionScheme):
-    """A scheme whose linears become :class:`ScaledLinear` with a per-device :class:`LinearRecipe`."""
+    """A scheme whose linears become :class:`ScaledLinear` with a per-device :class:`LinearRecipe`.
+
+    Activations flow in bfloat16 between the GEMMs (each GEMM quantizes its own operands)."""
+
+    activation_dtype: ClassVar[str] = "bfloat16"
 
     def __init__(self, config: ComponentConfig | None = None):
         super().__init__(config)
@@ -108,6 +110,10 @@ class ScaledScheme(PrecisionScheme):
 
     def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
         return ScaledLinear(linear, scheme=self.name, fqn=fqn, recipe_for=self.recipe_for)
+
+    def check_module(self, module: nn.Module, fqn: str, device: torch.device) -> None:
+        if isinstance(module, ScaledLinear):
+            module.recipe(device)  # raises for a backend the device lacks or a shape its GEMM cannot take
 
 
 class _Fp8Config(ComponentConfig):

@@ -115,9 +115,10 @@ class Batch:
         )
 
     def pin_memory(self) -> Batch:
+        """A copy in page-locked memory, so that a ``to(cuda, non_blocking=True)`` of it runs asynchronously."""
         return Batch(
-            sequence=self.sequence.pin_memory(),
-            pooled=self.pooled.pin_memory(),
+            sequence=kjt_pin(self.sequence),
+            pooled=kjt_pin(self.pooled),
             dense=self.dense.pin_memory(),
             labels=self.labels.pin_memory(),
             sample_ids=self.sample_ids.pin_memory(),
@@ -126,18 +127,46 @@ class Batch:
         )
 
 
+def _host_splits(kjt: KeyedJaggedTensor) -> dict[str, list[int]]:
+    """The per-key lengths and offsets of a KJT on the host, for the KJT made from it elsewhere.
+
+    A device KJT without them reads its lengths back to the host (a device sync) the first time it
+    is split by key (``kjt[key]``, ``to_dict()``, every embedding lookup). Plain ints point at no
+    device, so they are safe to carry over; on a non-CPU KJT computing them would itself sync.
+    """
+    if kjt.values().device.type != "cpu":
+        return {}
+    return {"length_per_key": kjt.length_per_key(), "offset_per_key": kjt.offset_per_key()}
+
+
 def kjt_to(kjt: KeyedJaggedTensor, device: torch.device, non_blocking: bool = False) -> KeyedJaggedTensor:
-    """A new KJT on ``device`` built from the raw tensors.
+    """A new KJT on ``device`` built from the raw tensors (and the per-key splits of a host KJT).
 
     ``KeyedJaggedTensor.to`` in some torchrec versions carries over caches (e.g. the dict of
     per-key jagged tensors made by an earlier ``to_dict()``) that still point at the old device.
     """
+    weights = kjt.weights_or_none()
     return KeyedJaggedTensor(
         keys=kjt.keys(),
         values=kjt.values().to(device, non_blocking=non_blocking),
-        weights=kjt.weights_or_none().to(device, non_blocking=non_blocking) if kjt.weights_or_none() is not None else None,
+        weights=weights.to(device, non_blocking=non_blocking) if weights is not None else None,
         lengths=kjt.lengths().to(device, non_blocking=non_blocking),
         offsets=kjt.offsets().to(device, non_blocking=non_blocking),
+        **_host_splits(kjt),
+    )
+
+
+def kjt_pin(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A new KJT in page-locked memory: every tensor :func:`kjt_to` copies (``KeyedJaggedTensor.pin_memory``
+    leaves out offsets it has not computed yet, which the copy would then read from pageable memory)."""
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values().pin_memory(),
+        weights=weights.pin_memory() if weights is not None else None,
+        lengths=kjt.lengths().pin_memory(),
+        offsets=kjt.offsets().pin_memory(),
+        **_host_splits(kjt),
     )
 
 

@@ -34,13 +34,38 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
 
 
+def table_bound(rows: int) -> float:
+    """The uniform init's bound of a table with ``rows`` rows."""
+    return (1.0 / rows) ** 0.5 if rows < 100 else 0.05
+
+
 class SparseArch(nn.Module):
     """Embedding lookups. ``grad_scale`` is set by a planner whose table gradients are summed over ranks."""
 
-    def __init__(self, spec: FeatureSpec, dim: int, *, seed: int = 0, sequence_init_std: float | None = None):
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        dim: int,
+        *,
+        seed: int = 0,
+        sequence_init_std: float | None = None,
+        on_meta: bool = False,
+    ):
         super().__init__()
         self.spec = spec
         self.grad_scale = 1.0
+        self.on_meta = on_meta
+        if on_meta and sequence_init_std is not None:
+            raise ValueError(
+                "model.table_init 'device' draws the tables uniformly on the device; it cannot take "
+                "model.embedding_init_std (a normal init drawn on the host)"
+            )
+        device = torch.device("meta") if on_meta else None
+
+        def bounds(rows: int) -> dict[str, float]:  # the host init's bounds, for a planner drawing on device
+            bound = table_bound(rows)
+            return {"weight_init_min": -bound, "weight_init_max": bound}
+
         self.ec = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(
@@ -48,11 +73,17 @@ class SparseArch(nn.Module):
                     embedding_dim=dim,
                     num_embeddings=spec.num_items,
                     feature_names=[SEQ_ITEM, NEG_ITEM, CAND_ITEM],
+                    **bounds(spec.num_items),
                 ),
                 EmbeddingConfig(
-                    name=ACTION_TABLE, embedding_dim=dim, num_embeddings=spec.num_actions, feature_names=[SEQ_ACTION]
+                    name=ACTION_TABLE,
+                    embedding_dim=dim,
+                    num_embeddings=spec.num_actions,
+                    feature_names=[SEQ_ACTION],
+                    **bounds(spec.num_actions),
                 ),
-            ]
+            ],
+            device=device,
         )
         self.ebc = (
             EmbeddingBagCollection(
@@ -63,15 +94,18 @@ class SparseArch(nn.Module):
                         num_embeddings=p.num_embeddings,
                         feature_names=[p.name],
                         pooling=_POOLING[p.pooling],
+                        **bounds(p.num_embeddings),
                     )
                     for p in spec.pooled
-                ]
+                ],
+                device=device,
             )
             if spec.pooled
             else None
         )
         self.sequence_init_std = sequence_init_std
-        self.reset_parameters(seed)
+        if not on_meta:
+            self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int) -> None:
         # Seeded and independent of the global RNG, so every world size starts from the same tables.
@@ -81,8 +115,18 @@ class SparseArch(nn.Module):
                 if self.sequence_init_std is not None and name.startswith("ec."):
                     p.copy_(torch.empty(p.shape).normal_(0.0, self.sequence_init_std, generator=g))
                     continue
-                bound = (1.0 / p.shape[0]) ** 0.5 if p.shape[0] < 100 else 0.05
+                bound = table_bound(p.shape[0])
                 p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
+
+    def materialize_on(self, device: torch.device, seed: int) -> None:
+        """Allocate meta-device tables on ``device`` and draw them there (``table_init: device``)."""
+        g = torch.Generator(device=device).manual_seed(seed + 1)
+        self.to_empty(device=device)
+        with torch.no_grad():
+            for _, p in sorted(self.named_parameters()):
+                bound = table_bound(p.shape[0])
+                p.uniform_(-bound, bound, generator=g)
+        self.on_meta = False
 
     def forward(
         self, sequence: KeyedJaggedTensor, pooled: KeyedJaggedTensor

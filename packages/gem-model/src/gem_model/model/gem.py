@@ -29,7 +29,8 @@ from gem_model.config import ModelConfig
 from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
 from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, sequence_ids
 from gem_model.model.embeddings import SparseArch
-from gem_model.model.hstu import HSTUBlock, TokenMixer
+from gem_model.model.hstu import HSTUBlock, LayerNorm, TokenMixer
+from gem_model.model.next_item import next_item_loss
 
 
 class ModelOutput(NamedTuple):
@@ -50,7 +51,7 @@ class GemModel(nn.Module):
         seed: int = 0,
     ):
         super().__init__()
-        self.config, self.spec = config, spec
+        self.config, self.spec, self.seed = config, spec, seed
         d = config.embedding_dim
         extra = 1 if config.use_candidate else 0
         lead = 1 if config.context_token else 0
@@ -59,18 +60,20 @@ class GemModel(nn.Module):
                 f"model.max_seq_len {config.max_seq_len} is shorter than the data's longest history "
                 f"({spec.max_history}) plus the candidate ({extra}) plus the context token ({lead})"
             )
-        self.sparse = SparseArch(spec, d, seed=seed, sequence_init_std=config.embedding_init_std)
+        self.sparse = SparseArch(
+            spec, d, seed=seed, sequence_init_std=config.embedding_init_std, on_meta=config.table_init == "device"
+        )
         self.position = nn.Embedding(config.max_seq_len, d) if config.position_embedding else None
         alpha = config.alpha if config.alpha is not None else config.attention_dim**-0.5
         if config.relative_position_bias and not attention.supports_position_bias:
             raise ValueError(
                 f"model.relative_position_bias needs an attention kernel that supports it; kernels.jagged_attention "
-                f"{attention.name!r} does not (use 'torch')"
+                f"{attention.name!r} does not (gem-kernels' 'torch' and 'triton' do)"
             )
         if config.relative_time_bias and not attention.supports_time_bias:
             raise ValueError(
                 f"model.relative_time_bias needs an attention kernel that supports it; kernels.jagged_attention "
-                f"{attention.name!r} does not (use 'torch')"
+                f"{attention.name!r} does not (gem-kernels' 'torch' and 'triton' do)"
             )
         self.blocks = nn.ModuleList(
             HSTUBlock(
@@ -89,7 +92,7 @@ class GemModel(nn.Module):
             )
             for _ in range(config.num_blocks)
         )
-        self.seq_norm = nn.LayerNorm(d)
+        self.seq_norm = LayerNorm(d)
         self.input_dropout = nn.Dropout(config.dropout)
         side = config.use_side_features
         self.dense_proj = nn.Linear(spec.num_dense, d) if side and spec.num_dense else None
@@ -113,7 +116,15 @@ class GemModel(nn.Module):
             if spec.tasks
             else None
         )
+        self.activation_dtype = torch.float32
         self._init_dense(seed)
+
+    def set_activation_dtype(self, dtype: torch.dtype) -> None:
+        """The dtype in which activations flow (:mod:`gem_model.precision`): the tables' outputs and
+        the dense features are cast to it where they enter; losses stay float32."""
+        if not dtype.is_floating_point:
+            raise ValueError(f"model activation dtype must be a floating dtype, got {dtype}")
+        self.activation_dtype = dtype
 
     def num_feature_tokens(self) -> int:
         return len(self.spec.pooled) + (1 if self.spec.num_dense else 0)
@@ -148,9 +159,9 @@ class GemModel(nn.Module):
 
     def _feature_tokens(self, batch: Batch, pooled: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
         """The non-sequence tower: pooled features (+ the dense token) after the interaction layers, ``[B, T, D]``."""
-        feats = [pooled[p.name] for p in self.spec.pooled]
+        feats = [pooled[p.name].to(dtype) for p in self.spec.pooled]
         if self.dense_proj is not None:
-            feats.append(self.dense_proj(batch.dense).to(dtype))
+            feats.append(self.dense_proj(batch.dense.to(dtype)).to(dtype))
         if not feats:
             return None
         f = torch.stack(feats, 1)
@@ -179,6 +190,7 @@ class GemModel(nn.Module):
         hist_lengths = seq[SEQ_ITEM].lengths()
         item_emb = seq[SEQ_ITEM].values()
         x = (item_emb * cfg.embedding_dim**0.5 if cfg.scale_item_input else item_emb) + seq[SEQ_ACTION].values()
+        x = x.to(self.activation_dtype)  # the one cast of the sequence input into the activation dtype
         lengths = hist_lengths
         num_targets = None
         features = None
@@ -201,11 +213,11 @@ class GemModel(nn.Module):
             if times is not None:  # the candidate is asked about at the request time
                 times = (append_one(times[0], lengths, batch.request_times)[0],
                          append_one(times[1], lengths, batch.request_times)[0])
-            x, lengths = append_one(x, lengths, cand.values())
+            x, lengths = append_one(x, lengths, cand.values().to(x.dtype))
             num_targets = torch.ones_like(lengths)
         offsets = offsets_of(lengths)
         if self.position is not None:
-            x = x + self.position(positions_in_sequence(lengths, offsets))
+            x = x + self.position(positions_in_sequence(lengths, offsets)).to(x.dtype)
         x = self.input_dropout(x)
         for block in self.blocks:
             x = block(x, offsets, num_targets, times)
@@ -225,7 +237,9 @@ class GemModel(nn.Module):
             hist_rows = rows
         hist_out = x[hist_rows]
         owner = sequence_ids(hist_lengths, hist_out.shape[0])
-        mean = x.new_zeros(b, x.shape[1]).index_add(0, owner, hist_out) / hist_lengths.clamp(min=1)[:, None]
+        # summed in float32: a bf16 sum over thousands of rows would round away most of them
+        mean = x.new_zeros(b, x.shape[1], dtype=torch.float32).index_add(0, owner, hist_out.float())
+        mean = (mean / hist_lengths.clamp(min=1)[:, None]).to(x.dtype)
         tokens = [summary, mean]
         if cfg.use_side_features:
             if features is None:  # computed after the sequence tower, as before context tokens existed
@@ -259,42 +273,15 @@ class GemModel(nn.Module):
         """Sampled softmax: position i of a history predicts the item at i + 1 against negatives.
 
         The negatives are the sample's, shared by its positions, or with the spec's
-        ``negatives_per_position`` each position's own (``[positions, K]``, the HSTU paper's way).
-        Shared negatives are scored by one batched matmul of each sample's (padded) queries with its
-        own negatives, ``[B, n, D] x [B, D, K]``, so no ``[positions, K, D]`` copy of them is built
-        (that copy dominated memory and time with hundreds of negatives).
+        ``negatives_per_position`` each position's own; see :mod:`gem_model.model.next_item` for the
+        math, the memory bound and the kernels.
         """
-        cfg = self.config
-        lengths = enc["hist_lengths"]
-        offsets = offsets_of(lengths)
-        pos = positions_in_sequence(lengths, offsets)
-        owner = sequence_ids(lengths, pos.numel())
-        rows = torch.nonzero(pos < (lengths[owner] - 1)).squeeze(1)
-        count = torch.tensor(rows.numel(), device=lengths.device)
-        if rows.numel() == 0:
-            return enc["hist_out"].sum() * 0.0, count
-        k, b = self.spec.num_negatives, lengths.numel()
-        query = enc["hist_out"][rows].float()
-        positive = enc["item_emb"][rows + 1].float()
-        per_position = self.spec.negatives_per_position
-        negatives = enc["neg_emb"].float().reshape(rows.numel() if per_position else b, k, query.shape[1])
-        if cfg.l2_normalize:
-            query, positive, negatives = (F.normalize(z, dim=-1, eps=1e-6) for z in (query, positive, negatives))
-        pos_logit = (query * positive).sum(-1, keepdim=True)
-        o, p = owner[rows], pos[rows]
-        neg_ids = batch.sequence[NEG_ITEM].values()
-        if per_position:  # the negatives of row r are negatives[r]
-            neg_logit = torch.bmm(negatives, query[:, :, None]).squeeze(-1)
-            neg_ids = neg_ids.reshape(rows.numel(), k)
-        else:
-            padded = query.new_zeros(b, int(lengths.max()) - 1, query.shape[1]).index_put((o, p), query)
-            neg_logit = torch.bmm(padded, negatives.transpose(1, 2))[o, p]
-            neg_ids = neg_ids.reshape(b, k)[o]
-        items = batch.sequence[SEQ_ITEM].values()
-        neg_logit = neg_logit.masked_fill(neg_ids == items[rows + 1][:, None], float("-inf"))
-        logits = torch.cat([pos_logit, neg_logit], 1) / cfg.temperature
-        loss = torch.logsumexp(logits, 1) - logits[:, 0]
-        return loss.sum(), count
+        return next_item_loss(
+            enc["hist_out"], enc["item_emb"], enc["neg_emb"], enc["hist_lengths"],
+            batch.sequence[SEQ_ITEM].values(), batch.sequence[NEG_ITEM].values(),
+            num_negatives=self.spec.num_negatives, per_position=self.spec.negatives_per_position,
+            l2_normalize=self.config.l2_normalize, temperature=self.config.temperature,
+        )
 
     # ---------------------------------------------------------------------------------- retrieval
 
@@ -305,7 +292,8 @@ class GemModel(nn.Module):
         With ``context_token`` a sample with an empty history gets the context token's output.
         """
         enc = self.encode(batch)
-        return F.normalize(enc["summary"].float(), dim=-1, eps=1e-6) if self.config.l2_normalize else enc["summary"]
+        summary = enc["summary"].float()
+        return F.normalize(summary, dim=-1, eps=1e-6) if self.config.l2_normalize else summary
 
     @torch.no_grad()
     def item_embeddings(self) -> torch.Tensor:

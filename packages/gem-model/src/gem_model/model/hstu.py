@@ -80,6 +80,17 @@ class HSTUBlock(nn.Module):
         return x + self.out(self.dropout(y)).to(x.dtype)
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that runs in its input's dtype: the float32 weight and bias are cast to it
+    (torch's norm kernels accumulate the statistics in float32 for 16-bit inputs), so a bfloat16
+    activation is normalised without a float32 copy of it. Parameter names are nn.LayerNorm's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
 class TokenMixer(nn.Module):
     """A pre-norm transformer layer over a fixed number of feature tokens ``[B, T, D]``."""
 
@@ -88,10 +99,10 @@ class TokenMixer(nn.Module):
         if dim % num_heads:
             raise ValueError(f"model.embedding_dim {dim} must be divisible by model.num_heads {num_heads}")
         self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(dim)
+        self.norm1 = LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
+        self.norm2 = LayerNorm(dim)
         self.fc1 = nn.Linear(dim, 2 * dim)
         self.fc2 = nn.Linear(2 * dim, dim)
         self.dropout = nn.Dropout(dropout)

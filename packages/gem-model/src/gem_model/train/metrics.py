@@ -94,3 +94,32 @@ class Throughput:
             "tokens_per_s": self.tokens / s,
             "flops_per_s": self.flops / s,
         }
+
+
+class StepClock:
+    """Seconds per step without a device sync per step: the wall time between consecutive step ends.
+
+    A step returns once its work is queued, not done. The next step's one host sync (the loss check)
+    waits for the device, so the host never runs more than about a step ahead, and in steady state
+    the time between two step ends is the time a step takes on the device. ``restart()`` after work
+    between steps that is not a step (checkpoints, evaluation): the next step is then timed from its
+    own start.
+    """
+
+    def __init__(self) -> None:
+        self._mark: float | None = None
+
+    def begin(self) -> None:
+        """A step starts: measure from here unless the previous step's end is the mark."""
+        if self._mark is None:
+            self._mark = time.perf_counter()
+
+    def lap(self) -> float:
+        """A step ends: seconds since the mark, which moves here."""
+        now = time.perf_counter()
+        seconds = now - (self._mark if self._mark is not None else now)
+        self._mark = now
+        return seconds
+
+    def restart(self) -> None:
+        self._mark = None

@@ -6,12 +6,14 @@
   torchrec's placeholder ``torchrec.optim.Adam``). Two
   full-size moments per table, as the HSTU paper's trainer uses for its (small) item table.
 
-Both take ``trainer.sparse_lr`` and ``trainer.sparse_eps``.
+Both take ``trainer.sparse_lr`` and ``trainer.sparse_eps``. ``trainer.warmup_steps`` scales both
+learning rates, dense and sparse, by :func:`warmup_factor` of the step (:func:`set_learning_rate`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torchrec.optim import optimizers as torchrec_optimizers
@@ -52,3 +54,23 @@ def sparse_optimizer_spec(tc: TrainerConfig) -> SparseOptimizerSpec:
             f"trainer.sparse_optimizer {tc.sparse_optimizer!r} is not one of {sorted(SPARSE_OPTIMIZERS)}"
         ) from None
     return build(tc)
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The share of the full learning rate that step ``step`` trains at (``trainer.warmup_steps``).
+
+    Linear from ``1 / warmup_steps`` at step 0 to 1 at step ``warmup_steps - 1``, then 1. A function
+    of the step alone, so a resumed run continues the schedule exactly.
+    """
+    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+def set_learning_rate(optimizer: Any, lr: float) -> None:
+    """Set every param group's rate of a torch optimizer or a torchrec ``KeyedOptimizer``.
+
+    A torchrec fused table optimizer (FBGEMM) takes its groups' ``lr`` when its ``zero_grad`` or
+    ``step`` is called, and the embedding lookup's forward fixes the rate that the update inside
+    backward uses: set the rate and call ``zero_grad`` before the step's forward.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,6 +1,7 @@
 """Model preparation, always in this order (each step sees the result of the one before):
 
-1. the precision scheme swaps dense ``nn.Linear`` modules (per-module overrides, exclusions, min dims);
+1. the precision policy (:mod:`gem_model.precision`): the scheme swaps dense ``nn.Linear`` modules
+   (per-module overrides, exclusions, min dims) and the model's activation dtype is set;
 2. the activation policy (checkpointing or fp8 saved activations) wraps the HSTU blocks;
 3. optional ``torch.compile`` of the blocks;
 4. the parallel planner places the model (torchrec sharding for tables; DDP or others for dense).
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from torch import nn
-
 from gem_model.components import (
     ActivationPolicy,
     CommStrategy,
@@ -26,44 +25,9 @@ from gem_model.components import (
 from gem_model.config import ActivationConfig, PrecisionConfig
 from gem_model.distributed import DistEnv
 from gem_model.model.gem import GemModel
+from gem_model.precision import apply_precision, precision_plan, set_submodule
 
-
-def _set_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
-    parent_name, _, child = fqn.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, module)
-
-
-def precision_plan(model: nn.Module, config: PrecisionConfig) -> dict[str, str | None]:
-    """Module name -> scheme name (None: left as is) for every dense linear of the model."""
-    plan: dict[str, str | None] = {}
-    for fqn, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or fqn.startswith("sparse."):
-            continue
-        override = next((name for pat, name in config.overrides.items() if fnmatchcase(fqn, pat)), None)
-        if override is not None:
-            plan[fqn] = override
-        elif any(fnmatchcase(fqn, pat) for pat in config.exclude):
-            plan[fqn] = None
-        elif min(module.in_features, module.out_features) < config.min_dim:
-            plan[fqn] = None
-        else:
-            plan[fqn] = config.scheme.name
-    return plan
-
-
-def apply_precision(
-    model: nn.Module, config: PrecisionConfig, schemes: dict[str, PrecisionScheme]
-) -> dict[str, str | None]:
-    plan = precision_plan(model, config)
-    for fqn, scheme_name in plan.items():
-        if scheme_name is None:
-            continue
-        linear = model.get_submodule(fqn)
-        converted = schemes[scheme_name].convert_linear(linear, fqn)
-        if converted is not linear:
-            _set_submodule(model, fqn, converted)
-    return plan
+__all__ = ["apply_activation", "apply_precision", "precision_plan", "prepare_model"]
 
 
 def apply_activation(
@@ -75,7 +39,7 @@ def apply_activation(
         block = model.get_submodule(fqn)
         wrapped = policies[name].wrap_block(block, fqn)
         if wrapped is not block:
-            _set_submodule(model, fqn, wrapped)
+            set_submodule(model, fqn, wrapped)
         plan[fqn] = name
     return plan
 
@@ -93,10 +57,10 @@ def prepare_model(
     comm: CommStrategy,
     sparse_optimizer: SparseOptimizerSpec,
 ) -> tuple[PreparedModel, dict[str, object]]:
-    precision = apply_precision(model, precision_config, schemes)  # 1
+    policy = apply_precision(model, precision_config, schemes, env.device)  # 1
     activation = apply_activation(model, activation_config, policies)  # 2
     if compile_blocks:  # 3
         for fqn in model.activation_blocks():
             model.get_submodule(fqn).compile()
     prepared = planner.prepare(model, env=env, comm=comm, sparse_optimizer=sparse_optimizer)  # 4
-    return prepared, {"precision": precision, "activation": activation}
+    return prepared, {"precision": policy.plan, "activation": activation, "policy": policy}

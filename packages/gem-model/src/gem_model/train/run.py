@@ -12,7 +12,9 @@ import torch
 
 from gem_model.components import PreparedModel
 from gem_model.config import RunConfig
+from gem_model.data.batch import Batch
 from gem_model.data.loader import ShardedLoader
+from gem_model.data.prefetch import StepFacts, make_feed
 from gem_model.distributed import DistEnv
 from gem_model.errors import CheckpointError, KernelUnavailableError, NonFiniteLossError
 from gem_model.model.flops import count_flops
@@ -20,8 +22,8 @@ from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
 from gem_model.train import checkpoint as ckpt
-from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
-from gem_model.train.optim import sparse_optimizer_spec
+from gem_model.train.metrics import MetricsFile, StepClock, Throughput, peak_flops
+from gem_model.train.optim import set_learning_rate, sparse_optimizer_spec, warmup_factor
 from gem_model.train.prepare import prepare_model
 from gem_model.train.progress import Progress
 from gem_model.train.report import ReportSection, RunSummary, format_sections
@@ -39,6 +41,9 @@ class StepResult:
     tokens: int
     flops: float
     seconds: float
+    """Wall time since the previous step ended (see :class:`~gem_model.train.metrics.StepClock`)."""
+    out_of_time: bool = False
+    """``trainer.time_limit_s`` has passed on rank 0: the loop stops after this step."""
 
 
 class Run:
@@ -56,6 +61,11 @@ class Run:
             world_size=env.world_size,
         )
         self.spec = self.loader.spec
+        self.feed = make_feed(
+            self.loader, prefetch=tc.prefetch, device=env.device, facts=self._batch_facts, end=tc.steps
+        )
+        self.clock = StepClock()
+        self._deadline: float | None = None  # perf_counter() time when trainer.time_limit_s runs out
         for kernel, path in ((components.attention, "jagged_attention"), (components.norm_gate, "norm_gate")):
             try:
                 kernel.check_available(env.device)
@@ -98,26 +108,38 @@ class Run:
 
     # -------------------------------------------------------------------------------------- a step
 
+    def _batch_facts(self, batch: Batch) -> StepFacts:
+        """The step's host-side facts, from the CPU batch (in the prefetch thread when there is one)."""
+        lengths = batch.history_lengths()
+        cand = batch.batch_size if self.config.model.use_candidate else 0
+        flops = count_flops(self.config.model, self.spec, lengths).train_step
+        return StepFacts(batch.batch_size, int(lengths.sum()) + cand, flops)
+
     def execute_step(self, step: int) -> StepResult:
-        """Forward, global loss reduction (and NaN check) before any update, backward, update."""
+        """Forward, global loss reduction (and non-finite check) before any update, backward, update.
+
+        One host synchronisation: the read of the all-reduced loss sums. Nothing else in the step
+        waits for the device; the batch was built (and, on CUDA, copied) ahead by ``self.feed``.
+        """
         tc, mc = self.config.trainer, self.config.model
-        start = time.perf_counter()
-        batch = self.loader.batch_at(step).to(self.env.device, non_blocking=True)
+        self.clock.begin()
+        staged = self.feed.get(step)
+        batch = staged.ready()
+        if tc.warmup_steps:
+            self._warm_up(step)
         self.prepared.module.train()
         out = self.prepared.module(batch)
-        seq_tokens = batch.history_lengths() + (1 if mc.use_candidate else 0)
-        flops = count_flops(mc, self.spec, batch.history_lengths().cpu()).train_step
-        local = torch.stack(
-            [
-                out.task_loss_sum.detach().double(),
-                out.next_item_loss_sum.detach().double(),
-                out.next_item_count.double(),
-                torch.tensor(float(batch.batch_size), dtype=torch.float64, device=self.env.device),
-                seq_tokens.sum().double(),
-                torch.tensor(flops, dtype=torch.float64, device=self.env.device),
-            ]
-        )
-        task_sum, next_sum, next_count, samples, tokens, total_flops = self.comm.all_reduce_sum(local).tolist()
+        facts = staged.facts
+        late = self._deadline is not None and self.env.is_main and time.perf_counter() > self._deadline
+        host = torch.tensor([facts.samples, facts.tokens, facts.flops, float(late)], dtype=torch.float64)
+        losses = [out.task_loss_sum.detach(), out.next_item_loss_sum.detach(), out.next_item_count]
+        local = torch.cat([torch.stack([x.double() for x in losses]), _to_device(host, self.env.device)])
+        # The step's one host sync, and it has to stay: whether this step's update may be applied is
+        # decided from the global loss before backward, because torchrec fuses the table optimizer
+        # into backward (an update, once backward ran, cannot be undone). One read of one small
+        # tensor carries the loss sums and everything the metric record needs.
+        reduced = self.comm.all_reduce_sum(local).tolist()
+        task_sum, next_sum, next_count, samples, tokens, total_flops, late_ranks = reduced
         task_loss = task_sum / samples
         next_loss = next_sum / max(next_count, 1.0)
         value = mc.task_weight * task_loss + mc.next_item_weight * next_loss
@@ -141,11 +163,21 @@ class Run:
         self.dense_optimizer.step()
         if not self.prepared.sparse_optimizer_fused:
             self.prepared.sparse_optimizer.step()
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize(self.env.device)
         return StepResult(
-            step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, time.perf_counter() - start
-        )
+            step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, self.clock.lap(),
+            out_of_time=late_ranks > 0,
+        )  # fmt: skip
+
+    def _warm_up(self, step: int) -> None:
+        """Set both optimizers' rates for ``step`` (``trainer.warmup_steps``), before its forward."""
+        tc = self.config.trainer
+        factor = warmup_factor(step, tc.warmup_steps)
+        set_learning_rate(self.dense_optimizer, tc.dense_lr * factor)
+        set_learning_rate(self.prepared.sparse_optimizer, tc.sparse_lr * factor)
+        if self.prepared.sparse_optimizer_fused:
+            # FBGEMM takes the rate its zero_grad/step last handed it, and its lookup's forward already
+            # fixes the rate that the update inside backward uses: so this comes before the forward
+            self.prepared.sparse_optimizer.zero_grad()
 
     # --------------------------------------------------------------------------------- checkpoints
 
@@ -194,6 +226,7 @@ class Run:
                 self.save_checkpoint(self.steps_done)
             final_eval = self.evaluate(self.steps_done, ("valid", "test")) if tc.eval_at_end else {}
         finally:
+            self.feed.close()
             self.metrics.close()
         summary = self._summary(first_loss, last_loss, wall, meter)
         summary.extra["eval"] = final_eval
@@ -210,13 +243,15 @@ class Run:
         first_loss = last_loss = float("nan")
         window: list[float] = []
         wall = time.perf_counter()
+        self._deadline = None if tc.time_limit_s is None else wall + tc.time_limit_s
+        self.clock.restart()
         try:
             for step in range(self.start_step, tc.steps):
                 result: StepResult = self.pm.call("gem_train_step", run=self, step=step)
                 meter.add(result.seconds, result.samples, result.tokens, result.flops)
                 first_loss = result.loss if math.isnan(first_loss) else first_loss
                 window.append(result.loss)
-                stop = tc.time_limit_s is not None and self._out_of_time(wall, tc.time_limit_s)
+                stop = result.out_of_time
                 last = step + 1 == tc.steps or stop
                 logged = None
                 if (step + 1) % tc.log_every == 0 or last:
@@ -226,21 +261,17 @@ class Run:
                 progress.update(step, logged)
                 if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and not last:
                     self.save_checkpoint(step + 1)
+                    self.clock.restart()  # not step time
                 if tc.eval_every and (step + 1) % tc.eval_every == 0 and not last:
                     self.evaluate(step + 1, ("valid",))
+                    self.clock.restart()
                 if stop:
                     self.steps_done = step + 1
                     break
         finally:
             progress.close()
+            self.feed.close()  # no thread outlives the loop, also when a step raised
         return first_loss, last_loss, time.perf_counter() - wall, meter
-
-    def _out_of_time(self, start: float, limit: float) -> bool:
-        """Every rank takes the same decision (rank 0's clock), so no rank waits in a collective alone."""
-        late = torch.tensor([float(time.perf_counter() - start > limit)], dtype=torch.float64, device=self.env.device)
-        if self.env.distributed:
-            late = self.comm.all_reduce_sum(late * float(self.env.is_main))
-        return bool(late.item() > 0)
 
     def evaluate(self, step: int, splits: tuple[str, ...]) -> dict[str, float]:
         """Offline metrics from the data source (rank 0, unwrapped model); logged to the metrics file."""
@@ -251,7 +282,8 @@ class Run:
         self.model.eval()
         try:
             for split in splits:
-                metrics = self.components.source.evaluate(self.model, device=self.env.device, split=split)
+                with self.feed.exclusive():  # the prefetch thread calls the source too
+                    metrics = self.components.source.evaluate(self.model, device=self.env.device, split=split)
                 out.update({f"{split}/{k}": v for k, v in (metrics or {}).items()})
         finally:
             self.model.train(was_training)
@@ -301,3 +333,10 @@ class Run:
             },
             extra={"plan": self.prepared.plan_summary, "output_dir": str(self.output_dir)},
         )
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without making the host wait (pinned, so truly asynchronous)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,126 @@
+"""Walks precision scheme x overrides x min_dim x activation policy for one attention kernel on a
+tiny model, two CPU training steps each, and prints one JSON line per combination.
+
+Run by ``test_precision_matrix.py`` in a subprocess per kernel (the Triton half needs
+``TRITON_INTERPRET=1`` set before triton is imported, which must not leak into other tests):
+
+    python tests/precision_matrix.py torch
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+import tempfile
+
+import torch
+
+from gem_model.config_io import load_config
+from gem_model.distributed import init_distributed, teardown
+from gem_model.plugins import GemPluginManager
+from gem_model.resolve import resolve_components
+from gem_model.train.run import Run
+
+SCHEMES = ["fp32", "bf16", "fp8_tensorwise", "fp8_rowwise", "mxfp8"]
+OVERRIDES: dict[str, dict[str, str]] = {"none": {}, "task_head_fp32": {"task_head.*": "fp32"}}
+MIN_DIMS = [0, 16]
+POLICIES = ["none", "checkpoint_full", "checkpoint_selective", "fp8_saved"]
+TINY = [
+    "model.embedding_dim=32",
+    "model.num_blocks=1",
+    "model.num_heads=2",
+    "model.attention_dim=16",
+    "model.value_dim=16",
+    "model.max_seq_len=8",
+    "model.mlp_hidden=32",
+    "data.source.options.max_len=7",
+    "data.source.options.num_negatives=4",
+    "data.source.options.num_dense=8",
+    "data.global_batch_size=4",
+    "trainer.steps=2",
+    "trainer.log_every=1",
+    "trainer.progress=false",
+    "trainer.checkpoint_at_end=false",
+    "trainer.eval_at_end=false",
+]
+
+
+def record_dtypes(model: torch.nn.Module) -> dict[str, set[str]]:
+    """The dtypes that reach each kind of op: the blocks, their attention and linears, the norms."""
+    seen: dict[str, set[str]] = {}
+
+    def note(kind: str):
+        def hook(module, args, *rest):
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.is_floating_point():
+                    seen.setdefault(kind, set()).add(str(a.dtype).removeprefix("torch."))
+                    break
+
+        return hook
+
+    for fqn, module in model.named_modules():
+        if fqn.startswith("sparse."):
+            continue
+        if isinstance(module, torch.nn.Linear) or hasattr(module, "in_features"):
+            module.register_forward_pre_hook(note("linear_in"))
+            module.register_forward_hook(lambda m, a, out: seen.setdefault("linear_out", set()).add(str(out.dtype)[6:]))
+        elif isinstance(module, torch.nn.LayerNorm):
+            module.register_forward_pre_hook(note("norm_in"))
+    for block in getattr(model, "blocks", []):
+        attention = block.attention
+
+        def spy(q, *args, _inner=attention, **kwargs):
+            seen.setdefault("attention_in", set()).add(str(q.dtype)[6:])
+            return _inner(q, *args, **kwargs)
+
+        block.attention = spy
+    return seen
+
+
+def run_one(kernel: str, scheme: str, overrides: str, min_dim: int, policy: str, out_dir: str) -> dict:
+    args = [
+        *TINY,
+        f"kernels.jagged_attention={kernel}",
+        f"kernels.norm_gate={kernel}",
+        f"precision.scheme={scheme}",
+        f"precision.min_dim={min_dim}",
+        f"activation.policy={policy}",
+        f"trainer.output_dir={out_dir}/{scheme}-{overrides}-{min_dim}-{policy}",
+    ]
+    config = load_config(None, args).model_copy(deep=True)
+    config.precision.overrides.update(OVERRIDES[overrides])
+    case = {"kernel": kernel, "scheme": scheme, "overrides": overrides, "min_dim": min_dim, "policy": policy}
+    pm = GemPluginManager()
+    env = None
+    try:
+        components = resolve_components(config, pm)
+        env = init_distributed("cpu")
+        run = Run(config, pm, components, env)
+    except Exception as exc:  # refused before training: the message is the product
+        return {**case, "outcome": "refused", "error": f"{type(exc).__name__}: {exc}"}
+    seen = record_dtypes(run.model)
+    try:
+        summary = run.fit()
+    finally:
+        teardown(env, clean=True)
+    return {
+        **case,
+        "outcome": "trained" if math.isfinite(summary.last_loss) else "nonfinite",
+        "first_loss": summary.first_loss,
+        "last_loss": summary.last_loss,
+        "activation_dtype": str(run.plans["policy"].activation_dtype)[6:],
+        "dtypes": {k: sorted(v) for k, v in seen.items()},
+    }
+
+
+def main(kernel: str) -> None:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as out_dir:
+        for scheme, overrides, min_dim, policy in itertools.product(SCHEMES, OVERRIDES, MIN_DIMS, POLICIES):
+            print("MATRIX", json.dumps(run_one(kernel, scheme, overrides, min_dim, policy, out_dir)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
