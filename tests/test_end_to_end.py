@@ -28,8 +28,20 @@ def test_default_run_trains_and_prints_the_summary(tmp_path):
     proc = gem_train("run", "trainer.steps=20", f"trainer.output_dir={tmp_path}/{{name}}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== summary" in proc.stdout and "MFU" in proc.stdout
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr  # nothing a user cannot act on
     records = [json.loads(x) for x in (tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_the_main_command_twice_in_a_row(tmp_path):
+    args = ("run", "trainer.steps=6", f"trainer.output_dir={tmp_path}/{{name}}")
+    first = gem_train(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = gem_train(*args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "nothing to train" in second.stdout and "step 6 of trainer.steps=6" in second.stdout
+    assert "Warning" not in second.stdout + second.stderr
+    assert len((tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()) == 1  # log_every 10: step 6 only
 
 
 @pytest.mark.multiprocess

@@ -154,7 +154,7 @@ def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(pm, tiny_overr
     train(load_config(None, [*tiny_overrides, "trainer.steps=2"]), pm)
     before = sorted(p.name for p in (tmp_path / "gem-tiny" / "checkpoints").iterdir())
     with pytest.raises(CheckpointError, match="set trainer.resume=true"):
-        train(load_config(None, [*tiny_overrides, "trainer.steps=4"]), pm)
+        train(load_config(None, [*tiny_overrides, "trainer.steps=4", "trainer.resume=false"]), pm)
     assert sorted(p.name for p in (tmp_path / "gem-tiny" / "checkpoints").iterdir()) == before
 
 

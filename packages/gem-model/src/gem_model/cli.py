@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
 
+from gem_model._deps import TorchrecImportError, import_torchrec
 from gem_model.config_io import dump, load_config
 from gem_model.errors import ConfigError, GemError, UnknownNameError
 
@@ -114,10 +116,23 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DropFxTracingNotice(logging.Filter):
+    """torch.fx logs "is_fx_tracing will return true for both fx.symbolic_trace and torch.export ..."
+    once per process when torchrec's code calls ``torch.fx._symbolic_trace.is_fx_tracing()``: advice
+    to torchrec's authors, nothing a user of gem-train can act on. Only that message is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("is_fx_tracing will return true")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropFxTracingNotice())
     args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "plugins": cmd_plugins, "config": cmd_config, "profile": None}
     try:
+        # before any plugin loads: a plugin module (e.g. gem_parallel.sharded) may import torchrec
+        # first, and a broken fbgemm-gpu should fail with the fix named, not a bare library error
+        import_torchrec()
         if args.command == "profile":
             return args.profile_handler(args)
         return handlers[args.command](args)
@@ -125,3 +140,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc), EXIT_USAGE)
     except GemError as exc:
         return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
+    except TorchrecImportError as exc:
+        return _fail(str(exc), EXIT_FAILURE)

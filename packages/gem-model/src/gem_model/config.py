@@ -161,7 +161,12 @@ class TrainerConfig(Strict):
     output_dir: str = "runs/{name}"
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
     checkpoint_at_end: bool = True
-    resume: bool = Field(False, description="continue from the latest checkpoint in output_dir")
+    resume: bool | None = Field(
+        None,
+        description="unset (auto): continue from the latest checkpoint in output_dir when it is this run's "
+        "(same config, but for how long it trains, logs, evaluates, where it writes), refuse another run's; "
+        "true: continue from it regardless; false: refuse when output_dir holds any checkpoint",
+    )
     time_limit_s: float | None = Field(
         None,
         gt=0.0,

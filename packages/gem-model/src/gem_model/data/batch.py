@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from gem_model._deps import import_torchrec
+
+import_torchrec()  # gem_model's first torchrec import: a broken fbgemm-gpu fails here with the fix named
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 # Keys of the sequence KJT. All item-valued keys are looked up in the one item table.
 SEQ_ITEM = "seq_item"

@@ -11,9 +11,12 @@ NaN stop never leaves a half-written "latest" checkpoint, and earlier ones are n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,75 @@ from gem_model.distributed import DistEnv
 from gem_model.errors import CheckpointError
 
 PARTIAL = ".partial"
+
+# What of the run config shapes a checkpoint, or what continuing it means: a checkpoint whose saved
+# config differs from this run's in anything else (top-level sections and trainer fields not listed
+# here) is another run's. How long a run trains, how it logs, evaluates, where it writes, which
+# kernels or communication strategy compute the same thing: none of them make it another run.
+IGNORED_TOP = frozenset({"kernels", "comm"})
+IGNORED_TRAINER = frozenset(
+    {
+        "steps", "device", "prefetch", "log_every", "output_dir", "checkpoint_every", "checkpoint_at_end",
+        "resume", "time_limit_s", "eval_every", "eval_at_end", "progress", "peak_flops", "compile",
+    }
+)  # fmt: skip
+_MISSING = object()
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    else:
+        out[prefix] = value
+
+
+def _ignored(key: str) -> bool:
+    top, _, rest = key.partition(".")
+    return top in IGNORED_TOP or (top == "trainer" and rest.split(".")[0] in IGNORED_TRAINER)
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The dotted config fields, of those that matter, where ``saved`` and ``current`` differ.
+
+    Both are ``RunConfig.model_dump(mode="json")`` dumps (as ``Run.save_checkpoint`` writes into
+    ``meta.json``); each difference reads ``field (saved -> current)``.
+    """
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    _flatten(saved, "", a)
+    _flatten(current, "", b)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if _ignored(key):
+            continue
+        x, y = a.get(key, _MISSING), b.get(key, _MISSING)
+        if x != y:
+            show = lambda v: "unset" if v is _MISSING else json.dumps(v)  # noqa: E731
+            out.append(f"{key} ({show(x)} -> {show(y)})")
+    return out
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
+    return json.loads(meta_file.read_text())
+
+
+@contextlib.contextmanager
+def _single_process_quiet(env: DistEnv) -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled ... assuming the intent is to save/load in a
+    single process" UserWarning in a one-process run: that is exactly the intent here, and the user
+    can do nothing about it. Only that message, and only when there is no process group."""
+    with warnings.catch_warnings():
+        if not env.distributed:
+            warnings.filterwarnings(
+                "ignore",
+                message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to",
+                category=UserWarning,
+            )
+        yield
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -93,7 +165,8 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         self._barrier()
-        dcp.save(state, checkpoint_id=str(partial))
+        with _single_process_quiet(self.env):
+            dcp.save(state, checkpoint_id=str(partial))
         self._barrier()
         if self.env.is_main:
             (partial / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
@@ -105,15 +178,13 @@ class Checkpointer:
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load in place into ``state`` (tensors are filled, other values replaced); returns meta."""
-        meta_file = path / "meta.json"
-        if not meta_file.is_file():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no meta.json)")
-        meta = json.loads(meta_file.read_text())
+        meta = read_meta(path)
         if int(meta.get("world_size", self.env.world_size)) != self.env.world_size:
             raise CheckpointError(
                 f"{path} was written by {meta['world_size']} processes; this run has {self.env.world_size}"
             )
-        dcp.load(state, checkpoint_id=str(path))
+        with _single_process_quiet(self.env):
+            dcp.load(state, checkpoint_id=str(path))
         return meta
 
 

@@ -98,12 +98,26 @@ class Run:
         self.start_step = 0
         self.steps_done = config.trainer.steps  # fewer when trainer.time_limit_s stops the run early
         self.last_checkpoint: Path | None = None
-        if tc.resume:
+        latest = ckpt.latest_checkpoint(self.checkpointer.root)
+        if tc.resume is None and latest is not None:  # auto: continue this run, refuse another's
+            meta = ckpt.read_meta(latest)
+            differs = ckpt.config_differences(meta.get("config", {}), config.model_dump(mode="json"))
+            if int(meta.get("world_size", env.world_size)) != env.world_size:
+                differs.insert(0, f"world size ({meta['world_size']} -> {env.world_size})")
+            if differs:
+                more = f" and {len(differs) - 8} more" if len(differs) > 8 else ""
+                raise CheckpointError(
+                    f"{self.checkpointer.root} holds checkpoints of another run ({latest.name}); its config "
+                    f"differs in {', '.join(differs[:8])}{more}. Choose another trainer.output_dir, or set "
+                    "trainer.resume=true to load it anyway (nothing was overwritten)"
+                )
+        if tc.resume is None or tc.resume:
             self.resume()
-        elif ckpt.latest_checkpoint(self.checkpointer.root) is not None:
+        elif latest is not None:
             raise CheckpointError(
-                f"{self.checkpointer.root} holds checkpoints of an earlier run; set trainer.resume=true to "
-                "continue it, or choose another trainer.output_dir (nothing was overwritten)"
+                f"{self.checkpointer.root} holds checkpoints of an earlier run and trainer.resume=false; "
+                "set trainer.resume=true (or leave it unset) to continue it, or choose another "
+                "trainer.output_dir (nothing was overwritten)"
             )
 
     # -------------------------------------------------------------------------------------- a step
@@ -214,6 +228,16 @@ class Run:
         ckpt.set_rng_state(state[f"rng_rank{self.env.rank}"])
         self.start_step = self.loader.step
         self.last_checkpoint = path
+        if self.env.is_main:
+            steps = self.config.trainer.steps
+            if self.start_step >= steps:
+                print(
+                    f"[{self.config.name}] {path} is at step {self.start_step} of trainer.steps={steps}: "
+                    "nothing to train (raise trainer.steps to train on)",
+                    flush=True,
+                )
+            else:
+                print(f"[{self.config.name}] continuing from {path} (step {self.start_step} of {steps})", flush=True)
 
     # ---------------------------------------------------------------------------------------- loop
 
