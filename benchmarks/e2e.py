@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from profiling import device_events, device_idle, top_kernels  # benchmarks/profiling.py, beside this script
 
 from gem_model import hookimpl
 
@@ -69,30 +70,6 @@ def row_overrides(name: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ worker
 
 
-def kernel_intervals(prof: torch.profiler.profile) -> tuple[list[tuple[float, float]], dict[str, float]]:
-    """Device kernel intervals (us) and device time per kernel name, from the raw events."""
-    intervals, per_kernel = [], {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        start, end = e.time_range.start, e.time_range.end
-        intervals.append((start, end))
-        per_kernel[e.name] = per_kernel.get(e.name, 0.0) + (end - start)
-    return intervals, per_kernel
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_start, cur_end = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    return total + ((cur_end - cur_start) if cur_end is not None else 0.0)
-
-
 class StepProfiler:
     """Wraps ``gem_train_step`` to record steps ``wait+1 .. wait+active`` with torch.profiler."""
 
@@ -111,17 +88,18 @@ class StepProfiler:
         return result
 
     def summary(self, limit: int = 20) -> dict:
-        steps = [e for e in self.prof.events() if e.name.startswith("ProfilerStep")]
-        wall = sum(e.time_range.end - e.time_range.start for e in steps)
-        intervals, per_kernel = kernel_intervals(self.prof)
-        busy = union_length(intervals)
-        top = sorted(per_kernel.items(), key=lambda kv: kv[1], reverse=True)[:limit]
+        events = device_events(self.prof)
+        idle = device_idle(events)
+        window = idle.get("window_ms", 0.0)
+        kernels = top_kernels(events, self.active, limit)
+        for k in kernels:
+            k["share"] = k["ms_per_step"] * self.active / window if window else None
         return {
             "profiled_steps": self.active,
-            "step_wall_ms": wall / 1e3 / max(self.active, 1),
-            "device_busy_ms": busy / 1e3 / max(self.active, 1),
-            "device_idle_share": max(0.0, 1.0 - busy / wall) if wall else None,
-            "top_kernels": [{"kernel": k, "ms_per_step": v / 1e3 / self.active, "share": v / wall if wall else None} for k, v in top],
+            "step_wall_ms": window / max(self.active, 1),
+            "device_busy_ms": idle.get("busy_ms", 0.0) / max(self.active, 1),
+            "device_idle_share": idle.get("idle_share"),
+            "top_kernels": kernels,
         }
 
 

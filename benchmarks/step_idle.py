@@ -21,12 +21,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
 
 import torch
+from profiling import device_events, device_idle  # benchmarks/profiling.py, beside this script
 
 from gem_model import hookimpl
 from gem_model.config_io import load_config
@@ -66,29 +66,6 @@ class StepProbe:
         return result
 
 
-def device_idle(prof: torch.profiler.profile) -> dict[str, float]:
-    """Idle share of the device over the profiled steps, from the trace's kernel and copy events."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            events = json.load(fh).get("traceEvents", [])
-    spans = sorted(
-        (e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    )
-    if not spans:
-        return {}
-    busy, (lo, hi) = 0.0, spans[0]
-    for a, b in spans[1:]:
-        if a > hi:
-            busy, lo = busy + hi - lo, a
-        hi = max(hi, b)
-    busy += hi - lo
-    window = max(b for _, b in spans) - spans[0][0]
-    streams = {(e.get("pid"), e.get("tid")) for e in events if e.get("cat") in ("kernel", "gpu_memcpy")}
-    return {"window_ms": window / 1e3, "busy_ms": busy / 1e3, "idle_share": 1 - busy / window, "streams": len(streams)}
-
-
 def run_variant(args: argparse.Namespace, name: str, overrides: list[str]) -> dict:
     probe = StepProbe(args.profile_from, args.profile_steps, args.syncs)
     pm = GemPluginManager()
@@ -110,7 +87,7 @@ def run_variant(args: argparse.Namespace, name: str, overrides: list[str]) -> di
         "variant": name, "overrides": overrides, "wall_s": time.time() - start, "tokens_per_s": summary.tokens_per_s,
         "mfu": summary.mfu, "losses": losses, "step_seconds": probe.seconds,
         "syncs_per_step": {k: v / args.profile_steps for k, v in sorted(probe.syncs.items())},
-        **device_idle(probe.prof),
+        **device_idle(device_events(probe.prof)),
     }  # fmt: skip
 
 

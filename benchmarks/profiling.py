@@ -1,0 +1,51 @@
+"""Device activity of profiled training steps, read from ``torch.profiler``'s trace.
+
+Only the trace's kernel, copy and memset events count as device work. The profiler also puts its
+own annotations (``ProfilerStep#N``, module names) on the device timeline; counting those as kernels
+would make the device look busy while it waits. Shared by ``e2e.py`` and ``step_idle.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import torch
+
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_events(prof: torch.profiler.profile) -> list[dict]:
+    """The kernel, copy and memset events of the trace (chrome-trace dicts: ``ts``, ``dur``, ``name``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh).get("traceEvents", [])
+    return [e for e in events if e.get("cat") in DEVICE_WORK]
+
+
+def device_idle(events: list[dict]) -> dict[str, float]:
+    """Idle share over the profiled window: 1 - union of the device events / first to last activity."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events)
+    if not spans:
+        return {}
+    busy, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo = busy + hi - lo, a
+        hi = max(hi, b)
+    busy += hi - lo
+    window = max(b for _, b in spans) - spans[0][0]
+    streams = {(e.get("pid"), e.get("tid")) for e in events}
+    return {"window_ms": window / 1e3, "busy_ms": busy / 1e3, "idle_share": 1 - busy / window, "streams": len(streams)}
+
+
+def top_kernels(events: list[dict], steps: int, limit: int = 20) -> list[dict]:
+    """Device time per kernel name, per step, most first."""
+    per: dict[str, float] = {}
+    for e in events:
+        per[e["name"]] = per.get(e["name"], 0.0) + e.get("dur", 0)
+    ranked = sorted(per.items(), key=lambda kv: kv[1], reverse=True)[:limit]
+    return [{"kernel": name, "ms_per_step": us / 1e3 / max(steps, 1)} for name, us in ranked]
