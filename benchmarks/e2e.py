@@ -1,7 +1,7 @@
 """End-to-end training speed of one GEM config on one GPU, as an ablation: each row adds one thing.
 
     python benchmarks/e2e.py --out e2e.json                       # the whole ablation on configs/h200-large.yaml
-    python benchmarks/e2e.py --rows bf16_activations,fp8_rowwise --steps 12 --profile fp8_rowwise
+    python benchmarks/e2e.py --rows bf16_activations,fp8_rowwise --steps 12 --profile bf16_activations,fp8_rowwise
     python benchmarks/e2e.py --stability 300 --out stab.json      # bf16 and fp8_rowwise, every step's loss
     python benchmarks/e2e.py --config configs/tiny.yaml --device cpu --steps 4 --set ... # smoke test
 
@@ -13,7 +13,10 @@ H100/H200 in bf16, dense) and against a bf16 8192^3 matmul measured here first, 
 allocated, and the loss at the last step. FLOPs are ``gem_model.model.flops`` (real tokens, the HSTU
 mask's causal pairs, backward twice the forward), the trainer's own count.
 
-``--profile ROW`` records two steps of that row with ``torch.profiler`` and prints the kernels with
+``compile_bf16`` is a side row: ``overlapped_input`` plus ``trainer.compile``, outside the chain
+(whose ``compile`` row adds it to ``fp8_saved``).
+
+``--profile ROWS`` records two steps of each of those rows with ``torch.profiler`` and prints the kernels with
 the most device time, their share of the step, and the step's device-idle share (wall time of the
 profiled steps minus the union of kernel intervals).
 """
@@ -54,13 +57,19 @@ ROWS: list[tuple[str, list[str]]] = [  # cumulative: each row is the one above p
     ("fp8_saved", ["activation.policy=fp8_saved"]),
     ("compile", ["trainer.compile=true"]),
 ]
+SIDE_ROWS: dict[str, tuple[str, list[str]]] = {  # not in the cumulative chain: (the row it adds to, its overrides)
+    "compile_bf16": ("overlapped_input", ["trainer.compile=true"]),  # compile on the best bf16 row
+}
 SLOW_ROWS = {"torch_attention_fp32", "triton_attention"}  # seconds per step: fewer steps
 
 
 def row_overrides(name: str) -> list[str]:
     names = [n for n, _ in ROWS]
+    if name in SIDE_ROWS:
+        base, extra = SIDE_ROWS[name]
+        return row_overrides(base) + extra
     if name not in names:
-        raise SystemExit(f"unknown row {name!r}; rows: {', '.join(names)}")
+        raise SystemExit(f"unknown row {name!r}; rows: {', '.join([*names, *SIDE_ROWS])}")
     out = list(BASELINE)
     for _, extra in ROWS[: names.index(name) + 1]:
         out += extra
@@ -177,11 +186,25 @@ def run_row(args: argparse.Namespace, row: str, *, steps: int, profile: bool, wo
     cmd += [a for s in args.set for a in ("--set", s)]
     if profile:
         cmd += ["--profile", row]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.row_timeout)
-    if proc.returncode != 0 or not result.exists():
-        text = proc.stderr or proc.stdout
+    # Output goes to files, not pipes: a worker left running cannot then block the reading. On a
+    # timeout torchrun is asked to stop its worker (SIGTERM), then everything naming this row's
+    # result file is killed: a stray worker would keep the GPU's memory for the next rows.
+    log = Path(workdir) / f"{row}.log"
+    with open(log, "w") as out, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True) as p:
+        try:
+            p.wait(timeout=args.row_timeout)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            subprocess.run(["pkill", "-9", "-f", str(result)], check=False)
+            return {"row": row, "ok": False, "error": f"timed out after {args.row_timeout} s (--row-timeout)"}
+    text = log.read_text()
+    if p.returncode != 0 or not result.exists():
         worker_lines = [x for x in text.splitlines() if x.startswith("[rank0]:")]  # the worker's own traceback
-        print(f"--- {row} failed (exit {proc.returncode}):\n" + "\n".join(worker_lines[-25:] or text.splitlines()[-25:]), flush=True)
+        print(f"--- {row} failed (exit {p.returncode}):\n" + "\n".join(worker_lines[-25:] or text.splitlines()[-25:]), flush=True)
         errors = [x for x in worker_lines if "Error" in x] or [x for x in text.splitlines() if "Error" in x]
         return {"row": row, "ok": False, "error": (errors[-1] if errors else text[-300:]).removeprefix("[rank0]: ")[:400]}
     return json.loads(result.read_text())
@@ -224,7 +247,7 @@ def main() -> int:
     p.add_argument("--rows", default=",".join(n for n, _ in ROWS))
     p.add_argument("--steps", type=int, default=12, help="steps per row (the slow fp32 rows take 4)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the rates")
-    p.add_argument("--profile", metavar="ROW", help="record two steps of this row with torch.profiler")
+    p.add_argument("--profile", metavar="ROWS", default="", help="record two steps of these rows (comma-separated)")
     p.add_argument("--stability", type=int, metavar="STEPS", help="instead: train bf16 and fp8_rowwise this long")
     p.add_argument("--set", action="append", default=[], help="an override for every row (key=value)")
     p.add_argument("--steps-for", action="append", default=[], metavar="ROW=N", help="this row's own step count")
@@ -249,7 +272,8 @@ def main() -> int:
             names = args.rows.split(",")
             own = {k: int(v) for k, v in (x.split("=", 1) for x in args.steps_for)}
             default = {n: min(args.steps, args.warmup + 2) if n in SLOW_ROWS else args.steps for n in names}
-            plan = [(n, own.get(n, default[n]), n == args.profile) for n in names]
+            profiled = set(args.profile.split(",")) - {""}
+            plan = [(n, own.get(n, default[n]), n in profiled) for n in names]
         for name, steps, profile in plan:
             rows.append(run_row(args, name, steps=steps, profile=profile, workdir=workdir))
             r = rows[-1]

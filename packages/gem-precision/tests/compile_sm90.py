@@ -83,7 +83,8 @@ def main() -> None:
     )
     report["fp8_stats"] = build(
         fp8_quant_triton._fp8_stats_kernel,
-        {"x_ptr": "*bf16", "M": i32, "N": i32, "stride_xm": i32, **amax, "col_sum_ptr": f32},
+        {"x_ptr": "*bf16", "M": i32, "N": i32, "stride_xm": i32, "row_part_ptr": "*i32",
+         "col_amax_ptr": "*i32", "tensor_amax_ptr": "*i32", "col_sum_ptr": f32},
         {"ROW": True, "COL": True, "TENSOR": False, "COL_SUM": True, "ROWS_PER_PROG": t["stats_rows"],
          "BLOCK_M": t["stats_m"], "BLOCK_N": t["stats_n"]},
         t["warps"],

@@ -73,20 +73,44 @@ class JaggedAttentionFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         q, k, v, seq_offsets, num_targets, *tables = ctx.saved_tensors
         max_seq_len, alpha, max_attn_len, dq_mode, blocks, edges = ctx.params
-        bias = RelativeBias(*tables, edges=edges)
-        grad_out = _unit_stride(grad_out)
-        options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias)
-        needs_position, needs_time = ctx.needs_input_grad[10], ctx.needs_input_grad[11]
-        grads = BiasGrads.zeros(bias, needs_position, needs_time, max_seq_len, q.device)
-        if resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "atomic":
-            dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, bias_grads=grads, **options)
-            dq = dq_accum.to(q.dtype)
-        else:
-            dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, bias_grads=grads, **options)
-            dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, **options)
-        d_position, d_time = grads.result(bias, max_seq_len)
+        dq, dk, dv, d_position, d_time = attention_backward(
+            grad_out, q, k, v, seq_offsets, num_targets, RelativeBias(*tables, edges=edges),
+            max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, dq_mode=dq_mode, blocks=blocks,
+            needs_position=ctx.needs_input_grad[10], needs_time=ctx.needs_input_grad[11],
+        )
         return dq, dk, dv, None, None, None, None, None, None, None, d_position, d_time, None
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    bias: RelativeBias,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    max_attn_len: int,
+    dq_mode: DqMode,
+    blocks: tuple[int, int] | None,
+    needs_position: bool,
+    needs_time: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``dq, dk, dv`` (contiguous) and the bias gradients (``None`` where not needed) of one call."""
+    grad_out = _unit_stride(grad_out)
+    options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias)
+    grads = BiasGrads.zeros(bias, needs_position, needs_time, max_seq_len, q.device)
+    if resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "atomic":
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, bias_grads=grads, **options)
+        dq = dq_accum.to(q.dtype)
+    else:
+        dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, bias_grads=grads, **options)
+        dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, **options)
+    d_position, d_time = grads.result(bias, max_seq_len)
+    return dq, dk, dv, d_position, d_time
 
 
 def jagged_attention_triton(
@@ -115,11 +139,21 @@ def jagged_attention_triton(
     ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of tuning them. Without autograd
     (no grad mode, or no input that requires grad) the forward kernel runs directly, skipping the
     autograd function's bookkeeping: on small batches the host's launch work is what the call costs.
+    Under ``torch.compile`` the call goes through the custom op
+    :func:`gem_kernels.compiled_ops.jagged_attention_op`, which dynamo does not trace into.
     """
     if not seq_offsets.is_contiguous():
         seq_offsets = seq_offsets.contiguous()
     if num_targets is not None and not num_targets.is_contiguous():
         num_targets = num_targets.contiguous()
+    if torch.compiler.is_compiling():
+        from gem_kernels.compiled_ops import jagged_attention_op
+
+        block_m, block_n = blocks if blocks is not None else (0, 0)
+        return jagged_attention_op(
+            q, k, v, seq_offsets, num_targets, position_bias, time_bias, timestamps, query_timestamps,
+            max_seq_len, float(alpha), max_attn_len, dq_mode, block_m, block_n,
+        )
     bias = prepare_bias(position_bias, time_bias, timestamps, query_timestamps, max_seq_len)
     leaves = (q, k, v, position_bias, time_bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):

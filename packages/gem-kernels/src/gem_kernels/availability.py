@@ -46,8 +46,12 @@ def require_triton(device: torch.device, *, op: str, name: str, in_call: bool = 
     """Raise :class:`KernelUnavailableError` when Triton cannot run on ``device``.
 
     From ``check_available`` the message is the reason alone (the run prefixes the config key);
-    from a kernel call (``in_call``) it names the config key itself.
+    from a kernel call (``in_call``) it names the config key itself. While ``torch.compile`` traces
+    a call it checks nothing: the run checked the device when it was built, and the traced code
+    calls the kernels as custom ops (:mod:`gem_kernels.compiled_ops`).
     """
+    if torch.compiler.is_compiling():
+        return
     reason = triton_unavailable_reason(device)
     if reason is None:
         return

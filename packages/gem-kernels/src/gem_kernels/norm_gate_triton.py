@@ -85,10 +85,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 class NormGateFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        shape = x.shape
+    def run_forward(
+        x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``y`` in ``x``'s shape, and the float32 ``mean`` and ``rstd`` of each row."""
         x2, u2 = _rows(x), _rows(u)
         num_rows, dim = x2.shape
         block_d = triton.next_power_of_2(dim)
@@ -103,37 +103,57 @@ class NormGateFunction(torch.autograd.Function):
                     x2, u2, weight, bias, y, mean, rstd, x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
                     D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
                 )
-        ctx.save_for_backward(x2, u2, weight, bias, mean, rstd)
-        ctx.shape = shape
-        return y.view(shape)
+        return y.view(x.shape), mean, rstd
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        y, mean, rstd = NormGateFunction.run_forward(x, u, weight, bias, eps)
+        ctx.save_for_backward(x, u, weight, bias, mean, rstd)
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x2, u2, weight, bias, mean, rstd = ctx.saved_tensors
-        dy2 = _rows(dy)
-        num_rows, dim = x2.shape
-        block_d = triton.next_power_of_2(dim)
-        rows = _rows_per_tile(block_d)
-        tiles = triton.cdiv(num_rows, rows)
-        programs = num_programs(x2.device, 4, max(tiles, 1))
-        tiles_per_program = triton.cdiv(tiles, programs)
-        dx = torch.empty_like(x2)
-        du = torch.empty_like(u2)
-        dw_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
-        db_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
-        with device_guard(x2.device):
-            _norm_gate_bwd[(programs,)](
-                x2, u2, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part, x2.stride(0), u2.stride(0),
-                dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
-                D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
-            )
-        dw = dw_part[:, :dim].sum(0).to(weight.dtype)
-        db = db_part[:, :dim].sum(0).to(bias.dtype)
-        return dx.view(ctx.shape), du.view(ctx.shape), dw, db, None
+        dx, du, dw, db = norm_gate_backward(dy, *ctx.saved_tensors)
+        return dx, du, dw, db, None
+
+
+def norm_gate_backward(
+    dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+    mean: torch.Tensor, rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dx, du`` in ``x``'s shape (contiguous) and ``d_weight, d_bias`` of one call."""
+    x2, u2, dy2 = _rows(x), _rows(u), _rows(dy)
+    weight, bias = weight.contiguous(), bias.contiguous()
+    num_rows, dim = x2.shape
+    block_d = triton.next_power_of_2(dim)
+    rows = _rows_per_tile(block_d)
+    tiles = triton.cdiv(num_rows, rows)
+    programs = num_programs(x2.device, 4, max(tiles, 1))
+    tiles_per_program = triton.cdiv(tiles, programs)
+    dx = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
+    du = torch.empty((num_rows, dim), dtype=u.dtype, device=u.device)
+    dw_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
+    db_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
+    with device_guard(x2.device):
+        _norm_gate_bwd[(programs,)](
+            x2, u2, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part, x2.stride(0), u2.stride(0),
+            dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
+            D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
+        )
+    dw = dw_part[:, :dim].sum(0).to(weight.dtype)
+    db = db_part[:, :dim].sum(0).to(bias.dtype)
+    return dx.view(x.shape), du.view(u.shape), dw, db
 
 
 def norm_gate_triton(
     x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """Differentiable fused ``(layer_norm(x) * weight + bias) * u`` over the last dim."""
+    """Differentiable fused ``(layer_norm(x) * weight + bias) * u`` over the last dim. Under
+    ``torch.compile`` it is called as the custom op :func:`gem_kernels.compiled_ops.norm_gate_op`."""
+    if torch.compiler.is_compiling():
+        from gem_kernels.compiled_ops import norm_gate_op
+
+        return norm_gate_op(x, u, weight, bias, eps)[0]
     return NormGateFunction.apply(x, u, weight, bias, eps)

@@ -224,7 +224,10 @@ class GemPluginManager:
             codes[impl.function.__code__] = impl.plugin_name
         culprit = None
         while tb is not None:
-            name = codes.get(tb.tb_frame.f_code)
+            try:
+                name = codes.get(tb.tb_frame.f_code)
+            except TypeError:  # code that torch.compile generates can hold unhashable constants
+                name = None
             if name is not None:
                 culprit = name  # the innermost hook implementation on the stack raised
             tb = tb.tb_next
