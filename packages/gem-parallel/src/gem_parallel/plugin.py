@@ -11,3 +11,10 @@ def gem_register_parallel_planners():
     from gem_parallel.single import SinglePlanner
 
     return [SinglePlanner, TorchrecDDPPlanner]
+
+
+@hookimpl
+def gem_register_load_balancers():
+    from gem_parallel.balance import SeqBalancedBalancer
+
+    return [SeqBalancedBalancer]
