@@ -51,8 +51,13 @@ def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=True, text=True, **kw)
 
 
-def declared_requirements(package_dir: Path) -> list[str]:
-    return tomllib.loads((package_dir / "pyproject.toml").read_text())["project"].get("dependencies", [])
+def declared_requirements(package_dir: Path, *, optional: bool = False) -> list[str]:
+    """The package's dependencies; with ``optional``, those of every extra too (gem-model[parquet], ...)."""
+    project = tomllib.loads((package_dir / "pyproject.toml").read_text())["project"]
+    reqs = list(project.get("dependencies", []))
+    if optional:
+        reqs += [r for extra in project.get("optional-dependencies", {}).values() for r in extra]
+    return reqs
 
 
 def requirement_name(req: str) -> str:
@@ -61,11 +66,12 @@ def requirement_name(req: str) -> str:
     return req.strip().lower()
 
 
-def third_party(package_dirs: list[Path]) -> tuple[list[str], bool]:
-    """Pinned third-party requirements of the packages, and whether torchrec is among them."""
+def third_party(package_dirs: list[Path], *, optional: bool = False) -> tuple[list[str], bool]:
+    """Pinned third-party requirements of the packages (``optional``: with their extras'), and whether
+    torchrec is among them."""
     names: set[str] = set()
     for d in package_dirs:
-        for req in declared_requirements(d):
+        for req in declared_requirements(d, optional=optional):
             name = requirement_name(req)
             if not name.startswith("gem-"):
                 names.add(name)
@@ -76,15 +82,18 @@ def third_party(package_dirs: list[Path]) -> tuple[list[str], bool]:
     return sorted(f"{n}=={PINS[n]}" if n in PINS else n for n in names), wants_torchrec
 
 
-def setup(env_dir: Path, packages: list[str], *, editable: bool, extras: list[str], fresh: bool) -> Path:
-    """Create (or refresh) a virtual environment holding ``packages`` and what they declare."""
+def setup(
+    env_dir: Path, packages: list[str], *, editable: bool, extras: list[str], fresh: bool, optional: bool = False
+) -> Path:
+    """Create (or refresh) a virtual environment holding ``packages`` and what they declare (``optional``:
+    what their extras declare too)."""
     python = env_dir / "bin" / "python"
     if fresh and env_dir.exists():
         shutil.rmtree(env_dir)
     if not python.exists():
         sh([sys.executable, "-m", "venv", str(env_dir)])
     dirs = [ROOT / "packages" / p if p.startswith("gem-") else ROOT / p for p in packages]
-    reqs, wants_torchrec = third_party(dirs)
+    reqs, wants_torchrec = third_party(dirs, optional=optional)
     pip = [str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
     env = {**os.environ, "PIP_CACHE_DIR": str(PIP_CACHE)}
     log(f"{env_dir.name}: third-party requirements: {' '.join(reqs)}")
@@ -138,6 +147,9 @@ class MatrixEnv:
     tests: list[str]
     extras: list[str] = field(default_factory=list)
     core_alone: bool = False
+    optional: bool = False
+    """Install every package extra's requirements too (pyarrow, tensorboard): their tests run here and
+    are skipped, with the reason, in the environments without them."""
 
 
 MATRIX: dict[str, MatrixEnv] = {
@@ -146,7 +158,7 @@ MATRIX: dict[str, MatrixEnv] = {
     "core+precision": MatrixEnv(["gem-model", "gem-precision"], ["packages/gem-precision/tests"]),
     "core+parallel": MatrixEnv(["gem-model", "gem-parallel"], ["packages/gem-parallel/tests"]),
     "core+comm": MatrixEnv(["gem-model", "gem-comm"], ["packages/gem-comm/tests"]),
-    "all": MatrixEnv([*ALL_PACKAGES, EXAMPLE], ["packages", "tests", EXAMPLE], extras=[*DATA, "hatch"]),
+    "all": MatrixEnv([*ALL_PACKAGES, EXAMPLE], ["packages", "tests", EXAMPLE], extras=[*DATA, "hatch"], optional=True),
 }
 
 
@@ -154,7 +166,8 @@ def plugin_distributions(env_dir: Path) -> set[str]:
     out = sh([str(env_dir / "bin" / "gem-train"), "plugins"], capture_output=True).stdout
     print(out, flush=True)
     lines = out.split("\n\n")[0].splitlines()[1:]
-    return {line.split()[0] for line in lines}
+    # "  <distribution> <version>", each followed by its plugins, indented further
+    return {line.split()[0] for line in lines if line.startswith("  ") and not line.startswith("   ")}
 
 
 def check_core_alone(env_dir: Path) -> None:
@@ -169,7 +182,7 @@ def run_env(name: str, spec: MatrixEnv, pytest_args: list[str]) -> dict[str, obj
     env_dir = ROOT / ".venvs" / name
     start = time.time()
     log(f"==== {name}: installing {' '.join(spec.packages)} into a fresh environment")
-    setup(env_dir, spec.packages, editable=False, extras=spec.extras, fresh=True)
+    setup(env_dir, spec.packages, editable=False, extras=spec.extras, fresh=True, optional=spec.optional)
     installed = time.time()
     expected = {p for p in spec.packages if p.startswith("gem-")}
     if EXAMPLE in spec.packages:
@@ -225,7 +238,9 @@ def main() -> int:
     s = sub.add_parser("setup", help="create or refresh one environment")
     s.add_argument("env_dir", type=Path)
     s.add_argument("packages", nargs="*", help=f"any of {ALL_PACKAGES} or {EXAMPLE}")
-    s.add_argument("--all", action="store_true", help="every package, the example plugin and the data package")
+    s.add_argument(
+        "--all", action="store_true", help="every package with its extras, the example plugin and the data package"
+    )
     s.add_argument("--fresh", action="store_true", help="delete the environment first")
     m = sub.add_parser("matrix", help="run the CI matrix")
     m.add_argument("--only", help="comma-separated environments (default: all six)")
@@ -236,7 +251,7 @@ def main() -> int:
         if not packages:
             raise SystemExit("name the packages to install, or --all")
         extras = [*DATA, "hatch"] if args.all else []
-        setup(args.env_dir, packages, editable=True, extras=extras, fresh=args.fresh)
+        setup(args.env_dir, packages, editable=True, extras=extras, fresh=args.fresh, optional=args.all)
         log(f"ready: {args.env_dir} ({', '.join(packages)})")
         return 0
     return matrix(args.only.split(",") if args.only else None, args.pytest_args)

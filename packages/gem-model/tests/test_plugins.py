@@ -30,7 +30,7 @@ def plugin_module(name: str, **hooks) -> types.ModuleType:
 
 def test_builtins_register_through_the_same_hooks():
     pm = GemPluginManager(autoload=False)
-    assert pm.data_sources.names() == ["movielens_1m", "synthetic"]
+    assert pm.data_sources.names() == ["movielens_1m", "parquet", "synthetic"]
     assert pm.load_balancers.names() == ["round_robin"]
     assert pm.data_sources.get("synthetic").provider.distribution == "gem-model"
 
@@ -41,15 +41,19 @@ def test_inline_plugin_fills_every_registry(pm):
     assert pm.precision_schemes.names() == ["inline_bf16", "inline_fp32"]
     assert pm.activation_policies.names() == ["inline_none"]
     assert pm.comm_strategies.names() == ["inline_comm"]
-    assert pm.parallel_planners.names() == ["inline_single"]
+    assert pm.parallel_planners.names() == ["inline_replicated", "inline_single"]
 
 
-def test_duplicate_name_names_both_distributions(pm):
+def test_duplicate_name_fails_only_when_selected_and_names_both_distributions(pm):
     pm.register(plugin_module("other", gem_register_precision_schemes=lambda: [Scheme]), distribution=("gem-other", "9.9"))
+    registry = pm.precision_schemes  # building the registries does not fail
+    assert "inline_fp32" not in registry.names() and "inline_bf16" in registry.names()
+    assert [p.distribution for p in registry.clashes()["inline_fp32"]] == ["<inline>", "gem-other"]
+    registry.get("inline_bf16")  # the other names still resolve
     with pytest.raises(DuplicateNameError) as err:
-        pm.precision_schemes
+        registry.get("inline_fp32")
     msg = str(err.value)
-    assert "'inline_fp32'" in msg and "<inline>" in msg and "gem-other 9.9" in msg
+    assert "precision.scheme" in msg and "'inline_fp32'" in msg and "<inline>" in msg and "gem-other 9.9" in msg
 
 
 def test_unknown_name_lists_available_names_and_providers(pm):
@@ -161,6 +165,8 @@ REGISTRATION_HOOKS = {
     "gem_register_parallel_planners": ("parallel_planners", testing.Single),
     "gem_register_data_sources": ("data_sources", None),
     "gem_register_load_balancers": ("load_balancers", None),
+    "gem_register_train_pipelines": ("train_pipelines", None),
+    "gem_register_callbacks": ("callbacks", testing.Recorder),
 }
 
 
@@ -168,10 +174,11 @@ REGISTRATION_HOOKS = {
 def test_each_registration_hook_fills_its_registry(hook):
     from gem_model.data.balance import RoundRobinBalancer
     from gem_model.data.synthetic import SyntheticSource
+    from gem_model.train.pipeline import SequentialPipeline
 
     attr, cls = REGISTRATION_HOOKS[hook]
     if cls is None:  # gem-model's built-ins answer these hooks; register a renamed copy beside them
-        base = SyntheticSource if attr == "data_sources" else RoundRobinBalancer
+        base = {"data_sources": SyntheticSource, "load_balancers": RoundRobinBalancer}.get(attr, SequentialPipeline)
         cls = type("Renamed", (base,), {"name": "renamed"})
     pm = GemPluginManager(autoload=False)
     pm.register(plugin_module("one", **{hook: lambda: [cls]}), name="one", distribution=("gem-one", "1"))

@@ -184,8 +184,8 @@ class LearningRates:
     @hookimpl(wrapper=True)
     def gem_train_step(self, run, step):
         result = yield
-        self.dense.append(run.dense_optimizer.param_groups[0]["lr"])
-        self.sparse.append(run.prepared.sparse_optimizer.param_groups[0]["lr"])
+        self.dense.append(run.optimizers.dense.param_groups[0]["lr"])
+        self.sparse.append(run.optimizers.sparse.param_groups[0]["lr"])
         return result
 
 

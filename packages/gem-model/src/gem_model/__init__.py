@@ -1,6 +1,7 @@
 """gem-model: the core of the GEM training framework.
 
-Plugin authors need :data:`hookimpl` and the interfaces in :mod:`gem_model.components`.
+Plugin authors need :mod:`gem_model.api`: the :data:`hookimpl` marker, the interfaces, the run
+context, the layout and plan types and the result types (``docs/plugins.md`` describes them).
 """
 
 from gem_model.__about__ import __version__

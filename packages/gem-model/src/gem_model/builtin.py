@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING
 from gem_model.markers import hookimpl
 
 if TYPE_CHECKING:
-    from gem_model.train.run import Run, StepResult
+    from gem_model.context import RunContext
+    from gem_model.results import StepResult
 
 
 @hookimpl
 def gem_register_data_sources():
     from gem_model.data.movielens import MovieLensSource
+    from gem_model.data.parquet import ParquetSource  # pyarrow is imported when one is built
     from gem_model.data.synthetic import SyntheticSource
 
-    return [SyntheticSource, MovieLensSource]
+    return [SyntheticSource, MovieLensSource, ParquetSource]
 
 
 @hookimpl
@@ -25,7 +27,15 @@ def gem_register_load_balancers():
     return [RoundRobinBalancer]
 
 
+@hookimpl
+def gem_register_train_pipelines():
+    from gem_model.train.pipeline import SequentialPipeline
+
+    return [SequentialPipeline]
+
+
 @hookimpl(trylast=True)
-def gem_train_step(run: Run, step: int) -> StepResult:
+def gem_train_step(run: RunContext, step: int) -> StepResult:
     """The step itself; plugins wrap it with ``@hookimpl(wrapper=True)``."""
-    return run.execute_step(step)
+    assert run._execute_step is not None, "the RunContext of a run built by gem_model.train.run.Run"
+    return run._execute_step(step)

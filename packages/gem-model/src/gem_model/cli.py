@@ -1,4 +1,4 @@
-"""``gem-train`` (also ``python -m gem_model``): run, plugins, config.
+"""``gem-train`` (also ``python -m gem_model``): run, plugins, plan, config.
 
 Exit status: 0 on success, 2 for a bad command line or config (unknown names, bad values: always
 before any process group starts), 1 when training itself fails (e.g. a NaN loss).
@@ -30,14 +30,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train a model")
     _add_config_args(run)
-    run.add_argument("--nproc", type=int, default=1, help="launch this many local processes with torchrun")
-    sub.add_parser("plugins", help="list installed plugin packages and the names they register")
+    from gem_model.launch import add_launch_args
+
+    add_launch_args(run)
+    sub.add_parser("plugins", help="list installed plugins, the hooks they implement and the names they register")
+    plan = sub.add_parser("plan", help="print the parallel plan a run would get (tables, dense modules, layout)")
+    _add_config_args(plan)
+    plan.add_argument("--nproc", type=int, default=1, help="plan for this many processes (none are started)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON (as saved beside checkpoints)")
     cfg = sub.add_parser("config", help="print the resolved config and its JSON schema")
     _add_config_args(cfg)
     cfg.add_argument("--only", choices=["config", "schema"], help="print just one of the two")
+    from gem_model.data.convert import add_data_parser
     from gem_model.profile import add_profile_parser
 
     add_profile_parser(sub)
+    add_data_parser(sub)
     return parser
 
 
@@ -47,6 +55,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from gem_model import launch
     from gem_model.distributed import launched_by_torchrun
     from gem_model.plugins import GemPluginManager
     from gem_model.resolve import resolve_components
@@ -54,9 +63,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     pm = GemPluginManager()
     components = resolve_components(config, pm)  # every name and option checked before any process starts
-    if args.nproc < 1:
-        raise ConfigError([("--nproc", args.nproc, "must be at least 1")])
-    world = args.nproc if not launched_by_torchrun() else int(os.environ.get("WORLD_SIZE", "1"))
+    launch.check_launch_args(args)
+    world = launch.world_size(args) if not launched_by_torchrun() else int(os.environ.get("WORLD_SIZE", "1"))
     limit = components.planner.max_world_size
     if limit is not None and world > limit:
         raise ConfigError(
@@ -64,9 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"drives at most {limit} process(es) but {world} were asked for; pick a distributed planner "
               "such as torchrec_ddp")]
         )
-    if args.nproc > 1 and not launched_by_torchrun():
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
-        argv += ["-m", "gem_model", "run"] + (["-c", args.config] if args.config else []) + list(args.overrides)
+    if launch.needs_torchrun(args) and not launched_by_torchrun():
+        argv = launch.torchrun_argv(args, (["-c", args.config] if args.config else []) + list(args.overrides))
         sys.stdout.flush()
         os.execv(sys.executable, argv)
     from gem_model.trainer import train
@@ -76,27 +83,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(_: argparse.Namespace) -> int:
+    from gem_model.plugin_report import plugins_report
     from gem_model.plugins import GemPluginManager
 
-    pm = GemPluginManager()
-    print("installed plugin distributions:")
-    for (dist, version), plugins in pm.distributions().items():
-        print(f"  {dist} {version}  (plugins: {', '.join(plugins)})")
-    regs = pm.registries
-    rows: list[tuple[str, str, str]] = []
-    for attr in ("precision_schemes", "activation_policies", "comm_strategies", "parallel_planners", "data_sources", "load_balancers"):
-        for name, entry in regs[attr].entries().items():
-            rows.append((regs[attr].config_path, name, f"{entry.provider.distribution} {entry.provider.version}"))
-    for op, registry in sorted(regs["kernels"].items()):
-        for name, entry in registry.entries().items():
-            rows.append((f"kernels.{op}", name, f"{entry.provider.distribution} {entry.provider.version}"))
-    width = max((len(r[0]) for r in rows), default=10)
-    current = None
-    for path, name, provider in rows:
-        if path != current:
-            print(f"\n{path}:")
-            current = path
-        print(f"  {name:<{max(width - 4, 12)}} from {provider}")
+    print(plugins_report(GemPluginManager()))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from gem_model.plugins import GemPluginManager
+    from gem_model.resolve import resolve_components
+    from gem_model.train.prepare import offline_plan
+
+    config = load_config(args.config, args.overrides)
+    components = resolve_components(config, GemPluginManager())
+    limit = components.planner.max_world_size
+    if args.nproc < 1 or (limit is not None and args.nproc > limit):
+        raise ConfigError([("--nproc", args.nproc, f"must be in [1, {limit or 'any'}] for parallel.planner {components.planner.name!r}")])
+    plan = offline_plan(config, components, world_size=args.nproc)
+    print(plan.to_json() if args.json else plan.format())
     return 0
 
 
@@ -128,13 +133,15 @@ class _DropFxTracingNotice(logging.Filter):
 def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropFxTracingNotice())
     args = build_parser().parse_args(argv)
-    handlers = {"run": cmd_run, "plugins": cmd_plugins, "config": cmd_config, "profile": None}
+    handlers = {"run": cmd_run, "plugins": cmd_plugins, "plan": cmd_plan, "config": cmd_config, "profile": None}
     try:
         # before any plugin loads: a plugin module (e.g. gem_parallel.sharded) may import torchrec
         # first, and a broken fbgemm-gpu should fail with the fix named, not a bare library error
         import_torchrec()
         if args.command == "profile":
             return args.profile_handler(args)
+        if args.command == "data":
+            return args.data_handler(args)
         return handlers[args.command](args)
     except (ConfigError, UnknownNameError) as exc:
         return _fail(str(exc), EXIT_USAGE)

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
     from gem_model.data.batch import Batch, FeatureSpec
     from gem_model.distributed import DistEnv
-    from gem_model.model.gem import GemModel
+    from gem_model.layout import Layout
+    from gem_model.plan import Plan
+    from gem_model.protocols import ShardableModel
 
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -194,12 +196,13 @@ class CommStrategy(Component):
         return None
 
     @abstractmethod
-    def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
-        """Mean of ``values`` over all ranks (used for logged metrics)."""
+    def all_reduce_mean(self, values: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """Mean of ``values`` over the ranks of ``group`` (None: all ranks), for logged metrics."""
 
     @abstractmethod
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum of ``values`` over all ranks."""
+    def all_reduce_sum(self, values: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """Sum of ``values`` over the ranks of ``group`` (None: all ranks). The trainer passes the
+        layout's loss group (:attr:`gem_model.layout.Layout.loss_group`) for the step's sums."""
 
 
 @dataclass
@@ -242,20 +245,61 @@ class SparseOptimizerSpec:
 
 
 class ParallelPlanner(Component):
-    """Places the model on the devices of the run and wraps it (sharding, data parallelism)."""
+    """Places the model on the devices of the run and wraps it (sharding, data parallelism).
+
+    Three stages, as TorchRec keeps its ``ShardingPlan`` apart from DMP:
+
+    1. :meth:`layout`, before the loader exists: the named dims, their degrees and groups;
+    2. :meth:`plan`: plain data (:class:`~gem_model.plan.Plan`) saying where every table and dense
+       module goes; printed by ``gem-train plan`` and saved beside every checkpoint;
+    3. :meth:`apply`: wraps the model as the plan says and hands back a :class:`PreparedModel`.
+
+    A planner sees the model through :class:`~gem_model.protocols.ShardableModel` only.
+    """
 
     max_world_size: ClassVar[int | None] = None
     """The most processes this planner can drive (None: any); checked before processes start."""
 
+    def layout(self, env: DistEnv) -> Layout:
+        """The run's layout. The default: every rank a data-parallel replica over the default group
+        (no group when ``env`` has no process group: one process, or a plan made offline)."""
+        from gem_model.layout import Layout
+
+        group = None
+        if env.distributed:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD
+        return Layout.data_parallel(rank=env.rank, world_size=env.world_size, group=group)
+
     @abstractmethod
-    def prepare(
+    def plan(
+        self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
+    ) -> Plan:
+        """Decide where every table and dense module goes; wrap nothing. ``env.distributed`` is
+        False when ``gem-train plan`` asks for a plan without processes."""
+
+    @abstractmethod
+    def apply(
         self,
-        model: GemModel,
+        model: ShardableModel,
+        plan: Plan,
         *,
         env: DistEnv,
+        layout: Layout,
         comm: CommStrategy,
         sparse_optimizer: SparseOptimizerSpec,
-    ) -> PreparedModel: ...
+    ) -> PreparedModel:
+        """Place and wrap ``model`` as ``plan`` says (called on every rank, with a process group
+        where the layout has more than one rank)."""
+
+    def prepare(
+        self, model: ShardableModel, *, env: DistEnv, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
+    ) -> PreparedModel:
+        """:meth:`layout`, :meth:`plan` and :meth:`apply` in one call (for tests and scripts)."""
+        layout = self.layout(env)
+        plan = self.plan(model, env=env, layout=layout, comm=comm, sparse_optimizer=sparse_optimizer)
+        return self.apply(model, plan, env=env, layout=layout, comm=comm, sparse_optimizer=sparse_optimizer)
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -283,7 +327,7 @@ class DataSource(Component):
         """Steps in one pass over the data, or None for an endless source."""
         return None
 
-    def evaluate(self, model: GemModel, *, device: torch.device, split: str) -> dict[str, float] | None:
+    def evaluate(self, model: nn.Module, *, device: torch.device, split: str) -> dict[str, float] | None:
         """Offline metrics of ``model`` on ``split`` (``"valid"`` or ``"test"``), or None if the source has none.
 
         Called by the trainer on rank 0 with the unwrapped model in eval mode.
@@ -296,4 +340,7 @@ class LoadBalancer(Component):
 
     @abstractmethod
     def assign(self, lengths: torch.Tensor, world_size: int) -> list[torch.Tensor]:
-        """Per rank, the indices of its samples; every rank gets the same number of samples."""
+        """Per data-parallel rank, the indices of its samples; every rank gets the same number.
+
+        ``world_size`` is the layout's data-parallel degree (:attr:`gem_model.layout.Layout.dp_degree`),
+        not the number of processes: the ranks of one tensor- or context-parallel group read the same samples."""

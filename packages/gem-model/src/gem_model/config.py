@@ -176,8 +176,17 @@ class TrainerConfig(Strict):
     eval_every: int = Field(0, ge=0, description="evaluate on the validation split every N steps (0: never)")
     eval_at_end: bool = Field(True, description="evaluate on the validation and test splits after the last step")
     progress: bool = True
+    tensorboard: bool = Field(
+        False,
+        description="also write the metrics (losses, tokens/s, MFU, memory, evaluation) as TensorBoard scalars "
+        "to output_dir/tensorboard, beside metrics.jsonl (needs the tensorboard package: gem-model[tensorboard])",
+    )
     peak_flops: float | None = Field(None, gt=0.0, description="override the MFU denominator (FLOP/s)")
     compile: bool = False
+    pipeline: ComponentRef = Field(
+        default_factory=lambda: ref("sequential"),
+        description="the registered train pipeline that runs each step's stages (gem_model.lifecycle.TrainPipeline)",
+    )
 
 
 class KernelsConfig(Strict):
@@ -197,3 +206,16 @@ class RunConfig(Strict):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    callbacks: list[ComponentRef] = Field(
+        default_factory=list,
+        description="lifecycle plugins (gem_model.lifecycle.Callback) switched on for this run, each "
+        "{name, options}; an installed callback not listed here does nothing",
+    )
+
+    @model_validator(mode="after")
+    def _callbacks_once(self) -> RunConfig:
+        names = [c.name for c in self.callbacks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"callbacks: {twice} listed more than once; list each callback once, with all its options")
+        return self

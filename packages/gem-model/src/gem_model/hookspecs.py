@@ -20,8 +20,9 @@ if TYPE_CHECKING:
         ParallelPlanner,
         PrecisionScheme,
     )
-    from gem_model.train.report import ReportSection, RunSummary
-    from gem_model.train.run import Run, StepResult
+    from gem_model.context import RunContext
+    from gem_model.lifecycle import Callback, TrainPipeline
+    from gem_model.results import ReportSection, RunSummary, StepResult
 
 # ------------------------------------------------------------------------------------- registration
 # Called once when the plugin manager builds its registries. Each returns classes, never instances;
@@ -66,30 +67,51 @@ def gem_register_load_balancers() -> list[type[LoadBalancer]]:
     """Return load balancer classes (sample-to-rank assignment), selected by ``data.balancer``."""
 
 
-# ---------------------------------------------------------------------------------------- lifecycle
+@hookspec
+def gem_register_train_pipelines() -> list[type[TrainPipeline]]:
+    """Return train pipeline classes (how a step's forward and loss, backward and optimizer step
+    run), selected by ``trainer.pipeline``; gem-model registers ``sequential``."""
 
 
 @hookspec
-def gem_run_started(run: Run) -> None:
-    """Called on every rank once the model, optimizers and data are built, before the first step."""
+def gem_register_callbacks() -> list[type[Callback]]:
+    """Return callback classes (lifecycle plugins), switched on by the config's ``callbacks`` list.
+
+    A callback's lifecycle hooks are methods of the class; only a run whose config names it
+    builds and registers an instance, so an installed callback alone does nothing.
+    """
+
+
+# ---------------------------------------------------------------------------------------- lifecycle
+# ``run`` is the :class:`~gem_model.context.RunContext` (config, layout, plan, model, optimizers,
+# comm strategy, output directory, device, step). They are implemented by the core, by callbacks
+# the config names, and by objects a program registers itself (``GemPluginManager.register``);
+# an installed plugin module that implements one directly is refused (it would run unasked).
+
+
+@hookspec
+def gem_run_started(run: RunContext) -> None:
+    """Called on every rank once the model, optimizers and data are built, before the first step
+    (after a resume has restored the state, so ``run.step`` is the first step to run)."""
 
 
 @hookspec(firstresult=True)
-def gem_train_step(run: Run, step: int) -> StepResult:
-    """Run one training step and return its :class:`~gem_model.train.run.StepResult`.
+def gem_train_step(run: RunContext, step: int) -> StepResult:
+    """Run one training step and return its :class:`~gem_model.results.StepResult`.
 
-    The core implements it (the step itself, registered ``trylast``). Plugins observe or alter the
-    step by wrapping it with ``@hookimpl(wrapper=True)``: a generator that yields once, receives the
-    step's result as the value of the ``yield`` and returns it (or a replacement). Profilers and
-    meters observe the loop this way without editing it. ``firstresult``: one result per step.
+    The core implements it (the step itself, registered ``trylast``; its stages are the
+    ``trainer.pipeline``'s). Plugins observe or alter the step by wrapping it with
+    ``@hookimpl(wrapper=True)``: a generator that yields once, receives the step's result as the
+    value of the ``yield`` and returns it (or a replacement). Profilers and meters observe the loop
+    this way without editing it. ``firstresult``: one result per step.
     """
 
 
 @hookspec
-def gem_run_finished(run: Run, summary: RunSummary) -> None:
+def gem_run_finished(run: RunContext, summary: RunSummary) -> None:
     """Called on every rank after the last step (not after a failure)."""
 
 
 @hookspec
-def gem_report_sections(run: Run, summary: RunSummary) -> list[ReportSection]:
+def gem_report_sections(run: RunContext, summary: RunSummary) -> list[ReportSection]:
     """Return extra sections for the end-of-run report (rank 0 prints them after the summary)."""

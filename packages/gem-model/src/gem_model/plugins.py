@@ -8,9 +8,10 @@ plugins registered explicitly (``GemPluginManager(plugins=...)`` or :meth:`regis
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from types import TracebackType
@@ -30,6 +31,7 @@ from gem_model.components import (
     PrecisionScheme,
 )
 from gem_model.errors import PluginError
+from gem_model.lifecycle import Callback, TrainPipeline
 from gem_model.markers import ENTRY_POINT_GROUP, PROJECT_NAME
 from gem_model.registry import Provider, Registry
 
@@ -64,8 +66,15 @@ REGISTRY_SPECS: dict[str, RegistrySpec] = {
     "load_balancers": RegistrySpec(
         "gem_register_load_balancers", "load balancer", "data.balancer", LoadBalancer
     ),
+    "train_pipelines": RegistrySpec(
+        "gem_register_train_pipelines", "train pipeline", "trainer.pipeline", TrainPipeline
+    ),
+    "callbacks": RegistrySpec("gem_register_callbacks", "callback", "callbacks", Callback),
 }
 KERNEL_HOOK = "gem_register_kernels"
+# Hooks that act on a run. An installed plugin module may not implement them directly: it would
+# run in every run without being asked; a Callback class the config names does it instead.
+LIFECYCLE_HOOKS = ("gem_run_started", "gem_train_step", "gem_run_finished", "gem_report_sections")
 
 
 def autoload_enabled() -> bool:
@@ -119,6 +128,7 @@ class GemPluginManager:
                     f"plugin {ep.name!r} of distribution {dist_name} {version} failed to import "
                     f"({ep.value}): {type(exc).__name__}: {exc}"
                 ) from exc
+            _refuse_lifecycle_hooks(module, f"plugin {ep.name!r} of distribution {dist_name} {version}")
             self.register(module, name=ep.name, distribution=(dist_name, version))
 
     def _load_env_plugins(self) -> None:
@@ -137,12 +147,38 @@ class GemPluginManager:
             dists = metadata.packages_distributions().get(top, [])
             dist = dists[0] if dists else f"{top} ({PLUGINS_ENV})"
             version = getattr(importlib.import_module(top), "__version__", "-")
+            _refuse_lifecycle_hooks(module, f"plugin module {module_name!r} named in {PLUGINS_ENV}")
             self.register(module, name=module_name, distribution=(dist, str(version)))
 
     # ---------------------------------------------------------------------------------- inspection
 
     def provider(self, plugin_name: str) -> Provider:
         return self._providers[plugin_name]
+
+    def hooks_by_plugin(self) -> dict[str, list[str]]:
+        """Plugin name -> the hooks it implements (``gem-train plugins`` shows them)."""
+        out: dict[str, list[str]] = {name: [] for name in self._providers}
+        for hook_name in sorted(vars(self.pm.hook)):
+            caller = getattr(self.pm.hook, hook_name)
+            if not hook_name.startswith("gem_") or not hasattr(caller, "get_hookimpls"):
+                continue
+            for impl in caller.get_hookimpls():
+                out.setdefault(impl.plugin_name, []).append(hook_name)
+        return out
+
+    @contextlib.contextmanager
+    def callbacks_registered(self, callbacks: dict[str, Callback]) -> Iterator[None]:
+        """Register the run's callback instances (by their config name) for the duration of a run."""
+        names = []
+        try:
+            for name, callback in callbacks.items():
+                provider = self.callbacks.get(name).provider
+                names.append(self.register(callback, name=f"callback:{name}", distribution=(provider.distribution, provider.version)))
+            yield
+        finally:
+            for name in names:
+                self.pm.unregister(name=name)
+                self._providers.pop(name, None)
 
     def distributions(self) -> dict[tuple[str, str], list[str]]:
         """(distribution, version) -> names of its registered plugins."""
@@ -234,6 +270,16 @@ class GemPluginManager:
         if culprit is None or culprit == BUILTIN_PLUGIN:
             return None  # the core's own error: it needs no re-labelling
         return self._providers[culprit]
+
+
+def _refuse_lifecycle_hooks(module: object, who: str) -> None:
+    found = [h for h in LIFECYCLE_HOOKS if callable(getattr(module, h, None)) and hasattr(getattr(module, h), "gem_impl")]
+    if found:
+        raise PluginError(
+            f"{who} implements the lifecycle hook(s) {', '.join(found)} at module level, so it would run in "
+            "every run without being asked; move them onto a gem_model.lifecycle.Callback subclass returned "
+            "from gem_register_callbacks, and name it in the run config's `callbacks` list"
+        )
 
 
 def _check_class(cls: object, base: type, hook: str, provider: Provider) -> None:

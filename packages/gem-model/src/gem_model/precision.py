@@ -35,6 +35,7 @@ from torch import nn
 
 from gem_model.components import PrecisionScheme
 from gem_model.config import PrecisionConfig
+from gem_model.protocols import ShardableModel
 
 ACTIVATION_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -105,10 +106,12 @@ def set_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
 
 
 def precision_plan(model: nn.Module, config: PrecisionConfig) -> dict[str, str | None]:
-    """Module name -> scheme name (None: left as is) for every dense linear of the model."""
+    """Module name -> scheme name (None: left as is) for every dense linear of the model (those
+    outside its table modules, :meth:`gem_model.protocols.ShardableModel.table_modules`)."""
+    tables = tuple(f"{name}." for name in model.table_modules()) if isinstance(model, ShardableModel) else ()
     plan: dict[str, str | None] = {}
     for fqn, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or fqn.startswith("sparse."):
+        if not isinstance(module, nn.Linear) or (tables and fqn.startswith(tables)):
             continue
         override = next((name for pat, name in config.overrides.items() if fnmatchcase(fqn, pat)), None)
         if override is not None:

@@ -74,6 +74,7 @@ def profile_data(args: argparse.Namespace) -> int:
     from gem_model.config_io import load_config
     from gem_model.plugins import GemPluginManager
     from gem_model.registry import Registry
+    from gem_model.train.progress import task_progress
 
     config = load_config(args.config, args.overrides)
     pm = GemPluginManager()
@@ -81,7 +82,12 @@ def profile_data(args: argparse.Namespace) -> int:
     entry = sources.get(config.data.source.name)
     source = entry.cls(entry.cls.Config.model_validate(config.data.source.options))
     b = config.data.global_batch_size
-    lengths = torch.cat([source.lengths(step, b) for step in range(args.batches)]).double()
+    parts = []
+    with task_progress(args.batches, "profile data", unit="batch") as advance:
+        for step in range(args.batches):
+            parts.append(source.lengths(step, b))
+            advance(1)
+    lengths = torch.cat(parts).double()
     n = lengths.numel()
     padded = float(lengths.max()) * n
     print(f"{args.batches} global batches of {b} samples from {config.data.source.name!r}")

@@ -57,27 +57,41 @@ class Registry(Generic[C]):
         self.kind = kind
         self.config_path = config_path
         self._entries: dict[str, Entry[C]] = {}
+        self._clashes: dict[str, list[Provider]] = {}
 
     def add(self, cls: C, provider: Provider) -> None:
+        """Add ``cls`` under its ``name``. A name two plugins register is a clash: it is kept out
+        of the registry and only a run that selects it fails (:meth:`get`), naming both."""
         name = getattr(cls, "name", None)
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
             raise TypeError(
                 f"{provider} registered {cls!r} as a {self.kind} with name {name!r}: "
                 "a name must be a lowercase snake_case string"
             )
-        if name in self._entries:
-            first = self._entries[name].provider
-            raise DuplicateNameError(
-                f"{self.kind} {name!r} is registered twice: by {first} and by {provider}; "
-                "uninstall one of the two distributions or rename one"
-            )
-        self._entries[name] = Entry(cls, provider)
+        if name in self._clashes:
+            self._clashes[name].append(provider)
+        elif name in self._entries:
+            self._clashes[name] = [self._entries.pop(name).provider, provider]
+        else:
+            self._entries[name] = Entry(cls, provider)
 
     def names(self) -> list[str]:
+        """The names a config may select (a clashing name is not among them)."""
         return sorted(self._entries)
 
     def entries(self) -> dict[str, Entry[C]]:
         return dict(sorted(self._entries.items()))
+
+    def clashes(self) -> dict[str, list[Provider]]:
+        """Names registered by more than one plugin, with every provider, in registration order."""
+        return {k: list(v) for k, v in sorted(self._clashes.items())}
+
+    def clash_message(self, name: str) -> str:
+        by = " and by ".join(str(p) for p in self._clashes[name])
+        return (
+            f"{self.config_path}: {self.kind} {name!r} is registered twice: by {by}; "
+            "uninstall one of the distributions or rename one"
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
@@ -86,6 +100,8 @@ class Registry(Generic[C]):
         return len(self._entries)
 
     def get(self, name: str) -> Entry[C]:
+        if name in self._clashes:
+            raise DuplicateNameError(self.clash_message(name))
         try:
             return self._entries[name]
         except KeyError:

@@ -6,7 +6,7 @@ all problems are reported together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gem_model.components import (
     ActivationPolicy,
@@ -22,7 +22,9 @@ from gem_model.components import (
 from gem_model.config import ComponentRef, RunConfig
 from gem_model.config_io import validate
 from gem_model.errors import ConfigError, UnknownNameError
+from gem_model.lifecycle import Callback, TrainPipeline
 from gem_model.plugins import GemPluginManager
+from gem_model.protocols import Stateful
 from gem_model.registry import Registry
 
 
@@ -36,6 +38,34 @@ class Components:
     comm: CommStrategy
     source: DataSource
     balancer: LoadBalancer
+    pipeline: TrainPipeline
+    callbacks: dict[str, Callback] = field(default_factory=dict)  # by name, in config order
+
+    def named(self) -> list[tuple[str, str, Component]]:
+        """(registry, name, instance) of every component of the run: what checkpoints key state by."""
+        out: list[tuple[str, str, Component]] = [
+            ("kernels.jagged_attention", self.attention.name, self.attention),
+            ("kernels.norm_gate", self.norm_gate.name, self.norm_gate),
+        ]
+        out += [("precision_schemes", n, c) for n, c in self.precision.items()]
+        out += [("activation_policies", n, c) for n, c in self.activation.items()]
+        out += [
+            ("parallel_planners", self.planner.name, self.planner),
+            ("comm_strategies", self.comm.name, self.comm),
+            ("data_sources", self.source.name, self.source),
+            ("load_balancers", self.balancer.name, self.balancer),
+            ("train_pipelines", self.pipeline.name, self.pipeline),
+        ]
+        out += [("callbacks", n, c) for n, c in self.callbacks.items()]
+        return out
+
+    def stateful(self) -> dict[str, dict[str, Stateful]]:
+        """Registry -> name -> the components that keep state of their own (:class:`Stateful`)."""
+        out: dict[str, dict[str, Stateful]] = {}
+        for registry, name, component in self.named():
+            if isinstance(component, Stateful):
+                out.setdefault(registry, {})[name] = component
+        return out
 
 
 class _Resolver:
@@ -83,9 +113,11 @@ def resolve_components(config: RunConfig, pm: GemPluginManager) -> Components:
         "comm": r.build(pm.comm_strategies, config.comm.strategy, "comm.strategy"),
         "source": r.build(pm.data_sources, config.data.source, "data.source"),
         "balancer": r.build(pm.load_balancers, config.data.balancer, "data.balancer"),
+        "pipeline": r.build(pm.train_pipelines, config.trainer.pipeline, "trainer.pipeline"),
     }
+    callbacks = {ref.name: r.build(pm.callbacks, ref, f"callbacks.{i}") for i, ref in enumerate(config.callbacks)}
     if r.unknown:
         raise UnknownNameError("\n".join(r.unknown))
     if r.bad:
         raise ConfigError(r.bad)
-    return Components(precision=precision, activation=activation, **built)  # type: ignore[arg-type]
+    return Components(precision=precision, activation=activation, callbacks=callbacks, **built)  # type: ignore[arg-type]

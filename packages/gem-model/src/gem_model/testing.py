@@ -5,11 +5,23 @@ or ``GEM_PLUGINS=gem_model.testing``). The components are deliberately plain (a 
 attention loop, no sharding) and follow the interface contracts exactly, so a test of one real
 plugin package can fill every other seam without installing the sibling packages. Their names
 start with ``inline_`` or are kernel names no package uses, so they never clash with real plugins.
+
+For a plugin's own tests (:mod:`gem_model.testing_tools`, re-exported here):
+
+- :func:`tiny_run`: train a few steps in this process on these components plus the plugin's;
+- :func:`random_jagged_batch`: a random :class:`~gem_model.data.batch.Batch` of jagged histories;
+- :func:`fake_run_context`: a :class:`~gem_model.context.RunContext` over a real tiny model, to
+  call a callback's hooks directly.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,8 +39,14 @@ from gem_model.components import (
     PrecisionScheme,
     PreparedModel,
 )
+from gem_model.context import RunContext
+from gem_model.data.batch import Batch
 from gem_model.jagged import relative_bias_matrix, time_bias_matrix
+from gem_model.layout import Layout
+from gem_model.lifecycle import Callback
 from gem_model.markers import hookimpl
+from gem_model.plan import DensePlacement, Plan, TablePlacement
+from gem_model.results import RunSummary
 
 
 def hstu_mask(n: int, t: int, window: int, device: torch.device) -> torch.Tensor:
@@ -135,28 +153,96 @@ class PlainComm(CommStrategy):
 
     name: ClassVar[str] = "inline_comm"
 
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+    def all_reduce_sum(self, values: torch.Tensor, group: Any = None) -> torch.Tensor:
         if not (dist.is_available() and dist.is_initialized()):
             return values
         out = values.clone()
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=group)
         return out
 
-    def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return self.all_reduce_sum(values) / world
+    def all_reduce_mean(self, values: torch.Tensor, group: Any = None) -> torch.Tensor:
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        return self.all_reduce_sum(values, group) / world
 
 
 class Single(ParallelPlanner):
     name: ClassVar[str] = "inline_single"
     max_world_size: ClassVar[int | None] = 1
 
-    def prepare(self, model, *, env, comm, sparse_optimizer):
+    def plan(self, model, *, env, layout, comm, sparse_optimizer):
+        tables = {c.name: TablePlacement("unsharded", [0], rows=c.num_embeddings, dim=c.embedding_dim) for c in model.table_configs()}
+        return Plan(self.name, layout.describe(), tables, {"model": DensePlacement("local")})
+
+    def apply(self, model, plan, *, env, layout, comm, sparse_optimizer):
         model.to(env.device)
-        sparse = {f"sparse.{n}": p for n, p in model.sparse.named_parameters()}
-        dense = [(n, p) for n, p in model.named_parameters() if not n.startswith("sparse.")]
+        sparse = {f"{m}.{n}": p for m, module in model.table_modules().items() for n, p in module.named_parameters()}
+        dense = model.dense_named_parameters()
         opt = KeyedOptimizerWrapper(sparse, lambda ps: sparse_optimizer.cls(ps, **sparse_optimizer.kwargs))
         return PreparedModel(module=model, dense_parameters=dense, sparse_optimizer=opt, sparse_optimizer_fused=False)
+
+
+class Replicated(Single):
+    """Every rank holds the whole model and runs the whole global batch: the layout has a ``tp`` dim
+    of degree ``world_size`` and no data parallelism, which is what the ranks of one tensor-parallel
+    group see of the data (no tensor is split: the ranks stay identical without any gradient sync)."""
+
+    name: ClassVar[str] = "inline_replicated"
+    max_world_size: ClassVar[int | None] = None
+
+    def layout(self, env):
+        group = dist.group.WORLD if env.distributed else None
+        return Layout({"tp": env.world_size}, {"tp": env.rank}, {"tp": group})
+
+
+class RecorderConfig(ComponentConfig):
+    label: str = "recorder"
+
+
+class Recorder(Callback):
+    """A callback that records the lifecycle calls it sees and keeps a step count as its state."""
+
+    name: ClassVar[str] = "inline_recorder"
+    Config = RecorderConfig
+    config: RecorderConfig
+    runs: ClassVar[list[Recorder]] = []  # every instance a run built, for tests to read
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.events: list[str] = []
+        self.steps_seen = torch.zeros((), dtype=torch.int64)
+        Recorder.runs.append(self)
+
+    @hookimpl
+    def gem_run_started(self, run):
+        self.events.append(f"started {run.step}")
+
+    @hookimpl(wrapper=True)
+    def gem_train_step(self, run, step):
+        result = yield
+        self.steps_seen += 1
+        self.events.append(f"step {step}")
+        return result
+
+    @hookimpl
+    def gem_run_finished(self, run, summary):
+        self.events.append(f"finished {summary.steps}")
+
+    @hookimpl
+    def gem_report_sections(self, run, summary):
+        from gem_model.results import ReportSection
+
+        return [ReportSection(self.config.label, [("steps seen", str(int(self.steps_seen)))])]
+
+    def state_dict(self):
+        return {"steps_seen": self.steps_seen}
+
+    def load_state_dict(self, state):
+        self.steps_seen = state["steps_seen"].clone()
+
+
+@hookimpl
+def gem_register_callbacks():
+    return [Recorder]
 
 
 @hookimpl
@@ -181,4 +267,87 @@ def gem_register_comm_strategies():
 
 @hookimpl
 def gem_register_parallel_planners():
-    return [Single]
+    return [Single, Replicated]
+
+
+
+# ------------------------------------------------------------------------- tools for plugin tests
+
+INLINE_OVERRIDES = (
+    "kernels.jagged_attention=loop",
+    "kernels.norm_gate=loop",
+    "precision.scheme=inline_fp32",
+    "activation.policy=inline_none",
+    "parallel.planner=inline_single",
+    "comm.strategy=inline_comm",
+    "trainer.progress=false",
+    "trainer.log_every=1",
+    "trainer.eval_at_end=false",
+    "data.global_batch_size=16",
+    "data.source.options.max_len=15",
+    "model.max_seq_len=16",
+    "model.num_blocks=1",
+)
+"""A tiny run on this module's components; later overrides (a plugin's own names) win."""
+
+
+@dataclass
+class TinyRun:
+    summary: RunSummary
+    losses: list[float]
+    """``step_loss`` of every step, as the metrics file has them."""
+    output_dir: Path
+
+
+def tiny_run(
+    *overrides: str, output_dir: str | Path, steps: int = 4, plugins: Sequence[object] = ()
+) -> TinyRun:
+    """Train ``steps`` steps in this process on the inline components, with ``plugins`` registered
+    too (a plugin module, or callback classes through their own module) and ``overrides`` on top."""
+    from gem_model.config_io import load_config
+    from gem_model.plugins import GemPluginManager
+    from gem_model.trainer import train
+
+    out = Path(output_dir)
+    config = load_config(None, [*INLINE_OVERRIDES, f"trainer.steps={steps}", f"trainer.output_dir={out}", *overrides])
+    pm = GemPluginManager(autoload=False, plugins=[sys.modules[__name__], *plugins])
+    summary = train(config, pm)
+    metrics = out / "metrics.jsonl"
+    losses = [json.loads(x)["step_loss"] for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    return TinyRun(summary, losses, out)
+
+
+def random_jagged_batch(
+    batch_size: int = 4, *, max_len: int = 15, seed: int = 0, num_items: int = 1000, min_len: int = 0
+) -> Batch:
+    """A random batch of jagged histories (lengths in [min_len, max_len]), from the synthetic source."""
+    from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
+
+    source = SyntheticSource(SyntheticConfig(seed=seed, max_len=max_len, min_len=min_len, num_items=num_items))
+    return source.make_batch(0, batch_size, torch.arange(batch_size))
+
+
+def fake_run_context(*overrides: str, output_dir: str | Path, step: int = 0) -> RunContext:
+    """A :class:`RunContext` over a real tiny model on one process (inline components, no training
+    loop), for calling a callback's hooks directly. ``overrides`` as for :func:`tiny_run`."""
+    from gem_model.config_io import load_config
+    from gem_model.context import Optimizers
+    from gem_model.distributed import DistEnv
+    from gem_model.model.gem import GemModel
+    from gem_model.plugins import GemPluginManager
+    from gem_model.resolve import resolve_components
+    from gem_model.train.optim import sparse_optimizer_spec
+
+    config = load_config(None, [*INLINE_OVERRIDES, f"trainer.output_dir={output_dir}", *overrides])
+    c = resolve_components(config, GemPluginManager(autoload=False, plugins=[sys.modules[__name__]]))
+    env = DistEnv(0, 1, 0, torch.device("cpu"), None)
+    model = GemModel(config.model, c.source.feature_spec(), attention=c.attention, norm_gate=c.norm_gate)
+    spec = sparse_optimizer_spec(config.trainer)
+    layout = c.planner.layout(env)
+    plan = c.planner.plan(model, env=env, layout=layout, comm=c.comm, sparse_optimizer=spec)
+    prepared = c.planner.apply(model, plan, env=env, layout=layout, comm=c.comm, sparse_optimizer=spec)
+    dense = torch.optim.AdamW([p for _, p in prepared.dense_parameters], lr=config.trainer.dense_lr)
+    names = [n for n, _ in prepared.dense_parameters]
+    optimizers = Optimizers(dense, names, prepared.sparse_optimizer, prepared.sparse_optimizer_fused)
+    c.comm.setup(env)
+    return RunContext(config, layout, plan, prepared.module, optimizers, c.comm, Path(output_dir), env.device, step)

@@ -6,7 +6,7 @@ from gem_model.config import RunConfig
 from gem_model.distributed import init_distributed, teardown
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import resolve_components
-from gem_model.train.report import RunSummary
+from gem_model.results import RunSummary
 from gem_model.train.run import Run
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -33,7 +34,10 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from gem_model.components import CommStrategy, ComponentConfig, ParallelPlanner, PreparedModel, SparseOptimizerSpec
 from gem_model.distributed import DistEnv
-from gem_model.model.gem import GemModel
+from gem_model.layout import Layout
+from gem_model.plan import DensePlacement, Plan, TablePlacement
+from gem_model.protocols import ShardableModel
+from gem_parallel.single import dense_modules
 from gem_parallel.state import copy_full_into_shards
 
 ShardingTypeName = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
@@ -67,49 +71,80 @@ class TorchrecDDPPlanner(ParallelPlanner):
     Config = TorchrecDDPConfig
     config: TorchrecDDPConfig
 
-    def prepare(
-        self, model: GemModel, *, env: DistEnv, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
+    def layout(self, env: DistEnv) -> Layout:
+        """Every rank a data-parallel replica; its one dim's group is the default group's mesh."""
+        if not (env.distributed and dist.is_initialized()):  # gem-train plan: degrees only
+            return Layout.data_parallel(rank=env.rank, world_size=env.world_size)
+        mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp_replicate",))
+        return Layout.data_parallel(rank=env.rank, world_size=env.world_size, group=mesh.get_group(), mesh=mesh)
+
+    def plan(
+        self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
+    ) -> Plan:
+        if env.device.type == "cpu" and not sparse_optimizer.fused_on_cpu:
+            raise ValueError(
+                f"trainer.sparse_optimizer {sparse_optimizer.name!r}: FBGEMM's fused table update has no CPU kernel, "
+                "so parallel.planner 'torchrec_ddp' cannot use it on the CPU; use rowwise_adagrad there or run on CUDA"
+            )
+        # torchrec's planner costs the fused optimizer's state, so the tables carry it before planning
+        _fuse_table_optimizer(model, sparse_optimizer)
+        constraints = {
+            cfg.name: ParameterConstraints(sharding_types=list(self.config.sharding_types), compute_kernels=["fused"])
+            for cfg in model.table_configs()
+        }
+        hbm = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
+        planner = EmbeddingShardingPlanner(  # the device's real HBM, not torchrec's 32 GB default
+            topology=Topology(world_size=layout.world_size, compute_device=env.device.type, hbm_cap=hbm),
+            constraints=constraints,
+        )
+        sharders = _sharders(comm)
+        if env.distributed:  # rank 0 plans, every rank gets its plan
+            native = planner.collective_plan(model, sharders, layout.group("dp_replicate"))  # type: ignore[arg-type]
+        else:
+            native = planner.plan(model, sharders)  # type: ignore[arg-type]
+        sizes = {cfg.name: (cfg.num_embeddings, cfg.embedding_dim) for cfg in model.table_configs()}
+        tables = {
+            table: TablePlacement(
+                ps.sharding_type, list(ps.ranks or []), ps.compute_kernel, rows=sizes[table][0], dim=sizes[table][1]
+            )
+            for module_plan in native.plan.values()
+            for table, ps in module_plan.items()  # type: ignore[attr-defined]
+        }
+        missing = sorted(set(sizes) - set(tables))
+        if missing:
+            raise ValueError(f"parallel.planner 'torchrec_ddp': torchrec's plan places no shard of table(s) {missing}")
+        dense = {name: DensePlacement("replicated", ["dp_replicate"], n) for name, n in dense_modules(model).items()}
+        return Plan(self.name, layout.describe(), tables, dense, native=native)
+
+    def apply(
+        self,
+        model: ShardableModel,
+        plan: Plan,
+        *,
+        env: DistEnv,
+        layout: Layout,
+        comm: CommStrategy,
+        sparse_optimizer: SparseOptimizerSpec,
     ) -> PreparedModel:
         if not env.distributed:
             raise ValueError(
                 "parallel.planner 'torchrec_ddp' needs a process group: launch with torchrun "
                 "(or gem-train run --nproc N), or use parallel.planner=single"
             )
-        if env.device.type == "cpu" and not sparse_optimizer.fused_on_cpu:
-            raise ValueError(
-                f"trainer.sparse_optimizer {sparse_optimizer.name!r}: FBGEMM's fused table update has no CPU kernel, "
-                "so parallel.planner 'torchrec_ddp' cannot use it on the CPU; use rowwise_adagrad there or run on CUDA"
-            )
-        pg = dist.GroupMember.WORLD
-        assert pg is not None
+        if plan.native is None:
+            raise ValueError("parallel.planner 'torchrec_ddp' applies only a plan it made in this process (plan.native)")
         # Tables built on the meta device (model.table_init: device) are drawn by torchrec on each
         # rank's device, uniformly within the configs' weight_init bounds; others are copied from the host.
-        on_meta = model.sparse.on_meta
-        full = {} if on_meta else {f"sparse.{k}": v.detach().clone() for k, v in model.sparse.state_dict().items()}
-        fused_cls, fused_kwargs = sparse_optimizer.fused()
-        apply_optimizer_in_backward(fused_cls, list(model.sparse.parameters()), fused_kwargs)
-        codecs = get_qcomm_codecs_registry(comm.embedding_qcomms()) if comm.embedding_qcomms() else None
-        sharders = [
-            EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs),
-            EmbeddingCollectionSharder(qcomm_codecs_registry=codecs),
-        ]
-        constraints = {
-            name: ParameterConstraints(sharding_types=list(self.config.sharding_types), compute_kernels=["fused"])
-            for name in _table_names(model)
-        }
-        hbm = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
-        planner = EmbeddingShardingPlanner(  # the device's real HBM, not torchrec's 32 GB default
-            topology=Topology(world_size=env.world_size, compute_device=env.device.type, hbm_cap=hbm),
-            constraints=constraints,
-        )
-        plan = planner.collective_plan(model, sharders, pg)
-        model.sparse.grad_scale = 1.0 if get_gradient_division() else 1.0 / env.world_size
+        on_meta = model.tables_on_meta
+        full = {} if on_meta else {k: v.detach().clone() for k, v in model.table_state_dict().items()}
+        _fuse_table_optimizer(model, sparse_optimizer)
+        model.set_table_grad_scale(1.0 if get_gradient_division() else 1.0 / layout.dp_degree)
         dmp = DistributedModelParallel(
-            model,
-            env=ShardingEnv.from_process_group(pg),
+            model,  # type: ignore[arg-type]
+            env=ShardingEnv.from_process_group(layout.group("dp_replicate")),
             device=env.device,
-            plan=plan,
-            sharders=sharders,
+            plan=plan.native,
+            sharders=_sharders(comm),
             data_parallel_wrapper=_CommAwareDDP(comm, self.config),
         )
         copied = 0 if on_meta else copy_full_into_shards(dmp, full)
@@ -120,12 +155,22 @@ class TorchrecDDPPlanner(ParallelPlanner):
             dense_parameters=dense,
             sparse_optimizer=dmp.fused_optimizer,
             sparse_optimizer_fused=True,
-            plan_summary=f"tables sharded over {env.world_size} ranks ({where})\n{plan}",
+            plan_summary=f"tables sharded over {layout.world_size} ranks ({where})\n{plan.native}",
         )
 
 
-def _table_names(model: GemModel) -> list[str]:
-    names = [cfg.name for cfg in model.sparse.ec.embedding_configs()]
-    if model.sparse.ebc is not None:
-        names += [cfg.name for cfg in model.sparse.ebc.embedding_bag_configs()]
-    return names
+def _sharders(comm: CommStrategy) -> list:
+    codecs = get_qcomm_codecs_registry(comm.embedding_qcomms()) if comm.embedding_qcomms() else None
+    return [
+        EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs),
+        EmbeddingCollectionSharder(qcomm_codecs_registry=codecs),
+    ]
+
+
+def _fuse_table_optimizer(model: ShardableModel, sparse_optimizer: SparseOptimizerSpec) -> None:
+    """torchrec's ``apply_optimizer_in_backward`` on every table, once (plan and apply both need it)."""
+    params = [p for module in model.table_modules().values() for p in module.parameters()]
+    if all(hasattr(p, "_in_backward_optimizers") for p in params):
+        return
+    fused_cls, fused_kwargs = sparse_optimizer.fused()
+    apply_optimizer_in_backward(fused_cls, params, fused_kwargs)

@@ -8,36 +8,72 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from torch import nn
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 from gem_model.components import CommStrategy, ParallelPlanner, PreparedModel, SparseOptimizerSpec
 from gem_model.distributed import DistEnv
-from gem_model.model.gem import GemModel
+from gem_model.layout import Layout
+from gem_model.plan import DensePlacement, Plan, TablePlacement
+from gem_model.protocols import ShardableModel
+
+
+def dense_modules(model: ShardableModel) -> dict[str, int]:
+    """Top-level dense module name -> its parameter count (the rows of a plan's dense part)."""
+    out: dict[str, int] = {}
+    for name, p in model.dense_named_parameters():
+        top = name.split(".")[0]
+        out[top] = out.get(top, 0) + p.numel()
+    return out
 
 
 class SinglePlanner(ParallelPlanner):
     name: ClassVar[str] = "single"
     max_world_size: ClassVar[int | None] = 1
 
-    def prepare(
-        self, model: GemModel, *, env: DistEnv, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
-    ) -> PreparedModel:
+    def layout(self, env: DistEnv) -> Layout:
         if env.world_size != 1:
             raise ValueError(
                 f"parallel.planner 'single' runs one process, but this run has {env.world_size}; "
                 "use parallel.planner=torchrec_ddp"
             )
-        if model.sparse.on_meta:  # model.table_init: device
-            model.sparse.materialize_on(env.device, model.seed)
-        model.to(env.device)
-        tables = {f"sparse.{n}": p for n, p in model.sparse.named_parameters()}
-        dense = [(n, p) for n, p in model.named_parameters() if not n.startswith("sparse.")]
+        return Layout.data_parallel(rank=0, world_size=1)
+
+    def plan(
+        self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
+    ) -> Plan:
+        tables = {
+            c.name: TablePlacement("unsharded", [0], rows=c.num_embeddings, dim=c.embedding_dim)
+            for c in model.table_configs()
+        }
+        dense = {name: DensePlacement("local", parameters=n) for name, n in dense_modules(model).items()}
+        return Plan(self.name, layout.describe(), tables, dense)
+
+    def apply(
+        self,
+        model: ShardableModel,
+        plan: Plan,
+        *,
+        env: DistEnv,
+        layout: Layout,
+        comm: CommStrategy,
+        sparse_optimizer: SparseOptimizerSpec,
+    ) -> PreparedModel:
+        if model.tables_on_meta:  # model.table_init: device
+            model.materialize_tables(env.device)
+        model.to(env.device)  # type: ignore[attr-defined]
+        tables = {n: p for module_name, module in model.table_modules().items() for n, p in _named(module_name, module)}
+        dense = model.dense_named_parameters()
         optimizer = KeyedOptimizerWrapper(tables, lambda params: sparse_optimizer.cls(params, **sparse_optimizer.kwargs))
         summary = f"single process on {env.device}: {len(tables)} tables unsharded, {len(dense)} dense tensors"
         return PreparedModel(
-            module=model,
+            module=model,  # type: ignore[arg-type]
             dense_parameters=dense,
             sparse_optimizer=optimizer,
             sparse_optimizer_fused=False,
             plan_summary=summary,
         )
+
+
+def _named(prefix: str, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]

@@ -18,7 +18,7 @@ of a data-parallel run equals the loss of the same global batch on one process.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +154,36 @@ class GemModel(nn.Module):
     def activation_blocks(self) -> list[str]:
         """Names of the modules an activation policy wraps."""
         return [f"blocks.{i}" for i in range(len(self.blocks))]
+
+    # ------------------------------------------- what planners see (gem_model.protocols.ShardableModel)
+
+    def table_modules(self) -> dict[str, nn.Module]:
+        out: dict[str, nn.Module] = {"sparse.ec": self.sparse.ec}
+        if self.sparse.ebc is not None:
+            out["sparse.ebc"] = self.sparse.ebc
+        return out
+
+    def table_configs(self) -> list[Any]:
+        configs: list[Any] = list(self.sparse.ec.embedding_configs())
+        if self.sparse.ebc is not None:
+            configs += self.sparse.ebc.embedding_bag_configs()
+        return configs
+
+    def table_state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"sparse.{k}": v for k, v in self.sparse.state_dict().items()}
+
+    def dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if not n.startswith("sparse.")]
+
+    @property
+    def tables_on_meta(self) -> bool:
+        return self.sparse.on_meta
+
+    def materialize_tables(self, device: torch.device) -> None:
+        self.sparse.materialize_on(device, self.seed)
+
+    def set_table_grad_scale(self, scale: float) -> None:
+        self.sparse.grad_scale = scale
 
     # ------------------------------------------------------------------------------------ forward
 

@@ -2,7 +2,7 @@
 
 Layout under ``<output_dir>/checkpoints``::
 
-    step_00000120/          a complete checkpoint (DCP files + meta.json)
+    step_00000120/          a complete checkpoint (DCP files + meta.json + plan.json)
     step_00000140.partial/  being written; renamed only once every rank has finished
 
 A checkpoint becomes visible by an atomic rename after all ranks wrote their part, so a crash or a
@@ -32,12 +32,14 @@ PARTIAL = ".partial"
 # What of the run config shapes a checkpoint, or what continuing it means: a checkpoint whose saved
 # config differs from this run's in anything else (top-level sections and trainer fields not listed
 # here) is another run's. How long a run trains, how it logs, evaluates, where it writes, which
-# kernels or communication strategy compute the same thing: none of them make it another run.
-IGNORED_TOP = frozenset({"kernels", "comm"})
+# kernels, communication strategy or train pipeline compute the same thing, which callbacks observe
+# it: none of them make it another run.
+IGNORED_TOP = frozenset({"kernels", "comm", "callbacks"})
 IGNORED_TRAINER = frozenset(
     {
         "steps", "device", "prefetch", "log_every", "output_dir", "checkpoint_every", "checkpoint_at_end",
-        "resume", "time_limit_s", "eval_every", "eval_at_end", "progress", "peak_flops", "compile",
+        "resume", "time_limit_s", "eval_every", "eval_at_end", "progress", "tensorboard", "peak_flops",
+        "compile", "pipeline",
     }
 )  # fmt: skip
 _MISSING = object()
@@ -158,7 +160,8 @@ class Checkpointer:
         if self.env.distributed:
             dist.barrier()
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], files: dict[str, str] | None = None) -> Path:
+        """Write ``state`` (DCP, every rank), ``meta.json`` and ``files`` (name -> text, rank 0)."""
         final = step_dir(self.root, step)
         partial = final.with_name(final.name + PARTIAL)
         if self.env.is_main:
@@ -169,6 +172,8 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=str(partial))
         self._barrier()
         if self.env.is_main:
+            for name, text in (files or {}).items():
+                (partial / name).write_text(text)
             (partial / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
             if final.exists():
                 shutil.rmtree(final)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from gem_model.train.tensorboard import TensorBoardWriter
 
 # Dense peak FLOP/s per device (vendor figures, without sparsity). fp8 applies when the precision
 # scheme runs its GEMMs in fp8.
@@ -47,24 +50,35 @@ def peak_flops(device: torch.device, scheme: str, override: float | None = None)
 
 
 class MetricsFile:
-    """Appends one JSON object per line; only rank 0 writes."""
+    """Appends one JSON object per line; only rank 0 writes. With ``tensorboard``, every record also
+    goes to TensorBoard scalars in the folder ``tensorboard/`` beside the file (``trainer.tensorboard``)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, *, tensorboard: bool = False):
         self.path = path
         self._fh: IO[str] | None = None
+        self._tensorboard: TensorBoardWriter | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from gem_model.train.tensorboard import SUBDIR, TensorBoardWriter
+
+                self._tensorboard = TensorBoardWriter(path.parent / SUBDIR)
             self._fh = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._fh is not None:
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.write(record)
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 class Throughput:

@@ -4,7 +4,9 @@
    (per-module overrides, exclusions, min dims) and the model's activation dtype is set;
 2. the activation policy (checkpointing or fp8 saved activations) wraps the HSTU blocks;
 3. optional ``torch.compile`` of the blocks;
-4. the parallel planner places the model (torchrec sharding for tables; DDP or others for dense).
+4. the parallel planner plans where every table and dense module goes (plain data, a
+   :class:`~gem_model.plan.Plan`), then applies that plan (torchrec sharding for tables; DDP or
+   others for dense).
 
 Precision comes before the activation policy so that a checkpointed block recomputes the converted
 linears, and both come before the planner so that sharding/DDP wrap the final modules.
@@ -22,12 +24,16 @@ from gem_model.components import (
     PreparedModel,
     SparseOptimizerSpec,
 )
-from gem_model.config import ActivationConfig, PrecisionConfig
-from gem_model.distributed import DistEnv
+from gem_model.config import ActivationConfig, PrecisionConfig, RunConfig
+from gem_model.distributed import DistEnv, pick_device
+from gem_model.layout import Layout
 from gem_model.model.gem import GemModel
+from gem_model.plan import Plan
 from gem_model.precision import apply_precision, precision_plan, set_submodule
+from gem_model.resolve import Components
+from gem_model.train.optim import sparse_optimizer_spec
 
-__all__ = ["apply_activation", "apply_precision", "precision_plan", "prepare_model"]
+__all__ = ["apply_activation", "apply_precision", "offline_plan", "precision_plan", "prepare_model"]
 
 
 def apply_activation(
@@ -53,6 +59,7 @@ def prepare_model(
     policies: dict[str, ActivationPolicy],
     compile_blocks: bool,
     planner: ParallelPlanner,
+    layout: Layout,
     env: DistEnv,
     comm: CommStrategy,
     sparse_optimizer: SparseOptimizerSpec,
@@ -62,5 +69,23 @@ def prepare_model(
     if compile_blocks:  # 3
         for fqn in model.activation_blocks():
             model.get_submodule(fqn).compile()
-    prepared = planner.prepare(model, env=env, comm=comm, sparse_optimizer=sparse_optimizer)  # 4
-    return prepared, {"precision": policy.plan, "activation": activation, "policy": policy}
+    plan = planner.plan(model, env=env, layout=layout, comm=comm, sparse_optimizer=sparse_optimizer)  # 4
+    prepared = planner.apply(model, plan, env=env, layout=layout, comm=comm, sparse_optimizer=sparse_optimizer)
+    return prepared, {"precision": policy.plan, "activation": activation, "policy": policy, "parallel": plan}
+
+
+def offline_plan(config: RunConfig, components: Components, *, world_size: int) -> Plan:
+    """The plan a run of ``config`` on ``world_size`` processes would get, made in this process
+    without a process group (``gem-train plan``). The tables are built on the meta device, so a
+    plan of tens of GB of tables takes no memory; layout groups are None."""
+    device = pick_device(config.trainer.device, 0)
+    env = DistEnv(0, world_size, 0, device, None)
+    layout = components.planner.layout(env)
+    model_config = config.model.model_copy(update={"table_init": "device"})
+    spec = components.source.feature_spec()
+    model = GemModel(
+        model_config, spec, attention=components.attention, norm_gate=components.norm_gate, seed=config.trainer.seed
+    )
+    return components.planner.plan(
+        model, env=env, layout=layout, comm=components.comm, sparse_optimizer=sparse_optimizer_spec(config.trainer)
+    )

@@ -1,22 +1,96 @@
-"""Live progress on rank 0: a tqdm bar on a terminal, one line per log interval otherwise."""
+"""Live progress on rank 0: a rich display on a terminal, one line per log interval otherwise.
+
+On a terminal (stderr is a TTY) long work shows a rich progress display: what runs, a bar, done of
+total, the rate, the time left and, for training, the current loss and throughput. Elsewhere (CI,
+a log file) training prints the plain line of each log interval, and other work prints nothing.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from tqdm import tqdm
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as RichProgress
+from rich.table import Column
+from rich.text import Text
+
+
+class RateColumn(ProgressColumn):
+    """Units per second over rich's recent-update window (``-`` until there are two updates)."""
+
+    def render(self, task: Task) -> Text:
+        unit = task.fields.get("unit", "it")
+        return Text("-" if task.speed is None else f"{task.speed:,.2f} {unit}/s")
+
+
+def _fixed() -> Column:
+    return Column(no_wrap=True)
+
+
+def live_display(console: Console | None = None) -> RichProgress:
+    """The rich display every kind of long work uses (``console``: stderr by default).
+
+    The columns before the last keep their width; the last (the current loss and throughput) is cut
+    on a narrow terminal.
+    """
+    return RichProgress(
+        TextColumn("[bold]{task.description}", table_column=_fixed()),
+        BarColumn(bar_width=16, table_column=_fixed()),
+        MofNCompleteColumn(table_column=_fixed()),
+        RateColumn(table_column=_fixed()),
+        TimeElapsedColumn(table_column=_fixed()),
+        TextColumn("ETA", table_column=_fixed()),
+        TimeRemainingColumn(compact=True, table_column=_fixed()),
+        TextColumn("{task.fields[info]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+        console=console if console is not None else Console(file=sys.stderr),
+        refresh_per_second=4,
+        expand=True,
+    )
+
+
+@contextmanager
+def task_progress(
+    total: int, description: str, *, unit: str = "it", console: Console | None = None
+) -> Iterator[Callable[[int], None]]:
+    """``advance(n)`` for work of ``total`` units: a live display on a terminal, a no-op elsewhere."""
+    if console is None and not sys.stderr.isatty():
+        yield lambda n: None
+        return
+    with live_display(console) as display:
+        task = display.add_task(description, total=total, unit=unit, info="")
+        yield lambda n: display.advance(task, n)
 
 
 class Progress:
-    def __init__(self, total: int, initial: int, enabled: bool, name: str):
+    """Training progress: ``update(step, metrics)`` after every step, ``metrics`` on logged steps.
+
+    ``console`` forces the live display onto that console (tests); by default it is used when stderr is
+    a terminal.
+    """
+
+    def __init__(self, total: int, initial: int, enabled: bool, name: str, console: Console | None = None):
         self.enabled = enabled
-        self.tty = sys.stderr.isatty()
+        self.tty = console is not None or sys.stderr.isatty()
         self.total = total
         self.name = name
-        self._bar: Any = None
+        self._display: RichProgress | None = None
+        self._task: Any = None
         if enabled and self.tty:
-            self._bar = tqdm(total=total, initial=initial, desc=name, unit="step", dynamic_ncols=True)
+            self._display = live_display(console)
+            self._task = self._display.add_task(name, total=total, completed=initial, unit="step", info="")
+            self._display.start()
 
     @staticmethod
     def _fields(metrics: dict[str, float]) -> dict[str, str]:
@@ -30,14 +104,14 @@ class Progress:
     def update(self, step: int, metrics: dict[str, float] | None) -> None:
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.update(1)
-            if metrics is not None:
-                self._bar.set_postfix(self._fields(metrics), refresh=False)
+        if self._display is not None:
+            info = None if metrics is None else "  ".join(f"{k} {v}" for k, v in self._fields(metrics).items())
+            self._display.update(self._task, advance=1, **({} if info is None else {"info": info}))
         elif metrics is not None:
             fields = "  ".join(f"{k} {v}" for k, v in self._fields(metrics).items())
             print(f"[{self.name}] step {step + 1}/{self.total}  {fields}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        if self._display is not None:
+            self._display.stop()
+            self._display = None

@@ -1,54 +1,13 @@
-"""The end-of-run summary and its printed table."""
+"""The end-of-run report: the summary and the plugins' sections as one printed table.
+
+The types live in the leaf module :mod:`gem_model.results`; they are re-exported here too.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from gem_model.results import ReportSection, RunSummary
 
-
-@dataclass
-class ReportSection:
-    """A titled list of (label, value) rows; plugins add sections through ``gem_report_sections``."""
-
-    title: str
-    rows: list[tuple[str, str]]
-
-
-@dataclass
-class RunSummary:
-    name: str
-    steps: int
-    first_loss: float
-    last_loss: float
-    wall_seconds: float
-    samples_per_s: float
-    tokens_per_s: float
-    mfu: float
-    peak_flops: float
-    peak_source: str
-    world_size: int
-    device: str
-    components: dict[str, str]
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def section(self) -> ReportSection:
-        rows = [
-            ("run", self.name),
-            ("steps", str(self.steps)),
-            ("loss (first -> last)", f"{self.first_loss:.4f} -> {self.last_loss:.4f}"),
-            ("wall time", f"{self.wall_seconds:.1f} s"),
-            ("samples / s", f"{self.samples_per_s:,.0f}"),
-            ("tokens / s", f"{self.tokens_per_s:,.0f}"),
-            ("MFU", f"{100 * self.mfu:.2f} % of {self.peak_flops / 1e12:.3g} TFLOP/s x {self.world_size} ({self.peak_source})"),
-            ("processes", f"{self.world_size} on {self.device}"),
-        ]
-        rows += [(k, v) for k, v in self.components.items()]
-        for key, value in sorted((self.extra.get("eval") or {}).items()):
-            rows.append((key, f"{value:.4f}"))
-        plan = str(self.extra.get("plan", "")).splitlines()
-        if plan:
-            rows.append(("placement", plan[0]))
-        return ReportSection("summary", rows)
+__all__ = ["ReportSection", "RunSummary", "format_sections"]
 
 
 def format_sections(sections: list[ReportSection]) -> str:

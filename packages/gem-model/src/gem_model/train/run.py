@@ -4,46 +4,34 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from gem_model.components import PreparedModel
 from gem_model.config import RunConfig
+from gem_model.context import Optimizers, RunContext
 from gem_model.data.batch import Batch
 from gem_model.data.loader import ShardedLoader
 from gem_model.data.prefetch import StepFacts, make_feed
 from gem_model.distributed import DistEnv
-from gem_model.errors import CheckpointError, KernelUnavailableError, NonFiniteLossError
+from gem_model.errors import CheckpointError, KernelUnavailableError
 from gem_model.model.flops import count_flops
 from gem_model.model.gem import GemModel
+from gem_model.plan import Plan
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
+from gem_model.results import ReportSection, RunSummary, StepResult
 from gem_model.train import checkpoint as ckpt
-from gem_model.train.metrics import MetricsFile, StepClock, Throughput, peak_flops
-from gem_model.train.optim import set_learning_rate, sparse_optimizer_spec, warmup_factor
+from gem_model.train import state as run_state
+from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
+from gem_model.train.optim import sparse_optimizer_spec
 from gem_model.train.prepare import prepare_model
 from gem_model.train.progress import Progress
-from gem_model.train.report import ReportSection, RunSummary, format_sections
+from gem_model.train.report import format_sections
+from gem_model.train.step import CoreStep
 
-
-@dataclass
-class StepResult:
-    """One step, reduced over all ranks."""
-
-    step: int
-    loss: float
-    task_loss: float
-    next_item_loss: float
-    samples: int
-    tokens: int
-    flops: float
-    seconds: float
-    """Wall time since the previous step ended (see :class:`~gem_model.train.metrics.StepClock`)."""
-    out_of_time: bool = False
-    """``trainer.time_limit_s`` has passed on rank 0: the loop stops after this step."""
+__all__ = ["Run", "StepResult"]
 
 
 class Run:
@@ -53,19 +41,23 @@ class Run:
         torch.manual_seed(tc.seed * 1_000 + env.rank)
         components.comm.setup(env)
         self.comm = components.comm
+        self.layout = components.planner.layout(env)  # before the loader: it shards by the dp rank
+        if self.layout.world_size != env.world_size:
+            raise ValueError(
+                f"parallel.planner {components.planner.name!r} made the layout {self.layout}, "
+                f"but the run has {env.world_size} processes; its degrees must multiply to that"
+            )
         self.loader = ShardedLoader(
             components.source,
             components.balancer,
             global_batch_size=config.data.global_batch_size,
-            rank=env.rank,
-            world_size=env.world_size,
+            rank=self.layout.dp_rank,
+            world_size=self.layout.dp_degree,
         )
         self.spec = self.loader.spec
         self.feed = make_feed(
             self.loader, prefetch=tc.prefetch, device=env.device, facts=self._batch_facts, end=tc.steps
         )
-        self.clock = StepClock()
-        self._deadline: float | None = None  # perf_counter() time when trainer.time_limit_s runs out
         for kernel, path in ((components.attention, "jagged_attention"), (components.norm_gate, "norm_gate")):
             try:
                 kernel.check_available(env.device)
@@ -83,21 +75,57 @@ class Run:
             policies=components.activation,
             compile_blocks=tc.compile,
             planner=components.planner,
+            layout=self.layout,
             env=env,
             comm=components.comm,
             sparse_optimizer=sparse_optimizer_spec(tc),
         )
-        self.dense_names = [n for n, _ in self.prepared.dense_parameters]
-        self.dense_optimizer = torch.optim.AdamW(
+        self.plan: Plan = self.plans["parallel"]  # type: ignore[assignment]
+        dense_optimizer = torch.optim.AdamW(
             [p for _, p in self.prepared.dense_parameters], lr=tc.dense_lr, betas=tc.betas, weight_decay=tc.weight_decay
+        )
+        self.optimizers = Optimizers(
+            dense_optimizer,
+            [n for n, _ in self.prepared.dense_parameters],
+            self.prepared.sparse_optimizer,
+            self.prepared.sparse_optimizer_fused,
         )
         self.output_dir = Path(tc.output_dir.format(name=config.name))
         self.checkpointer = ckpt.Checkpointer(self.output_dir / "checkpoints", env)
-        self.metrics = MetricsFile(self.output_dir / "metrics.jsonl" if env.is_main else None)
+        self.metrics = MetricsFile(self.output_dir / "metrics.jsonl" if env.is_main else None, tensorboard=tc.tensorboard)
         self.peak, self.peak_source = peak_flops(env.device, config.precision.scheme.name, tc.peak_flops)
         self.start_step = 0
         self.steps_done = config.trainer.steps  # fewer when trainer.time_limit_s stops the run early
         self.last_checkpoint: Path | None = None
+        components.pipeline.setup(
+            model=self.prepared.module, optimizers=self.optimizers, feed=self.feed, layout=self.layout
+        )
+        self.core_step = CoreStep(
+            config=config,
+            layout=self.layout,
+            comm=self.comm,
+            pipeline=components.pipeline,
+            optimizers=self.optimizers,
+            dense_parameters=[p for _, p in self.prepared.dense_parameters],
+            device=env.device,
+            last_checkpoint=lambda: self.last_checkpoint,
+        )
+        self.context = RunContext(
+            config=config,
+            layout=self.layout,
+            plan=self.plan,
+            model=self.prepared.module,
+            optimizers=self.optimizers,
+            comm=self.comm,
+            output_dir=self.output_dir,
+            device=env.device,
+            _execute_step=self.core_step,
+        )
+        self._continue_or_refuse()
+
+    def _continue_or_refuse(self) -> None:
+        """Resume this run's latest checkpoint, or refuse an output directory holding another's."""
+        tc, config, env = self.config.trainer, self.config, self.env
         latest = ckpt.latest_checkpoint(self.checkpointer.root)
         if tc.resume is None and latest is not None:  # auto: continue this run, refuse another's
             meta = ckpt.read_meta(latest)
@@ -129,103 +157,38 @@ class Run:
         flops = count_flops(self.config.model, self.spec, lengths).train_step
         return StepFacts(batch.batch_size, int(lengths.sum()) + cand, flops)
 
-    def execute_step(self, step: int) -> StepResult:
-        """Forward, global loss reduction (and non-finite check) before any update, backward, update.
-
-        One host synchronisation: the read of the all-reduced loss sums. Nothing else in the step
-        waits for the device; the batch was built (and, on CUDA, copied) ahead by ``self.feed``.
-        """
-        tc, mc = self.config.trainer, self.config.model
-        self.clock.begin()
-        staged = self.feed.get(step)
-        batch = staged.ready()
-        if tc.warmup_steps:
-            self._warm_up(step)
-        self.prepared.module.train()
-        out = self.prepared.module(batch)
-        facts = staged.facts
-        late = self._deadline is not None and self.env.is_main and time.perf_counter() > self._deadline
-        host = torch.tensor([facts.samples, facts.tokens, facts.flops, float(late)], dtype=torch.float64)
-        losses = [out.task_loss_sum.detach(), out.next_item_loss_sum.detach(), out.next_item_count]
-        local = torch.cat([torch.stack([x.double() for x in losses]), _to_device(host, self.env.device)])
-        # The step's one host sync, and it has to stay: whether this step's update may be applied is
-        # decided from the global loss before backward, because torchrec fuses the table optimizer
-        # into backward (an update, once backward ran, cannot be undone). One read of one small
-        # tensor carries the loss sums and everything the metric record needs.
-        reduced = self.comm.all_reduce_sum(local).tolist()
-        task_sum, next_sum, next_count, samples, tokens, total_flops, late_ranks = reduced
-        task_loss = task_sum / samples
-        next_loss = next_sum / max(next_count, 1.0)
-        value = mc.task_weight * task_loss + mc.next_item_weight * next_loss
-        if not math.isfinite(value):
-            kept = self.last_checkpoint or "none written yet"
-            raise NonFiniteLossError(
-                f"step {step}: the loss is {value} (task {task_loss}, next-item {next_loss}); the run stopped "
-                f"before applying this step's update. Last complete checkpoint: {kept}"
-            )
-        world = self.env.world_size
-        # Normalised by global counts: DDP's gradient mean then equals the one-process gradient.
-        loss = mc.task_weight * out.task_loss_sum / (samples / world) + mc.next_item_weight * (
-            out.next_item_loss_sum / (max(next_count, 1.0) / world)
-        )
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        if not self.prepared.sparse_optimizer_fused:
-            self.prepared.sparse_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.prepared.dense_parameters], tc.grad_clip)
-        self.dense_optimizer.step()
-        if not self.prepared.sparse_optimizer_fused:
-            self.prepared.sparse_optimizer.step()
-        return StepResult(
-            step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, self.clock.lap(),
-            out_of_time=late_ranks > 0,
-        )  # fmt: skip
-
-    def _warm_up(self, step: int) -> None:
-        """Set both optimizers' rates for ``step`` (``trainer.warmup_steps``), before its forward."""
-        tc = self.config.trainer
-        factor = warmup_factor(step, tc.warmup_steps)
-        set_learning_rate(self.dense_optimizer, tc.dense_lr * factor)
-        set_learning_rate(self.prepared.sparse_optimizer, tc.sparse_lr * factor)
-        if self.prepared.sparse_optimizer_fused:
-            # FBGEMM takes the rate its zero_grad/step last handed it, and its lookup's forward already
-            # fixes the rate that the update inside backward uses: so this comes before the forward
-            self.prepared.sparse_optimizer.zero_grad()
-
     # --------------------------------------------------------------------------------- checkpoints
 
-    def _state(self) -> dict[str, Any]:
+    def _state_owners(self) -> dict[str, object]:
         return {
-            "model": self.prepared.module.state_dict(),
-            "dense_optimizer": ckpt.dense_optimizer_state(self.dense_optimizer, self.dense_names),
-            "sparse_optimizer": self.prepared.sparse_optimizer.state_dict(),
-            # as tensors: DCP round-trips tensors reliably in every layout, plain ints not always
-            "loader": {k: torch.tensor(v, dtype=torch.int64) for k, v in self.loader.state_dict().items()},
-            f"rng_rank{self.env.rank}": ckpt.rng_state(),
+            "model": self.prepared.module,
+            "optimizers": self.optimizers,
+            "loader": self.loader,
+            "rank": self.env.rank,
+            "components": self.components.stateful(),
         }
 
     def save_checkpoint(self, step: int) -> Path:
         """Save the state after ``step`` steps (the loader resumes at ``step``)."""
         self.loader.step = step
-        meta = {"world_size": self.env.world_size, "name": self.config.name, "config": self.config.model_dump(mode="json")}
-        self.last_checkpoint = self.checkpointer.save(step, self._state(), meta)
+        meta = {
+            "world_size": self.env.world_size,
+            "layout": self.layout.describe(),
+            "name": self.config.name,
+            "config": self.config.model_dump(mode="json"),
+        }
+        state = run_state.run_state(**self._state_owners())  # type: ignore[arg-type]
+        self.last_checkpoint = self.checkpointer.save(step, state, meta, files={"plan.json": self.plan.to_json()})
         return self.last_checkpoint
 
     def resume(self) -> None:
         path = ckpt.latest_checkpoint(self.checkpointer.root)
         if path is None:
             return
-        ckpt.init_optimizer_state(self.dense_optimizer)
-        if not self.prepared.sparse_optimizer_fused:
-            self.prepared.sparse_optimizer.init_state()
-        state = self._state()
+        run_state.prepare_for_load(self.optimizers)
+        state = run_state.run_state(**self._state_owners())  # type: ignore[arg-type]
         self.checkpointer.load(path, state)
-        self.prepared.module.load_state_dict(state["model"])
-        ckpt.load_dense_optimizer_state(self.dense_optimizer, self.dense_names, state["dense_optimizer"])
-        self.prepared.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
-        self.loader.load_state_dict({k: int(v) for k, v in state["loader"].items()})
-        ckpt.set_rng_state(state[f"rng_rank{self.env.rank}"])
+        run_state.restore(state, **self._state_owners())  # type: ignore[arg-type]
         self.start_step = self.loader.step
         self.last_checkpoint = path
         if self.env.is_main:
@@ -242,8 +205,13 @@ class Run:
     # ---------------------------------------------------------------------------------------- loop
 
     def fit(self) -> RunSummary:
-        tc = self.config.trainer
-        self.pm.call("gem_run_started", run=self)
+        with self.pm.callbacks_registered(self.components.callbacks):  # for this run only
+            return self._fit()
+
+    def _fit(self) -> RunSummary:
+        tc, ctx = self.config.trainer, self.context
+        ctx.step = self.start_step
+        self.pm.call("gem_run_started", run=ctx)
         try:
             first_loss, last_loss, wall, meter = self._loop()
             if tc.checkpoint_at_end and self.steps_done > self.start_step:
@@ -254,8 +222,9 @@ class Run:
             self.metrics.close()
         summary = self._summary(first_loss, last_loss, wall, meter)
         summary.extra["eval"] = final_eval
-        self.pm.call("gem_run_finished", run=self, summary=summary)
-        extra: list[ReportSection] = [s for group in self.pm.call("gem_report_sections", run=self, summary=summary) for s in group]
+        ctx.step = self.steps_done
+        self.pm.call("gem_run_finished", run=ctx, summary=summary)
+        extra: list[ReportSection] = [s for group in self.pm.call("gem_report_sections", run=ctx, summary=summary) for s in group]
         if self.env.is_main:
             print(format_sections([summary.section(), *extra]), flush=True)
         return summary
@@ -267,11 +236,12 @@ class Run:
         first_loss = last_loss = float("nan")
         window: list[float] = []
         wall = time.perf_counter()
-        self._deadline = None if tc.time_limit_s is None else wall + tc.time_limit_s
-        self.clock.restart()
+        self.core_step.deadline = None if tc.time_limit_s is None else wall + tc.time_limit_s
+        self.core_step.clock.restart()
         try:
             for step in range(self.start_step, tc.steps):
-                result: StepResult = self.pm.call("gem_train_step", run=self, step=step)
+                self.context.step = step
+                result: StepResult = self.pm.call("gem_train_step", run=self.context, step=step)
                 meter.add(result.seconds, result.samples, result.tokens, result.flops)
                 first_loss = result.loss if math.isnan(first_loss) else first_loss
                 window.append(result.loss)
@@ -285,10 +255,10 @@ class Run:
                 progress.update(step, logged)
                 if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and not last:
                     self.save_checkpoint(step + 1)
-                    self.clock.restart()  # not step time
+                    self.core_step.clock.restart()  # not step time
                 if tc.eval_every and (step + 1) % tc.eval_every == 0 and not last:
                     self.evaluate(step + 1, ("valid",))
-                    self.clock.restart()
+                    self.core_step.clock.restart()
                 if stop:
                     self.steps_done = step + 1
                     break
@@ -325,7 +295,7 @@ class Run:
             "next_item_loss": result.next_item_loss,
             "samples_per_s": result.samples / s,
             "tokens_per_s": result.tokens / s,
-            "mfu": result.flops / s / (self.peak * self.env.world_size),
+            "mfu": result.flops / s / (self.peak * self.layout.world_size),  # per GPU
             "step_seconds": result.seconds,
         }
         self.metrics.write(record)
@@ -342,7 +312,7 @@ class Run:
             wall_seconds=wall,
             samples_per_s=rates["samples_per_s"],
             tokens_per_s=rates["tokens_per_s"],
-            mfu=rates["flops_per_s"] / (self.peak * self.env.world_size),
+            mfu=rates["flops_per_s"] / (self.peak * self.layout.world_size),  # per GPU
             peak_flops=self.peak,
             peak_source=self.peak_source,
             world_size=self.env.world_size,
@@ -355,12 +325,6 @@ class Run:
                 "comm": c.comm.strategy.name,
                 "data": f"{c.data.source.name}, global batch {c.data.global_batch_size}",
             },
-            extra={"plan": self.prepared.plan_summary, "output_dir": str(self.output_dir)},
+            extra={"plan": self.prepared.plan_summary, "layout": str(self.layout), "output_dir": str(self.output_dir)},
         )
 
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without making the host wait (pinned, so truly asynchronous)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,61 @@
+"""The public plugin interface of gem-model, in one module (``docs/plugins.md`` describes it).
+
+A plugin needs nothing else: the ``hookimpl`` marker, the interfaces its classes subclass, the run
+context its lifecycle hooks receive, the layout and plan types, and the result types. Each name is
+defined in a small module of its own (listed beside it), all of them importable without the trainer.
+"""
+
+from __future__ import annotations
+
+from gem_model.components import (  # the component interfaces
+    ActivationPolicy,
+    CommStrategy,
+    Component,
+    ComponentConfig,
+    DataSource,
+    JaggedAttentionKernel,
+    Kernel,
+    LoadBalancer,
+    NormGateKernel,
+    ParallelPlanner,
+    PrecisionScheme,
+    PreparedModel,
+    SparseOptimizerSpec,
+)
+from gem_model.context import Optimizers, RunContext  # what lifecycle hooks receive
+from gem_model.layout import Layout  # named parallel dims, degrees, coordinates, groups
+from gem_model.lifecycle import Callback, TrainPipeline  # the step's stages; lifecycle plugins
+from gem_model.markers import hookimpl
+from gem_model.plan import DensePlacement, Plan, TablePlacement  # a planner's decision, plain data
+from gem_model.protocols import ShardableModel, Stateful  # what the core needs of models, components
+from gem_model.results import ReportSection, RunSummary, StepResult  # what a run hands back
+
+__all__ = [
+    "ActivationPolicy",
+    "Callback",
+    "CommStrategy",
+    "Component",
+    "ComponentConfig",
+    "DataSource",
+    "DensePlacement",
+    "JaggedAttentionKernel",
+    "Kernel",
+    "Layout",
+    "LoadBalancer",
+    "NormGateKernel",
+    "Optimizers",
+    "ParallelPlanner",
+    "Plan",
+    "PrecisionScheme",
+    "PreparedModel",
+    "ReportSection",
+    "RunContext",
+    "RunSummary",
+    "ShardableModel",
+    "SparseOptimizerSpec",
+    "Stateful",
+    "StepResult",
+    "TablePlacement",
+    "TrainPipeline",
+    "hookimpl",
+]

@@ -1,0 +1,66 @@
+"""How ``gem-train run`` starts its processes: torchrun on one node, or on several with c10d rendezvous.
+
+One node (``--nproc N``): ``torchrun --standalone --nproc-per-node N``. Several nodes (``--nnodes M``):
+every node runs the same command with its own ``--node-rank``, and they meet at ``--rdzv-endpoint``
+(``host:port`` of one of them, which hosts the rendezvous store), as torchrun's c10d rendezvous does::
+
+    gem-train run -c run.yaml --nnodes 2 --node-rank 0 --nproc 8 --rdzv-endpoint node0:29500
+    gem-train run -c run.yaml --nnodes 2 --node-rank 1 --nproc 8 --rdzv-endpoint node0:29500
+
+``examples/slurm/gem-multinode.sbatch`` does this under Slurm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gem_model.errors import ConfigError
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=1, help="launch this many processes per node with torchrun")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of the run (each runs this same command)")
+    parser.add_argument("--node-rank", type=int, default=0, help="this node's rank in [0, nnodes)")
+    parser.add_argument("--rdzv-endpoint", help="host:port where the nodes meet (c10d rendezvous); needed with --nnodes > 1")
+    parser.add_argument("--rdzv-id", default="gem", help="the rendezvous id, the same on every node of one run")
+
+
+def check_launch_args(args: argparse.Namespace) -> None:
+    problems: list[tuple[str, object, str]] = []
+    if args.nproc < 1:
+        problems.append(("--nproc", args.nproc, "must be at least 1"))
+    if args.nnodes < 1:
+        problems.append(("--nnodes", args.nnodes, "must be at least 1"))
+    if not 0 <= args.node_rank < max(args.nnodes, 1):
+        problems.append(("--node-rank", args.node_rank, f"must be in [0, {args.nnodes})"))
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        problems.append(("--rdzv-endpoint", None, "is needed with --nnodes > 1: host:port of the rendezvous"))
+    if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
+        problems.append(("--rdzv-endpoint", args.rdzv_endpoint, "must be host:port"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def world_size(args: argparse.Namespace) -> int:
+    return args.nproc * args.nnodes
+
+
+def needs_torchrun(args: argparse.Namespace) -> bool:
+    return args.nproc > 1 or args.nnodes > 1
+
+
+def torchrun_argv(args: argparse.Namespace, run_args: list[str]) -> list[str]:
+    """The command that starts this node's processes, each running ``gem_model run *run_args``."""
+    argv = [sys.executable, "-m", "torch.distributed.run"]
+    if args.nnodes == 1:
+        argv += ["--standalone"]
+    else:
+        argv += [
+            f"--nnodes={args.nnodes}",
+            f"--node-rank={args.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+            f"--rdzv-id={args.rdzv_id}",
+        ]
+    return [*argv, f"--nproc-per-node={args.nproc}", "-m", "gem_model", "run", *run_args]

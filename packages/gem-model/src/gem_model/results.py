@@ -1,0 +1,77 @@
+"""What a run hands back: a step's result, the run's summary and the report's sections.
+
+A leaf module (nothing of ``gem_model`` is imported here), so hook specs, plugins and the trainer
+can all name these types without importing each other. Re-exported from :mod:`gem_model.api`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepResult:
+    """One step, reduced over the layout's loss group (the data x context ranks)."""
+
+    step: int
+    loss: float
+    task_loss: float
+    next_item_loss: float
+    samples: int
+    """Samples of the global batch (each counted once, whatever the layout)."""
+    tokens: int
+    flops: float
+    """Training FLOPs of the global batch; per GPU it is ``flops / layout.world_size``."""
+    seconds: float
+    """Wall time since the previous step ended (see :class:`~gem_model.train.metrics.StepClock`)."""
+    out_of_time: bool = False
+    """``trainer.time_limit_s`` has passed on rank 0: the loop stops after this step."""
+
+
+@dataclass
+class ReportSection:
+    """A titled list of (label, value) rows; plugins add sections through ``gem_report_sections``."""
+
+    title: str
+    rows: list[tuple[str, str]]
+
+
+@dataclass
+class RunSummary:
+    name: str
+    steps: int
+    first_loss: float
+    last_loss: float
+    wall_seconds: float
+    samples_per_s: float
+    tokens_per_s: float
+    mfu: float
+    """Model FLOPs utilisation per GPU: the run's FLOP/s divided by ``world_size`` x the peak."""
+    peak_flops: float
+    peak_source: str
+    world_size: int
+    device: str
+    components: dict[str, str]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def section(self) -> ReportSection:
+        rows = [
+            ("run", self.name),
+            ("steps", str(self.steps)),
+            ("loss (first -> last)", f"{self.first_loss:.4f} -> {self.last_loss:.4f}"),
+            ("wall time", f"{self.wall_seconds:.1f} s"),
+            ("samples / s", f"{self.samples_per_s:,.0f}"),
+            ("tokens / s", f"{self.tokens_per_s:,.0f}"),
+            ("MFU", f"{100 * self.mfu:.2f} % per GPU of {self.peak_flops / 1e12:.3g} TFLOP/s ({self.peak_source})"),
+            ("processes", f"{self.world_size} on {self.device}"),
+        ]
+        if self.extra.get("layout"):
+            rows.append(("layout", str(self.extra["layout"])))
+        rows += [(k, v) for k, v in self.components.items()]
+        for key, value in sorted((self.extra.get("eval") or {}).items()):
+            rows.append((key, f"{value:.4f}"))
+        plan = str(self.extra.get("plan", "")).splitlines()
+        if plan:
+            rows.append(("placement", plan[0]))
+        return ReportSection("summary", rows)

@@ -1,0 +1,117 @@
+"""The core of a training step, around the train pipeline's three stages.
+
+Whichever ``trainer.pipeline`` runs the stages, the core keeps what decides whether an update may
+be applied and how large it is: the reduction of the loss sums over the layout's loss group, the
+non-finite guard before any update, the loss normalisation and gradient clipping.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from gem_model.components import CommStrategy
+from gem_model.config import RunConfig
+from gem_model.context import Optimizers
+from gem_model.errors import NonFiniteLossError
+from gem_model.layout import Layout
+from gem_model.lifecycle import TrainPipeline
+from gem_model.results import StepResult
+from gem_model.train.metrics import StepClock
+from gem_model.train.optim import set_learning_rate, warmup_factor
+
+
+class CoreStep:
+    """Runs step ``s`` as :meth:`__call__` (what the core's ``gem_train_step`` calls)."""
+
+    def __init__(
+        self,
+        *,
+        config: RunConfig,
+        layout: Layout,
+        comm: CommStrategy,
+        pipeline: TrainPipeline,
+        optimizers: Optimizers,
+        dense_parameters: list[torch.nn.Parameter],
+        device: torch.device,
+        last_checkpoint: Callable[[], object],
+    ):
+        self.config, self.layout, self.comm, self.pipeline = config, layout, comm, pipeline
+        self.optimizers, self.dense_parameters, self.device = optimizers, dense_parameters, device
+        self.last_checkpoint = last_checkpoint
+        self.clock = StepClock()
+        self.deadline: float | None = None  # perf_counter() time when trainer.time_limit_s runs out
+
+    def __call__(self, step: int) -> StepResult:
+        """Forward, global loss reduction (and non-finite check) before any update, backward, update.
+
+        One host synchronisation: the read of the all-reduced loss sums. Nothing else in the step
+        waits for the device; the batch was built (and, on CUDA, copied) ahead by the feed.
+        """
+        tc, mc = self.config.trainer, self.config.model
+        self.clock.begin()
+        staged = self.pipeline.next_batch(step)
+        batch = staged.ready()
+        if tc.warmup_steps:
+            self._warm_up(step)
+        out = self.pipeline.forward_and_loss(batch)
+        facts = staged.facts
+        late = self.deadline is not None and self.layout.rank == 0 and time.perf_counter() > self.deadline
+        host = torch.tensor([facts.samples, facts.tokens, facts.flops, float(late)], dtype=torch.float64)
+        losses = [out.task_loss_sum.detach(), out.next_item_loss_sum.detach(), out.next_item_count]  # type: ignore[attr-defined]
+        local = torch.cat([torch.stack([x.double() for x in losses]), _to_device(host, self.device)])
+        # The step's one host sync, and it has to stay: whether this step's update may be applied is
+        # decided from the global loss before backward, because torchrec fuses the table optimizer
+        # into backward (an update, once backward ran, cannot be undone). One read of one small
+        # tensor carries the loss sums and everything the metric record needs. The sums run over
+        # the data x context ranks: the ranks of one tensor-parallel group hold the same samples.
+        if self.layout.loss_degree > 1:
+            local = self.comm.all_reduce_sum(local, group=self.layout.loss_group)
+        task_sum, next_sum, next_count, samples, tokens, total_flops, late_ranks = local.tolist()
+        if self.deadline is not None and self.layout.loss_degree < self.layout.world_size:
+            # rank 0's clock decides for every rank, also those outside its loss group (tp, pp peers)
+            flag = _to_device(torch.tensor([float(late)], dtype=torch.float64), self.device)
+            late_ranks = float(self.comm.all_reduce_sum(flag, group=None).item())
+        task_loss = task_sum / samples
+        next_loss = next_sum / max(next_count, 1.0)
+        value = mc.task_weight * task_loss + mc.next_item_weight * next_loss
+        if not math.isfinite(value):
+            kept = self.last_checkpoint() or "none written yet"
+            raise NonFiniteLossError(
+                f"step {step}: the loss is {value} (task {task_loss}, next-item {next_loss}); the run stopped "
+                f"before applying this step's update. Last complete checkpoint: {kept}"
+            )
+        ranks = self.layout.loss_degree
+        # Normalised by global counts: the data-parallel gradient mean then equals the one-process gradient.
+        loss = mc.task_weight * out.task_loss_sum / (samples / ranks) + mc.next_item_weight * (  # type: ignore[attr-defined]
+            out.next_item_loss_sum / (max(next_count, 1.0) / ranks)  # type: ignore[attr-defined]
+        )
+        self.pipeline.backward(loss)
+        if tc.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.dense_parameters, tc.grad_clip)
+        self.pipeline.optimizer_step()
+        return StepResult(
+            step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, self.clock.lap(),
+            out_of_time=late_ranks > 0,
+        )  # fmt: skip
+
+    def _warm_up(self, step: int) -> None:
+        """Set both optimizers' rates for ``step`` (``trainer.warmup_steps``), before its forward."""
+        tc = self.config.trainer
+        factor = warmup_factor(step, tc.warmup_steps)
+        set_learning_rate(self.optimizers.dense, tc.dense_lr * factor)
+        set_learning_rate(self.optimizers.sparse, tc.sparse_lr * factor)
+        if self.optimizers.sparse_fused:
+            # FBGEMM takes the rate its zero_grad/step last handed it, and its lookup's forward already
+            # fixes the rate that the update inside backward uses: so this comes before the forward
+            self.optimizers.sparse.zero_grad()
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without making the host wait (pinned, so truly asynchronous)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

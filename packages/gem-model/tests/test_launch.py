@@ -1,0 +1,53 @@
+"""``gem-train run``'s launch options: what it hands to torchrun, and what it refuses before starting anything."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from gem_model.cli import build_parser, main
+from gem_model.launch import torchrun_argv
+
+
+def run_args(*argv: str):
+    return build_parser().parse_args(["run", *argv])
+
+
+def test_one_node_is_standalone():
+    argv = torchrun_argv(run_args("--nproc", "4"), ["-c", "run.yaml", "trainer.steps=3"])
+    assert argv == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        "-m", "gem_model", "run", "-c", "run.yaml", "trainer.steps=3",
+    ]  # fmt: skip
+
+
+def test_several_nodes_meet_through_c10d_rendezvous():
+    args = run_args("--nnodes", "2", "--node-rank", "1", "--nproc", "8", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job7")
+    argv = torchrun_argv(args, ["a.b=1"])
+    assert argv[3:9] == [
+        "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=job7",
+        "--nproc-per-node=8",
+    ]  # fmt: skip
+    assert "--standalone" not in argv and argv[-1] == "a.b=1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2"], "--rdzv-endpoint: is needed with --nnodes > 1"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank: must be in [0, 2)"),
+        (["--nnodes", "2", "--rdzv-endpoint", "nohost"], "--rdzv-endpoint: must be host:port"),
+        (["--nnodes", "0"], "--nnodes: must be at least 1"),
+    ],
+)
+def test_bad_launch_options_exit_2_before_any_process_starts(capsys, monkeypatch, tiny_overrides, argv, message):
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    assert main(["run", *argv, *tiny_overrides]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_world_of_all_nodes_must_fit_the_planner(capsys, monkeypatch, tiny_overrides):
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    assert main(["run", "--nnodes", "2", "--rdzv-endpoint", "h:1", *tiny_overrides]) == 2
+    assert "drives at most 1 process(es) but 2 were asked for" in capsys.readouterr().err

@@ -1,0 +1,40 @@
+"""The tiny run's losses, pinned bit for bit: recorded before the core seams (layout, plan/apply,
+train pipelines, run context) went in, and reproduced by them.
+
+One process (``inline_single``) in this process; two gloo processes under the ``inline_replicated``
+layout (``tp=2``, no data parallelism): both ranks read the whole global batch (the loader shards
+by the data-parallel rank, not the rank), nothing is reduced (the loss group is one rank) and the
+loss is normalised by the loss group's size, so they reproduce the one-process losses exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gem_model import testing
+
+# 4 steps of testing.INLINE_OVERRIDES (seed 0), recorded at commit 4ddf59e
+PINNED = ["0x1.1d7bac27b9612p+3", "0x1.0358afcb65b2ep+3", "0x1.05f21f61642c8p+3", "0x1.043e843b9611ap+3"]
+RUN = ["trainer.checkpoint_at_end=false"]
+
+
+def test_one_process_reproduces_the_pinned_losses(tmp_path):
+    run = testing.tiny_run(*RUN, output_dir=tmp_path / "one", steps=4)
+    assert [x.hex() for x in run.losses] == PINNED
+
+
+@pytest.mark.multiprocess
+def test_two_tensor_parallel_ranks_reproduce_the_pinned_losses(tmp_path):
+    env = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "GEM_DISABLE_PLUGIN_AUTOLOAD": "1", "OMP_NUM_THREADS": "1"}
+    args = [*testing.INLINE_OVERRIDES, *RUN, "trainer.steps=4", "parallel.planner=inline_replicated"]
+    cmd = [sys.executable, "-m", "gem_model", "run", "--nproc", "2", *args, f"trainer.output_dir={tmp_path}/two"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "tp=2 (2 ranks)" in proc.stdout
+    losses = [json.loads(x)["step_loss"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [x.hex() for x in losses] == PINNED
