@@ -47,9 +47,12 @@ def test_run_trains_and_prints_the_summary(capsys, inline_env, tiny_overrides):
     assert "== summary" in out and "samples / s" in out
 
 
-def test_nan_exits_1_with_the_step(capsys, inline_env, tiny_overrides):
+def test_nan_exits_3_with_the_step_counted_as_the_metrics_count(capsys, inline_env, tiny_overrides):
     code = main(["run", *tiny_overrides, "kernels.jagged_attention=poison", "kernels.jagged_attention.options.nan_from_call=2"])
-    assert code == 1 and "step 1: the loss is nan" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 3 and "NonFiniteLossError: step 2 (rank 0): the loss is nan" in err
+    # the forward made the NaN: the parameters and the previous step's gradients are all finite
+    assert "First non-finite parameter or gradient on this rank: none" in err
 
 
 def test_plugins_lists_distributions_and_names_per_registry(capsys, inline_env):

@@ -81,7 +81,7 @@ def test_a_pipeline_trains_exactly_like_sequential_when_it_only_calls_its_stages
 def test_the_non_finite_guard_stays_in_the_core(pm, tiny_overrides):
     pm.register(StagedPlugin(), name="staged")
     Staged.poison_at = 1
-    with pytest.raises(NonFiniteLossError, match="step 1: the loss is nan"):
+    with pytest.raises(NonFiniteLossError, match=r"step 2 \(rank 0\): the loss is nan"):
         train(load_config(None, [*tiny_overrides, "trainer.steps=3", "trainer.pipeline=inline_staged"]), pm)
     assert Staged.log == ["batch 0", "forward", "backward", "step", "batch 1", "forward"]  # no backward of step 1
 

@@ -74,7 +74,7 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(pm, tiny_ove
         [*tiny_overrides, "kernels.jagged_attention=poison", "kernels.jagged_attention.options.nan_from_call=4",
          "trainer.checkpoint_every=2", "trainer.steps=10"],
     )
-    with pytest.raises(NonFiniteLossError, match=r"step 3: the loss is nan") as err:
+    with pytest.raises(NonFiniteLossError, match=r"step 4 \(rank 0\): the loss is nan") as err:
         train(cfg, pm)
     ckpts = tmp_path / "gem-tiny" / "checkpoints"
     last = latest_checkpoint(ckpts)

@@ -8,5 +8,16 @@ from gem_model import hookimpl
 @hookimpl
 def gem_register_comm_strategies():
     from gem_comm.default import DefaultComm
+    from gem_comm.hierarchical import HierarchicalComm
+    from gem_comm.overlap import OverlapComm
+    from gem_comm.quantized import QuantizedComm
+    from gem_comm.sm_free import SmFreeComm
 
-    return [DefaultComm]
+    return [DefaultComm, OverlapComm, QuantizedComm, HierarchicalComm, SmFreeComm]
+
+
+@hookimpl
+def gem_register_callbacks():
+    from gem_comm.measure import CommReport
+
+    return [CommReport]

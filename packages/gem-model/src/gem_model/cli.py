@@ -1,7 +1,16 @@
 """``gem-train`` (also ``python -m gem_model``): run, plugins, plan, config.
 
-Exit status: 0 on success, 2 for a bad command line or config (unknown names, bad values: always
-before any process group starts), 1 when training itself fails (e.g. a NaN loss).
+Exit status:
+
+- 0: success.
+- 2: a bad command line or config (unknown names, bad values, constraints across fields and
+  against the data, an output directory holding another run's metrics, ``trainer.resume=true``
+  with nothing to resume): always before any process group starts.
+- 3: a NaN or Inf stopped the run (:class:`~gem_model.errors.NonFiniteError`): the loss (no update
+  was applied) or parameters a checkpoint would have saved (it was not written).
+- 143 / 130: SIGTERM / SIGINT stopped the run after the step in progress, once the checkpoint of
+  that step was written (``128 + signum``, :mod:`gem_model.train.signals`).
+- 1: any other failure of training itself (e.g. no valid checkpoint to resume).
 """
 
 from __future__ import annotations
@@ -15,9 +24,9 @@ from collections.abc import Sequence
 
 from gem_model._deps import TorchrecImportError, import_torchrec
 from gem_model.config_io import dump, load_config
-from gem_model.errors import ConfigError, GemError, UnknownNameError
+from gem_model.errors import ConfigError, GemError, NonFiniteError, RunInterrupted, UnknownNameError
 
-EXIT_FAILURE, EXIT_USAGE = 1, 2
+EXIT_FAILURE, EXIT_USAGE, EXIT_NON_FINITE = 1, 2, 3
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -56,9 +65,11 @@ def _fail(message: str, code: int) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gem_model import launch
+    from gem_model.checks import check_run
     from gem_model.distributed import launched_by_torchrun
     from gem_model.plugins import GemPluginManager
     from gem_model.resolve import resolve_components
+    from gem_model.train.outputs import check_output_dir
 
     config = load_config(args.config, args.overrides)
     pm = GemPluginManager()
@@ -72,6 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"drives at most {limit} process(es) but {world} were asked for; pick a distributed planner "
               "such as torchrec_ddp")]
         )
+    check_run(config, components, world)
+    check_output_dir(config, world)
     if launch.needs_torchrun(args) and not launched_by_torchrun():
         argv = launch.torchrun_argv(args, (["-c", args.config] if args.config else []) + list(args.overrides))
         sys.stdout.flush()
@@ -145,6 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handlers[args.command](args)
     except (ConfigError, UnknownNameError) as exc:
         return _fail(str(exc), EXIT_USAGE)
+    except NonFiniteError as exc:
+        return _fail(f"{type(exc).__name__}: {exc}", EXIT_NON_FINITE)
+    except RunInterrupted as exc:
+        print(f"gem-train: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except GemError as exc:
         return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
     except TorchrecImportError as exc:

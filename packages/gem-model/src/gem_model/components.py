@@ -195,6 +195,18 @@ class CommStrategy(Component):
         """A torchrec ``QCommsConfig`` for the embedding all-to-all, or None for full precision."""
         return None
 
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``DistributedDataParallel`` that a planner passes when it builds DDP
+        (``bucket_cap_mb``, ``gradient_as_bucket_view``): bucketing is fixed once DDP exists, so
+        :meth:`configure_ddp` cannot change it. Empty: the planner's own settings."""
+        return {}
+
+    def measurements(self) -> dict[str, float]:
+        """Running totals of this rank's collectives, as flat numbers (``<kind>.bytes``,
+        ``<kind>.calls``, ``<kind>.seconds``); empty when the strategy measures nothing. A caller
+        takes differences around a step for per-step values."""
+        return {}
+
     @abstractmethod
     def all_reduce_mean(self, values: torch.Tensor, group: Any = None) -> torch.Tensor:
         """Mean of ``values`` over the ranks of ``group`` (None: all ranks), for logged metrics."""

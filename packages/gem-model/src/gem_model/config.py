@@ -132,7 +132,7 @@ class CommConfig(Strict):
 
 
 class TrainerConfig(Strict):
-    steps: int = Field(200, ge=0)
+    steps: int = Field(200, ge=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dense_lr: float = Field(2e-3, gt=0.0)

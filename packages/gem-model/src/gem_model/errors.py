@@ -35,8 +35,29 @@ class KernelUnavailableError(GemError):
     """A configured kernel cannot run on this device or with these inputs."""
 
 
-class NonFiniteLossError(GemError):
-    """Training produced a NaN or Inf loss."""
+class NonFiniteError(GemError):
+    """A NaN or Inf stopped the run (``gem-train`` exits 3): the loss, or a parameter a checkpoint
+    would have saved. The message names the step (counted as the metrics count, from 1), the rank
+    and the first non-finite parameter or gradient."""
+
+
+class NonFiniteLossError(NonFiniteError):
+    """Training produced a NaN or Inf loss; the step's update was not applied."""
+
+
+class NonFiniteStateError(NonFiniteError):
+    """A checkpoint was about to be written from non-finite parameters; it was not written."""
+
+
+class RunInterrupted(GemError):
+    """SIGTERM or SIGINT stopped the run after the step in progress; a checkpoint was written.
+
+    ``gem-train`` exits ``128 + signum`` (143 for SIGTERM, 130 for SIGINT), as a shell reports a
+    process the signal ended, but only once the checkpoint is complete."""
+
+    def __init__(self, message: str, *, signum: int, checkpoint: object):
+        super().__init__(message)
+        self.signum, self.checkpoint = signum, checkpoint
 
 
 class CheckpointError(GemError):

@@ -27,6 +27,11 @@ KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("activation policy", "checkpoint_selective"): "gem-precision",
     ("activation policy", "fp8_saved"): "gem-precision",
     ("comm strategy", "default"): "gem-comm",
+    ("comm strategy", "overlap"): "gem-comm",
+    ("comm strategy", "quantized"): "gem-comm",
+    ("comm strategy", "hierarchical"): "gem-comm",
+    ("comm strategy", "sm_free"): "gem-comm",
+    ("callback", "comm_report"): "gem-comm",
     ("parallel planner", "single"): "gem-parallel",
     ("parallel planner", "torchrec_ddp"): "gem-parallel",
 }

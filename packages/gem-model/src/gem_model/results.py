@@ -27,6 +27,8 @@ class StepResult:
     """Wall time since the previous step ended (see :class:`~gem_model.train.metrics.StepClock`)."""
     out_of_time: bool = False
     """``trainer.time_limit_s`` has passed on rank 0: the loop stops after this step."""
+    stop_requested: bool = False
+    """A rank got SIGTERM or SIGINT: every rank stops after this step and writes a checkpoint."""
 
 
 @dataclass

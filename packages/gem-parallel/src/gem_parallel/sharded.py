@@ -56,7 +56,15 @@ class _CommAwareDDP(DefaultDataParallelWrapper):
     """torchrec's default DDP wrapper, then the communication strategy configures the DDP module."""
 
     def __init__(self, comm: CommStrategy, cfg: TorchrecDDPConfig):
-        super().__init__(bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph)
+        # a strategy that owns the bucketing (gem-comm's ``overlap``) names it; its value wins
+        ddp_kwargs = dict(comm.ddp_kwargs())
+        bucket_cap_mb = ddp_kwargs.pop("bucket_cap_mb", cfg.bucket_cap_mb)
+        if ddp_kwargs.pop("gradient_as_bucket_view", True) is not True:  # torchrec's wrapper fixes it
+            raise ValueError(
+                f"parallel.planner 'torchrec_ddp': comm.strategy {comm.name!r} asks for gradient_as_bucket_view=False, "
+                "but torchrec's DDP wrapper always builds DDP with gradient_as_bucket_view=True"
+            )
+        super().__init__(bucket_cap_mb=bucket_cap_mb, static_graph=cfg.static_graph, **({"ddp_kwargs": ddp_kwargs} if ddp_kwargs else {}))
         self.comm = comm
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:

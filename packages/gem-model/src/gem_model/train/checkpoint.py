@@ -2,11 +2,12 @@
 
 Layout under ``<output_dir>/checkpoints``::
 
-    step_00000120/          a complete checkpoint (DCP files + meta.json + plan.json)
+    step_00000120/          a complete checkpoint (DCP files + meta.json + plan.json + manifest.json)
     step_00000140.partial/  being written; renamed only once every rank has finished
 
-A checkpoint becomes visible by an atomic rename after all ranks wrote their part, so a crash or a
-NaN stop never leaves a half-written "latest" checkpoint, and earlier ones are never touched.
+A checkpoint becomes visible by an atomic rename after all ranks wrote their part and rank 0 wrote
+the manifest (a checksum per file, :mod:`gem_model.train.integrity`) last, so a crash or a NaN stop
+never leaves a half-written "latest" checkpoint, and earlier ones are never touched.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from gem_model.distributed import DistEnv
 from gem_model.errors import CheckpointError
-
-PARTIAL = ".partial"
+from gem_model.train.integrity import MANIFEST, PARTIAL, step_dirs, write_manifest
 
 # What of the run config shapes a checkpoint, or what continuing it means: a checkpoint whose saved
 # config differs from this run's in anything else (top-level sections and trainer fields not listed
@@ -106,9 +106,8 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / "meta.json").is_file())
+    """The newest checkpoint a save completed (it has its manifest); not verified, see ``integrity``."""
+    done = [p for p in step_dirs(root) if (p / MANIFEST).is_file()]
     return done[-1] if done else None
 
 
@@ -175,6 +174,7 @@ class Checkpointer:
             for name, text in (files or {}).items():
                 (partial / name).write_text(text)
             (partial / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+            write_manifest(partial)  # last: a folder without it is a save that never finished
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)

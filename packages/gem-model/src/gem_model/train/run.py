@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,7 +17,7 @@ from gem_model.data.batch import Batch
 from gem_model.data.loader import ShardedLoader
 from gem_model.data.prefetch import StepFacts, make_feed
 from gem_model.distributed import DistEnv
-from gem_model.errors import CheckpointError, KernelUnavailableError
+from gem_model.errors import CheckpointError, KernelUnavailableError, NonFiniteStateError, RunInterrupted
 from gem_model.model.flops import count_flops
 from gem_model.model.gem import GemModel
 from gem_model.plan import Plan
@@ -23,12 +25,15 @@ from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
 from gem_model.results import ReportSection, RunSummary, StepResult
 from gem_model.train import checkpoint as ckpt
+from gem_model.train import integrity, outputs
 from gem_model.train import state as run_state
+from gem_model.train.finite import first_non_finite
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
 from gem_model.train.optim import sparse_optimizer_spec
 from gem_model.train.prepare import prepare_model
 from gem_model.train.progress import Progress
 from gem_model.train.report import format_sections
+from gem_model.train.signals import StopRequest, stop_on_signals
 from gem_model.train.step import CoreStep
 
 __all__ = ["Run", "StepResult"]
@@ -97,6 +102,8 @@ class Run:
         self.start_step = 0
         self.steps_done = config.trainer.steps  # fewer when trainer.time_limit_s stops the run early
         self.last_checkpoint: Path | None = None
+        self.stop = StopRequest()
+        self.stopped_by_signal = False  # agreed by every rank in a step's all-reduce
         components.pipeline.setup(
             model=self.prepared.module, optimizers=self.optimizers, feed=self.feed, layout=self.layout
         )
@@ -109,6 +116,8 @@ class Run:
             dense_parameters=[p for _, p in self.prepared.dense_parameters],
             device=env.device,
             last_checkpoint=lambda: self.last_checkpoint,
+            first_non_finite=lambda: first_non_finite(self.prepared.module),
+            stop=self.stop,
         )
         self.context = RunContext(
             config=config,
@@ -126,7 +135,16 @@ class Run:
     def _continue_or_refuse(self) -> None:
         """Resume this run's latest checkpoint, or refuse an output directory holding another's."""
         tc, config, env = self.config.trainer, self.config, self.env
-        latest = ckpt.latest_checkpoint(self.checkpointer.root)
+        outputs.check_output_dir(config, env.world_size)
+        saved = integrity.step_dirs(self.checkpointer.root)
+        chosen = integrity.newest_valid(self.checkpointer.root) if saved and tc.resume is not False else None
+        if chosen is not None and chosen.path is None:
+            raise CheckpointError(
+                f"{self.checkpointer.root} holds checkpoints but none verifies, so nothing was loaded:\n  "
+                + "\n  ".join(chosen.report())
+                + "\nRemove them to start afresh, or choose another trainer.output_dir"
+            )
+        latest = chosen.path if chosen is not None else None
         if tc.resume is None and latest is not None:  # auto: continue this run, refuse another's
             meta = ckpt.read_meta(latest)
             differs = ckpt.config_differences(meta.get("config", {}), config.model_dump(mode="json"))
@@ -139,14 +157,16 @@ class Run:
                     f"differs in {', '.join(differs[:8])}{more}. Choose another trainer.output_dir, or set "
                     "trainer.resume=true to load it anyway (nothing was overwritten)"
                 )
-        if tc.resume is None or tc.resume:
-            self.resume()
-        elif latest is not None:
+        if latest is not None and chosen is not None:
+            self.resume(latest, chosen.report())
+        elif saved:
             raise CheckpointError(
                 f"{self.checkpointer.root} holds checkpoints of an earlier run and trainer.resume=false; "
                 "set trainer.resume=true (or leave it unset) to continue it, or choose another "
                 "trainer.output_dir (nothing was overwritten)"
             )
+        if env.is_main:
+            outputs.start_metrics(self.output_dir, config, env.world_size, start_step=self.start_step)
 
     # -------------------------------------------------------------------------------------- a step
 
@@ -169,7 +189,17 @@ class Run:
         }
 
     def save_checkpoint(self, step: int) -> Path:
-        """Save the state after ``step`` steps (the loader resumes at ``step``)."""
+        """Save the state after ``step`` steps (the loader resumes at ``step``), never from non-finite
+        parameters: every rank checks its own (and its table shards) before any rank writes."""
+        bad = first_non_finite(self.prepared.module, gradients=False)
+        flag = torch.tensor([0.0 if bad is None else 1.0], dtype=torch.float64, device=self.env.device)
+        ranks = self.comm.all_reduce_sum(flag, group=None).item() if self.env.world_size > 1 else flag.item()
+        if ranks > 0:
+            where = f"{bad} is non-finite on rank {self.env.rank}" if bad else "another rank holds a non-finite value"
+            raise NonFiniteStateError(
+                f"step {step} (rank {self.env.rank}): {where}; the checkpoint of step {step} was not written, "
+                f"and the last one written stays the resume point: {self.last_checkpoint or 'none written yet'}"
+            )
         self.loader.step = step
         meta = {
             "world_size": self.env.world_size,
@@ -181,10 +211,11 @@ class Run:
         self.last_checkpoint = self.checkpointer.save(step, state, meta, files={"plan.json": self.plan.to_json()})
         return self.last_checkpoint
 
-    def resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.checkpointer.root)
-        if path is None:
-            return
+    def resume(self, path: Path, skipped: Sequence[str] = ()) -> None:
+        """Load the checkpoint ``path`` (its manifest verified); ``skipped``: newer ones that did not verify."""
+        if self.env.is_main:
+            for line in skipped:
+                print(f"[{self.config.name}] {line}", flush=True)
         run_state.prepare_for_load(self.optimizers)
         state = run_state.run_state(**self._state_owners())  # type: ignore[arg-type]
         self.checkpointer.load(path, state)
@@ -213,9 +244,12 @@ class Run:
         ctx.step = self.start_step
         self.pm.call("gem_run_started", run=ctx)
         try:
-            first_loss, last_loss, wall, meter = self._loop()
-            if tc.checkpoint_at_end and self.steps_done > self.start_step:
-                self.save_checkpoint(self.steps_done)
+            with stop_on_signals(self.stop):  # a signal after the last step: that checkpoint completes first
+                first_loss, last_loss, wall, meter = self._loop()
+                if self.stopped_by_signal:
+                    self._stop_on_signal()
+                if tc.checkpoint_at_end and self.steps_done > self.start_step:
+                    self.save_checkpoint(self.steps_done)
             final_eval = self.evaluate(self.steps_done, ("valid", "test")) if tc.eval_at_end else {}
         finally:
             self.feed.close()
@@ -228,6 +262,20 @@ class Run:
         if self.env.is_main:
             print(format_sections([summary.section(), *extra]), flush=True)
         return summary
+
+    def _stop_on_signal(self) -> None:
+        """After the step every rank agreed to stop at: its checkpoint (unless just written), then out."""
+        done = self.steps_done
+        if self.last_checkpoint is None or self.last_checkpoint.name != ckpt.step_dir(self.checkpointer.root, done).name:
+            self.save_checkpoint(done)
+        signum = self.stop.signum or int(signal.SIGTERM)  # None: only a peer got it (torchrun passes SIGTERM on)
+        got = signal.Signals(signum).name if self.stop.signum else "a peer's signal"
+        raise RunInterrupted(
+            f"[{self.config.name}] stopped by {got} after step {done} of {self.config.trainer.steps}; wrote "
+            f"{self.last_checkpoint}, and the same command continues from it",
+            signum=signum,
+            checkpoint=self.last_checkpoint,
+        )
 
     def _loop(self) -> tuple[float, float, float, Throughput]:
         tc = self.config.trainer
@@ -245,7 +293,8 @@ class Run:
                 meter.add(result.seconds, result.samples, result.tokens, result.flops)
                 first_loss = result.loss if math.isnan(first_loss) else first_loss
                 window.append(result.loss)
-                stop = result.out_of_time
+                self.stopped_by_signal = result.stop_requested
+                stop = result.out_of_time or result.stop_requested
                 last = step + 1 == tc.steps or stop
                 logged = None
                 if (step + 1) % tc.log_every == 0 or last:

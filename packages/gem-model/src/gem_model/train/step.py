@@ -22,6 +22,7 @@ from gem_model.lifecycle import TrainPipeline
 from gem_model.results import StepResult
 from gem_model.train.metrics import StepClock
 from gem_model.train.optim import set_learning_rate, warmup_factor
+from gem_model.train.signals import StopRequest
 
 
 class CoreStep:
@@ -38,10 +39,13 @@ class CoreStep:
         dense_parameters: list[torch.nn.Parameter],
         device: torch.device,
         last_checkpoint: Callable[[], object],
+        first_non_finite: Callable[[], str | None],
+        stop: StopRequest | None = None,
     ):
         self.config, self.layout, self.comm, self.pipeline = config, layout, comm, pipeline
         self.optimizers, self.dense_parameters, self.device = optimizers, dense_parameters, device
-        self.last_checkpoint = last_checkpoint
+        self.last_checkpoint, self.first_non_finite = last_checkpoint, first_non_finite
+        self.stop = stop if stop is not None else StopRequest()  # set by SIGTERM / SIGINT (train.signals)
         self.clock = StepClock()
         self.deadline: float | None = None  # perf_counter() time when trainer.time_limit_s runs out
 
@@ -60,7 +64,8 @@ class CoreStep:
         out = self.pipeline.forward_and_loss(batch)
         facts = staged.facts
         late = self.deadline is not None and self.layout.rank == 0 and time.perf_counter() > self.deadline
-        host = torch.tensor([facts.samples, facts.tokens, facts.flops, float(late)], dtype=torch.float64)
+        stop = float(self.stop.requested)
+        host = torch.tensor([facts.samples, facts.tokens, facts.flops, float(late), stop], dtype=torch.float64)
         losses = [out.task_loss_sum.detach(), out.next_item_loss_sum.detach(), out.next_item_count]  # type: ignore[attr-defined]
         local = torch.cat([torch.stack([x.double() for x in losses]), _to_device(host, self.device)])
         # The step's one host sync, and it has to stay: whether this step's update may be applied is
@@ -70,19 +75,22 @@ class CoreStep:
         # the data x context ranks: the ranks of one tensor-parallel group hold the same samples.
         if self.layout.loss_degree > 1:
             local = self.comm.all_reduce_sum(local, group=self.layout.loss_group)
-        task_sum, next_sum, next_count, samples, tokens, total_flops, late_ranks = local.tolist()
-        if self.deadline is not None and self.layout.loss_degree < self.layout.world_size:
-            # rank 0's clock decides for every rank, also those outside its loss group (tp, pp peers)
-            flag = _to_device(torch.tensor([float(late)], dtype=torch.float64), self.device)
-            late_ranks = float(self.comm.all_reduce_sum(flag, group=None).item())
+        task_sum, next_sum, next_count, samples, tokens, total_flops, late_ranks, stop_ranks = local.tolist()
+        if self.layout.loss_degree < self.layout.world_size:
+            # rank 0's clock and any rank's signal decide for every rank, also those outside its loss
+            # group (tp, pp peers): they must all stop after the same step
+            flags = _to_device(torch.tensor([float(late), stop], dtype=torch.float64), self.device)
+            late_ranks, stop_ranks = self.comm.all_reduce_sum(flags, group=None).tolist()
         task_loss = task_sum / samples
         next_loss = next_sum / max(next_count, 1.0)
         value = mc.task_weight * task_loss + mc.next_item_weight * next_loss
         if not math.isfinite(value):
             kept = self.last_checkpoint() or "none written yet"
+            first = self.first_non_finite() or "none (every parameter and gradient is finite: this forward made it)"
             raise NonFiniteLossError(
-                f"step {step}: the loss is {value} (task {task_loss}, next-item {next_loss}); the run stopped "
-                f"before applying this step's update. Last complete checkpoint: {kept}"
+                f"step {step + 1} (rank {self.layout.rank}): the loss is {value} (task {task_loss}, next-item "
+                f"{next_loss}); the run stopped before applying this step's update. First non-finite parameter "
+                f"or gradient on this rank: {first}. Last complete checkpoint: {kept}"
             )
         ranks = self.layout.loss_degree
         # Normalised by global counts: the data-parallel gradient mean then equals the one-process gradient.
@@ -95,7 +103,7 @@ class CoreStep:
         self.pipeline.optimizer_step()
         return StepResult(
             step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, self.clock.lap(),
-            out_of_time=late_ranks > 0,
+            out_of_time=late_ranks > 0, stop_requested=stop_ranks > 0,
         )  # fmt: skip
 
     def _warm_up(self, step: int) -> None:
