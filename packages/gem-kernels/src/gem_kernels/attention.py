@@ -172,11 +172,20 @@ class TritonJaggedAttention(JaggedAttentionKernel):
                   if t is not None and t.device != q.device]
         if others:
             raise ValueError(f"jagged_attention: all inputs must be on {q.device}, found {others[0].device}")
-        from gem_kernels.attention_triton_autograd import jagged_attention_triton
-
         blocks = None
         if self.config.block_m is not None and self.config.block_n is not None:
             blocks = (self.config.block_m, self.config.block_n)
+        if torch.compiler.is_compiling():  # dynamo must not trace into the launchers: a custom op
+            from gem_kernels.compiled_ops import jagged_attention_op
+
+            block_m, block_n = blocks if blocks is not None else (0, 0)
+            return jagged_attention_op(
+                q, k, v, seq_offsets.contiguous(), None if num_targets is None else num_targets.contiguous(),
+                position_bias, time_bias, timestamps, query_timestamps, max_seq_len, float(alpha), max_attn_len,
+                self.config.dq, block_m, block_n,
+            )
+        from gem_kernels.attention_triton_autograd import jagged_attention_triton
+
         return jagged_attention_triton(
             q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
             max_attn_len=max_attn_len, position_bias=position_bias, time_bias=time_bias, timestamps=timestamps,

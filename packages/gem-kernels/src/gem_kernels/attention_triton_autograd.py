@@ -139,21 +139,14 @@ def jagged_attention_triton(
     ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of tuning them. Without autograd
     (no grad mode, or no input that requires grad) the forward kernel runs directly, skipping the
     autograd function's bookkeeping: on small batches the host's launch work is what the call costs.
-    Under ``torch.compile`` the call goes through the custom op
-    :func:`gem_kernels.compiled_ops.jagged_attention_op`, which dynamo does not trace into.
+    Eager only: under ``torch.compile`` call the custom op
+    :func:`gem_kernels.compiled_ops.jagged_attention_op` instead, which dynamo does not trace into
+    (the registered ``triton`` kernel does so).
     """
     if not seq_offsets.is_contiguous():
         seq_offsets = seq_offsets.contiguous()
     if num_targets is not None and not num_targets.is_contiguous():
         num_targets = num_targets.contiguous()
-    if torch.compiler.is_compiling():
-        from gem_kernels.compiled_ops import jagged_attention_op
-
-        block_m, block_n = blocks if blocks is not None else (0, 0)
-        return jagged_attention_op(
-            q, k, v, seq_offsets, num_targets, position_bias, time_bias, timestamps, query_timestamps,
-            max_seq_len, float(alpha), max_attn_len, dq_mode, block_m, block_n,
-        )
     bias = prepare_bias(position_bias, time_bias, timestamps, query_timestamps, max_seq_len)
     leaves = (q, k, v, position_bias, time_bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):

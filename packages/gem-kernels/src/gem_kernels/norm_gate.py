@@ -59,4 +59,8 @@ class TritonNormGate(NormGateKernel):
             raise KernelUnavailableError(
                 f"kernels.{self.op}: 'triton' holds a row in registers and takes D <= {MAX_DIM}, got {x.shape[-1]}"
             )
+        if torch.compiler.is_compiling():  # dynamo must not trace into the launchers: a custom op
+            from gem_kernels.compiled_ops import norm_gate_op
+
+            return norm_gate_op(x, u, weight, bias, eps)[0]
         return norm_gate_triton(x, u, weight, bias, eps)

@@ -150,10 +150,7 @@ def norm_gate_backward(
 def norm_gate_triton(
     x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """Differentiable fused ``(layer_norm(x) * weight + bias) * u`` over the last dim. Under
-    ``torch.compile`` it is called as the custom op :func:`gem_kernels.compiled_ops.norm_gate_op`."""
-    if torch.compiler.is_compiling():
-        from gem_kernels.compiled_ops import norm_gate_op
-
-        return norm_gate_op(x, u, weight, bias, eps)[0]
+    """Differentiable fused ``(layer_norm(x) * weight + bias) * u`` over the last dim. Eager only: under
+    ``torch.compile`` call the custom op :func:`gem_kernels.compiled_ops.norm_gate_op` instead (the
+    registered ``triton`` kernel does so)."""
     return NormGateFunction.apply(x, u, weight, bias, eps)

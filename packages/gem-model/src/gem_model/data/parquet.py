@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import glob
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from gem_model.components import DataSource
+from gem_model.data import parquet_decode as dec
 from gem_model.data.batch import Batch, FeatureSpec, PooledFeature, build_batch
+from gem_model.data.parquet_decode import Decoded
 from gem_model.data.parquet_schema import INSTALL_HINT, ParquetConfig, ParquetDataError, check_schema
 from gem_model.jagged import gather_rows, offsets_of
 
@@ -74,25 +76,6 @@ class RowGroup:
     index: int
     first_row: int
     num_rows: int
-
-
-@dataclass
-class Decoded:
-    """One row group's columns as tensors. Jagged columns are (values, lengths)."""
-
-    lengths: torch.Tensor
-    items: torch.Tensor
-    actions: torch.Tensor | None
-    times: torch.Tensor | None
-    request_times: torch.Tensor | None
-    candidates: torch.Tensor | None
-    pooled: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    dense: torch.Tensor
-    labels: torch.Tensor
-    offsets: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.offsets = offsets_of(self.lengths)
 
 
 class ParquetSource(DataSource):
@@ -186,6 +169,10 @@ class ParquetSource(DataSource):
             out += f", row {row} (row {grp.first_row + row} of the data)"
         return out
 
+    def column_type(self, g: int, column: str) -> Any:
+        """The Arrow type of ``column`` in the file holding row group ``g``."""
+        return self._handles[self.groups[g].file].schema_arrow.field(column).type
+
     def read_column(self, g: int, column: str) -> Any:
         """One column of row group ``g`` as one Arrow array; unreadable data raises :class:`ParquetDataError`."""
         pa = import_pyarrow()
@@ -214,8 +201,6 @@ class ParquetSource(DataSource):
         return self._cached(self._decoded, g, self._decode)
 
     def _decode(self, g: int) -> Decoded:
-        from gem_model.data import parquet_decode as dec
-
         c, cols = self.config, self.config.columns
         self.row_groups_read += 1
         items, lengths = dec.id_list(self, g, cols.history_item, c.num_items)
@@ -239,8 +224,6 @@ class ParquetSource(DataSource):
         )
 
     def _stored_lengths(self, g: int) -> torch.Tensor:
-        from gem_model.data import parquet_decode as dec
-
         return self._cached(self._lengths, g, lambda g: dec.scalar_ints(self, g, self.config.columns.history_length, None))
 
     def _row_lengths(self, g: int) -> torch.Tensor:
@@ -272,10 +255,9 @@ class ParquetSource(DataSource):
         return self._global(step, global_batch_size)["lengths"].clone()
 
     def make_batch(self, step: int, global_batch_size: int, indices: torch.Tensor) -> Batch:
-        from gem_model.data.parquet_decode import take_rows
 
         c, d = self.config, self._global(step, global_batch_size)
-        parts = take_rows(self, d["group"][indices], d["local"][indices], c.max_len)
+        parts = dec.take_rows(self, d["group"][indices], d["local"][indices], c.max_len)
         rows, k = d["neg_rows"], c.num_negatives
         mine = gather_rows(offsets_of(rows), rows, indices)
         times = None if parts["times"] is None else (parts["times"], parts["request_times"])

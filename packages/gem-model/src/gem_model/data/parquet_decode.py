@@ -1,20 +1,48 @@
 """Arrow columns of one row group to checked tensors, and this rank's rows out of decoded row groups.
 
-Every check names the file, row group, column and row through :meth:`ParquetSource.where`.
+Every check names the file, row group, column and row through :meth:`RowGroupSource.where`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from gem_model.data.parquet_schema import ParquetDataError
+from gem_model.data.parquet_schema import ParquetConfig, ParquetDataError
 from gem_model.jagged import gather_rows, offsets_of
 
-if TYPE_CHECKING:
-    from gem_model.data.parquet import ParquetSource
+
+@dataclass
+class Decoded:
+    """One row group's columns as tensors. Jagged columns are (values, lengths)."""
+
+    lengths: torch.Tensor
+    items: torch.Tensor
+    actions: torch.Tensor | None
+    times: torch.Tensor | None
+    request_times: torch.Tensor | None
+    candidates: torch.Tensor | None
+    pooled: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    dense: torch.Tensor
+    labels: torch.Tensor
+    offsets: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offsets = offsets_of(self.lengths)
+
+
+class RowGroupSource(Protocol):
+    """What decoding needs of a Parquet source (:class:`gem_model.data.parquet.ParquetSource`)."""
+
+    config: ParquetConfig
+
+    def where(self, g: int, column: str | None = None, row: int | None = None) -> str: ...
+    def read_column(self, g: int, column: str) -> Any: ...
+    def column_type(self, g: int, column: str) -> Any: ...
+    def decoded(self, g: int) -> Decoded: ...
 
 
 def _tensor(array: Any, dtype: Any) -> torch.Tensor:
@@ -29,13 +57,13 @@ def _first_null(array: Any) -> int:
     return int(np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))[0])
 
 
-def _no_nulls(src: ParquetSource, g: int, column: str, array: Any) -> None:
+def _no_nulls(src: RowGroupSource, g: int, column: str, array: Any) -> None:
     if array.null_count:
         raise ParquetDataError(f"{src.where(g, column, _first_null(array))}: null (nulls are not allowed)")
 
 
 def _check_range(
-    src: ParquetSource, g: int, column: str, values: torch.Tensor, bound: int | None, offsets: torch.Tensor | None
+    src: RowGroupSource, g: int, column: str, values: torch.Tensor, bound: int | None, offsets: torch.Tensor | None
 ) -> None:
     """Ids must lie in ``[0, bound)``; ``bound`` None: any value (times)."""
     if bound is None or values.numel() == 0:
@@ -50,7 +78,7 @@ def _check_range(
         )
 
 
-def _list(src: ParquetSource, g: int, column: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def _list(src: RowGroupSource, g: int, column: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(flat values as int64, lengths) of a list column; no null lists, no null values."""
     import pyarrow.compute as pc
 
@@ -65,13 +93,13 @@ def _list(src: ParquetSource, g: int, column: str) -> tuple[torch.Tensor, torch.
     return _tensor(flat, np.int64), lengths, flat
 
 
-def id_list(src: ParquetSource, g: int, column: str, bound: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def id_list(src: RowGroupSource, g: int, column: str, bound: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     values, lengths, _ = _list(src, g, column)
     _check_range(src, g, column, values, bound, offsets_of(lengths))
     return values, lengths
 
 
-def same_lengths(src: ParquetSource, g: int, column: str, lengths: torch.Tensor, bound: int | None) -> torch.Tensor:
+def same_lengths(src: RowGroupSource, g: int, column: str, lengths: torch.Tensor, bound: int | None) -> torch.Tensor:
     """The values of a per-event list column, whose lists must be as long as the history's."""
     values, own, _ = _list(src, g, column)
     if not torch.equal(own, lengths):
@@ -84,7 +112,7 @@ def same_lengths(src: ParquetSource, g: int, column: str, lengths: torch.Tensor,
     return values
 
 
-def check_length_column(src: ParquetSource, g: int, column: str, stored: torch.Tensor, lengths: torch.Tensor) -> None:
+def check_length_column(src: RowGroupSource, g: int, column: str, stored: torch.Tensor, lengths: torch.Tensor) -> None:
     if not torch.equal(stored, lengths):
         row = int(torch.nonzero(stored != lengths)[0, 0])
         raise ParquetDataError(
@@ -92,7 +120,7 @@ def check_length_column(src: ParquetSource, g: int, column: str, stored: torch.T
         )
 
 
-def scalar_ints(src: ParquetSource, g: int, column: str, bound: int | None) -> torch.Tensor:
+def scalar_ints(src: RowGroupSource, g: int, column: str, bound: int | None) -> torch.Tensor:
     array = src.read_column(g, column)
     _no_nulls(src, g, column, array)
     values = _tensor(array, np.int64)
@@ -100,11 +128,11 @@ def scalar_ints(src: ParquetSource, g: int, column: str, bound: int | None) -> t
     return values
 
 
-def ids_or_bag(src: ParquetSource, g: int, column: str, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ids_or_bag(src: RowGroupSource, g: int, column: str, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, lengths) of a pooled feature stored as one id per row or as a list of ids."""
     import pyarrow as pa
 
-    kind = src._handles[src.groups[g].file].schema_arrow.field(column).type
+    kind = src.column_type(g, column)
     if pa.types.is_list(kind) or pa.types.is_large_list(kind):
         return id_list(src, g, column, bound)
     values = scalar_ints(src, g, column, bound)
@@ -112,7 +140,7 @@ def ids_or_bag(src: ParquetSource, g: int, column: str, bound: int) -> tuple[tor
 
 
 def float_matrix(
-    src: ParquetSource, g: int, columns: list[str], n: int, *, finite: bool = False, unit: bool = False
+    src: RowGroupSource, g: int, columns: list[str], n: int, *, finite: bool = False, unit: bool = False
 ) -> torch.Tensor:
     """``[n, len(columns)]`` float32; ``finite``: no NaN/Inf; ``unit``: every value in [0, 1] (labels)."""
     out = torch.empty(n, len(columns), dtype=torch.float32)
@@ -133,7 +161,7 @@ def _take_jagged(values: torch.Tensor, offsets: torch.Tensor, lengths: torch.Ten
     return values[gather_rows(offsets, lengths, rows)]
 
 
-def take_rows(src: ParquetSource, group: torch.Tensor, local: torch.Tensor, max_len: int) -> dict[str, Any]:
+def take_rows(src: RowGroupSource, group: torch.Tensor, local: torch.Tensor, max_len: int) -> dict[str, Any]:
     """The rows ``(group[i], local[i])`` in the given order, histories cut to their last ``max_len`` events."""
     order = torch.argsort(group, stable=True)
     pieces: dict[str, list[torch.Tensor]] = {}
