@@ -87,7 +87,7 @@ def main() -> None:
          "col_amax_ptr": "*i32", "tensor_amax_ptr": "*i32", "col_sum_ptr": f32},
         {"ROW": True, "COL": True, "TENSOR": False, "COL_SUM": True, "ROWS_PER_PROG": t["stats_rows"],
          "BLOCK_M": t["stats_m"], "BLOCK_N": t["stats_n"]},
-        t["warps"],
+        t["stats_warps"],
     )  # fmt: skip
     report["fp8_cast"] = build(
         fp8_quant_triton._fp8_cast_kernel,
