@@ -3,7 +3,9 @@ in the files' format (``movielens_cases``), so they run everywhere."""
 
 from __future__ import annotations
 
+import io
 import math
+import sys
 
 import pytest
 import torch
@@ -232,3 +234,23 @@ def test_evaluation_ranks_the_split_target_over_the_catalogue(source, split, exc
     assert one.evaluate(DescendingScorer(), device=torch.device("cpu"), split=split)["ndcg@10"] == pytest.approx(
         1 / math.log2(ranks[0] + 2)
     )
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_evaluation_shows_its_progress_on_a_terminal_unless_the_trainer_turns_it_off(source, monkeypatch):
+    from gem_model.train.progress import live_progress
+
+    src = source(eval_batch_size=2)
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    shown = src.evaluate(DescendingScorer(), device=torch.device("cpu"), split="valid")
+    assert "evaluate valid" in screen.getvalue() and "2/2" in screen.getvalue()  # 3 users, batches of 2
+    screen.seek(0)
+    screen.truncate()
+    with live_progress(False):  # trainer.progress=false
+        hidden = src.evaluate(DescendingScorer(), device=torch.device("cpu"), split="valid")
+    assert screen.getvalue() == "" and hidden == shown

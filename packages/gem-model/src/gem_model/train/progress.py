@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from rich.console import Console
@@ -60,12 +61,27 @@ def live_display(console: Console | None = None) -> RichProgress:
     )
 
 
+_SHOWN: ContextVar[bool] = ContextVar("gem_live_progress", default=True)
+
+
+@contextmanager
+def live_progress(enabled: bool) -> Iterator[None]:
+    """Within it, :func:`task_progress` shows its display only if ``enabled``. The trainer wraps the
+    work it calls in other components (a data source's ``evaluate``) in ``live_progress(trainer.progress)``."""
+    token = _SHOWN.set(enabled)
+    try:
+        yield
+    finally:
+        _SHOWN.reset(token)
+
+
 @contextmanager
 def task_progress(
     total: int, description: str, *, unit: str = "it", console: Console | None = None
 ) -> Iterator[Callable[[int], None]]:
-    """``advance(n)`` for work of ``total`` units: a live display on a terminal, a no-op elsewhere."""
-    if console is None and not sys.stderr.isatty():
+    """``advance(n)`` for work of ``total`` units: a live display on a terminal, a no-op elsewhere and
+    inside ``live_progress(False)``. Inside the training display it shows as a second display below it."""
+    if not _SHOWN.get() or (console is None and not sys.stderr.isatty()):
         yield lambda n: None
         return
     with live_display(console) as display:
