@@ -13,9 +13,14 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 
-def gem_train(args: list[str], *, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+def gem_train(args: list[str], *, nproc: int = 1, timeout: int = 600, torchrun: bool = False) -> subprocess.CompletedProcess[str]:
+    """``gem-train run`` in ``nproc`` processes (``torchrun``: under torchrun even for one process)."""
     env = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "gem_model", "run", *(["--nproc", str(nproc)] if nproc > 1 else []), *args]
+    if torchrun:
+        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "gem_model", "run"]
+    else:
+        launch = ["-m", "gem_model", "run", *(["--nproc", str(nproc)] if nproc > 1 else [])]
+    cmd = [sys.executable, *launch, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -56,7 +61,11 @@ def test_warmup_reaches_the_fused_table_optimizer(reference_overrides, tmp_path)
     common = [*reference_overrides, "trainer.steps=4", "trainer.warmup_steps=3", "trainer.checkpoint_at_end=false"]
     gem_train([*common, "parallel.planner=single", f"trainer.output_dir={tmp_path}/one"])
     gem_train([*common, "parallel.planner=torchrec_ddp", f"trainer.output_dir={tmp_path}/two"], nproc=2)
-    one_losses, two_losses = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    # one process under torchrun: a process group of one rank, as on a single GPU
+    gem_train([*common, "parallel.planner=torchrec_ddp", f"trainer.output_dir={tmp_path}/alone"], torchrun=True)
+    one_losses = step_losses(tmp_path / "one")
     assert len(one_losses) == 4
-    for a, b in zip(one_losses, two_losses, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (one_losses, two_losses)
+    for other in ("two", "alone"):
+        losses = step_losses(tmp_path / other)
+        for a, b in zip(one_losses, losses, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a), (other, one_losses, losses)

@@ -7,10 +7,11 @@ from gem_model import hookimpl
 
 @hookimpl
 def gem_register_parallel_planners():
+    from gem_parallel.fsdp import FSDPPlanner
     from gem_parallel.sharded import TorchrecDDPPlanner
     from gem_parallel.single import SinglePlanner
 
-    return [SinglePlanner, TorchrecDDPPlanner]
+    return [SinglePlanner, TorchrecDDPPlanner, FSDPPlanner]
 
 
 @hookimpl

@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,9 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import get_qcomm_codecs_registry
-from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -50,6 +50,12 @@ class TorchrecDDPConfig(ComponentConfig):
     )
     bucket_cap_mb: int = Field(25, gt=0, description="DDP gradient bucket size")
     static_graph: bool = Field(False, description="DDP static_graph (every parameter used every step)")
+
+
+def _replica_group(layout: Layout) -> Any:
+    """The group over the data-parallel replicas; with one rank, the default group (torchrec's
+    sharders need a process group even when it holds one rank, where the layout's group is None)."""
+    return layout.group("dp_replicate") or dist.group.WORLD
 
 
 class _CommAwareDDP(DefaultDataParallelWrapper):
@@ -89,38 +95,10 @@ class TorchrecDDPPlanner(ParallelPlanner):
     def plan(
         self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
     ) -> Plan:
-        if env.device.type == "cpu" and not sparse_optimizer.fused_on_cpu:
-            raise ValueError(
-                f"trainer.sparse_optimizer {sparse_optimizer.name!r}: FBGEMM's fused table update has no CPU kernel, "
-                "so parallel.planner 'torchrec_ddp' cannot use it on the CPU; use rowwise_adagrad there or run on CUDA"
-            )
-        # torchrec's planner costs the fused optimizer's state, so the tables carry it before planning
-        _fuse_table_optimizer(model, sparse_optimizer)
-        constraints = {
-            cfg.name: ParameterConstraints(sharding_types=list(self.config.sharding_types), compute_kernels=["fused"])
-            for cfg in model.table_configs()
-        }
-        hbm = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
-        planner = EmbeddingShardingPlanner(  # the device's real HBM, not torchrec's 32 GB default
-            topology=Topology(world_size=layout.world_size, compute_device=env.device.type, hbm_cap=hbm),
-            constraints=constraints,
-        )
-        sharders = _sharders(comm)
-        if env.distributed:  # rank 0 plans, every rank gets its plan
-            native = planner.collective_plan(model, sharders, layout.group("dp_replicate"))  # type: ignore[arg-type]
-        else:
-            native = planner.plan(model, sharders)  # type: ignore[arg-type]
-        sizes = {cfg.name: (cfg.num_embeddings, cfg.embedding_dim) for cfg in model.table_configs()}
-        tables = {
-            table: TablePlacement(
-                ps.sharding_type, list(ps.ranks or []), ps.compute_kernel, rows=sizes[table][0], dim=sizes[table][1]
-            )
-            for module_plan in native.plan.values()
-            for table, ps in module_plan.items()  # type: ignore[attr-defined]
-        }
-        missing = sorted(set(sizes) - set(tables))
-        if missing:
-            raise ValueError(f"parallel.planner 'torchrec_ddp': torchrec's plan places no shard of table(s) {missing}")
+        native, tables = plan_tables(
+            self.name, model, env=env, world_size=layout.world_size, group=layout.group("dp_replicate"), comm=comm,
+            sparse_optimizer=sparse_optimizer, sharding_types=self.config.sharding_types,
+        )  # fmt: skip
         dense = {name: DensePlacement("replicated", ["dp_replicate"], n) for name, n in dense_modules(model).items()}
         return Plan(self.name, layout.describe(), tables, dense, native=native)
 
@@ -141,22 +119,10 @@ class TorchrecDDPPlanner(ParallelPlanner):
             )
         if plan.native is None:
             raise ValueError("parallel.planner 'torchrec_ddp' applies only a plan it made in this process (plan.native)")
-        # Tables built on the meta device (model.table_init: device) are drawn by torchrec on each
-        # rank's device, uniformly within the configs' weight_init bounds; others are copied from the host.
-        on_meta = model.tables_on_meta
-        full = {} if on_meta else {k: v.detach().clone() for k, v in model.table_state_dict().items()}
-        _fuse_table_optimizer(model, sparse_optimizer)
-        model.set_table_grad_scale(1.0 if get_gradient_division() else 1.0 / layout.dp_degree)
-        dmp = DistributedModelParallel(
-            model,  # type: ignore[arg-type]
-            env=ShardingEnv.from_process_group(layout.group("dp_replicate")),
-            device=env.device,
-            plan=plan.native,
-            sharders=_sharders(comm),
-            data_parallel_wrapper=_CommAwareDDP(comm, self.config),
-        )
-        copied = 0 if on_meta else copy_full_into_shards(dmp, full)
-        where = "drawn on the device" if on_meta else f"{copied} copied from the host"
+        dmp, where = shard_tables(
+            model, plan.native, env=env, group=_replica_group(layout), degree=layout.dp_degree, comm=comm,
+            sparse_optimizer=sparse_optimizer, data_parallel_wrapper=_CommAwareDDP(comm, self.config),
+        )  # fmt: skip
         dense = list(in_backward_optimizer_filter(dmp.named_parameters()))
         return PreparedModel(
             module=dmp,
@@ -165,6 +131,84 @@ class TorchrecDDPPlanner(ParallelPlanner):
             sparse_optimizer_fused=True,
             plan_summary=f"tables sharded over {layout.world_size} ranks ({where})\n{plan.native}",
         )
+
+
+def plan_tables(
+    planner: str,
+    model: ShardableModel,
+    *,
+    env: DistEnv,
+    world_size: int,
+    group: Any,
+    comm: CommStrategy,
+    sparse_optimizer: SparseOptimizerSpec,
+    sharding_types: list[str],
+) -> tuple[ShardingPlan, dict[str, TablePlacement]]:
+    """torchrec's plan of every table over the ``world_size`` ranks of ``group`` (rank 0 plans, every
+    rank gets its plan; without a process group, planned here), checked that no table is dropped."""
+    if env.device.type == "cpu" and not sparse_optimizer.fused_on_cpu:
+        raise ValueError(
+            f"trainer.sparse_optimizer {sparse_optimizer.name!r}: FBGEMM's fused table update has no CPU kernel, "
+            f"so parallel.planner {planner!r} cannot use it on the CPU; use rowwise_adagrad there or run on CUDA"
+        )
+    # torchrec's planner costs the fused optimizer's state, so the tables carry it before planning
+    _fuse_table_optimizer(model, sparse_optimizer)
+    constraints = {
+        cfg.name: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=["fused"])
+        for cfg in model.table_configs()
+    }
+    hbm = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else None
+    planner_ = EmbeddingShardingPlanner(  # the device's real HBM, not torchrec's 32 GB default
+        topology=Topology(world_size=world_size, compute_device=env.device.type, hbm_cap=hbm),
+        constraints=constraints,
+    )
+    sharders = _sharders(comm)
+    if env.distributed:
+        native = planner_.collective_plan(model, sharders, group)  # type: ignore[arg-type]
+    else:
+        native = planner_.plan(model, sharders)  # type: ignore[arg-type]
+    sizes = {cfg.name: (cfg.num_embeddings, cfg.embedding_dim) for cfg in model.table_configs()}
+    tables = {
+        table: TablePlacement(ps.sharding_type, list(ps.ranks or []), ps.compute_kernel, rows=sizes[table][0], dim=sizes[table][1])
+        for module_plan in native.plan.values()
+        for table, ps in module_plan.items()  # type: ignore[attr-defined]
+    }
+    missing = sorted(set(sizes) - set(tables))
+    if missing:
+        raise ValueError(f"parallel.planner {planner!r}: torchrec's plan places no shard of table(s) {missing}")
+    return native, tables
+
+
+def shard_tables(
+    model: ShardableModel,
+    native: ShardingPlan,
+    *,
+    env: DistEnv,
+    group: Any,
+    degree: int,
+    comm: CommStrategy,
+    sparse_optimizer: SparseOptimizerSpec,
+    data_parallel_wrapper: DataParallelWrapper,
+) -> tuple[DistributedModelParallel, str]:
+    """torchrec's DMP over ``group`` with the fused table optimizer, the shards filled from the
+    unsharded tables (or drawn on the device for meta tables); ``degree``: the data-parallel ranks
+    whose table gradients are averaged. Returns the DMP and where its shards came from."""
+    # Tables built on the meta device (model.table_init: device) are drawn by torchrec on each
+    # rank's device, uniformly within the configs' weight_init bounds; others are copied from the host.
+    on_meta = model.tables_on_meta
+    full = {} if on_meta else {k: v.detach().clone() for k, v in model.table_state_dict().items()}
+    _fuse_table_optimizer(model, sparse_optimizer)
+    model.set_table_grad_scale(1.0 if get_gradient_division() else 1.0 / degree)
+    dmp = DistributedModelParallel(
+        model,  # type: ignore[arg-type]
+        env=ShardingEnv.from_process_group(group),
+        device=env.device,
+        plan=native,
+        sharders=_sharders(comm),
+        data_parallel_wrapper=data_parallel_wrapper,
+    )
+    copied = 0 if on_meta else copy_full_into_shards(dmp, full)
+    return dmp, "drawn on the device" if on_meta else f"{copied} copied from the host"
 
 
 def _sharders(comm: CommStrategy) -> list:

@@ -62,7 +62,7 @@ class SinglePlanner(ParallelPlanner):
         if model.tables_on_meta:  # model.table_init: device
             model.materialize_tables(env.device)
         model.to(env.device)  # type: ignore[attr-defined]
-        tables = {n: p for module_name, module in model.table_modules().items() for n, p in _named(module_name, module)}
+        tables = table_parameters(model)
         dense = model.dense_named_parameters()
         optimizer = KeyedOptimizerWrapper(tables, lambda params: sparse_optimizer.cls(params, **sparse_optimizer.kwargs))
         summary = f"single process on {env.device}: {len(tables)} tables unsharded, {len(dense)} dense tensors"
@@ -75,5 +75,8 @@ class SinglePlanner(ParallelPlanner):
         )
 
 
-def _named(prefix: str, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
+def table_parameters(model: ShardableModel) -> dict[str, nn.Parameter]:
+    """Every parameter of the (unsharded) tables, by its name in the model."""
+    return {
+        f"{module_name}.{n}": p for module_name, module in model.table_modules().items() for n, p in module.named_parameters()
+    }

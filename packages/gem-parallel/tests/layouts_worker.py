@@ -1,0 +1,73 @@
+"""One torchrun start of N gloo processes that trains every layout it is given, in turn.
+
+``python -m torch.distributed.run --nproc-per-node N layouts_worker.py OUT NAME=OVERRIDES...``:
+for each layout, 5 steps of the tiny run under ``parallel.planner=fsdp`` with a checkpoint after
+step 3, then a second run in the same processes that resumes that checkpoint and trains steps 4-5.
+Rank 0 writes ``OUT/results.json``: per layout, the step losses of both runs and the layout and
+placement each run reported. (One start for all layouts: a process group costs seconds to make.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import gem_parallel.plugin
+from gem_model import testing
+from gem_model.checks import check_run
+from gem_model.config_io import load_config
+from gem_model.distributed import init_distributed, teardown
+from gem_model.plugins import GemPluginManager
+from gem_model.resolve import resolve_components
+from gem_model.results import RunSummary
+from gem_model.train.run import Run
+
+STEPS = 5
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(x)["step_loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if "step_loss" in x]
+
+
+def train(overrides: list[str]) -> tuple[Run, RunSummary]:
+    config = load_config(None, overrides)
+    pm = GemPluginManager(autoload=False, plugins=[testing, gem_parallel.plugin])
+    components = resolve_components(config, pm)
+    check_run(config, components, int(os.environ["WORLD_SIZE"]))  # before the group, as gem-train run
+    env = init_distributed(config.trainer.device)
+    run = Run(config, pm, components, env)
+    return run, run.fit()
+
+
+def main(out: Path, layouts: list[str], common: list[str]) -> None:
+    results: dict[str, dict[str, object]] = {}
+    env = None
+    for item in layouts:
+        name, _, options = item.partition("=")
+        where = out / name
+        overrides = [*common, "parallel.planner=fsdp", *options.split(","), f"trainer.output_dir={where}"]
+        overrides = [o for o in overrides if o]
+        first, summary = train([*overrides, f"trainer.steps={STEPS}", "trainer.checkpoint_every=3"])
+        env = first.env
+        trained = losses(where)
+        resumed, _ = train([*overrides, f"trainer.steps={STEPS}", "trainer.resume=true"])
+        results[name] = {
+            "losses": trained,
+            "resumed": losses(where)[3:],
+            "start_step": resumed.start_step,
+            "layout": summary.extra["layout"],
+            "placement": summary.extra["plan"],
+            "plan": first.plan.to_dict(),
+        }
+    if env is not None:
+        if env.is_main:
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+        teardown(env)
+
+
+if __name__ == "__main__":
+    out_dir, rest = Path(sys.argv[1]), sys.argv[2:]
+    split = rest.index("--")
+    main(out_dir, rest[:split], rest[split + 1 :])

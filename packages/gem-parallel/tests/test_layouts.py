@@ -1,0 +1,112 @@
+"""Every layout of the ``fsdp`` planner on 4 gloo processes trains like one process and resumes exactly.
+
+One torchrun start trains them all in turn (``layouts_worker.py``): each dimension alone (FSDP2
+``dp_shard``, HSDP's replicas ``dp_replicate``, ``tp`` and ``cp`` in the HSTU blocks) and the combinations
+``dp_replicate x dp_shard``, ``dp_shard x tp`` and ``dp_shard x cp``, 5 steps each, checkpointed after step 3 and
+resumed from there; and the tables sharded by torchrec's DMP (over all ranks) beside FSDP2 and TP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gem_model import testing
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 4
+# 4 heads, so that tp can take all 4 ranks; the rest is gem_model.testing's tiny run
+# (the relative position bias and an attention window: what tp and cp must handle in the attention;
+# gradient clipping: the global norm over DTensors of several meshes under tp)
+COMMON = [
+    *testing.INLINE_OVERRIDES, "model.num_heads=4", "model.num_blocks=2", "model.relative_position_bias=true",
+    "model.max_attn_len=5", "trainer.grad_clip=0.5", "trainer.checkpoint_at_end=false",
+]  # fmt: skip
+LAYOUTS = {
+    "dp_shard": "parallel.planner.options.dp_shard=4",
+    "dp_replicate": "parallel.planner.options.dp_replicate=4",
+    "tp": "parallel.planner.options.tp=4",
+    "dp_replicate_x_dp_shard": "parallel.planner.options.dp_replicate=2",
+    "dp_shard_x_tp": "parallel.planner.options.tp=2",
+    "cp": "parallel.planner.options.cp=4",
+    "dp_shard_x_cp": "parallel.planner.options.cp=2",
+    # torchrec's DMP shards the tables over all 4 ranks (one sparse group), FSDP2 the dense part
+    "sparse_x_dp_shard": "parallel.planner.options.tables=sharded",
+    "sparse_x_dp_shard_x_tp": "parallel.planner.options.tables=sharded,parallel.planner.options.tp=2",
+    # HSDP over dp_replicate x cp (dp_shard stays at degree 1), the tables sharded
+    "sparse_x_dp_replicate_x_cp": "parallel.planner.options.tables=sharded,parallel.planner.options.dp_replicate=2,"
+    "parallel.planner.options.cp=2",
+}
+EXPECTED = {
+    "dp_shard": "dp_shard=4",
+    "dp_replicate": "dp_replicate=4 x dp_shard=1",
+    "tp": "tp=4",
+    "dp_replicate_x_dp_shard": "dp_replicate=2 x dp_shard=2",
+    "dp_shard_x_tp": "dp_shard=2 x tp=2",
+    "cp": "cp=4",
+    "dp_shard_x_cp": "dp_shard=2 x cp=2",
+    "sparse_x_dp_shard": "dp_shard=4",
+    "sparse_x_dp_shard_x_tp": "dp_shard=2 x tp=2",
+    "sparse_x_dp_replicate_x_cp": "dp_replicate=2 x dp_shard=1 x cp=2",
+}
+# Same global batches and initial weights as one process; only the order of float sums differs
+# (reduce-scatters, all-reduces of partial products): measured within 3e-7 relative.
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("layouts")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GEM_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    worker = Path(__file__).with_name("layouts_worker.py")
+    layouts = [f"{name}={opts}" for name, opts in LAYOUTS.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(worker),
+           str(out), *layouts, "--", *COMMON]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[float]:
+    import gem_parallel.plugin
+
+    out = tmp_path_factory.mktemp("one")
+    return testing.tiny_run(*COMMON, "parallel.planner=single", output_dir=out, steps=5, plugins=[gem_parallel.plugin]).losses
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_like_one_process_and_resumes_exactly(name, results, one_process):
+    r = results[name]
+    assert r["layout"].startswith(EXPECTED[name]), r["layout"]
+    assert len(r["losses"]) == len(one_process) == 5
+    for a, b in zip(one_process, r["losses"], strict=True):
+        assert abs(a - b) <= RTOL * abs(a), (name, one_process, r["losses"])
+    # resumed from the step-3 checkpoint: steps 4 and 5 repeat bit for bit
+    assert r["start_step"] == 3
+    assert r["resumed"] == r["losses"][3:], (name, r["losses"], r["resumed"])
+
+
+def test_plans_say_where_each_part_went(results):
+    plan = results["dp_shard_x_tp"]["plan"]
+    assert plan["planner"] == "fsdp"
+    assert plan["dense"]["blocks"]["strategy"] == "tensor_parallel+fully_sharded"
+    assert plan["dense"]["blocks"]["dims"] == ["dp_shard", "tp"]
+    assert plan["dense"]["task_head"]["strategy"] == "fully_sharded"
+    assert all(t["sharding"] == "replicated" and t["ranks"] == [0, 1, 2, 3] for t in plan["tables"].values())
+    assert "HSDP over dp_replicate x dp_shard" in results["dp_replicate_x_dp_shard"]["placement"]
+    assert "TP in the HSTU blocks" in results["tp"]["placement"]
+    assert "FSDP2 over dp_shard+cp, CP in the HSTU blocks" in results["dp_shard_x_cp"]["placement"]
+    for name in ("sparse_x_dp_shard", "sparse_x_dp_shard_x_tp", "sparse_x_dp_replicate_x_cp"):
+        assert "tables sharded over 4 ranks (6 copied from the host)" in results[name]["placement"]
+        tables = results[name]["plan"]["tables"]
+        assert len(tables) == 6 and all(t["compute_kernel"] == "fused" and t["ranks"] for t in tables.values())
+    assert "HSDP over dp_replicate x cp, CP in the HSTU blocks" in results["sparse_x_dp_replicate_x_cp"]["placement"]
+    cp = results["dp_shard_x_cp"]["plan"]["dense"]["blocks"]
+    assert (cp["strategy"], cp["dims"]) == ("context_parallel+fully_sharded", ["dp_shard", "cp"])
