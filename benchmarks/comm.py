@@ -5,7 +5,8 @@ small MLP for ``--steps`` steps from the same start on the same data; the table 
 parameter difference from ``default`` (checked against each strategy's stated tolerance) and the
 dense bytes each rank sends per step, from the strategies' own exact counts. A second table
 counts the embedding all-to-all's floating-point bytes of a torchrec-sharded table (2 ranks) in
-fp32, bf16 and fp16 qcomms.
+fp32, bf16 and fp16 qcomms. A third gives the compute slowdown while all-reduces run
+(``gem_comm.contention.compute_slowdown`` on 2 gloo ranks: CPU matmuls beside gloo's threads).
 
 CUDA with 2 GPUs (``--contention``): issue 15's case. 12 bf16 8192^3 GEMMs on one stream and 4
 all-reduces of 256 MB on another, alone and together, over the default NCCL group and over
@@ -33,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from gem_comm.contention import compute_slowdown
 from gem_comm.default import DefaultComm
 from gem_comm.hierarchical import HierarchicalComm
 from gem_comm.measure import CommMeter, count_all_to_all
@@ -110,7 +112,10 @@ def _embedding(rank: int, world: int) -> dict[str, float]:
 def _entry(rank: int, world: int, init: str, results: Any, job: str, args: tuple) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        results[rank] = _dense(rank, world, *args) if job == "dense" else _embedding(rank, world)
+        if job == "slowdown":
+            results[rank] = compute_slowdown(None, device=torch.device("cpu"))
+        else:
+            results[rank] = _dense(rank, world, *args) if job == "dense" else _embedding(rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -148,9 +153,17 @@ def cpu_checks(world: int, steps: int, node_size: int) -> dict[str, Any]:
     print("\nembedding all-to-all, floating-point bytes per step (rank 0 of 2, 4 tables x 64 dims x 256 samples)")
     for precision, nbytes in emb.items():
         print(f"{precision:<6}{nbytes:>12,.0f}  ({emb['fp32'] / nbytes:.2f}x fewer than fp32)")
+    slow = _spawn("slowdown", 2)
+    print("\ncompute slowdown beside all-reduces (gem_comm.contention, gloo, 2 ranks, 256^2 matmuls, 4 MiB)")
+    for rank, row in sorted(slow.items()):
+        print(f"rank {rank}: alone {row['compute.alone.seconds'] * 1e3:.3f} ms, beside {int(row['comm.all_reduces'])} "
+              f"all-reduces {row['compute.beside_comm.seconds'] * 1e3:.3f} ms: slowdown {row['compute.slowdown']:.2f}x")  # fmt: skip
     if failed:
         raise SystemExit(f"correctness check failed for {failed}")
-    return {"dense": rows, "embedding_all_to_all_bytes": emb, "world": world, "node_size": node_size, "steps": steps}
+    return {
+        "dense": rows, "embedding_all_to_all_bytes": emb, "compute_slowdown": slow,
+        "world": world, "node_size": node_size, "steps": steps,
+    }  # fmt: skip
 
 
 def _contention(rank: int, world: int, init: str, results: Any) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import gem_comm.plugin
+from gem_comm.contention import compute_slowdown
 from gem_comm.measure import CommMeter, CommReport, all_gather_bytes, ring_all_reduce_bytes, scatter_bytes
 from gem_comm.overlap import OverlapComm
 from gem_model import testing
 from gem_model.distributed import DistEnv
+
+KEYS = {"compute.alone.seconds", "compute.beside_comm.seconds", "compute.slowdown", "comm.all_reduce.alone.seconds", "comm.all_reduces"}
 
 
 def test_byte_formulas():
@@ -48,3 +53,36 @@ def test_per_step_differences_of_the_strategy_totals(tmp_path):
     assert report.means() == {"dense.all_reduce.bytes": 200.0, "dense.all_reduce.calls": 1.0, "dense.all_reduce.seconds": 0.25}
     rows = dict(report.gem_report_sections(ctx, None)[0].rows)
     assert rows["strategy"] == "overlap" and rows["dense.all_reduce.bytes"] == "200 B/step"
+
+
+@pytest.mark.multiprocess
+def test_compute_slowdown_probe_on_two_gloo_processes(spawned):
+    """``slowdown_every: 2`` over 3 steps: one probe (after step 2), run by both ranks together.
+    What is checked is how the numbers relate, never how large a time is."""
+    ranks = spawned(2)
+    counts = set()
+    for r in (ranks[0]["slowdown"], ranks[1]["slowdown"]):
+        assert len(r["probes"]) == 1
+        (probe,) = r["probes"]
+        assert set(probe) == KEYS
+        assert probe["compute.slowdown"] == probe["compute.beside_comm.seconds"] / probe["compute.alone.seconds"]
+        assert probe["compute.alone.seconds"] > 0 and probe["comm.all_reduce.alone.seconds"] > 0
+        # enough all-reduces in flight to outlast the probe alone (so it ran beside communication)
+        n = probe["comm.all_reduces"]
+        assert n >= 2 and n * probe["comm.all_reduce.alone.seconds"] >= probe["compute.alone.seconds"]
+        counts.add(n)
+        assert r["means"] == {"probes": 1.0, **probe}
+        assert r["rows"]["slowdown probe: compute.slowdown"] == f"{probe['compute.slowdown']:,.6g}"
+    assert len(counts) == 1  # the ranks agreed on the number of collectives
+
+
+def test_no_probe_without_a_process_group(tmp_path):
+    ctx = testing.fake_run_context(output_dir=tmp_path)
+    report = CommReport(CommReport.Config(slowdown_every=1))
+    wrapper = report.gem_train_step(ctx, 0)
+    next(wrapper)
+    with pytest.raises(StopIteration):
+        wrapper.send(None)
+    assert report.slowdown == [] and report.slowdown_means() == {}
+    with pytest.raises(ValueError, match="needs a process group"):
+        compute_slowdown(device=ctx.device)

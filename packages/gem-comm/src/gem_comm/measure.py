@@ -18,7 +18,11 @@ running totals as a flat dict of numbers:
 
 The ``comm_report`` callback (``callbacks: [{name: comm_report}]``) takes the difference of these
 totals around every step, puts per-step means into ``summary.extra["comm"]`` and prints them in a
-``communication`` report section. :func:`count_all_to_all` counts the bytes of every
+``communication`` report section. With ``slowdown_every: N`` it also runs
+:func:`gem_comm.contention.compute_slowdown` after every N-th step (all ranks, outside the step's
+timed part) and reports the probes' means as ``summary.extra["comm"]["slowdown"]``
+(``compute.slowdown``: the compute probe's time beside all-reduces over its time alone).
+:func:`count_all_to_all` counts the bytes of every
 ``all_to_all_single`` in a block: it is how the tests and the benchmark see the embedding
 all-to-all, which torchrec runs itself.
 """
@@ -33,6 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 
 from gem_model import hookimpl
 from gem_model.components import ComponentConfig
@@ -109,7 +114,12 @@ def count_all_to_all(meter: CommMeter, kind: str = "embedding.all_to_all") -> It
 
 
 class CommReportConfig(ComponentConfig):
-    pass
+    slowdown_every: int = Field(
+        0, ge=0, description="after every N-th step, measure the compute slowdown while all-reduces run "
+        "(gem_comm.contention; every rank, outside the step's own time); 0: never",
+    )
+    slowdown_mb: float = Field(4.0, gt=0, description="bytes of each all-reduce of the slowdown probe, in MiB")
+    slowdown_size: int = Field(256, gt=0, description="side of the probe's square matmuls")
 
 
 class CommReport(Callback):
@@ -121,6 +131,7 @@ class CommReport(Callback):
     def __init__(self, config: ComponentConfig | None = None):
         super().__init__(config)
         self.per_step: list[dict[str, float]] = []
+        self.slowdown: list[dict[str, float]] = []
 
     @hookimpl(wrapper=True)
     def gem_train_step(self, run: Any, step: int) -> Any:
@@ -128,16 +139,35 @@ class CommReport(Callback):
         result = yield
         after = run.comm.measurements()
         self.per_step.append({k: v - before.get(k, 0.0) for k, v in after.items()})
+        every = self.config.slowdown_every  # type: ignore[attr-defined]
+        if every and (step + 1) % every == 0 and dist.is_initialized() and dist.get_world_size() > 1:
+            self.slowdown.append(self.probe(run.device))
         return result
+
+    def probe(self, device: torch.device) -> dict[str, float]:
+        """One :func:`~gem_comm.contention.compute_slowdown` over all ranks, with this callback's sizes."""
+        from gem_comm.contention import compute_slowdown
+
+        cfg: CommReportConfig = self.config  # type: ignore[assignment]
+        return compute_slowdown(None, device=device, size=cfg.slowdown_size, nbytes=int(cfg.slowdown_mb * 2**20))
 
     def means(self) -> dict[str, float]:
         keys = sorted({k for s in self.per_step for k in s})
         n = max(len(self.per_step), 1)
         return {k: sum(s.get(k, 0.0) for s in self.per_step) / n for k in keys}
 
+    def slowdown_means(self) -> dict[str, float]:
+        """The probes' means (empty when none ran), and ``probes``: how many ran."""
+        if not self.slowdown:
+            return {}
+        keys = sorted({k for s in self.slowdown for k in s})
+        return {"probes": float(len(self.slowdown)), **{k: sum(s[k] for s in self.slowdown) / len(self.slowdown) for k in keys}}
+
     @hookimpl
     def gem_run_finished(self, run: Any, summary: Any) -> None:
         summary.extra["comm"] = {"strategy": run.comm.name, "steps": len(self.per_step), "per_step": self.means()}
+        if self.slowdown:
+            summary.extra["comm"]["slowdown"] = self.slowdown_means()
 
     @hookimpl
     def gem_report_sections(self, run: Any, summary: Any) -> list[ReportSection]:
@@ -147,4 +177,5 @@ class CommReport(Callback):
             rows.append((key, f"{value:,.6g}{unit}"))
         if len(rows) == 1:
             rows.append(("measurements", "none (this strategy records none)"))
+        rows += [(f"slowdown probe: {k}", f"{v:,.6g}") for k, v in self.slowdown_means().items()]
         return [ReportSection("communication", rows)]

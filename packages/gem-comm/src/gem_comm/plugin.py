@@ -21,3 +21,17 @@ def gem_register_callbacks():
     from gem_comm.measure import CommReport
 
     return [CommReport]
+
+
+@hookimpl
+def gem_register_train_pipelines():
+    from gem_comm.sparse_dist import SparseDistPipeline
+
+    return [SparseDistPipeline]
+
+
+@hookimpl
+def gem_profile_sections(profile):
+    from gem_comm.profile import comm_measured_section
+
+    return comm_measured_section(profile)

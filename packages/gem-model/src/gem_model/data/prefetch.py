@@ -112,12 +112,21 @@ def stage(
 
 
 class SyncFeed:
-    """Builds each step's batch when the step asks for it (no thread): ``trainer.prefetch: 0``."""
+    """Builds each step's batch when the step asks for it (no thread): ``trainer.prefetch: 0``.
+    ``end``: no batch of step ``end`` or later is built (``get`` raises ``IndexError``)."""
 
-    def __init__(self, loader: ShardedLoader, *, device: torch.device | None = None, facts: FactsFn = history_facts):
+    def __init__(
+        self,
+        loader: ShardedLoader,
+        *,
+        device: torch.device | None = None,
+        facts: FactsFn = history_facts,
+        end: int | None = None,
+    ):
         self.loader = loader
         self.device = device if device is not None else torch.device("cpu")
         self.facts = facts
+        self.end = end
 
     @property
     def step(self) -> int:
@@ -125,6 +134,7 @@ class SyncFeed:
         return self.loader.step
 
     def get(self, step: int) -> StagedBatch:
+        self._check_end(step)
         batch, known, _ = stage(self.loader, step, self.device, self.facts, None)
         self.loader.step = step + 1
         return StagedBatch(step, known, True, batch)
@@ -134,6 +144,10 @@ class SyncFeed:
 
     def __next__(self) -> StagedBatch:
         return self.get(self.loader.step)
+
+    def _check_end(self, step: int) -> None:
+        if self.end is not None and step >= self.end:
+            raise IndexError(f"step {step} is past the last step this loader builds ({self.end - 1})")
 
     def exclusive(self) -> contextlib.AbstractContextManager[Any]:
         """Hold while calling the data source from the main thread (no concurrent source calls)."""
@@ -256,9 +270,8 @@ class PrefetchLoader(SyncFeed):
     ):
         if depth < 1:
             raise ValueError(f"prefetch depth must be at least 1, got {depth} (use SyncFeed for none)")
-        super().__init__(loader, device=device, facts=facts)
+        super().__init__(loader, device=device, facts=facts, end=end)
         self.depth = depth
-        self.end = end
         self.join_timeout = join_timeout
         self.waits = 0
         """How many batches were asked for before they were built."""
@@ -271,8 +284,7 @@ class PrefetchLoader(SyncFeed):
         return None if self._worker is None else self._worker.thread
 
     def get(self, step: int) -> StagedBatch:
-        if self.end is not None and step >= self.end:
-            raise IndexError(f"step {step} is past the last step this loader builds ({self.end - 1})")
+        self._check_end(step)
         worker = self._worker
         if worker is None or worker.next_step != step:
             self._stop_worker()
@@ -311,7 +323,7 @@ def make_feed(
 ) -> SyncFeed:
     """The trainer's batch feed: :class:`SyncFeed` for ``prefetch == 0``, else a :class:`PrefetchLoader`."""
     if prefetch == 0:
-        return SyncFeed(loader, device=device, facts=facts)
+        return SyncFeed(loader, device=device, facts=facts, end=end)
     return PrefetchLoader(loader, depth=prefetch, device=device, facts=facts, end=end)
 
 

@@ -1,0 +1,82 @@
+"""Whole 2-process runs through gem-parallel's ``torchrec_ddp`` planner, as subprocesses (tests only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# gem-parallel's tests/conftest.py REFERENCE overrides and test_loss_pin.py's pinned losses
+REFERENCE = [
+    "kernels.jagged_attention=loop", "kernels.norm_gate=loop", "precision.scheme=inline_fp32",
+    "activation.policy=inline_none", "trainer.progress=false", "trainer.log_every=1",
+    "data.global_batch_size=16", "data.source.options.max_len=15", "model.max_seq_len=16",
+    "trainer.steps=4", "trainer.checkpoint_at_end=false", "trainer.eval_at_end=false",
+    "parallel.planner=torchrec_ddp", "callbacks=[{name: comm_report}]",
+]  # fmt: skip
+PINNED = ["0x1.1dfc7c48d3dcbp+3", "0x1.f38f95fa4d269p+2", "0x1.05a5b3d1dae60p+3", "0x1.09b4381d3dcb0p+3"]
+"""The ``sequential`` pipeline's step losses on 2 processes with ``default`` (float.hex)."""
+
+RUNS: dict[str, tuple[str, ...]] = {
+    "overlap": ("comm.strategy=overlap",),
+    "quantized": ("comm.strategy=quantized",),
+    # gem-comm's sparse_dist plus a record of torchrec's pipeline contexts (comm_sparse_probe.py);
+    # the attention's 5th call (block 1 of step 3) returns NaN and the core skips that update
+    "sparse_dist": (
+        "trainer.pipeline=sparse_dist_probe", "trainer.non_finite=skip",
+        "kernels.jagged_attention={name: poison, options: {nan_from_call: 5, nan_calls: 1}}",
+    ),
+}  # fmt: skip
+"""The runs the planner tests check, by name: overrides on top of :data:`REFERENCE`."""
+SKIPPED_PINNED = [*PINNED[:2], "0x1.0a46f24cb08d4p+3"]
+"""The ``sequential`` pipeline's step losses of the ``sparse_dist`` run's config (steps 1, 2, 4;
+step 3's update skipped), measured with ``trainer.pipeline=sequential`` on 2026-12-01."""
+PLUGINS = "gem_model.testing,comm_sparse_probe"
+
+
+@dataclass
+class Finished:
+    out: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def start(out: Path, *overrides: str, plugins: str = PLUGINS) -> subprocess.Popen[str]:
+    """``gem-train run --nproc 2`` of :data:`REFERENCE` plus ``overrides``, writing into ``out``
+    (the probe pipeline too); ``plugins`` (GEM_PLUGINS) may name modules of this folder, which is
+    put on PYTHONPATH."""
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = {**os.environ, "GEM_PLUGINS": plugins, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env["SPARSE_PROBE_DIR"] = str(out)
+    cmd = [
+        sys.executable,
+        "-m",
+        "gem_model",
+        "run",
+        "--nproc",
+        "2",
+        *REFERENCE,
+        *overrides,
+        f"trainer.output_dir={out}",
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def run_all(root: Path) -> dict[str, Finished]:
+    """Every run of :data:`RUNS` at once: one start of the processes for all the tests that read them."""
+    procs = {name: start(root / name, *overrides) for name, overrides in RUNS.items()}
+    done = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        done[name] = Finished(root / name, proc.returncode, stdout, stderr)
+    return done
+
+
+def step_losses(out: Path) -> list[float]:
+    return [json.loads(x)["step_loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if "step_loss" in x]
