@@ -39,8 +39,25 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init_distributed(device_preference: str = "auto") -> DistEnv:
-    """Join the process group torchrun set up, or describe a single process."""
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store of this torchrun attempt, when the agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``).
+
+    The agent keeps one store for every restart (``--max-restarts``), so the keys of the failed
+    attempt (a dead rank's address) are still in it, and a restarted gloo group connects to a dead
+    peer ("connectFullMesh failed ... Connection refused"). A prefix per attempt keeps them apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+        is_master=False, timeout=timeout,
+    )  # fmt: skip
+    return dist.PrefixStore(f"gem/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+
+
+def init_distributed(device_preference: str = "auto", *, timeout_s: float = 600.0) -> DistEnv:
+    """Join the process group torchrun set up, or describe a single process. A collective that
+    waits longer than ``timeout_s`` for a peer fails (``trainer.collective_timeout_s``)."""
     if not launched_by_torchrun():
         return DistEnv(0, 1, 0, pick_device(device_preference, 0), None)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -49,7 +66,13 @@ def init_distributed(device_preference: str = "auto") -> DistEnv:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 

@@ -62,3 +62,15 @@ class RunInterrupted(GemError):
 
 class CheckpointError(GemError):
     """A checkpoint is missing, incomplete or does not fit this run."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A checkpoint of another shape than this run (width, table size, global batch) or of another
+    run's config: names the first mismatched tensors with both shapes and the config fields that
+    differ. ``gem-train`` exits 2, as for a bad config; nothing was loaded."""
+
+
+class PeerError(GemError):
+    """A collective failed because a peer died or stalled past ``trainer.collective_timeout_s``, or
+    the ranks disagree on the data before the first step: names the collective (or the data) and
+    the rank. ``gem-train`` exits 1; torchrun then stops every other rank."""

@@ -24,6 +24,13 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-rank", type=int, default=0, help="this node's rank in [0, nnodes)")
     parser.add_argument("--rdzv-endpoint", help="host:port where the nodes meet (c10d rendezvous); needed with --nnodes > 1")
     parser.add_argument("--rdzv-id", default="gem", help="the rendezvous id, the same on every node of one run")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts every process this many times after one fails; each restart continues from "
+        "the newest checkpoint that verifies (elastic recovery)",
+    )
 
 
 def check_launch_args(args: argparse.Namespace) -> None:
@@ -36,6 +43,8 @@ def check_launch_args(args: argparse.Namespace) -> None:
         problems.append(("--node-rank", args.node_rank, f"must be in [0, {args.nnodes})"))
     if args.nnodes > 1 and not args.rdzv_endpoint:
         problems.append(("--rdzv-endpoint", None, "is needed with --nnodes > 1: host:port of the rendezvous"))
+    if args.max_restarts < 0:
+        problems.append(("--max-restarts", args.max_restarts, "must be at least 0"))
     if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
         problems.append(("--rdzv-endpoint", args.rdzv_endpoint, "must be host:port"))
     if problems:
@@ -63,4 +72,6 @@ def torchrun_argv(args: argparse.Namespace, run_args: list[str]) -> list[str]:
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",
         ]
+    if args.max_restarts:
+        argv += [f"--max-restarts={args.max_restarts}"]
     return [*argv, f"--nproc-per-node={args.nproc}", "-m", "gem_model", "run", *run_args]

@@ -137,8 +137,11 @@ class GemPluginManager:
             try:
                 module = importlib.import_module(module_name)
             except Exception as exc:
+                top = module_name.split(".")[0]
+                owners = metadata.packages_distributions().get(top, [])  # as for a module that imports
                 raise PluginError(
-                    f"plugin module {module_name!r} named in {PLUGINS_ENV} failed to import: "
+                    f"plugin module {module_name!r} of distribution {owners[0] if owners else f'{top} ({PLUGINS_ENV})'} "
+                    f"named in {PLUGINS_ENV} failed to import: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             if self.pm.is_registered(module):

@@ -22,7 +22,7 @@ def train(config: RunConfig, pm: GemPluginManager | None = None) -> RunSummary:
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     check_run(config, components, world)
     check_output_dir(config, world)
-    env = init_distributed(config.trainer.device)
+    env = init_distributed(config.trainer.device, timeout_s=config.trainer.collective_timeout_s)
     clean = False
     try:
         summary = Run(config, pm, components, env).fit()

@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from gem_model.distributed import DistEnv
 from gem_model.errors import CheckpointError
 from gem_model.train.integrity import MANIFEST, PARTIAL, step_dirs, write_manifest
+from gem_model.train.peers import collective
 
 # What of the run config shapes a checkpoint, or what continuing it means: a checkpoint whose saved
 # config differs from this run's in anything else (top-level sections and trainer fields not listed
@@ -39,7 +40,8 @@ IGNORED_TRAINER = frozenset(
     {
         "steps", "device", "prefetch", "log_every", "output_dir", "checkpoint_every", "checkpoint_at_end",
         "resume", "time_limit_s", "eval_every", "eval_at_end", "progress", "tensorboard", "peak_flops",
-        "compile", "pipeline",
+        "compile", "pipeline", "non_finite", "non_finite_max_skips", "loss_spike_factor", "loss_spike_window",
+        "collective_timeout_s", "resume_partial", "stop_grace_s",
     }
 )  # fmt: skip
 _MISSING = object()
@@ -151,9 +153,10 @@ def load_dense_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str
 
 
 class Checkpointer:
-    def __init__(self, root: Path, env: DistEnv):
+    def __init__(self, root: Path, env: DistEnv, *, timeout_s: float = 600.0):
         self.root = root
         self.env = env
+        self.timeout_s = timeout_s  # trainer.collective_timeout_s: a save's collectives fail after it
 
     def _barrier(self) -> None:
         if self.env.distributed:
@@ -166,10 +169,12 @@ class Checkpointer:
         if self.env.is_main:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
-        self._barrier()
-        with _single_process_quiet(self.env):
-            dcp.save(state, checkpoint_id=str(partial))
-        self._barrier()
+        with collective(f"in the checkpoint save of step {step} (DCP and its barriers)", rank=self.env.rank,
+                        timeout_s=self.timeout_s):  # fmt: skip
+            self._barrier()
+            with _single_process_quiet(self.env):
+                dcp.save(state, checkpoint_id=str(partial))
+            self._barrier()
         if self.env.is_main:
             for name, text in (files or {}).items():
                 (partial / name).write_text(text)
@@ -183,11 +188,7 @@ class Checkpointer:
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         """Load in place into ``state`` (tensors are filled, other values replaced); returns meta."""
-        meta = read_meta(path)
-        if int(meta.get("world_size", self.env.world_size)) != self.env.world_size:
-            raise CheckpointError(
-                f"{path} was written by {meta['world_size']} processes; this run has {self.env.world_size}"
-            )
+        meta = read_meta(path)  # another world size: train.reshard decided it can be loaded
         with _single_process_quiet(self.env):
             dcp.load(state, checkpoint_id=str(path))
         return meta

@@ -6,12 +6,19 @@ rank stops after the same step even when the signal reached them at different mo
 then writes a checkpoint and raises :class:`~gem_model.errors.RunInterrupted`, and ``gem-train``
 exits ``128 + signum``: 143 after SIGTERM, 130 after SIGINT. A second signal of either kind while
 the run winds down is not caught again: the process then ends as it would have without us.
+
+With ``trainer.stop_grace_s`` set, a rank that has not wound down that many seconds after the
+signal exits at once, ``128 + signum``, without a checkpoint: a rank stalled inside its step
+(torchrun sends SIGTERM to the survivors when a peer fails) must not outlive its peers by
+torchrun's whole shutdown grace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -25,12 +32,36 @@ EXIT_SIGINT = 128 + int(signal.SIGINT)  # 130
 class StopRequest:
     """Which signal asked the run to stop, if any (set by the handler, read by the step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float | None = None) -> None:
         self.signum: int | None = None
+        self.grace_s = grace_s
+        self._deadline: threading.Timer | None = None
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    def set(self, signum: int) -> None:
+        """The first signal: stop after the step; with ``grace_s``, exit at once if that takes longer."""
+        self.signum = signum
+        if self.grace_s is not None:
+            self._deadline = threading.Timer(self.grace_s, _out_of_grace, args=(signum, self.grace_s))
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def wound_down(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+
+
+def _out_of_grace(signum: int, grace_s: float) -> None:
+    print(
+        f"gem-train: {signal.Signals(signum).name} {grace_s:g} s ago (trainer.stop_grace_s) and the step in progress "
+        "has not finished (a stalled step?): exiting without a checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signum)
 
 
 @contextlib.contextmanager
@@ -47,7 +78,7 @@ def stop_on_signals(request: StopRequest) -> Iterator[StopRequest]:
 
     def handle(signum: int, frame: FrameType | None) -> None:
         if request.signum is None:
-            request.signum = signum
+            request.set(signum)
             return
         for s, handler in previous.items():  # the second signal: no more grace
             signal.signal(s, handler)
@@ -58,5 +89,6 @@ def stop_on_signals(request: StopRequest) -> Iterator[StopRequest]:
     try:
         yield request
     finally:
+        request.wound_down()
         for s, handler in previous.items():
             signal.signal(s, handler)

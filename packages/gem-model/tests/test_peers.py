@@ -1,0 +1,75 @@
+"""A stalled peer: every rank exits non-zero, the error names the collective and the rank, no
+process is left behind. Ranks that read different data are stopped before the first step. (A dead
+peer: ``test_elastic.py``, whose first attempt loses rank 1 to SIGKILL.)
+
+2 processes through torchrun, the fault from the ``inline_fault`` callback (rank 1, in step 3).
+The stalled case runs with ``trainer.collective_timeout_s=3`` and ``trainer.stop_grace_s=3``: rank 0
+gives up waiting after 3 s, torchrun sends the stalled rank SIGTERM, and 3 s later it exits. The
+promise is "within the collective timeout plus 30 s" (torchrun's SIGKILL comes 30 s after its
+SIGTERM when no stop_grace_s is set); the bound asserted adds the start-up of two processes on a
+loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gem_model import testing
+
+pytestmark = pytest.mark.multiprocess
+
+ENV = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "GEM_DISABLE_PLUGIN_AUTOLOAD": "1", "OMP_NUM_THREADS": "1"}
+RUN = [*testing.INLINE_OVERRIDES, "parallel.planner=inline_replicated", "data.global_batch_size=8", "trainer.steps=50"]
+TIMEOUT_S, GRACE_S, START_UP_S = 3, 3, 90
+
+
+def launch(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    cmd = [sys.executable, "-m", "gem_model", "run", "--nproc", "2", *RUN, *extra, f"trainer.output_dir={out}"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    return proc, time.monotonic() - start
+
+
+def left_behind(out: Path) -> list[str]:
+    """Processes still running whose command line names this test's output directory."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(out) in cmdline:
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+def fault(kind: str) -> str:
+    return f"callbacks=[{{name: inline_fault, options: {{rank: 1, at_step: 3, fault: {kind}, every_attempt: true}}}}]"
+
+
+def test_a_stalled_peer_stops_every_rank_within_the_collective_timeout(tmp_path):
+    out = tmp_path / "stalled"
+    proc, seconds = launch(out, fault("stall"), f"trainer.collective_timeout_s={TIMEOUT_S}", f"trainer.stop_grace_s={GRACE_S}")
+    assert proc.returncode != 0
+    assert "inline_fault: stall rank 1 in step 3" in proc.stderr
+    message = "PeerError: rank 0: the collective all_reduce of the stop flags (step 3, all ranks) failed: a peer died"
+    assert message in proc.stderr and f"trainer.collective_timeout_s={TIMEOUT_S} s" in proc.stderr, proc.stderr[-3000:]
+    assert f"SIGTERM {GRACE_S} s ago (trainer.stop_grace_s)" in proc.stderr  # the stalled rank, on its own
+    assert not left_behind(out)
+    assert seconds < TIMEOUT_S + GRACE_S + START_UP_S
+
+
+def test_ranks_reading_different_data_are_stopped_before_the_first_step(tmp_path):
+    out = tmp_path / "uneven"
+    proc, _ = launch(out, "data.source=inline_uneven", "data.source.options.max_len=15")
+    assert proc.returncode != 0
+    assert "the ranks read different data (data.source 'inline_uneven', global batch 8), found before step 1" in proc.stderr
+    assert "rank 0: 10 steps per epoch" in proc.stderr and "rank 1: 9 steps per epoch" in proc.stderr
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+    assert not left_behind(out)
