@@ -23,15 +23,7 @@ def _no_installed_plugins(monkeypatch):
     monkeypatch.setenv("GEM_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.delenv("GEM_PLUGINS", raising=False)
 
-INLINE = [
-    "kernels.jagged_attention=loop",
-    "kernels.norm_gate=loop",
-    "precision.scheme=inline_fp32",
-    "activation.policy=inline_none",
-    "parallel.planner=inline_single",
-    "comm.strategy=inline_comm",
-    "trainer.progress=false",
-]
+INLINE = list(testing.INLINE_COMPONENTS)
 
 
 @pytest.fixture

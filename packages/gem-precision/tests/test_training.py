@@ -26,11 +26,11 @@ from gem_model.data.batch import Batch
 from gem_model.data.loader import ShardedLoader
 from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
-from gem_model.precision_probe import model_loss
 from gem_model.resolve import Components, resolve_components
 from gem_model.train.prepare import apply_activation, apply_precision
 from gem_model.trainer import train
 from gem_precision.activation import Fp8SavedPolicy
+from gem_precision.probe import model_loss
 from gem_precision.saved_tensors import CountSavedTensors, SavedTensorStats
 
 # the stated bound: final loss within 2 % of the reference run's

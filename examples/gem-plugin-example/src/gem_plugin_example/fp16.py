@@ -33,6 +33,7 @@ class Fp16Linear(nn.Module):
 
 class Fp16Gemm(PrecisionScheme):
     name: ClassVar[str] = "fp16_gemm"
+    gemm_dtype: ClassVar[str] = "float16"
     Config = Fp16GemmConfig
     config: Fp16GemmConfig
 

@@ -27,6 +27,8 @@ from gem_model.layout import Layout  # named parallel dims, degrees, coordinates
 from gem_model.lifecycle import Callback, TrainPipeline  # the step's stages; lifecycle plugins
 from gem_model.markers import hookimpl
 from gem_model.plan import DensePlacement, Plan, TablePlacement  # a planner's decision, plain data
+from gem_model.profiling.context import MeasuredSteps, ProfileCommand, ProfileContext  # gem-train profile
+from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation  # a profile's data
 from gem_model.protocols import ShardableModel, Stateful  # what the core needs of models, components
 from gem_model.results import ReportSection, RunSummary, StepResult  # what a run hands back
 
@@ -42,12 +44,18 @@ __all__ = [
     "Kernel",
     "Layout",
     "LoadBalancer",
+    "MeasuredSteps",
     "NormGateKernel",
     "Optimizers",
     "ParallelPlanner",
     "Plan",
     "PrecisionScheme",
     "PreparedModel",
+    "ProfileCommand",
+    "ProfileContext",
+    "ProfileSection",
+    "ProfileTable",
+    "Recommendation",
     "ReportSection",
     "RunContext",
     "RunSummary",

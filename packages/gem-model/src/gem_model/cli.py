@@ -5,12 +5,15 @@ Exit status:
 - 0: success.
 - 2: a bad command line or config (unknown names, bad values, constraints across fields and
   against the data, an output directory holding another run's metrics, ``trainer.resume=true``
-  with nothing to resume): always before any process group starts.
+  with nothing to resume): always before any process group starts. Also a checkpoint that does not
+  fit the run (:class:`~gem_model.errors.IncompatibleCheckpointError`: the first mismatched
+  tensors, both shapes, the config fields that differ), before any tensor loads.
 - 3: a NaN or Inf stopped the run (:class:`~gem_model.errors.NonFiniteError`): the loss (no update
   was applied) or parameters a checkpoint would have saved (it was not written).
 - 143 / 130: SIGTERM / SIGINT stopped the run after the step in progress, once the checkpoint of
   that step was written (``128 + signum``, :mod:`gem_model.train.signals`).
-- 1: any other failure of training itself (e.g. no valid checkpoint to resume).
+- 1: any other failure of training itself (e.g. no valid checkpoint to resume, a peer that died or
+  stalled: :class:`~gem_model.errors.PeerError`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from collections.abc import Sequence
 
 from gem_model._deps import TorchrecImportError, import_torchrec
 from gem_model.config_io import dump, load_config
-from gem_model.errors import ConfigError, GemError, NonFiniteError, RunInterrupted, UnknownNameError
+from gem_model.errors import (
+    ConfigError,
+    GemError,
+    IncompatibleCheckpointError,
+    NonFiniteError,
+    RunInterrupted,
+    UnknownNameError,
+)
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_NON_FINITE = 1, 2, 3
 
@@ -54,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gem_model.profile import add_profile_parser
 
     add_profile_parser(sub)
+    from gem_model.tune.cli import add_tune_parser
+
+    add_tune_parser(sub)
     add_data_parser(sub)
     return parser
 
@@ -145,19 +158,27 @@ class _DropFxTracingNotice(logging.Filter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropFxTracingNotice())
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["profile"]:  # its subcommands come from plugins: parsed once they are loaded
+        from gem_model.profile import profile_main
+
+        args = argparse.Namespace(command="profile", profile_handler=profile_main, profile_argv=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "plugins": cmd_plugins, "plan": cmd_plan, "config": cmd_config, "profile": None}
     try:
         # before any plugin loads: a plugin module (e.g. gem_parallel.sharded) may import torchrec
         # first, and a broken fbgemm-gpu should fail with the fix named, not a bare library error
         import_torchrec()
-        if args.command == "profile":
+        if args.command in ("profile", "report", "tune"):
             return args.profile_handler(args)
         if args.command == "data":
             return args.data_handler(args)
         return handlers[args.command](args)
     except (ConfigError, UnknownNameError) as exc:
         return _fail(str(exc), EXIT_USAGE)
+    except IncompatibleCheckpointError as exc:
+        return _fail(f"{type(exc).__name__}: {exc}", EXIT_USAGE)
     except NonFiniteError as exc:
         return _fail(f"{type(exc).__name__}: {exc}", EXIT_NON_FINITE)
     except RunInterrupted as exc:

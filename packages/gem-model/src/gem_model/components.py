@@ -151,6 +151,11 @@ class PrecisionScheme(Component):
     this scheme (``precision.activation_dtype: auto`` takes it). A scheme whose GEMMs run in 16 or 8
     bits declares ``"bfloat16"``, so no fp32 copy of an activation is made between two GEMMs."""
 
+    gemm_dtype: ClassVar[str] = "float32"
+    """``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"float8"``: the dtype the scheme's GEMMs run
+    in on the tensor cores. MFU takes its peak from it (:func:`gem_model.train.metrics.peak_flops`):
+    a scheme says what it computes in, so the core keeps no list of scheme names."""
+
     @abstractmethod
     def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
         """Return the module that replaces ``linear`` (same call signature, same parameters).

@@ -187,6 +187,37 @@ class TrainerConfig(Strict):
         default_factory=lambda: ref("sequential"),
         description="the registered train pipeline that runs each step's stages (gem_model.lifecycle.TrainPipeline)",
     )
+    non_finite: Literal["halt", "skip"] = Field(
+        "halt",
+        description="a NaN or Inf loss: halt (gem-train exits 3, no update applied), or skip the step's "
+        "update (parameters and optimizer state unchanged) and halt after non_finite_max_skips in a row",
+    )
+    non_finite_max_skips: int = Field(3, ge=1, description="with non_finite=skip: halt at this many consecutive skips")
+    loss_spike_factor: float | None = Field(
+        10.0,
+        gt=1.0,
+        description="warn (log and metrics.jsonl) when a step's loss is at least this many times the running "
+        "median of the previous loss_spike_window steps' losses; None: never",
+    )
+    loss_spike_window: int = Field(20, ge=3, description="steps in the running median of loss_spike_factor")
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="a collective that waits longer than this for a peer fails, naming the collective and "
+        "the rank (the process group's timeout)",
+    )
+    stop_grace_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="after SIGTERM or SIGINT, a rank that has not finished its step and checkpoint within this "
+        "many seconds exits at once (128 + signum) without a checkpoint, so a stalled rank does not outlive its "
+        "peers; None: wait however long the step and the checkpoint take",
+    )
+    resume_partial: bool = Field(
+        False,
+        description="resume from a checkpoint whose tensors do not all fit: load those that do, keep the "
+        "fresh initialisation of the others, and list them; false: such a checkpoint is refused (exit 2)",
+    )
 
 
 class KernelsConfig(Strict):

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     )
     from gem_model.context import RunContext
     from gem_model.lifecycle import Callback, TrainPipeline
+    from gem_model.profiling.context import ProfileCommand, ProfileContext
+    from gem_model.profiling.report import ProfileSection
     from gem_model.results import ReportSection, RunSummary, StepResult
 
 # ------------------------------------------------------------------------------------- registration
@@ -115,3 +117,27 @@ def gem_run_finished(run: RunContext, summary: RunSummary) -> None:
 @hookspec
 def gem_report_sections(run: RunContext, summary: RunSummary) -> list[ReportSection]:
     """Return extra sections for the end-of-run report (rank 0 prints them after the summary)."""
+
+
+# ---------------------------------------------------------------------------------------- profiling
+# Called by ``gem-train profile`` only, never in a run: an installed plugin module may implement
+# them directly (a profile is asked for by its command, so nothing runs unasked).
+
+
+@hookspec
+def gem_profile_sections(profile: ProfileContext) -> list[ProfileSection]:
+    """Return extra sections for ``gem-train profile``'s report, made from ``profile``
+    (:class:`~gem_model.profiling.context.ProfileContext`: the config, the registries, the device, the
+    assumed world and data-parallel degree, the measured steps and the sections made so far).
+
+    Called once on global rank 0 after the core's sections (sequences, balance, step time, memory,
+    communication) and before MFU and the recommendations, which rank every section's
+    ``recommendations`` together. Section names must be unique across the report.
+    """
+
+
+@hookspec
+def gem_profile_commands() -> list[ProfileCommand]:
+    """Return ``gem-train profile <name>`` subcommands (:class:`~gem_model.profiling.context.ProfileCommand`:
+    a name, a help line, a function that declares its argparse options and one that runs it).
+    gem-precision adds ``precision`` (the per-linear sensitivity probe) this way."""

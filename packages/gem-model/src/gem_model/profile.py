@@ -1,102 +1,144 @@
-"""``gem-train profile <what>``: workload profiles (``data``: the shape of the batches; ``precision``:
-per-linear sensitivity to each precision scheme). Plugin packages add their profilers here later."""
+"""``gem-train profile`` and ``gem-train report``: the command line of :mod:`gem_model.profiling`.
+
+- ``gem-train profile -c CONFIG [--out DIR]`` (or ``profile all ...``): the full report, printed as
+  tables and written to ``DIR`` (default: the config's ``trainer.output_dir``) as ``profile.json``,
+  PNG plots and ``profile.html``;
+- ``gem-train profile data``: the sequences section alone, printed;
+- ``gem-train profile <name>``: a plugin's subcommand (``gem_profile_commands``), e.g. ``precision``
+  from gem-precision;
+- ``gem-train report RUN_DIR``: the tables, plots and HTML again, from ``RUN_DIR/profile.json``.
+
+The ``profile`` subcommands come from the installed plugins, so its arguments are parsed once they
+are loaded (:func:`profile_main`), not by the top-level parser.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from gem_model.errors import ConfigError, UnknownNameError
+
+# subcommands our own packages add, so that a missing one can say what to install
+KNOWN_COMMANDS = {"precision": "gem-precision"}
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="profile the workload (e.g. data shape)")
-    kinds = p.add_subparsers(dest="profile_kind", required=True)
+    p = sub.add_parser(
+        "profile", add_help=False,
+        help="profile the workload: sequences, balance, numerics, memory, communication, step time, MFU "
+        "(`gem-train profile --help` lists the subcommands)",
+    )  # fmt: skip
+    p.set_defaults(profile_handler=profile_main, profile_argv=[])
+    r = sub.add_parser("report", help="re-render a profile's tables, plots and HTML from RUN_DIR/profile.json")
+    r.add_argument("run_dir", type=Path)
+    r.set_defaults(profile_handler=report_main)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="a .yaml/.yml/.toml run config (default: the tiny CPU run)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+
+
+def profile_parser(commands: dict[str, object]) -> argparse.ArgumentParser:
+    from gem_model.profiling.context import ProfileCommand
+
+    parser = argparse.ArgumentParser(prog="gem-train profile", description="Profile the workload's shape.")
+    kinds = parser.add_subparsers(dest="profile_kind", required=True)
+    full = kinds.add_parser("all", help="the full report (also `gem-train profile -c CONFIG` with no subcommand)")
+    _config_args(full)
+    full.add_argument("--out", type=Path, help="where the report goes (default: the config's trainer.output_dir)")
+    full.add_argument("--world", type=int, help="processes to assume for balance, memory and communication")
+    full.add_argument("--batches", type=int, default=8, help="global batches the data sections read")
+    full.add_argument("--warmup", type=int, default=2, help="training steps before the measured ones")
+    full.add_argument("--steps", type=int, default=3, help="measured training steps (torch.profiler)")
+    full.add_argument("--baseline", type=Path, help="a one-GPU profile's directory, for scaling efficiency")
+    full.set_defaults(run=profile_all)
     data = kinds.add_parser("data", help="sequence lengths, tokens and padding waste of the configured data")
-    data.add_argument("-c", "--config")
-    data.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    _config_args(data)
     data.add_argument("--batches", type=int, default=20)
-    data.set_defaults(profile_handler=profile_data)
-    prec = kinds.add_parser(
-        "precision",
-        help="per dense linear: output error and loss change under each precision scheme; recommends a scheme map",
-    )
-    prec.add_argument("-c", "--config")
-    prec.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    prec.add_argument("--batches", type=int, default=4, help="batches of the configured data (from step 0)")
-    prec.add_argument("--schemes", help="comma-separated candidates (default: every registered scheme)")
-    prec.add_argument(
-        "--order", help="comma-separated schemes, cheapest first (default: mxfp8,fp8_rowwise,fp8_tensorwise,bf16,fp32)"
-    )
-    prec.add_argument("--max-rel-err", type=float, default=0.1, help="largest accepted relative output error")
-    prec.add_argument("--max-loss-change", type=float, default=0.005, help="largest accepted |dloss|/loss")
-    prec.add_argument("--out-yaml", type=Path, help="write the recommended precision: block here")
-    prec.add_argument("--out-json", type=Path, help="write every measurement here")
-    prec.set_defaults(profile_handler=profile_precision)
+    data.set_defaults(run=profile_data)
+    for name, command in commands.items():
+        assert isinstance(command, ProfileCommand)
+        p = kinds.add_parser(name, help=command.help)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    for name, dist in KNOWN_COMMANDS.items():
+        if name not in commands:
+            p = kinds.add_parser(name, help=f"(provided by {dist}, which is not installed)", add_help=False)
+            p.set_defaults(run=None, missing=f"`gem-train profile {name}` is provided by {dist}, which is not installed")
+    return parser
 
 
-def _names(value: str | None) -> tuple[str, ...] | None:
-    return None if value is None else tuple(n.strip() for n in value.split(",") if n.strip())
-
-
-def profile_precision(args: argparse.Namespace) -> int:
-    """Print the per-module table and the recommended ``precision:`` block (see :mod:`gem_model.precision_probe`)."""
-    from gem_model.config_io import load_config
+def profile_main(args: argparse.Namespace) -> int:
     from gem_model.plugins import GemPluginManager
-    from gem_model.precision_probe import DEFAULT_ORDER, ProbeOptions, probe_precision
+
+    pm = GemPluginManager()
+    commands: dict[str, object] = {}
+    for group in pm.call("gem_profile_commands"):
+        for command in group or ():
+            if command.name in commands or command.name in ("all", "data"):
+                raise ConfigError([("gem_profile_commands", command.name, "a profile subcommand of that name exists")])
+            commands[command.name] = command
+    parser = profile_parser(commands)
+    argv = list(args.profile_argv)
+    names = {"all", "data", *commands, *KNOWN_COMMANDS}
+    if not argv or (argv[0] not in names and argv[0] not in ("-h", "--help")):
+        argv = ["all", *argv]
+    parsed, extra = parser.parse_known_args(argv)
+    if getattr(parsed, "missing", None):
+        raise UnknownNameError(parsed.missing)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return parsed.run(parsed, pm)
+
+
+def profile_all(args: argparse.Namespace, pm: object) -> int:
+    from gem_model.config_io import load_config
+    from gem_model.profiling.render import print_report, write_outputs
+    from gem_model.profiling.runner import ProfileOptions, run_profile
 
     config = load_config(args.config, args.overrides)
-    pm = GemPluginManager()
-    order = _names(args.order)
-    for name in order or ():  # a misspelt name would silently drop out of the ranking
-        pm.precision_schemes.get(name)
-    options = ProbeOptions(
-        batches=args.batches,
-        schemes=_names(args.schemes),
-        order=order or DEFAULT_ORDER,
-        max_rel_err=args.max_rel_err,
-        max_loss_change=args.max_loss_change,
-    )
-    result = probe_precision(config, pm, options)
-    print(result.table())
-    print()
-    print(result.yaml(), end="")
-    if args.out_yaml is not None:
-        args.out_yaml.write_text(result.yaml())
-    if args.out_json is not None:
-        args.out_json.write_text(json.dumps(result.to_json(), indent=1))
+    out = args.out or Path(config.trainer.output_dir.format(name=config.name))
+    options = ProfileOptions(out=out, batches=args.batches, warmup=args.warmup, steps=args.steps, world=args.world,
+                             baseline=args.baseline)  # fmt: skip
+    report = run_profile(config, pm, options)  # type: ignore[arg-type]
+    if report is None:  # not global rank 0: it took part in the measured steps only
+        return 0
+    print_report(report)
+    for what, path in write_outputs(report, out).items():
+        print(f"wrote {what}: {path}")
     return 0
 
 
-def profile_data(args: argparse.Namespace) -> int:
-    """Print the shape of the workload: Meta's lesson is to look at it before picking a recipe."""
-    import torch
+def report_main(args: argparse.Namespace) -> int:
+    from gem_model.profiling.render import load_report, print_report, write_outputs
 
+    try:
+        report = load_report(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError([("RUN_DIR", str(args.run_dir), str(exc))]) from None
+    print_report(report)
+    for what, path in write_outputs(report, args.run_dir, json_too=False).items():
+        print(f"wrote {what}: {path}")
+    return 0
+
+
+def profile_data(args: argparse.Namespace, pm: object) -> int:
+    """Print the sequences section (Meta's lesson: look at the data before picking a recipe)."""
     from gem_model.config_io import load_config
-    from gem_model.plugins import GemPluginManager
-    from gem_model.registry import Registry
-    from gem_model.train.progress import task_progress
+    from gem_model.profiling.context import ProfileContext
+    from gem_model.profiling.render import print_report
+    from gem_model.profiling.report import ProfileReport
+    from gem_model.profiling.sequences import read_history, sequences_section
 
     config = load_config(args.config, args.overrides)
-    pm = GemPluginManager()
-    sources: Registry = pm.data_sources
-    entry = sources.get(config.data.source.name)
+    entry = pm.data_sources.get(config.data.source.name)  # type: ignore[attr-defined]
     source = entry.cls(entry.cls.Config.model_validate(config.data.source.options))
-    b = config.data.global_batch_size
-    parts = []
-    with task_progress(args.batches, "profile data", unit="batch") as advance:
-        for step in range(args.batches):
-            parts.append(source.lengths(step, b))
-            advance(1)
-    lengths = torch.cat(parts).double()
-    n = lengths.numel()
-    padded = float(lengths.max()) * n
-    print(f"{args.batches} global batches of {b} samples from {config.data.source.name!r}")
-    for q in (0.5, 0.9, 0.99, 1.0):
-        print(f"  length p{int(q * 100):<3} {float(torch.quantile(lengths, q)):8.1f}")
-    print(f"  mean length      {float(lengths.mean()):8.1f}")
-    print(f"  empty histories  {float((lengths == 0).double().mean()) * 100:7.1f} %")
-    print(f"  tokens if padded to the longest: {padded:,.0f}, real: {float(lengths.sum()):,.0f} "
-          f"({100 * float(lengths.sum()) / max(padded, 1):.1f} % useful)")
-    sq = float((lengths**2).sum())
-    print(f"  attention pairs: real {sq:,.0f} vs padded {float(lengths.max()) ** 2 * n:,.0f}")
+    ctx = ProfileContext(config, pm, None, 1, 1, args.batches, Path("."))  # type: ignore[arg-type]
+    section = sequences_section(ctx, read_history(ctx, source))
+    print_report(ProfileReport(config.name, "-", "-", "gem-train profile data", [section]))
+    s = section.summary
+    print(f"{100 * (1 - s['padding_waste_to_max']):.1f} % useful when padded to the longest; "
+          f"{100 * (1 - s['padding_waste_to_buckets']):.1f} % useful with power-of-two buckets")  # fmt: skip
     return 0

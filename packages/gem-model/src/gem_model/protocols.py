@@ -27,6 +27,14 @@ class ShardableModel(Protocol):
         """Module name (as in ``named_modules()``) -> the torchrec collection holding tables."""
         ...
 
+    def table_inputs(self) -> dict[str, str]:
+        """Module name (as in :meth:`table_modules`) -> the batch attribute its forward is called
+        with, unchanged (a KJT of :class:`~gem_model.data.batch.Batch`). A train pipeline that starts
+        a batch's embedding input distribution ahead of its forward (gem-comm's ``sparse_dist``)
+        reads it there; torchrec would find it by fx-tracing the model, which the gem model's
+        forward does not allow (it loops over the lookups' outputs and branches on tensor values)."""
+        ...
+
     def table_configs(self) -> list[Any]:
         """torchrec ``EmbeddingConfig`` / ``EmbeddingBagConfig`` of every table (``name``,
         ``num_embeddings``, ``embedding_dim``), in a fixed order."""
@@ -59,6 +67,12 @@ class ShardableModel(Protocol):
 
     def set_activation_dtype(self, dtype: torch.dtype) -> None:
         """The dtype activations flow in (:mod:`gem_model.precision`)."""
+        ...
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype set by :meth:`set_activation_dtype` (a planner maps it onto FSDP2's
+        ``MixedPrecisionPolicy``)."""
         ...
 
 

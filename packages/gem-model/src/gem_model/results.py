@@ -29,6 +29,8 @@ class StepResult:
     """``trainer.time_limit_s`` has passed on rank 0: the loop stops after this step."""
     stop_requested: bool = False
     """A rank got SIGTERM or SIGINT: every rank stops after this step and writes a checkpoint."""
+    skipped: bool = False
+    """The loss was not finite and ``trainer.non_finite=skip``: no update was applied."""
 
 
 @dataclass

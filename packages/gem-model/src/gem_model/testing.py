@@ -41,12 +41,14 @@ from gem_model.components import (
 )
 from gem_model.context import RunContext
 from gem_model.data.batch import Batch
+from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
 from gem_model.jagged import relative_bias_matrix, time_bias_matrix
 from gem_model.layout import Layout
 from gem_model.lifecycle import Callback
 from gem_model.markers import hookimpl
 from gem_model.plan import DensePlacement, Plan, TablePlacement
 from gem_model.results import RunSummary
+from gem_model.testing_faults import Fault, StateDump, UnevenSource
 
 
 def hstu_mask(n: int, t: int, window: int, device: torch.device) -> torch.Tensor:
@@ -88,6 +90,8 @@ class LoopAttention(JaggedAttentionKernel):
 
 class PoisonConfig(ComponentConfig):
     nan_from_call: int = 0
+    nan_calls: int = 0
+    """How many calls return NaN from ``nan_from_call`` on (a transient fault); 0: every later one."""
 
 
 class PoisonAttention(LoopAttention):
@@ -103,7 +107,9 @@ class PoisonAttention(LoopAttention):
     def __call__(self, q, *args, **kwargs):
         self.calls += 1
         out = super().__call__(q, *args, **kwargs)
-        return out * float("nan") if self.calls >= self.config.nan_from_call else out
+        first, count = self.config.nan_from_call, self.config.nan_calls
+        poisoned = self.calls >= first and (count == 0 or self.calls < first + count)
+        return out * float("nan") if poisoned else out
 
 
 class TorchNormGate(NormGateKernel):
@@ -124,6 +130,7 @@ class HalfGemm(PrecisionScheme):
     """bf16 GEMMs with fp32 master weights; records which modules it converted."""
 
     name: ClassVar[str] = "inline_bf16"
+    gemm_dtype: ClassVar[str] = "bfloat16"
     converted: ClassVar[list[str]] = []
 
     def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
@@ -242,7 +249,12 @@ class Recorder(Callback):
 
 @hookimpl
 def gem_register_callbacks():
-    return [Recorder]
+    return [Recorder, Fault, StateDump]
+
+
+@hookimpl
+def gem_register_data_sources():
+    return [UnevenSource]
 
 
 @hookimpl
@@ -273,7 +285,7 @@ def gem_register_parallel_planners():
 
 # ------------------------------------------------------------------------- tools for plugin tests
 
-INLINE_OVERRIDES = (
+INLINE_COMPONENTS = (
     "kernels.jagged_attention=loop",
     "kernels.norm_gate=loop",
     "precision.scheme=inline_fp32",
@@ -281,6 +293,11 @@ INLINE_OVERRIDES = (
     "parallel.planner=inline_single",
     "comm.strategy=inline_comm",
     "trainer.progress=false",
+)
+"""This module's components in every slot, and no live progress display."""
+
+INLINE_OVERRIDES = (
+    *INLINE_COMPONENTS,
     "trainer.log_every=1",
     "trainer.eval_at_end=false",
     "data.global_batch_size=16",
@@ -313,16 +330,30 @@ def tiny_run(
     pm = GemPluginManager(autoload=False, plugins=[sys.modules[__name__], *plugins])
     summary = train(config, pm)
     metrics = out / "metrics.jsonl"
-    losses = [json.loads(x)["step_loss"] for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    losses = [r["step_loss"] for r in records if "step_loss" in r]  # not the events (train.spikes)
     return TinyRun(summary, losses, out)
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved checkpoint by its dotted key (``model.<name>``, ``dense_optimizer...``),
+    read in this process without a process group, whatever world size wrote it (sharded tables whole)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from gem_model.train.compat import leaves
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(path), f"{tmp}/state.pt")
+        state = torch.load(f"{tmp}/state.pt", weights_only=False)
+    return {k: v for k, v in leaves(state) if isinstance(v, torch.Tensor)}
 
 
 def random_jagged_batch(
     batch_size: int = 4, *, max_len: int = 15, seed: int = 0, num_items: int = 1000, min_len: int = 0
 ) -> Batch:
     """A random batch of jagged histories (lengths in [min_len, max_len]), from the synthetic source."""
-    from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
-
     source = SyntheticSource(SyntheticConfig(seed=seed, max_len=max_len, min_len=min_len, num_items=num_items))
     return source.make_batch(0, batch_size, torch.arange(batch_size))
 

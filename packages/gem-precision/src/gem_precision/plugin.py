@@ -1,4 +1,5 @@
-"""gem-precision's plugin: registers its precision schemes and activation policies.
+"""gem-precision's plugin: registers its precision schemes and activation policies, and adds the
+``precision`` profile subcommand and the ``numerics`` profile section.
 
 Hook implementations only; importing this module imports neither Triton nor anything CUDA-specific.
 """
@@ -6,7 +7,7 @@ Hook implementations only; importing this module imports neither Triton nor anyt
 from __future__ import annotations
 
 from gem_model import hookimpl
-from gem_model.components import ActivationPolicy, PrecisionScheme
+from gem_model.api import ActivationPolicy, PrecisionScheme, ProfileCommand, ProfileContext, ProfileSection
 
 
 @hookimpl
@@ -21,3 +22,17 @@ def gem_register_activation_policies() -> list[type[ActivationPolicy]]:
     from gem_precision.activation import POLICIES
 
     return list(POLICIES)
+
+
+@hookimpl
+def gem_profile_commands() -> list[ProfileCommand]:
+    from gem_precision.profile import COMMAND
+
+    return [COMMAND]
+
+
+@hookimpl
+def gem_profile_sections(profile: ProfileContext) -> list[ProfileSection]:
+    from gem_precision.profile import numerics_section
+
+    return [numerics_section(profile)]

@@ -65,6 +65,7 @@ class Bf16Scheme(PrecisionScheme):
 
     name: ClassVar[str] = "bf16"
     activation_dtype: ClassVar[str] = "bfloat16"
+    gemm_dtype: ClassVar[str] = "bfloat16"
 
     class Config(ComponentConfig):
         pass
@@ -76,9 +77,11 @@ class Bf16Scheme(PrecisionScheme):
 class ScaledScheme(PrecisionScheme):
     """A scheme whose linears become :class:`ScaledLinear` with a per-device :class:`LinearRecipe`.
 
-    Activations flow in bfloat16 between the GEMMs (each GEMM quantizes its own operands)."""
+    Activations flow in bfloat16 between the GEMMs (each GEMM quantizes its own operands); the GEMMs
+    run in fp8 (e4m3 elements; MX blocks too)."""
 
     activation_dtype: ClassVar[str] = "bfloat16"
+    gemm_dtype: ClassVar[str] = "float8"
 
     def __init__(self, config: ComponentConfig | None = None):
         super().__init__(config)

@@ -163,6 +163,9 @@ class GemModel(nn.Module):
             out["sparse.ebc"] = self.sparse.ebc
         return out
 
+    def table_inputs(self) -> dict[str, str]:
+        return {"sparse.ec": "sequence", **({"sparse.ebc": "pooled"} if self.sparse.ebc is not None else {})}
+
     def table_configs(self) -> list[Any]:
         configs: list[Any] = list(self.sparse.ec.embedding_configs())
         if self.sparse.ebc is not None:

@@ -12,15 +12,20 @@ import torch
 if TYPE_CHECKING:
     from gem_model.train.tensorboard import TensorBoardWriter
 
-# Dense peak FLOP/s per device (vendor figures, without sparsity). fp8 applies when the precision
-# scheme runs its GEMMs in fp8.
+# Dense peak FLOP/s of one GPU (tensor cores, without 2:4 sparsity), by the dtype its GEMMs run in.
+# Sources, NVIDIA datasheets: "H100 Tensor Core GPU" (SXM: BF16 1,979 and FP8 3,958 TFLOPS *with
+# sparsity*, so 989 and 1,979 dense; FP32 67), "H200 Tensor Core GPU" (SXM: the same tensor-core
+# figures as H100 SXM), "HGX B200" / "DGX B200" (per GPU: FP8 9 and BF16 4.5 PFLOPS with sparsity,
+# so 4.5 and 2.25 dense; FP32 80 TFLOPS), "A100 Tensor Core GPU" (BF16 312 dense, FP32 19.5, no
+# FP8: an fp8 scheme there runs at the BF16 rate at best).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
     "H200": {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
     "B200": {"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
     "A100": {"bf16": 312e12, "fp8": 312e12, "fp32": 19.5e12},
 }
-FP8_SCHEMES = {"fp8_tensorwise", "fp8_rowwise", "mxfp8"}
+# PrecisionScheme.gemm_dtype -> the column of PEAK_FLOPS (fp16 runs at the bf16 rate)
+PEAK_COLUMN = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16", "float8": "fp8"}
 
 
 def measure_cpu_peak(seconds: float = 0.3) -> float:
@@ -35,17 +40,32 @@ def measure_cpu_peak(seconds: float = 0.3) -> float:
     return 2.0 * n**3 * count / (time.perf_counter() - start)
 
 
-def peak_flops(device: torch.device, scheme: str, override: float | None = None) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure came from)."""
+def datasheet_peak(device: torch.device, gemm_dtype: str) -> tuple[float, str] | None:
+    """(dense peak FLOP/s of ``device`` for GEMMs in ``gemm_dtype``, its source), None off the table."""
+    if gemm_dtype not in PEAK_COLUMN:
+        raise ValueError(f"gemm_dtype {gemm_dtype!r} is not one of {sorted(PEAK_COLUMN)}")
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    column = PEAK_COLUMN[gemm_dtype]
+    for key, table in PEAK_FLOPS.items():
+        if key in name:
+            return table[column], f"{key} {column} datasheet"
+    return None
+
+
+def peak_flops(device: torch.device, gemm_dtype: str, override: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one device for GEMMs in ``gemm_dtype``, where the figure came from).
+
+    ``gemm_dtype`` is what the run's precision scheme declares (:attr:`PrecisionScheme.gemm_dtype
+    <gem_model.components.PrecisionScheme.gemm_dtype>`)."""
     if override is not None:
         return override, "trainer.peak_flops"
+    sheet = datasheet_peak(device, gemm_dtype)
+    if sheet is not None:
+        return sheet
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        dtype = "fp8" if scheme in FP8_SCHEMES else ("fp32" if scheme == "fp32" else "bf16")
-        for key, table in PEAK_FLOPS.items():
-            if key in name:
-                return table[dtype], f"{key} {dtype} table"
-        raise ValueError(f"no peak FLOP/s known for {name!r}: set trainer.peak_flops")
+        raise ValueError(f"no peak FLOP/s known for {torch.cuda.get_device_name(device)!r}: set trainer.peak_flops")
     return measure_cpu_peak(), "measured fp32 matmul on this CPU"
 
 

@@ -25,15 +25,16 @@ from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
 from gem_model.results import ReportSection, RunSummary, StepResult
 from gem_model.train import checkpoint as ckpt
-from gem_model.train import integrity, outputs
+from gem_model.train import compat, integrity, outputs, peers
 from gem_model.train import state as run_state
 from gem_model.train.finite import first_non_finite
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
 from gem_model.train.optim import sparse_optimizer_spec
 from gem_model.train.prepare import prepare_model
-from gem_model.train.progress import Progress
+from gem_model.train.progress import Progress, live_progress
 from gem_model.train.report import format_sections
 from gem_model.train.signals import StopRequest, stop_on_signals
+from gem_model.train.spikes import LossSpikes, warn
 from gem_model.train.step import CoreStep
 
 __all__ = ["Run", "StepResult"]
@@ -60,6 +61,8 @@ class Run:
             world_size=self.layout.dp_degree,
         )
         self.spec = self.loader.spec
+        peers.check_same_data(self.loader, self.comm, rank=env.rank, world_size=env.world_size, device=env.device,
+                              timeout_s=tc.collective_timeout_s)  # fmt: skip
         self.feed = make_feed(
             self.loader, prefetch=tc.prefetch, device=env.device, facts=self._batch_facts, end=tc.steps
         )
@@ -68,9 +71,15 @@ class Run:
                 kernel.check_available(env.device)
             except KernelUnavailableError as exc:
                 raise KernelUnavailableError(f"kernels.{path}: {kernel.name!r} cannot run here: {exc}") from None
+        # Every rank builds the model from rank 0's stream: some inits (nn.Linear biases) draw from the
+        # global RNG, and replicas a planner does not broadcast (tp groups, checkpoints DCP dedups as
+        # replicated) must start identical. Then ranks > 0 go on with their own stream (dropout).
+        torch.manual_seed(tc.seed * 1_000)
         self.model = GemModel(
             config.model, self.spec, attention=components.attention, norm_gate=components.norm_gate, seed=tc.seed
         )
+        if env.rank:
+            torch.manual_seed(tc.seed * 1_000 + env.rank)
         self.prepared: PreparedModel
         self.prepared, self.plans = prepare_model(
             self.model,
@@ -96,13 +105,15 @@ class Run:
             self.prepared.sparse_optimizer_fused,
         )
         self.output_dir = Path(tc.output_dir.format(name=config.name))
-        self.checkpointer = ckpt.Checkpointer(self.output_dir / "checkpoints", env)
+        self.checkpointer = ckpt.Checkpointer(self.output_dir / "checkpoints", env, timeout_s=tc.collective_timeout_s)
         self.metrics = MetricsFile(self.output_dir / "metrics.jsonl" if env.is_main else None, tensorboard=tc.tensorboard)
-        self.peak, self.peak_source = peak_flops(env.device, config.precision.scheme.name, tc.peak_flops)
+        gemm_dtype = components.precision[config.precision.scheme.name].gemm_dtype
+        self.peak, self.peak_source = peak_flops(env.device, gemm_dtype, tc.peak_flops)
         self.start_step = 0
         self.steps_done = config.trainer.steps  # fewer when trainer.time_limit_s stops the run early
         self.last_checkpoint: Path | None = None
-        self.stop = StopRequest()
+        self.stop = StopRequest(tc.stop_grace_s)
+        self.spikes = LossSpikes(tc.loss_spike_factor, tc.loss_spike_window)
         self.stopped_by_signal = False  # agreed by every rank in a step's all-reduce
         components.pipeline.setup(
             model=self.prepared.module, optimizers=self.optimizers, feed=self.feed, layout=self.layout
@@ -146,17 +157,7 @@ class Run:
             )
         latest = chosen.path if chosen is not None else None
         if tc.resume is None and latest is not None:  # auto: continue this run, refuse another's
-            meta = ckpt.read_meta(latest)
-            differs = ckpt.config_differences(meta.get("config", {}), config.model_dump(mode="json"))
-            if int(meta.get("world_size", env.world_size)) != env.world_size:
-                differs.insert(0, f"world size ({meta['world_size']} -> {env.world_size})")
-            if differs:
-                more = f" and {len(differs) - 8} more" if len(differs) > 8 else ""
-                raise CheckpointError(
-                    f"{self.checkpointer.root} holds checkpoints of another run ({latest.name}); its config "
-                    f"differs in {', '.join(differs[:8])}{more}. Choose another trainer.output_dir, or set "
-                    "trainer.resume=true to load it anyway (nothing was overwritten)"
-                )
+            compat.refuse_another_run(latest, config, env.world_size, self.prepared.module.state_dict())
         if latest is not None and chosen is not None:
             self.resume(latest, chosen.report())
         elif saved:
@@ -206,6 +207,8 @@ class Run:
             "layout": self.layout.describe(),
             "name": self.config.name,
             "config": self.config.model_dump(mode="json"),
+            # the loss guards' state: the same on every rank (global losses), exact through JSON
+            "guards": {"loss_window": list(self.spikes.losses), "skipped_in_a_row": self.core_step.skipped_in_a_row},
         }
         state = run_state.run_state(**self._state_owners())  # type: ignore[arg-type]
         self.last_checkpoint = self.checkpointer.save(step, state, meta, files={"plan.json": self.plan.to_json()})
@@ -218,8 +221,15 @@ class Run:
                 print(f"[{self.config.name}] {line}", flush=True)
         run_state.prepare_for_load(self.optimizers)
         state = run_state.run_state(**self._state_owners())  # type: ignore[arg-type]
-        self.checkpointer.load(path, state)
+        meta = ckpt.read_meta(path)
+        skip, notes = compat.what_to_load(path, meta, state, self.config, self.layout)  # or refuse, exit 2
+        self.checkpointer.load(path, compat.loadable(state, skip))
         run_state.restore(state, **self._state_owners())  # type: ignore[arg-type]
+        guards = meta.get("guards", {})
+        self.spikes.losses.extend(float(x) for x in guards.get("loss_window", []))
+        self.core_step.skipped_in_a_row = int(guards.get("skipped_in_a_row", 0))
+        for line in notes if self.env.is_main else ():
+            print(f"[{self.config.name}] {line}", flush=True)
         self.start_step = self.loader.step
         self.last_checkpoint = path
         if self.env.is_main:
@@ -291,13 +301,20 @@ class Run:
                 self.context.step = step
                 result: StepResult = self.pm.call("gem_train_step", run=self.context, step=step)
                 meter.add(result.seconds, result.samples, result.tokens, result.flops)
-                first_loss = result.loss if math.isnan(first_loss) else first_loss
-                window.append(result.loss)
+                if result.skipped:
+                    self._event({"step": step + 1, "event": "non_finite_skip", "non_finite_loss": str(result.loss),
+                                 "in_a_row": self.core_step.skipped_in_a_row})  # fmt: skip
+                else:
+                    first_loss = result.loss if math.isnan(first_loss) else first_loss
+                    window.append(result.loss)
+                    spike = self.spikes.observe(step + 1, result.loss)
+                    if spike is not None:
+                        self._event(spike.record())
                 self.stopped_by_signal = result.stop_requested
                 stop = result.out_of_time or result.stop_requested
                 last = step + 1 == tc.steps or stop
                 logged = None
-                if (step + 1) % tc.log_every == 0 or last:
+                if ((step + 1) % tc.log_every == 0 or last) and window:
                     last_loss = sum(window) / len(window)
                     window.clear()
                     logged = self._log(result, last_loss)
@@ -325,7 +342,7 @@ class Run:
         self.model.eval()
         try:
             for split in splits:
-                with self.feed.exclusive():  # the prefetch thread calls the source too
+                with self.feed.exclusive(), live_progress(self.config.trainer.progress):  # the prefetch thread calls the source too
                     metrics = self.components.source.evaluate(self.model, device=self.env.device, split=split)
                 out.update({f"{split}/{k}": v for k, v in (metrics or {}).items()})
         finally:
@@ -333,6 +350,12 @@ class Run:
         if out:
             self.metrics.write({"step": step, **out})
         return out
+
+    def _event(self, record: dict[str, object]) -> None:
+        """A structured warning (train.spikes): in the log and in metrics.jsonl, from rank 0."""
+        if self.env.is_main:
+            warn(self.config.name, record)
+            self.metrics.write(record)
 
     def _log(self, result: StepResult, mean_loss: float) -> dict[str, float]:
         s = max(result.seconds, 1e-12)

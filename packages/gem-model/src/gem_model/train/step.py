@@ -20,8 +20,10 @@ from gem_model.errors import NonFiniteLossError
 from gem_model.layout import Layout
 from gem_model.lifecycle import TrainPipeline
 from gem_model.results import StepResult
+from gem_model.train.clip import clip_grad_norm
 from gem_model.train.metrics import StepClock
 from gem_model.train.optim import set_learning_rate, warmup_factor
+from gem_model.train.peers import collective
 from gem_model.train.signals import StopRequest
 
 
@@ -48,6 +50,7 @@ class CoreStep:
         self.stop = stop if stop is not None else StopRequest()  # set by SIGTERM / SIGINT (train.signals)
         self.clock = StepClock()
         self.deadline: float | None = None  # perf_counter() time when trainer.time_limit_s runs out
+        self.skipped_in_a_row = 0  # steps whose update trainer.non_finite=skip skipped, consecutively
 
     def __call__(self, step: int) -> StepResult:
         """Forward, global loss reduction (and non-finite check) before any update, backward, update.
@@ -73,25 +76,43 @@ class CoreStep:
         # into backward (an update, once backward ran, cannot be undone). One read of one small
         # tensor carries the loss sums and everything the metric record needs. The sums run over
         # the data x context ranks: the ranks of one tensor-parallel group hold the same samples.
+        timeout = tc.collective_timeout_s
         if self.layout.loss_degree > 1:
-            local = self.comm.all_reduce_sum(local, group=self.layout.loss_group)
+            with collective(f"all_reduce of the loss sums (step {step + 1}, the loss group)", rank=self.layout.rank,
+                            timeout_s=timeout):  # fmt: skip
+                local = self.comm.all_reduce_sum(local, group=self.layout.loss_group)
         task_sum, next_sum, next_count, samples, tokens, total_flops, late_ranks, stop_ranks = local.tolist()
         if self.layout.loss_degree < self.layout.world_size:
             # rank 0's clock and any rank's signal decide for every rank, also those outside its loss
             # group (tp, pp peers): they must all stop after the same step
             flags = _to_device(torch.tensor([float(late), stop], dtype=torch.float64), self.device)
-            late_ranks, stop_ranks = self.comm.all_reduce_sum(flags, group=None).tolist()
+            with collective(f"all_reduce of the stop flags (step {step + 1}, all ranks)", rank=self.layout.rank,
+                            timeout_s=timeout):  # fmt: skip
+                late_ranks, stop_ranks = self.comm.all_reduce_sum(flags, group=None).tolist()
         task_loss = task_sum / samples
         next_loss = next_sum / max(next_count, 1.0)
         value = mc.task_weight * task_loss + mc.next_item_weight * next_loss
         if not math.isfinite(value):
+            # every rank sees the same reduced loss, so every rank skips or halts at the same step
+            self.skipped_in_a_row += 1
+            if tc.non_finite == "skip" and self.skipped_in_a_row < tc.non_finite_max_skips:
+                return StepResult(
+                    step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, self.clock.lap(),
+                    out_of_time=late_ranks > 0, stop_requested=stop_ranks > 0, skipped=True,
+                )  # fmt: skip
             kept = self.last_checkpoint() or "none written yet"
             first = self.first_non_finite() or "none (every parameter and gradient is finite: this forward made it)"
+            skips = (
+                f" trainer.non_finite=skip skipped the updates of the {self.skipped_in_a_row - 1} step(s) before it "
+                f"in a row; this is trainer.non_finite_max_skips={tc.non_finite_max_skips} in a row."
+                if tc.non_finite == "skip" else ""
+            )  # fmt: skip
             raise NonFiniteLossError(
                 f"step {step + 1} (rank {self.layout.rank}): the loss is {value} (task {task_loss}, next-item "
-                f"{next_loss}); the run stopped before applying this step's update. First non-finite parameter "
-                f"or gradient on this rank: {first}. Last complete checkpoint: {kept}"
+                f"{next_loss}); the run stopped before applying this step's update.{skips} First non-finite "
+                f"parameter or gradient on this rank: {first}. Last complete checkpoint: {kept}"
             )
+        self.skipped_in_a_row = 0
         ranks = self.layout.loss_degree
         # Normalised by global counts: the data-parallel gradient mean then equals the one-process gradient.
         loss = mc.task_weight * out.task_loss_sum / (samples / ranks) + mc.next_item_weight * (  # type: ignore[attr-defined]
@@ -99,7 +120,7 @@ class CoreStep:
         )
         self.pipeline.backward(loss)
         if tc.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.dense_parameters, tc.grad_clip)
+            clip_grad_norm(self.dense_parameters, tc.grad_clip)  # DTensors on several meshes too (FSDP2 + TP)
         self.pipeline.optimizer_step()
         return StepResult(
             step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, self.clock.lap(),

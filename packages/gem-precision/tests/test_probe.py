@@ -28,15 +28,15 @@ from gem_model.data.loader import ShardedLoader
 from gem_model.markers import hookimpl
 from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
-from gem_model.precision_probe import (
+from gem_model.resolve import resolve_components
+from gem_model.train.prepare import precision_plan
+from gem_precision.probe import (
     ProbeOptions,
     ProbeResult,
     literal_pattern,
     probe_precision,
     recommended_precision,
 )
-from gem_model.resolve import resolve_components
-from gem_model.train.prepare import precision_plan
 
 
 class _NoisyLinear(nn.Module):
@@ -235,7 +235,7 @@ def test_bad_options_are_config_errors(probe_pm):
 
 @pytest.fixture
 def inline_env(monkeypatch):
-    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing,gem_precision.plugin")
 
 
 def test_cli_prints_the_table_and_writes_yaml_and_json(capsys, inline_env, tmp_path: Path):

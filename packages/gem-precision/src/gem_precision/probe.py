@@ -11,8 +11,10 @@ For a run config and a few batches of its data, per linear that :func:`precision
 
 The recommendation per module is the cheapest scheme (``order``) whose relative error and
 ``|Δloss| / loss`` stay under the thresholds; it is emitted as a ``precision:`` block that
-``gem-train run -c`` accepts as is. The probe lives in the core and knows schemes only through the
-registry and :class:`PrecisionScheme`, so it works with whatever plugin packages are installed.
+``gem-train run -c`` accepts as is. The probe knows schemes only through the registry and
+:class:`PrecisionScheme`, so it measures whatever schemes are installed (gem-precision's and any
+other package's). ``gem-train profile precision`` runs it (:mod:`gem_precision.profile`), and the
+``numerics`` section of ``gem-train profile`` is its summary.
 
 What it does not see: the backward pass (gradient quantization) and training dynamics. It measures
 forward numerics of the model as built from the config (fresh initialisation, ``trainer.seed``).
@@ -40,6 +42,7 @@ from gem_model.errors import ConfigError, KernelUnavailableError
 from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
 from gem_model.precision import precision_plan, set_submodule
+from gem_model.profiling.memory import step_loss
 from gem_model.resolve import resolve_components
 
 # cheapest first; schemes missing from the order are tried after these, in registry order
@@ -183,7 +186,10 @@ def probe_precision(config: RunConfig, pm: GemPluginManager, options: ProbeOptio
     model = GemModel(
         config.model, loader.spec, attention=components.attention, norm_gate=components.norm_gate,
         seed=config.trainer.seed,
-    ).to(device)  # fmt: skip
+    )  # fmt: skip
+    if model.tables_on_meta:  # model.table_init: device (a planner would draw them; here the probe does)
+        model.materialize_tables(device)
+    model.to(device)
     model.eval()  # no dropout: every forward of a batch sees the same noise-free activations
     batches = [loader.batch_at(step).to(device) for step in range(options.batches)]
     fqns = list(precision_plan(model, config.precision))
@@ -215,12 +221,8 @@ def _candidate_schemes(
 
 
 def model_loss(model: GemModel, batch: Batch) -> float:
-    """The trainer's loss of one batch on one process (:meth:`gem_model.train.run.Run.execute_step`)."""
-    cfg = model.config
-    out = model(batch)
-    task = float(out.task_loss_sum.detach()) / batch.batch_size
-    next_item = float(out.next_item_loss_sum.detach()) / max(float(out.next_item_count), 1.0)
-    return cfg.task_weight * task + cfg.next_item_weight * next_item
+    """The trainer's loss of one batch on one process (:func:`gem_model.profiling.memory.step_loss`)."""
+    return float(step_loss(model, batch).detach())
 
 
 def _capture(

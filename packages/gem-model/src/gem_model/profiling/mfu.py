@@ -1,0 +1,113 @@
+"""The MFU section: local compute efficiency per GPU, and scaling efficiency, reported apart.
+
+The counting convention (:mod:`gem_model.model.flops`, docs/profiling.md): FLOPs of GEMM-like work
+only (linears, attention products, the sampled-softmax dot products), over *real* tokens (no
+padding), attention over the *causal* (query, key) pairs the HSTU mask keeps, backward counted as
+twice the forward (a step is 3x the forward).
+
+- local MFU = achieved FLOP/s per GPU / peak FLOP/s of one GPU, against two peaks: the datasheet's
+  dense figure for the dtype the precision scheme's GEMMs run in
+  (:attr:`PrecisionScheme.gemm_dtype <gem_model.components.PrecisionScheme.gemm_dtype>`; no figure
+  for CPUs), and a matmul measured on this device in that dtype (what the device really reaches);
+- scaling efficiency = N-GPU tokens/s / (N x one-GPU tokens/s): how much of the per-GPU throughput
+  survives distribution. It needs a one-GPU measurement of the same config (``--baseline``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gem_model.profiling.context import ProfileContext
+from gem_model.profiling.report import ProfileSection, ProfileTable
+from gem_model.train.metrics import datasheet_peak, measure_cpu_peak
+
+MATMUL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def measure_matmul_peak(device: torch.device, gemm_dtype: str, *, n: int = 8192, iters: int = 20) -> float:
+    """FLOP/s of a square ``n x n`` matmul in ``gemm_dtype`` on ``device`` (fp8 through ``_scaled_mm``)."""
+    if device.type != "cuda":
+        return measure_cpu_peak()
+    if gemm_dtype == "float8":
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+
+        def op() -> torch.Tensor:
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    else:
+        dtype = MATMUL_DTYPES[gemm_dtype]
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+
+        def op() -> torch.Tensor:
+            return a @ b
+
+    for _ in range(3):
+        op()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        op()
+    torch.cuda.synchronize(device)
+    return 2.0 * n**3 * iters / (time.perf_counter() - start)
+
+
+def local_mfu(flops: float, seconds: float, world_size: int, peak: float) -> float:
+    """Achieved FLOP/s per GPU over the peak of one GPU."""
+    return flops / seconds / world_size / peak if seconds > 0 and peak > 0 else 0.0
+
+
+def scaling_efficiency(tokens_per_s: float, world_size: int, one_gpu_tokens_per_s: float) -> float:
+    """N-GPU throughput over N x the one-GPU throughput."""
+    return tokens_per_s / (world_size * one_gpu_tokens_per_s)
+
+
+def mfu_section(ctx: ProfileContext, *, baseline_tokens_per_s: float | None = None) -> ProfileSection:
+    if ctx.measured is None or not ctx.measured.step_seconds:
+        return ProfileSection("mfu", "MFU", notes=["no measured steps: run the step-time section"])
+    m = ctx.measured
+    seconds, flops, tokens = sum(m.step_seconds), sum(m.flops), sum(m.tokens)
+    scheme = ctx.plugins.precision_schemes.get(ctx.config.precision.scheme.name).cls
+    gemm = scheme.gemm_dtype
+    sheet = datasheet_peak(ctx.device, gemm)
+    measured_peak = measure_matmul_peak(ctx.device, gemm)
+    world = m.world_size
+    achieved = flops / seconds / world if seconds else 0.0
+    tps = tokens / seconds if seconds else 0.0
+    summary = {
+        "gemm_dtype": gemm, "achieved_flops_per_gpu": achieved, "tokens_per_s": tps, "world_size": world,
+        "datasheet_peak": None if sheet is None else sheet[0], "datasheet_source": None if sheet is None else sheet[1],
+        "measured_matmul_peak": measured_peak,
+        "mfu_datasheet": None if sheet is None else local_mfu(flops, seconds, world, sheet[0]),
+        "mfu_measured_peak": local_mfu(flops, seconds, world, measured_peak),
+        "scaling_efficiency": None,
+    }  # fmt: skip
+    notes = ["FLOPs: real tokens, causal attention pairs, backward = 2 x forward (docs/profiling.md)"]
+    if sheet is None:
+        notes.append(f"no datasheet peak for {ctx.device.type} ({gemm} GEMMs)")
+    if world == 1:
+        notes.append("scaling efficiency: one GPU, nothing to scale (1.0 by definition)")
+        summary["scaling_efficiency"] = 1.0
+    elif baseline_tokens_per_s:
+        summary["scaling_efficiency"] = scaling_efficiency(tps, world, baseline_tokens_per_s)
+    else:
+        notes.append("scaling efficiency: not measured; pass --baseline DIR of a one-GPU profile of this config")
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.2f} %"
+
+    rows = [
+        ["achieved TFLOP/s per GPU", achieved / 1e12],
+        ["datasheet peak TFLOP/s", "-" if sheet is None else f"{sheet[0] / 1e12:.1f} ({sheet[1]})"],
+        ["measured matmul peak TFLOP/s", measured_peak / 1e12],
+        ["local MFU vs datasheet", pct(summary["mfu_datasheet"])],
+        ["local MFU vs measured peak", pct(summary["mfu_measured_peak"])],
+        ["tokens / s", tps],
+        ["scaling efficiency", pct(summary["scaling_efficiency"])],
+    ]
+    return ProfileSection(
+        name="mfu", title=f"MFU ({gemm} GEMMs)", summary=summary,
+        tables=[ProfileTable("local compute efficiency and scaling efficiency", ["metric", "value"], rows)], notes=notes,
+    )  # fmt: skip

@@ -1,0 +1,251 @@
+"""The step-time section: a few real training steps under ``torch.profiler``, broken down by kind.
+
+The config trains ``warmup + steps`` steps through the ordinary trainer (its planner, comm
+strategy, pipeline and kernels; nothing is checkpointed or evaluated). A step wrapper registered for
+that run only (:class:`StepProbe`) starts the profiler after the warm-up, records each measured
+step's wall time, tokens, FLOPs and the difference of ``CommStrategy.measurements()``, and reads the
+allocator's peak on CUDA.
+
+Attribution, per profiled op, of its *self* time (device time on CUDA, host time on the CPU), so
+nothing is counted twice:
+
+1. an op inside a ``gem::attention`` range (the run's attention kernel is wrapped in one) is
+   ``attention``; inside ``gem::embeddings`` (forward of the embedding collections) ``embeddings``;
+2. else by the op's name (:data:`CATEGORIES`, first match): ``communication`` (collectives),
+   ``embeddings`` (lookups and their backward), ``attention`` (fused attention), ``loss``
+   (cross entropy, logsumexp), ``gemm`` (matmuls); everything else is ``pointwise`` (elementwise,
+   norms, copies, optimizer updates);
+   On CUDA an op's self time is the device time of the kernels it launched itself; device time of
+   kernels no op launched is put in ``pointwise``.
+3. ``idle`` is the measured wall time of the steps less all attributed op time: host overhead and
+   waiting (on CUDA: device idle between kernels). On the CPU only the training loop's thread
+   counts (backward runs on it too); the prefetch thread's batch building overlaps the step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler import record_function
+
+from gem_model.components import JaggedAttentionKernel
+from gem_model.config import RunConfig
+from gem_model.markers import hookimpl
+from gem_model.plugins import GemPluginManager
+from gem_model.profiling.context import MeasuredSteps, ProfileContext
+from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
+from gem_model.results import StepResult
+
+ORDER = ("attention", "gemm", "pointwise", "embeddings", "loss", "communication", "idle")
+MARKER = "gem::step_probe"
+SCOPES = {"gem::attention": "attention", "gem::embeddings": "embeddings"}
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "gloo", "c10d", "all_reduce", "allreduce", "all_to_all", "alltoall",
+                       "all_gather", "allgather", "reduce_scatter")),
+    ("embeddings", ("embedding", "fbgemm", "tbe", "bag")),
+    ("attention", ("attention", "attn", "sdpa", "flash")),
+    ("loss", ("cross_entropy", "logsumexp", "log_softmax", "nll_loss", "binary_cross")),
+    ("gemm", ("addmm", "matmul", "bmm", "::mm", "mm_", "gemm", "einsum", "linear", "scaled_mm")),
+)  # fmt: skip
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for category, needles in CATEGORIES:
+        if any(n in low for n in needles):
+            return category
+    return "pointwise"
+
+
+class _ScopedAttention:
+    """The run's attention kernel, called inside a ``gem::attention`` profiler range."""
+
+    def __init__(self, kernel: JaggedAttentionKernel):
+        self.kernel = kernel
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with record_function("gem::attention"):
+            return self.kernel(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+
+def _scope_model(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        kernel = getattr(module, "attention", None)
+        if isinstance(kernel, JaggedAttentionKernel):
+            module.attention = _ScopedAttention(kernel)  # type: ignore[assignment]
+        elif "EmbeddingCollection" in type(module).__name__ or "EmbeddingBagCollection" in type(module).__name__:
+            _scope_module(module, "gem::embeddings")
+
+
+def _scope_module(module: torch.nn.Module, scope: str) -> None:
+    open_ranges: list[record_function] = []
+
+    def enter(*_: Any) -> None:
+        open_ranges.append(record_function(scope).__enter__())
+
+    def leave(*_: Any) -> None:
+        open_ranges.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)
+
+
+class StepProbe:
+    """Registered for the profile's training run only: profiles and measures steps after ``warmup``."""
+
+    def __init__(self, warmup: int, device: torch.device):
+        self.warmup, self.device = warmup, device
+        self.results: list[StepResult] = []
+        self.comm: list[dict[str, float]] = []
+        self.comm_name = ""
+        self.world_size = 1
+        self.profiler: torch.profiler.profile | None = None
+        self.peak: int | None = None
+
+    @hookimpl
+    def gem_run_started(self, run: Any) -> None:
+        _scope_model(run.model)
+        self.comm_name = run.comm.name
+        self.world_size = run.layout.world_size
+
+    @hookimpl(wrapper=True)
+    def gem_train_step(self, run: Any, step: int) -> Generator[None, StepResult, StepResult]:
+        measured = step - self.warmup
+        if measured == 0:
+            self._start()
+        before = run.comm.measurements()
+        result = yield
+        if measured >= 0:
+            after = run.comm.measurements()
+            self.results.append(result)
+            self.comm.append({k: v - before.get(k, 0.0) for k, v in after.items()})
+        if step + 1 == run.config.trainer.steps:
+            self._stop()
+        return result
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+        with record_function(MARKER):  # which profiler thread id the training loop's thread has
+            pass
+
+    def _stop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = int(torch.cuda.max_memory_allocated(self.device))
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+
+    def measured(self) -> MeasuredSteps:
+        n = max(len(self.comm), 1)
+        keys = sorted({k for c in self.comm for k in c})
+        return MeasuredSteps(
+            step_seconds=[r.seconds for r in self.results], tokens=[r.tokens for r in self.results],
+            flops=[r.flops for r in self.results], comm_strategy=self.comm_name, world_size=self.world_size,
+            comm_per_step={k: sum(c.get(k, 0.0) for c in self.comm) / n for k in keys}, peak_memory_bytes=self.peak,
+        )  # fmt: skip
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per category over the measured steps (see the module doc)."""
+        out = dict.fromkeys(ORDER, 0.0)
+        if self.profiler is None:
+            return out
+        cuda = self.device.type == "cuda"
+        events = self.profiler.events()
+        loop = next((e.thread for e in events if e.name == MARKER), None)
+        kernels_us = 0.0
+        for event in events:
+            if event.device_type != DeviceType.CPU:  # a kernel: also counted in the op that launched it
+                kernels_us += event.device_time_total
+                continue
+            if event.name == MARKER or (not cuda and event.thread != loop):
+                continue  # on the CPU, the host time of the loop's thread (not the input prefetch thread's)
+            us = event.self_device_time_total if cuda else event.self_cpu_time_total
+            if not us:
+                continue
+            category, parent = None, event
+            while parent is not None and category is None:
+                category = SCOPES.get(parent.name)
+                parent = parent.cpu_parent
+            out[category or categorize(event.name)] += us / 1e6
+        if cuda:  # kernels no op or range launched (none is expected): counted, not attributed
+            out["pointwise"] += max(0.0, kernels_us / 1e6 - sum(out.values()))
+        wall = sum(r.seconds for r in self.results)
+        out["idle"] = max(0.0, wall - sum(v for k, v in out.items() if k != "idle"))
+        return out
+
+
+@contextmanager
+def _registered(pm: GemPluginManager, plugin: object) -> Iterator[None]:
+    name = pm.register(plugin, name="profile:step_probe")
+    try:
+        yield
+    finally:
+        pm.pm.unregister(name=name)
+
+
+def measure_steps(config: RunConfig, pm: GemPluginManager, *, warmup: int, steps: int) -> StepProbe:
+    """Train ``warmup + steps`` steps of ``config`` (in a scratch output directory) under a probe."""
+    from gem_model.distributed import pick_device
+    from gem_model.trainer import train
+
+    scratch = tempfile.mkdtemp(prefix="gem-profile-steps-")
+    try:
+        run_config = config.model_copy(update={"trainer": config.trainer.model_copy(update={
+            "steps": warmup + steps, "output_dir": scratch, "checkpoint_every": 0, "checkpoint_at_end": False,
+            "eval_every": 0, "eval_at_end": False, "progress": False, "log_every": warmup + steps,
+            "resume": False, "time_limit_s": None, "tensorboard": False,
+        })})  # fmt: skip
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        probe = StepProbe(warmup, pick_device(config.trainer.device, local_rank))
+        with _registered(pm, probe):
+            train(run_config, pm)
+        return probe
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
+    parts = probe.breakdown()
+    wall = sum(parts.values())
+    share = {k: (v / wall if wall else 0.0) for k, v in parts.items()}
+    measured = probe.measured()
+    n = len(measured.step_seconds)
+    rows = [[k, parts[k] / max(n, 1) * 1e3, 100 * share[k]] for k in ORDER]
+    recs = []
+    if share["pointwise"] > 0.2 and not ctx.config.trainer.compile:
+        recs.append(Recommendation(
+            action="trainer.compile=true (fuses the blocks' pointwise work)", expected_gain=share["pointwise"] / 2,
+            metric="step time", evidence=f"pointwise ops take {100 * share['pointwise']:.1f} % of the step; "
+            "the gain assumes fusion halves them",
+        ))  # fmt: skip
+    if share["idle"] > 0.2:
+        recs.append(Recommendation(
+            action="raise the work per step (data.global_batch_size) or trainer.prefetch", expected_gain=share["idle"] / 2,
+            metric="step time", evidence=f"{100 * share['idle']:.1f} % of the measured step time no op ran "
+            "(host overhead, input waits); the gain assumes half of it can be hidden",
+        ))  # fmt: skip
+    return ProfileSection(
+        name="step_time",
+        title=f"step time over {n} measured step(s) on {ctx.device.type}",
+        summary={"seconds": parts, "share": share, "steps": n, "step_seconds": measured.step_seconds},
+        tables=[ProfileTable("torch.profiler breakdown", ["category", "ms / step", "% of step"], rows)],
+        series={"breakdown_ms_per_step": {k: parts[k] / max(n, 1) * 1e3 for k in ORDER}},
+        recommendations=recs,
+        notes=["self time per op, device time on CUDA and host time on the CPU; idle = wall time less op time"],
+    )

@@ -1,0 +1,1 @@
+"""``gem-train tune``: short real runs over a small space, from the config (:mod:`.search`)."""

@@ -1,0 +1,209 @@
+"""``gem-train tune -c CONFIG --budget MINUTES``: a coordinate search by short real training runs.
+
+Starting from the config as given (measured first), one dimension at a time, every alternative is
+trained for ``steps`` steps on the current device (the ordinary trainer, a scratch output
+directory) and kept when its tokens/s beats the best so far, its last loss is at most
+``max_loss_increase`` worse than the starting config's, and its peak memory (CUDA) fits
+``memory_gb``. The dimensions, in order:
+
+1. ``kernels.jagged_attention``: every registered attention kernel available on the device;
+2. precision: the numerics section's per-layer map (``--profile DIR`` with a ``numerics`` section),
+   else every registered scheme as ``precision.scheme``;
+3. ``activation.policy``: every registered policy (the memory budget decides between them);
+4. ``data.balancer``: every registered balancer, when the layout has more than one data-parallel rank;
+5. ``parallel.planner``: every registered planner that can drive the launched world.
+
+A candidate that fails (a kernel the device lacks, a planner that needs a process group, a NaN) is
+recorded with its error and never chosen. Before each candidate the search checks that the slowest
+run so far still fits in what is left of the budget, so it stops within it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from gem_model.config import RunConfig
+from gem_model.config_io import apply_overrides, dump, validate
+from gem_model.distributed import DistEnv, launched_by_torchrun, pick_device
+from gem_model.errors import GemError
+from gem_model.plugins import GemPluginManager
+from gem_model.profiling.report import ProfileReport
+from gem_model.train.progress import task_progress
+
+
+@dataclass
+class Candidate:
+    dimension: str
+    overrides: dict[str, Any]
+    """Dotted config keys -> values, on top of the best config so far."""
+    tokens_per_s: float | None = None
+    peak_memory_gb: float | None = None
+    last_loss: float | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    chosen: bool = False
+
+
+@dataclass
+class TuneResult:
+    baseline: Candidate
+    candidates: list[Candidate]
+    best: RunConfig
+    best_overrides: dict[str, Any] = field(default_factory=dict)
+    stopped_by_budget: bool = False
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"baseline": asdict(self.baseline), "candidates": [asdict(c) for c in self.candidates],
+                "best_overrides": self.best_overrides, "stopped_by_budget": self.stopped_by_budget,
+                "seconds": self.seconds}  # fmt: skip
+
+
+def with_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    data = config.model_dump(mode="json")
+    for key, value in overrides.items():  # a whole precision block replaces the old one
+        if key == "precision":
+            data["precision"] = value
+    rest = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}" for k, v in overrides.items() if k != "precision"]
+    return validate(apply_overrides(data, rest))
+
+
+def measure(config: RunConfig, pm: GemPluginManager, steps: int) -> tuple[float, float | None, float]:
+    """Train ``steps`` steps of ``config`` in a scratch directory: (tokens/s, peak GB or None, last loss)."""
+    from gem_model.trainer import train
+
+    scratch = tempfile.mkdtemp(prefix="gem-tune-")
+    device = pick_device(config.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
+    trainer = config.trainer.model_copy(update={
+        "steps": steps, "output_dir": scratch, "checkpoint_every": 0, "checkpoint_at_end": False, "eval_every": 0,
+        "eval_at_end": False, "progress": False, "log_every": steps, "resume": False, "time_limit_s": None,
+    })  # fmt: skip
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        summary = train(config.model_copy(update={"trainer": trainer}), pm)
+        peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+        return summary.tokens_per_s, peak, summary.last_loss
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def dimensions(config: RunConfig, pm: GemPluginManager, profile: ProfileReport | None) -> list[tuple[str, list[dict[str, Any]]]]:
+    device = pick_device(config.trainer.device, 0)
+    kernels = []
+    for name in pm.kernel_registry("jagged_attention").names():
+        cls = pm.kernel_registry("jagged_attention").get(name).cls
+        try:
+            cls().check_available(device)
+        except GemError:
+            continue
+        kernels.append({"kernels.jagged_attention": name})
+    if profile is not None and profile.has("numerics"):
+        block = yaml.safe_load(profile.section("numerics").summary["precision_yaml"])["precision"]
+        precision = [{"precision": block}]
+    else:
+        precision = [{"precision.scheme": n} for n in pm.precision_schemes.names()]
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    planners = [{"parallel.planner": n} for n in pm.parallel_planners.names()
+                if (pm.parallel_planners.get(n).cls.max_world_size or world) >= world]  # fmt: skip
+    entry = pm.parallel_planners.get(config.parallel.planner.name)
+    dp = entry.cls(entry.cls.Config.model_validate(config.parallel.planner.options)).layout(
+        DistEnv(0, world, 0, device, None)).dp_degree  # fmt: skip
+    balancers = [{"data.balancer": n} for n in pm.load_balancers.names()] if dp > 1 else []
+    return [
+        ("attention kernel", kernels), ("precision", precision),
+        ("activation policy", [{"activation.policy": n} for n in pm.activation_policies.names()]),
+        ("balancer", balancers), ("planner", planners),
+    ]  # fmt: skip
+
+
+def _same(config: RunConfig, overrides: dict[str, Any]) -> bool:
+    return with_overrides(config, overrides) == config
+
+
+def tune(
+    config: RunConfig, pm: GemPluginManager, *, budget_s: float, steps: int = 6, memory_gb: float | None = None,
+    max_loss_increase: float = 0.05, profile: ProfileReport | None = None,
+) -> TuneResult:
+    # live progress (on a terminal): seconds of the budget spent, one advance per candidate run
+    with task_progress(max(1, math.ceil(budget_s)), "tune", unit="s") as advance:
+        shown = 0
+
+        def spent() -> None:
+            nonlocal shown
+            now = min(math.ceil(budget_s), round(time.perf_counter() - start))
+            advance(max(0, now - shown))
+            shown = max(shown, now)
+
+        start = time.perf_counter()
+        return _search(config, pm, start, spent, steps=steps, budget_s=budget_s, memory_gb=memory_gb,
+                       max_loss_increase=max_loss_increase, profile=profile)  # fmt: skip
+
+
+def _search(
+    config: RunConfig, pm: GemPluginManager, start: float, spent: Callable[[], None], *, steps: int, budget_s: float,
+    memory_gb: float | None, max_loss_increase: float, profile: ProfileReport | None,
+) -> TuneResult:
+    baseline = Candidate("baseline", {})
+    baseline.tokens_per_s, baseline.peak_memory_gb, baseline.last_loss = measure(config, pm, steps)
+    baseline.seconds = slowest = time.perf_counter() - start
+    spent()
+    best, best_overrides, best_tps = config, {}, baseline.tokens_per_s
+    tried: list[Candidate] = []
+    stopped = False
+    for dimension, options in dimensions(config, pm, profile):
+        current = best  # the value this dimension starts from was measured already
+        for overrides in options:
+            if _same(current, overrides):
+                continue
+            if time.perf_counter() - start + slowest > budget_s:
+                stopped = True
+                break
+            c = Candidate(dimension, overrides)
+            t0 = time.perf_counter()
+            try:
+                c.tokens_per_s, c.peak_memory_gb, c.last_loss = measure(with_overrides(best, overrides), pm, steps)
+            except Exception as exc:  # a candidate that cannot run is a result, not the end of the search
+                c.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            c.seconds = time.perf_counter() - t0
+            spent()
+            slowest = max(slowest, c.seconds)
+            tried.append(c)
+            if c.error is None and _acceptable(c, baseline, memory_gb, max_loss_increase) and c.tokens_per_s > best_tps:
+                best, best_tps = with_overrides(best, overrides), c.tokens_per_s
+                best_overrides = {**best_overrides, **overrides}
+        if stopped:
+            break
+    for c in tried:
+        c.chosen = all(best_overrides.get(k) == v for k, v in c.overrides.items())
+    return TuneResult(baseline, tried, best, best_overrides, stopped, time.perf_counter() - start)
+
+
+def _acceptable(c: Candidate, baseline: Candidate, memory_gb: float | None, max_loss_increase: float) -> bool:
+    if c.last_loss is None or not math.isfinite(c.last_loss):
+        return False
+    if baseline.last_loss is not None and c.last_loss > baseline.last_loss * (1 + max_loss_increase):
+        return False
+    return memory_gb is None or c.peak_memory_gb is None or c.peak_memory_gb <= memory_gb
+
+
+def write_result(result: TuneResult, out: Path) -> dict[str, Path]:
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"config": out / "tuned.yaml", "table": out / "tune.json"}
+    head = f"# gem-train tune: chosen overrides {result.best_overrides or 'none (the config as given was fastest)'}\n"
+    paths["config"].write_text(head + dump(result.best))
+    paths["table"].write_text(json.dumps(result.to_dict(), indent=1))
+    return paths

@@ -1,0 +1,95 @@
+"""``gem-train tune``: a coordinate search by short real runs on the tiny inline config; it stops
+within its budget, records failing candidates, and the config it writes trains."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem_model import testing
+from gem_model.cli import main
+from gem_model.config_io import load_config
+from gem_model.profiling.report import ProfileReport, ProfileSection
+from gem_model.trainer import train
+from gem_model.tune.search import dimensions, tune, with_overrides
+
+TINY = [*testing.INLINE_OVERRIDES]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_tune_tries_every_dimension_and_its_config_trains(monkeypatch, tmp_path: Path, capsys, pm):
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    assert main(["tune", *TINY, "--budget", "5", "--steps", "3", "--out", str(tmp_path / "tune")]) == 0
+    result = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    tried = {(c["dimension"], json.dumps(c["overrides"])) for c in result["candidates"]}
+    # the inline registries: one alternative kernel, scheme and planner each; one policy; one dp rank
+    assert tried == {
+        ("attention kernel", '{"kernels.jagged_attention": "poison"}'),
+        ("precision", '{"precision.scheme": "inline_bf16"}'),
+        ("planner", '{"parallel.planner": "inline_replicated"}'),
+    }
+    poison = next(c for c in result["candidates"] if c["dimension"] == "attention kernel")
+    assert "NonFinite" in poison["error"] and not poison["chosen"]  # a NaN run is recorded, never chosen
+    assert not result["stopped_by_budget"] and result["seconds"] <= 5 * 60
+    assert "gem-train tune:" in capsys.readouterr().out
+    chosen = load_config(tmp_path / "tune" / "tuned.yaml", ["trainer.steps=2", f"trainer.output_dir={tmp_path}/run"])
+    assert chosen.kernels.jagged_attention.name == "loop"
+    summary = train(chosen, pm)
+    assert summary.steps == 2 and math.isfinite(summary.last_loss)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tune_stops_within_a_budget_that_fits_only_the_starting_config(pm, monkeypatch):
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)  # a terminal: tune shows its live progress
+    config = load_config(None, TINY)
+    result = tune(config, pm, budget_s=1e-3, steps=2)
+    assert result.stopped_by_budget and result.candidates == [] and result.best == config
+    assert result.baseline.tokens_per_s and result.baseline.tokens_per_s > 0
+    assert "tune" in screen.getvalue() and "/1" in screen.getvalue()  # seconds spent of a 1 s budget
+
+
+def test_with_overrides_replaces_a_whole_precision_block():
+    config = load_config(None, [*TINY, "precision.overrides={a: inline_bf16}"])
+    got = with_overrides(config, {"precision": {"scheme": "inline_bf16", "exclude": ["x"]}, "data.balancer": "round_robin"})
+    assert got.precision.scheme.name == "inline_bf16" and got.precision.overrides == {} and got.precision.exclude == ["x"]
+
+
+def test_bad_budget_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    assert main(["tune", *TINY, "--budget", "0"]) == 2
+    assert "--budget" in capsys.readouterr().err
+
+
+def test_a_profile_with_a_numerics_section_gives_the_per_layer_map(pm):
+    block = "precision:\n  scheme: inline_bf16\n  overrides: {task_head.0: inline_fp32}\n  min_dim: 0\n"
+    numerics = ProfileSection("numerics", "numerics", summary={"precision_yaml": block})
+    report = ProfileReport("gem-tiny", "cpu", "-", "-", [numerics])
+    dims = dict(dimensions(load_config(None, TINY), pm, report))
+    assert dims["precision"] == [{"precision": {"scheme": "inline_bf16", "overrides": {"task_head.0": "inline_fp32"},
+                                                "min_dim": 0}}]  # fmt: skip
+    assert dims["balancer"] == []  # one data-parallel rank: every balancer splits alike
+
+
+def test_tune_refuses_several_processes(monkeypatch, capsys):
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["tune", *TINY, "--budget", "1"]) == 2
+    assert "one process" in capsys.readouterr().err

@@ -1,0 +1,54 @@
+"""gem-precision's profile hooks: the ``numerics`` section from the probe, and the ``precision``
+subcommand reaching gem-train through ``gem_profile_commands``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gem_model import testing
+from gem_model.config_io import load_config
+from gem_model.plugins import GemPluginManager
+from gem_model.profiling.context import ProfileContext
+from gem_precision import plugin
+from gem_precision.probe import ProbeOptions, probe_precision
+from gem_precision.profile import lower_bit_share
+
+TINY = [*testing.INLINE_OVERRIDES, "precision.scheme=fp32"]
+
+
+@pytest.fixture
+def pm() -> GemPluginManager:
+    return GemPluginManager(autoload=False, plugins=[testing, plugin])
+
+
+def test_the_plugin_contributes_the_numerics_section_and_the_command(pm):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ctx = ProfileContext(load_config(None, TINY), pm, torch.device("cpu"), 1, 1, 1, Path("."))
+        sections = [s for group in pm.call("gem_profile_sections", profile=ctx) for s in group]
+    finally:
+        torch.set_num_threads(before)
+    assert [s.name for s in sections] == ["numerics"]
+    numerics = sections[0]
+    schemes = numerics.summary["schemes"]
+    assert schemes[:5] == ["mxfp8", "fp8_rowwise", "fp8_tensorwise", "bf16", "fp32"]  # cheapest first
+    assert set(schemes[5:]) == {"inline_fp32", "inline_bf16"}
+    column = numerics.tables[0].columns.index("inline_bf16")
+    rows = numerics.tables[0].rows
+    assert len(rows) == 13 and all(0 < r[column] < 1e-2 for r in rows)  # bf16 keeps 8 bits
+    commands = [c for group in pm.call("gem_profile_commands") for c in group]
+    assert [c.name for c in commands] == ["precision"]
+
+
+def test_lower_bit_share_by_hand(pm):
+    config = load_config(None, TINY)
+    result = probe_precision(config, pm, ProbeOptions(batches=1, schemes=("fp32", "bf16")))
+    weights = {m.fqn: m.in_features * m.out_features for m in result.modules}
+    passing = [m.fqn for m in result.modules if m.recommended == "bf16"]
+    share, saving = lower_bit_share(result, pm, "fp32")
+    assert share == pytest.approx(sum(weights[f] for f in passing) / sum(weights.values()))
+    assert saving == (0.5 if passing else 0.0)  # 16 of 32 bits
