@@ -3,8 +3,10 @@ hand-computed cases, the outputs (JSON, PNGs of the expected size, HTML) and the
 
 from __future__ import annotations
 
+import io
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,8 @@ def profiled(tmp_path_factory) -> Path:
     mp = pytest.MonkeyPatch()
     mp.setenv("GEM_DISABLE_PLUGIN_AUTOLOAD", "1")
     mp.setenv("GEM_PLUGINS", "gem_model.testing,profile_plugin_cases")
+    screen = _Terminal()
+    mp.setattr(sys, "stderr", screen)  # a terminal: the profile shows its live display there
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -149,7 +153,19 @@ def profiled(tmp_path_factory) -> Path:
     finally:
         torch.set_num_threads(before)
         mp.undo()
+    (out / "terminal.txt").write_text(screen.getvalue())
     return out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_profile_shows_its_progress_by_section_on_a_terminal(profiled: Path):
+    screen = (profiled / "terminal.txt").read_text()
+    assert "[profile] memory: " in screen  # each section's time, also in CI logs
+    assert "profile" in screen and "8/8" in screen and "section/s" in screen
 
 
 def test_every_section_runs_on_the_tiny_config(profiled: Path):

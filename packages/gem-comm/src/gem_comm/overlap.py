@@ -10,13 +10,10 @@ not a silent default). The all-reduce itself is torch's ``allreduce_hook`` (divi
 size, sum in float32: DDP's own arithmetic, so the parameters equal ``default``'s bit for bit),
 asynchronous, with its bytes counted.
 
-Not here: torchrec's ``TrainPipelineSparseDist`` (the embedding all-to-all of batch ``i+1`` behind
-the dense compute of batch ``i``) is not registered as a ``sparse_dist`` train pipeline yet. Its
-streams fall back to none on the CPU in torchrec 1.8, but its ``progress()`` runs forward, backward
-and the optimizer in one call, where the gem step needs the global loss reduction and the
-non-finite guard between forward and backward, and it rewrites the model by tracing which inputs
-reach the sharded modules; see docs/comm.md. FSDP2 overlaps its own collectives (prefetching), with
-no hook.
+Not here: the embedding all-to-all of batch ``i+1`` behind the dense compute of batch ``i`` is the
+``sparse_dist`` train pipeline (:mod:`gem_comm.sparse_dist`, torchrec's ``TrainPipelineSparseDist``
+split into the core's staged step), which composes with every strategy. FSDP2 (the ``fsdp``
+planner) overlaps its own collectives by prefetching, with no hook.
 """
 
 # no ``from __future__ import annotations``: DDP checks a comm hook's annotations as objects

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import sys
@@ -36,6 +37,7 @@ from gem_model.profiling.sequences import read_history, sequences_section
 from gem_model.profiling.step_time import measure_steps, step_time_section
 from gem_model.resolve import resolve_components
 from gem_model.train.prepare import offline_plan
+from gem_model.train.progress import task_progress
 
 T = TypeVar("T")
 
@@ -94,18 +96,21 @@ def run_profile(config: RunConfig, pm: GemPluginManager, options: ProfileOptions
     # only the dense parameters' sizes are read off this one: its tables stay on the meta device
     sizes_model = GemModel(config.model.model_copy(update={"table_init": "device", "embedding_init_std": None}), spec,
                            attention=components.attention, norm_gate=components.norm_gate)  # fmt: skip
-    core = [
-        _timed("sequences", lambda: sequences_section(ctx, history)),
-        _timed("balance", lambda: balance_section(ctx, history, spec)),
-        _timed("step time", lambda: step_time_section(ctx, probe)),
-        _timed("memory", lambda: memory_section(ctx, components, plan, loader.batch_at(0).to(device), sizes_model)),
-        _timed("communication", lambda: comm_section(ctx, plan, spec, history)),
-    ]
-    sections = _add(ctx, core)
-    plugins = _timed("plugin sections", lambda: pm.call("gem_profile_sections", profile=ctx))
-    sections = _add(ctx, [s for group in plugins for s in group or ()])
-    sections = _add(ctx, [mfu_section(ctx, baseline_tokens_per_s=_baseline_tokens_per_s(options.baseline))])
-    sections = _add(ctx, [recommendations_section(sections)])
+    with task_progress(8, "profile", unit="section") as advance:  # live on a terminal
+        timed = functools.partial(_timed, advance=advance)
+        core = [
+            timed("sequences", lambda: sequences_section(ctx, history)),
+            timed("balance", lambda: balance_section(ctx, history, spec)),
+            timed("step time", lambda: step_time_section(ctx, probe)),
+            timed("memory", lambda: memory_section(ctx, components, plan, loader.batch_at(0).to(device), sizes_model)),
+            timed("communication", lambda: comm_section(ctx, plan, spec, history)),
+        ]
+        sections = _add(ctx, core)
+        plugins = timed("plugin sections", lambda: pm.call("gem_profile_sections", profile=ctx))
+        sections = _add(ctx, [s for group in plugins for s in group or ()])
+        baseline = _baseline_tokens_per_s(options.baseline)
+        sections = _add(ctx, [timed("mfu", lambda: mfu_section(ctx, baseline_tokens_per_s=baseline))])
+        sections = _add(ctx, [timed("recommendations", lambda: recommendations_section(sections))])
     return ProfileReport(
         config_name=config.name, device=_describe(device), created=datetime.datetime.now(datetime.UTC).isoformat(
             timespec="seconds"), command=" ".join(["gem-train", *sys.argv[1:]]), sections=sections,
@@ -113,13 +118,15 @@ def run_profile(config: RunConfig, pm: GemPluginManager, options: ProfileOptions
     )  # fmt: skip
 
 
-def _timed(what: str, build: Callable[[], T]) -> T:
-    """``build()``, with one line on stderr when it is done: on a large config a section can take
-    minutes, and a run stopped by a time limit then shows which one it was in."""
+def _timed(what: str, build: Callable[[], T], *, advance: Callable[[int], None]) -> T:
+    """``build()``, with a line on stderr when it starts and ends (on a large config a section can
+    take minutes, and a run stopped by a time limit then shows which one it was in), then one step
+    of the live display."""
     start = time.perf_counter()
     print(f"[profile] {what} ...", file=sys.stderr, flush=True)
     out = build()
     print(f"[profile] {what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    advance(1)
     return out
 
 
