@@ -95,3 +95,12 @@ def test_a_layout_that_does_not_cover_the_processes_is_refused(pm, tiny_override
     pm.register(TwoRankPlugin(), name="two-rank")
     with pytest.raises(ValueError, match=r"'inline_two_rank_layout' made the layout dp_replicate=2 \(2 ranks\), but the run has 1"):
         train(load_config(None, [*tiny_overrides, "parallel.planner=inline_two_rank_layout"]), pm)
+
+
+def test_a_one_rank_mesh_dim_hands_out_the_group_the_planner_stored():
+    # a mesh dim of degree 1 still has a (one-rank) process group: callers that need a real group
+    # (torchrec's sharders) get it; a dim outside the mesh, or a layout without groups, has none
+    layout = Layout({"dp_replicate": 1, "tp": 2}, {"dp_replicate": 0, "tp": 1}, {"dp_replicate": "one", "tp": "tp"})
+    assert layout.group("dp_replicate") == "one" and layout.loss_group == "one" and layout.loss_degree == 1
+    assert layout.group("dp_replicate", "tp") == "tp" and layout.group("cp") is None
+    assert Layout({"dp_replicate": 1}, {"dp_replicate": 0}).group("dp_replicate") is None

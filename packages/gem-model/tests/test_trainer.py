@@ -55,8 +55,10 @@ def test_sparse_optimizers_by_name():
     adam = sparse_optimizer_spec(tc.model_copy(update={"sparse_optimizer": "adam"}))
     assert adam.cls is torch.optim.Adam and adam.kwargs == {"lr": 0.01, "betas": (0.8, 0.9), "eps": 1e-7}
     assert adam.fused() == (torchrec_optimizers.Adam, {"lr": 0.01, "beta1": 0.8, "beta2": 0.9, "eps": 1e-7})
+    sgd = sparse_optimizer_spec(tc.model_copy(update={"sparse_optimizer": "sgd"}))
+    assert sgd.cls is torch.optim.SGD and sgd.fused() == (torch.optim.SGD, {"lr": 0.01}) and sgd.fused_on_cpu
     with pytest.raises(ValidationError, match="sparse_optimizer"):
-        TrainerConfig(sparse_optimizer="sgd")
+        TrainerConfig(sparse_optimizer="lamb")
 
 
 def test_resume_with_dropout_restores_the_rng(pm, tiny_overrides, tmp_path):

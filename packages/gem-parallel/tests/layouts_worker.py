@@ -4,15 +4,22 @@
 for each layout, 5 steps of the tiny run under ``parallel.planner=fsdp`` with a checkpoint after
 step 3, then a second run in the same processes that resumes that checkpoint and trains steps 4-5.
 Rank 0 writes ``OUT/results.json``: per layout, the step losses of both runs and the layout and
-placement each run reported. (One start for all layouts: a process group costs seconds to make.)
+placement each run reported, and every rank's digest of its dense weights before the first step
+(whole tensors: DTensors gathered) and of its table shards after the last. (One start for all layouts: a process group costs seconds to make.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 import gem_parallel.plugin
 from gem_model import testing
@@ -31,14 +38,45 @@ def losses(out: Path) -> list[float]:
     return [json.loads(x)["step_loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if "step_loss" in x]
 
 
-def train(overrides: list[str]) -> tuple[Run, RunSummary]:
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def every_rank(value: str) -> list[str]:
+    out: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def dense_digest(run: Run) -> list[str]:
+    """Every rank's digest of the whole dense weights (a collective: DTensors are gathered)."""
+    params = [p.full_tensor() if isinstance(p, DTensor) else p for _, p in run.prepared.dense_parameters]
+    return every_rank(digest(params))
+
+
+def table_shards_digest(run: Run) -> list[str]:
+    """Every rank's digest of the table shards it holds (local shards of torchrec's ShardedTensors)."""
+    shards = [
+        s.tensor for _, v in sorted(run.prepared.module.state_dict().items()) if isinstance(v, ShardedTensor)
+        for s in sorted(v.local_shards(), key=lambda s: s.metadata.shard_offsets)
+    ]  # fmt: skip
+    return every_rank(digest(shards))
+
+
+def train(overrides: list[str]) -> tuple[Run, RunSummary, dict[str, list[str]]]:
     config = load_config(None, overrides)
     pm = GemPluginManager(autoload=False, plugins=[testing, gem_parallel.plugin])
     components = resolve_components(config, pm)
     check_run(config, components, int(os.environ["WORLD_SIZE"]))  # before the group, as gem-train run
     env = init_distributed(config.trainer.device)
     run = Run(config, pm, components, env)
-    return run, run.fit()
+    digests = {"dense_before": dense_digest(run)}
+    summary = run.fit()
+    digests["tables_after"] = table_shards_digest(run)
+    return run, summary, digests
 
 
 def main(out: Path, layouts: list[str], common: list[str]) -> None:
@@ -49,10 +87,10 @@ def main(out: Path, layouts: list[str], common: list[str]) -> None:
         where = out / name
         overrides = [*common, "parallel.planner=fsdp", *options.split(","), f"trainer.output_dir={where}"]
         overrides = [o for o in overrides if o]
-        first, summary = train([*overrides, f"trainer.steps={STEPS}", "trainer.checkpoint_every=3"])
+        first, summary, digests = train([*overrides, f"trainer.steps={STEPS}", "trainer.checkpoint_every=3"])
         env = first.env
         trained = losses(where)
-        resumed, _ = train([*overrides, f"trainer.steps={STEPS}", "trainer.resume=true"])
+        resumed, _, _ = train([*overrides, f"trainer.steps={STEPS}", "trainer.resume=true"])
         results[name] = {
             "losses": trained,
             "resumed": losses(where)[3:],
@@ -60,6 +98,7 @@ def main(out: Path, layouts: list[str], common: list[str]) -> None:
             "layout": summary.extra["layout"],
             "placement": summary.extra["plan"],
             "plan": first.plan.to_dict(),
+            **digests,
         }
     if env is not None:
         if env.is_main:

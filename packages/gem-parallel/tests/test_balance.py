@@ -224,3 +224,10 @@ def test_gem_parallel_registers_seq_balanced_and_a_run_config_selects_it():
     assert isinstance(built, SeqBalancedBalancer) and built.coefficients == (1.0, 50.0)
     loader = ShardedLoader(SyntheticSource(SyntheticConfig()), built, global_batch_size=16, rank=1, world_size=4)
     assert loader.batch_at(0).history_lengths().numel() == 4
+
+
+def test_a_run_binds_the_balancer_to_its_model(tmp_path):
+    """``data.balancer=seq_balanced`` without coefficients trains: the run binds the balancer to its
+    model before the first batch, with the coefficients of ``cost_coefficients`` for that model."""
+    run = testing.tiny_run("data.balancer=seq_balanced", output_dir=tmp_path, steps=2, plugins=[gem_parallel.plugin])
+    assert len(run.losses) == 2 and all(loss == loss for loss in run.losses)

@@ -3,7 +3,8 @@
 One torchrun start trains them all in turn (``layouts_worker.py``): each dimension alone (FSDP2
 ``dp_shard``, HSDP's replicas ``dp_replicate``, ``tp`` and ``cp`` in the HSTU blocks) and the combinations
 ``dp_replicate x dp_shard``, ``dp_shard x tp`` and ``dp_shard x cp``, 5 steps each, checkpointed after step 3 and
-resumed from there; and the tables sharded by torchrec's DMP (over all ranks) beside FSDP2 and TP.
+resumed from there; and the tables sharded by torchrec's DMP (over all ranks) beside FSDP2 and TP,
+and within two sparse groups of 2 ranks, replicated across them (2-D sparse parallelism, SGD tables).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ COMMON = [
     *testing.INLINE_OVERRIDES, "model.num_heads=4", "model.num_blocks=2", "model.relative_position_bias=true",
     "model.max_attn_len=5", "trainer.grad_clip=0.5", "trainer.checkpoint_at_end=false",
 ]  # fmt: skip
+SGD_TABLES = "trainer.sparse_optimizer=sgd,trainer.sparse_lr=0.5"  # a rate that moves the losses
 LAYOUTS = {
     "dp_shard": "parallel.planner.options.dp_shard=4",
     "dp_replicate": "parallel.planner.options.dp_replicate=4",
@@ -42,6 +44,9 @@ LAYOUTS = {
     # HSDP over dp_replicate x cp (dp_shard stays at degree 1), the tables sharded
     "sparse_x_dp_replicate_x_cp": "parallel.planner.options.tables=sharded,parallel.planner.options.dp_replicate=2,"
     "parallel.planner.options.cp=2",
+    # 2-D sparse: DMP within the sparse groups {0, 1} and {2, 3}, the shards averaged across them after
+    # every step; SGD tables (no state), so that averaging weights equals averaging gradients
+    "sparse2_x_dp_shard": "parallel.planner.options.tables=sharded,parallel.planner.options.sparse=2," + SGD_TABLES,
 }
 EXPECTED = {
     "dp_shard": "dp_shard=4",
@@ -54,7 +59,9 @@ EXPECTED = {
     "sparse_x_dp_shard": "dp_shard=4",
     "sparse_x_dp_shard_x_tp": "dp_shard=2 x tp=2",
     "sparse_x_dp_replicate_x_cp": "dp_replicate=2 x dp_shard=1 x cp=2",
+    "sparse2_x_dp_shard": "dp_shard=4",
 }
+REFERENCE = {"sparse2_x_dp_shard": "sgd"}  # the one-process run each layout is compared with (default: adagrad)
 # Same global batches and initial weights as one process; only the order of float sums differs
 # (reduce-scatters, all-reduces of partial products): measured within 3e-7 relative.
 RTOL = 1e-5
@@ -74,20 +81,25 @@ def results(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> list[float]:
+def one_process(tmp_path_factory) -> dict[str, list[float]]:
     import gem_parallel.plugin
 
-    out = tmp_path_factory.mktemp("one")
-    return testing.tiny_run(*COMMON, "parallel.planner=single", output_dir=out, steps=5, plugins=[gem_parallel.plugin]).losses
+    def run(name: str, *overrides: str) -> list[float]:
+        out = tmp_path_factory.mktemp(name)
+        return testing.tiny_run(
+            *COMMON, "parallel.planner=single", *overrides, output_dir=out, steps=5, plugins=[gem_parallel.plugin]
+        ).losses
+
+    return {"adagrad": run("one"), "sgd": run("one_sgd", *SGD_TABLES.split(","))}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_like_one_process_and_resumes_exactly(name, results, one_process):
-    r = results[name]
+    r, reference = results[name], one_process[REFERENCE.get(name, "adagrad")]
     assert r["layout"].startswith(EXPECTED[name]), r["layout"]
-    assert len(r["losses"]) == len(one_process) == 5
-    for a, b in zip(one_process, r["losses"], strict=True):
-        assert abs(a - b) <= RTOL * abs(a), (name, one_process, r["losses"])
+    assert len(r["losses"]) == len(reference) == 5
+    for a, b in zip(reference, r["losses"], strict=True):
+        assert abs(a - b) <= RTOL * abs(a), (name, reference, r["losses"])
     # resumed from the step-3 checkpoint: steps 4 and 5 repeat bit for bit
     assert r["start_step"] == 3
     assert r["resumed"] == r["losses"][3:], (name, r["losses"], r["resumed"])
@@ -110,3 +122,22 @@ def test_plans_say_where_each_part_went(results):
     assert "HSDP over dp_replicate x cp, CP in the HSTU blocks" in results["sparse_x_dp_replicate_x_cp"]["placement"]
     cp = results["dp_shard_x_cp"]["plan"]["dense"]["blocks"]
     assert (cp["strategy"], cp["dims"]) == ("context_parallel+fully_sharded", ["dp_shard", "cp"])
+
+
+def test_every_rank_starts_from_the_same_dense_weights_without_a_broadcast(results):
+    # the core builds every rank's model from rank 0's random stream; the planner broadcasts nothing.
+    # Digests of the whole weights before the first step: equal on every rank (HSDP replicas hold
+    # their own copies), and the same in every layout that leaves the rows of uvqk in place (not tp)
+    for name, r in results.items():
+        assert len(set(r["dense_before"])) == 1, (name, r["dense_before"])
+    untouched = {r["dense_before"][0] for name, r in results.items() if "tp" not in name}
+    assert len(untouched) == 1, untouched
+
+
+def test_two_sparse_groups_hold_equal_table_shards(results):
+    r = results["sparse2_x_dp_shard"]
+    assert "tables sharded over 2 ranks (6 copied from the host) in each of 2 sparse groups" in r["placement"]
+    assert any("within each of 2 sparse groups of 2 ranks" in note for note in r["plan"]["notes"])
+    assert all(t["ranks"] and max(t["ranks"]) < 2 for t in r["plan"]["tables"].values())  # ranks within a group
+    shards = r["tables_after"]  # after the last step: rank r and its replica r + 2 hold the same shards
+    assert shards[0] == shards[2] and shards[1] == shards[3] and shards[0] != shards[1], shards

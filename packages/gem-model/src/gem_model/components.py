@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
+    from gem_model.config import ModelConfig
     from gem_model.data.batch import Batch, FeatureSpec
     from gem_model.distributed import DistEnv
     from gem_model.layout import Layout
@@ -236,6 +239,9 @@ class PreparedModel:
     """True when the sparse optimizer steps inside backward (torchrec fused TBE)."""
     plan_summary: str = ""
     extras: dict[str, Any] = field(default_factory=dict)
+    after_optimizer_step: Callable[[], None] | None = None
+    """Called after every optimizer step (the tables' fused update in backward included), e.g. to
+    average the table replicas of several sparse groups, as torchrec's ``DMPCollection.sync``."""
 
 
 @dataclass(frozen=True)
@@ -361,3 +367,8 @@ class LoadBalancer(Component):
 
         ``world_size`` is the layout's data-parallel degree (:attr:`gem_model.layout.Layout.dp_degree`),
         not the number of processes: the ranks of one tensor- or context-parallel group read the same samples."""
+
+    def bind_model(self, model: ModelConfig, spec: FeatureSpec) -> None:
+        """Called once by the run before the first batch, with the run's ``ModelConfig`` and the
+        source's ``FeatureSpec``: a cost-aware balancer reads its per-sample costs off the model here
+        (``seq_balanced`` takes ``a``, ``b`` from :mod:`gem_model.model.flops`)."""

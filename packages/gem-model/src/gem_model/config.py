@@ -138,7 +138,7 @@ class TrainerConfig(Strict):
     dense_lr: float = Field(2e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.98)
-    sparse_optimizer: Literal["rowwise_adagrad", "adam"] = Field(
+    sparse_optimizer: Literal["rowwise_adagrad", "adam", "sgd"] = Field(
         "rowwise_adagrad", description="optimizer of the embedding tables (gem_model.train.optim)"
     )
     sparse_lr: float = Field(0.05, gt=0.0, description="learning rate of the tables' optimizer")

@@ -33,6 +33,8 @@ class Optimizers:
     """A torchrec ``KeyedOptimizer`` over the tables (``state_dict`` / ``load_state_dict``)."""
     sparse_fused: bool
     """True when the tables' update runs inside backward (torchrec's fused kernels)."""
+    after_step: Callable[[], None] | None = None
+    """The planner's :attr:`~gem_model.components.PreparedModel.after_optimizer_step`, run by :meth:`step`."""
 
     def zero_grad(self) -> None:
         self.dense.zero_grad(set_to_none=True)
@@ -43,6 +45,8 @@ class Optimizers:
         self.dense.step()
         if not self.sparse_fused:
             self.sparse.step()
+        if self.after_step is not None:
+            self.after_step()
 
 
 @dataclass

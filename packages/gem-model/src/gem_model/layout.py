@@ -37,7 +37,8 @@ class Layout:
     world size. ``coords`` gives this rank's index along each dim. ``groups`` holds the process
     group of each dim, and of each flattened combination a planner made (keyed ``"dp_replicate+cp"``
     and so on); a group is None where no process group exists (one process, or a plan made offline
-    by ``gem-train plan``). ``mesh`` is a ``torch.distributed.DeviceMesh`` where the planner built one.
+    by ``gem-train plan``); a mesh dim of degree 1 keeps its one-rank group. ``mesh`` is a
+    ``torch.distributed.DeviceMesh`` where the planner built one.
     """
 
     degrees: dict[str, int]
@@ -110,13 +111,16 @@ class Layout:
         return self._flat(LOSS_DIMS)[1]
 
     def group(self, *dims: str) -> Any:
-        """The process group over ``dims`` (degree-1 dims ignored); None when it spans one rank or
-        no process group exists. A flattened group must have been made by the planner."""
+        """The process group over ``dims`` (degree-1 dims ignored). When every one of ``dims`` spans
+        this rank alone: the one-rank group the planner stored for one of them (a mesh dim of degree
+        1 has one: torchrec's sharders and collectives need a real group even over one rank), else
+        None (the dims are not in the mesh, or no process group exists). A flattened group must
+        have been made by the planner."""
         for dim in dims:
             self.degree(dim)  # rejects an unknown name
         live = tuple(d for d in self.degrees if d in dims and self.degrees[d] > 1)
         if not live:
-            return None
+            return next((self.groups[d] for d in self.degrees if d in dims and self.groups.get(d) is not None), None)
         key = "+".join(live)
         if key not in self.groups:
             raise KeyError(f"layout: no process group over {key!r}; the planner made groups for {sorted(self.groups)}")
@@ -124,7 +128,8 @@ class Layout:
 
     @property
     def loss_group(self) -> Any:
-        """The group the loss and the step's sums reduce over (None: this rank alone)."""
+        """The group the loss and the step's sums reduce over (a one-rank group or None: this rank
+        alone, and the step reduces nothing)."""
         return self.group(*LOSS_DIMS)
 
     def describe(self) -> dict[str, Any]:

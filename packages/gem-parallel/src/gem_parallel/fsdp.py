@@ -17,7 +17,9 @@ The layout is a named ``DeviceMesh`` over ``dp_replicate x dp_shard x cp x tp``
    rank holds them and their optimizer averages their gradients over the data-parallel ranks (one
    coalesced all-reduce) before it steps, as DDP would. ``tables: sharded``: torchrec's planner
    and DMP shard them over all ranks, as ``torchrec_ddp`` does, with a data-parallel wrapper that
-   wraps nothing (FSDP2 owns the dense part).
+   wraps nothing (FSDP2 owns the dense part); with ``sparse`` below the world size, within sparse
+   groups of that many ranks, the replicas averaged across the groups after every step
+   (:mod:`gem_parallel.sparse_groups`: torchrec's 2-D sparse parallelism).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from gem_parallel.dims import ParallelDims
 from gem_parallel.mesh import build_layout, fsdp_mesh
 from gem_parallel.sharded import ShardingTypeName, plan_tables, shard_tables
 from gem_parallel.single import dense_modules, table_parameters
+from gem_parallel.sparse_groups import REPLICA_GROUP, SHARDING_GROUP, ReplicaSync, make_sparse_groups, plan_for_group
 from gem_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 _WHERE = "parallel.planner.options"
@@ -60,6 +63,12 @@ class FSDPConfig(ComponentConfig):
         "replicated",
         description="replicated: every rank holds every table, gradients averaged over the data ranks; sharded: "
         "torchrec's planner shards them over all ranks (DMP, the fused table optimizer), as torchrec_ddp does",
+    )
+    sparse: int = Field(
+        0,
+        ge=0,
+        description="with tables: sharded, the ranks of one sparse group (0: all ranks); the tables are sharded "
+        "within each group and replicated across the world / sparse groups, averaged after every step",
     )
     sharding_types: list[ShardingTypeName] = Field(
         default_factory=lambda: ["table_wise", "row_wise", "column_wise"],
@@ -88,10 +97,25 @@ class FSDPPlanner(ParallelPlanner):
                 f"{_WHERE}.dp_replicate x dp_shard x tp x cp = {c.dp_replicate} x {dp_shard} x {c.tp} x {c.cp} = "
                 f"{c.dp_replicate * dp_shard * c.tp * c.cp}, but the world size is {world_size}"
             )
-        return ParallelDims(dp_replicate=c.dp_replicate, dp_shard=dp_shard, tp=c.tp, cp=c.cp)
+        if c.tables == "replicated":
+            if c.sparse:
+                raise ValueError(
+                    f"{_WHERE}.sparse = {c.sparse} shards the tables within groups of ranks; it needs {_WHERE}.tables = sharded"
+                )
+            sparse = 1  # every rank holds every table: sparse groups of one rank
+        else:
+            sparse = c.sparse or world_size
+            if world_size % sparse:
+                raise ValueError(f"{_WHERE}.sparse = {c.sparse} must divide the world size {world_size} (groups of sparse ranks)")
+        return ParallelDims(dp_replicate=c.dp_replicate, dp_shard=dp_shard, tp=c.tp, cp=c.cp, sparse=sparse)
 
     def layout(self, env: DistEnv) -> Layout:
-        return build_layout(self.dims(env.world_size), env)
+        dims = self.dims(env.world_size)
+        layout = build_layout(dims, env)
+        if self.config.tables == "replicated" or dims.sparse == env.world_size or layout.mesh is None:
+            return layout
+        groups = make_sparse_groups(world_size=env.world_size, sparse=dims.sparse, device_type=env.device.type)
+        return Layout(layout.degrees, layout.coords, {**layout.groups, **groups}, layout.mesh)
 
     def plan(
         self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
@@ -102,11 +126,16 @@ class FSDPPlanner(ParallelPlanner):
         data = [d for d in DATA_DIMS if layout.enabled(d)]
         native = None
         if self.config.tables == "sharded":
+            # every sparse group gets the same plan, for a topology of its own size (rank 0 plans)
             native, tables = plan_tables(
-                self.name, model, env=env, world_size=layout.world_size, group=_world(env), comm=comm,
+                self.name, model, env=env, world_size=dims.sparse, group=_world(env), comm=comm,
                 sparse_optimizer=sparse_optimizer, sharding_types=self.config.sharding_types,
             )  # fmt: skip
-            notes = [f"tables sharded by torchrec over all {layout.world_size} ranks"]
+            notes = [
+                f"tables sharded by torchrec over all {layout.world_size} ranks" if dims.sparse == layout.world_size
+                else f"tables sharded by torchrec within each of {dims.sparse_replicas} sparse groups of {dims.sparse} "
+                "ranks (table ranks are ranks within a group), replicas averaged across the groups after every step"
+            ]  # fmt: skip
         else:
             ranks = list(range(layout.world_size))
             tables = {
@@ -141,7 +170,7 @@ class FSDPPlanner(ParallelPlanner):
         if model.tables_on_meta:  # model.table_init: device
             model.materialize_tables(env.device)
         module: torch.nn.Module = model.to(env.device)  # type: ignore[attr-defined]
-        _broadcast_dense(model)  # as DDP does: each rank drew its own default-initialised biases
+        # no broadcast of rank 0's weights: the core builds every rank's model from rank 0's stream
         if layout.enabled("tp"):  # 1: TP first, so FSDP shards the TP shards
             apply_tensor_parallel(model, layout.mesh["tp"])
         if layout.enabled("cp"):
@@ -153,14 +182,20 @@ class FSDPPlanner(ParallelPlanner):
             for fqn in model.activation_blocks():
                 fully_shard(module.get_submodule(fqn), mp_policy=MixedPrecisionPolicy(**policy), **kw)
         sharded = self.config.tables == "sharded"
-        if sharded:  # 3: torchrec's DMP over all ranks, before FSDP2 wraps the model
+        after_step = None
+        if sharded:  # 3: torchrec's DMP over all ranks or a sparse group, before FSDP2 wraps the model
             if plan.native is None:
                 raise ValueError("parallel.planner 'fsdp' with tables: sharded applies only a plan it made in this process")
+            group_size = self.dims(layout.world_size).sparse
+            native = plan_for_group(plan.native, first_rank=layout.rank // group_size * group_size)
             dmp, where = shard_tables(
-                model, plan.native, env=env, group=_world(env), degree=layout.world_size, comm=comm,
-                sparse_optimizer=sparse_optimizer, data_parallel_wrapper=_NoDenseWrapper(),
+                model, native, env=env, group=layout.groups.get(SHARDING_GROUP, _world(env)), degree=group_size,
+                comm=comm, sparse_optimizer=sparse_optimizer, data_parallel_wrapper=_NoDenseWrapper(),
             )  # fmt: skip
-            outer, sparse, tables_note = dmp, dmp.fused_optimizer, f"tables sharded over {layout.world_size} ranks ({where})"
+            outer, sparse, tables_note = dmp, dmp.fused_optimizer, f"tables sharded over {group_size} ranks ({where})"
+            if group_size < layout.world_size:
+                after_step = ReplicaSync.of(dmp, layout.groups[REPLICA_GROUP])
+                tables_note += f" in each of {layout.world_size // group_size} sparse groups, averaged across them"
         tables = table_parameters(model)
         if dp_mesh is not None:
             root = MixedPrecisionPolicy(**{**policy, "output_dtype": None})  # the loss sums stay float32
@@ -178,6 +213,7 @@ class FSDPPlanner(ParallelPlanner):
             dense_parameters=model.dense_named_parameters(),
             sparse_optimizer=sparse,
             sparse_optimizer_fused=sharded,
+            after_optimizer_step=after_step,
             plan_summary=f"dense part over {layout}: {how}"
             + (f", {'+'.join(inside)} in the HSTU blocks" if inside else "")
             + f"; {tables_note}",
@@ -195,16 +231,6 @@ class _NoDenseWrapper(DataParallelWrapper):
         pass
 
 
-@torch.no_grad()
-def _broadcast_dense(model: ShardableModel) -> None:
-    """Rank 0's dense parameters on every rank (one coalesced broadcast), before any is sharded."""
-    params = [p for _, p in model.dense_named_parameters()]
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    dist.broadcast(flat, src=0)
-    for p, value in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        p.copy_(value.view_as(p))
-
-
 class _DataParallelTables(KeyedOptimizerWrapper):
     """The tables' optimizer of a replicated sparse part: before each step, the tables' gradients
     are averaged over the data-parallel ranks in one all-reduce (a table a rank's batch did not
@@ -216,7 +242,7 @@ class _DataParallelTables(KeyedOptimizerWrapper):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
-        if self._group is not None:
+        if self._group is not None and dist.get_world_size(self._group) > 1:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._tables]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self._group)

@@ -52,12 +52,6 @@ class TorchrecDDPConfig(ComponentConfig):
     static_graph: bool = Field(False, description="DDP static_graph (every parameter used every step)")
 
 
-def _replica_group(layout: Layout) -> Any:
-    """The group over the data-parallel replicas; with one rank, the default group (torchrec's
-    sharders need a process group even when it holds one rank, where the layout's group is None)."""
-    return layout.group("dp_replicate") or dist.group.WORLD
-
-
 class _CommAwareDDP(DefaultDataParallelWrapper):
     """torchrec's default DDP wrapper, then the communication strategy configures the DDP module."""
 
@@ -120,7 +114,7 @@ class TorchrecDDPPlanner(ParallelPlanner):
         if plan.native is None:
             raise ValueError("parallel.planner 'torchrec_ddp' applies only a plan it made in this process (plan.native)")
         dmp, where = shard_tables(
-            model, plan.native, env=env, group=_replica_group(layout), degree=layout.dp_degree, comm=comm,
+            model, plan.native, env=env, group=layout.group("dp_replicate"), degree=layout.dp_degree, comm=comm,
             sparse_optimizer=sparse_optimizer, data_parallel_wrapper=_CommAwareDDP(comm, self.config),
         )  # fmt: skip
         dense = list(in_backward_optimizer_filter(dmp.named_parameters()))

@@ -42,9 +42,7 @@ def _balancer(ctx: ProfileContext, name: str, spec: FeatureSpec) -> LoadBalancer
     configured = ctx.config.data.balancer
     options = configured.options if configured.name == name else {}
     balancer = entry.cls(entry.cls.Config.model_validate(options))
-    bind = getattr(balancer, "bind_model", None)  # a cost-aware balancer reads its costs off the model
-    if callable(bind):
-        bind(ctx.config.model, spec)
+    balancer.bind_model(ctx.config.model, spec)  # a cost-aware balancer reads its costs off the model
     return balancer
 
 

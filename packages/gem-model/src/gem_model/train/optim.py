@@ -5,8 +5,10 @@
 - ``adam``: Adam with ``trainer.betas`` (``torch.optim.Adam``; FBGEMM's ``ADAM`` when fused, through
   torchrec's placeholder ``torchrec.optim.Adam``). Two
   full-size moments per table, as the HSTU paper's trainer uses for its (small) item table.
+- ``sgd``: plain SGD (``torch.optim.SGD``; FBGEMM's ``EXACT_SGD`` when fused), no state: averaging
+  the weights of table replicas after a step equals averaging their gradients before it.
 
-Both take ``trainer.sparse_lr`` and ``trainer.sparse_eps``. ``trainer.warmup_steps`` scales both
+All take ``trainer.sparse_lr``; the first two ``trainer.sparse_eps`` too. ``trainer.warmup_steps`` scales both
 learning rates, dense and sparse, by :func:`warmup_factor` of the step (:func:`set_learning_rate`).
 """
 
@@ -40,9 +42,14 @@ def _adam(tc: TrainerConfig) -> SparseOptimizerSpec:
     )
 
 
+def _sgd(tc: TrainerConfig) -> SparseOptimizerSpec:
+    return SparseOptimizerSpec(torch.optim.SGD, {"lr": tc.sparse_lr}, name="sgd")
+
+
 SPARSE_OPTIMIZERS: dict[str, Callable[[TrainerConfig], SparseOptimizerSpec]] = {
     "rowwise_adagrad": _rowwise_adagrad,
     "adam": _adam,
+    "sgd": _sgd,
 }
 
 

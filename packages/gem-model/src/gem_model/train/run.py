@@ -32,7 +32,7 @@ from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
 from gem_model.train.optim import sparse_optimizer_spec
 from gem_model.train.prepare import prepare_model
 from gem_model.train.progress import Progress, live_progress
-from gem_model.train.report import format_sections
+from gem_model.train.report import format_sections, run_summary, step_record
 from gem_model.train.signals import StopRequest, stop_on_signals
 from gem_model.train.spikes import LossSpikes, warn
 from gem_model.train.step import CoreStep
@@ -61,6 +61,7 @@ class Run:
             world_size=self.layout.dp_degree,
         )
         self.spec = self.loader.spec
+        components.balancer.bind_model(config.model, self.spec)  # before the first batch is assigned
         peers.check_same_data(self.loader, self.comm, rank=env.rank, world_size=env.world_size, device=env.device,
                               timeout_s=tc.collective_timeout_s)  # fmt: skip
         self.feed = make_feed(
@@ -103,6 +104,7 @@ class Run:
             [n for n, _ in self.prepared.dense_parameters],
             self.prepared.sparse_optimizer,
             self.prepared.sparse_optimizer_fused,
+            self.prepared.after_optimizer_step,
         )
         self.output_dir = Path(tc.output_dir.format(name=config.name))
         self.checkpointer = ckpt.Checkpointer(self.output_dir / "checkpoints", env, timeout_s=tc.collective_timeout_s)
@@ -358,45 +360,13 @@ class Run:
             self.metrics.write(record)
 
     def _log(self, result: StepResult, mean_loss: float) -> dict[str, float]:
-        s = max(result.seconds, 1e-12)
-        record = {
-            "step": result.step + 1,
-            "loss": mean_loss,
-            "step_loss": result.loss,
-            "task_loss": result.task_loss,
-            "next_item_loss": result.next_item_loss,
-            "samples_per_s": result.samples / s,
-            "tokens_per_s": result.tokens / s,
-            "mfu": result.flops / s / (self.peak * self.layout.world_size),  # per GPU
-            "step_seconds": result.seconds,
-        }
+        record = step_record(result, mean_loss, self.peak * self.layout.world_size)
         self.metrics.write(record)
         return record
 
     def _summary(self, first: float, last: float, wall: float, meter: Throughput) -> RunSummary:
-        rates = meter.rates()
-        c = self.config
-        return RunSummary(
-            name=c.name,
-            steps=self.steps_done,
-            first_loss=first,
-            last_loss=last,
-            wall_seconds=wall,
-            samples_per_s=rates["samples_per_s"],
-            tokens_per_s=rates["tokens_per_s"],
-            mfu=rates["flops_per_s"] / (self.peak * self.layout.world_size),  # per GPU
-            peak_flops=self.peak,
-            peak_source=self.peak_source,
-            world_size=self.env.world_size,
-            device=str(self.env.device),
-            components={
-                "attention kernel": c.kernels.jagged_attention.name,
-                "precision": c.precision.scheme.name,
-                "activation": c.activation.policy.name,
-                "planner": c.parallel.planner.name,
-                "comm": c.comm.strategy.name,
-                "data": f"{c.data.source.name}, global batch {c.data.global_batch_size}",
-            },
+        return run_summary(
+            self.config, steps=self.steps_done, first=first, last=last, wall=wall, rates=meter.rates(),
+            peak=self.peak, peak_source=self.peak_source, world_size=self.env.world_size, device=str(self.env.device),
             extra={"plan": self.prepared.plan_summary, "layout": str(self.layout), "output_dir": str(self.output_dir)},
         )
-

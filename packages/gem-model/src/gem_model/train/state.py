@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from gem_model.context import Optimizers
 from gem_model.data.loader import ShardedLoader
@@ -22,11 +23,13 @@ def run_state(
     state: dict[str, Any] = {
         "model": model.state_dict(),
         "dense_optimizer": ckpt.dense_optimizer_state(optimizers.dense, optimizers.dense_names),
-        "sparse_optimizer": optimizers.sparse.state_dict(),
         # as tensors: DCP round-trips tensors reliably in every layout, plain ints not always
         "loader": {k: torch.tensor(v, dtype=torch.int64) for k, v in loader.state_dict().items()},
         f"rng_rank{rank}": ckpt.rng_state(),
     }
+    sparse = optimizers.sparse.state_dict()
+    if tree_leaves(sparse):  # torchrec's fused SGD: empty dicts only, which DCP does not round-trip
+        state["sparse_optimizer"] = sparse
     if components:
         state["components"] = {
             registry: {name: component.state_dict() for name, component in by_name.items()}
@@ -47,7 +50,8 @@ def restore(
     """Hand the loaded ``state`` back to its owners."""
     model.load_state_dict(state["model"])
     ckpt.load_dense_optimizer_state(optimizers.dense, optimizers.dense_names, state["dense_optimizer"])
-    optimizers.sparse.load_state_dict(state["sparse_optimizer"])
+    if "sparse_optimizer" in state:
+        optimizers.sparse.load_state_dict(state["sparse_optimizer"])
     loader.load_state_dict({k: int(v) for k, v in state["loader"].items()})
     ckpt.set_rng_state(state[f"rng_rank{rank}"])
     for registry, by_name in components.items():
