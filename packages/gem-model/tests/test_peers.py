@@ -1,13 +1,15 @@
-"""A stalled peer: every rank exits non-zero, the error names the collective and the rank, no
-process is left behind. Ranks that read different data are stopped before the first step. (A dead
-peer: ``test_elastic.py``, whose first attempt loses rank 1 to SIGKILL.)
+"""A stalled or dead peer: every rank exits non-zero, the error names the collective and the rank,
+no process is left behind. Ranks that read different data are stopped before the first step. (A
+peer SIGKILLed and restarted by torchrun: ``test_elastic.py``.)
 
 2 processes through torchrun, the fault from the ``inline_fault`` callback (rank 1, in step 3).
 The stalled case runs with ``trainer.collective_timeout_s=3`` and ``trainer.stop_grace_s=3``: rank 0
 gives up waiting after 3 s, torchrun sends the stalled rank SIGTERM, and 3 s later it exits. The
 promise is "within the collective timeout plus 30 s" (torchrun's SIGKILL comes 30 s after its
 SIGTERM when no stop_grace_s is set); the bound asserted adds the start-up of two processes on a
-loaded 2-core machine.
+loaded 2-core machine. The dead peer leaves with ``os._exit(1)`` in step 3 (no handler runs, no
+process group is torn down) and no stop_grace_s is set: rank 0's collective fails at once, long
+before any timeout.
 """
 
 from __future__ import annotations
@@ -63,6 +65,18 @@ def test_a_stalled_peer_stops_every_rank_within_the_collective_timeout(tmp_path)
     assert f"SIGTERM {GRACE_S} s ago (trainer.stop_grace_s)" in proc.stderr  # the stalled rank, on its own
     assert not left_behind(out)
     assert seconds < TIMEOUT_S + GRACE_S + START_UP_S
+
+
+def test_a_dead_peer_stops_every_rank_at_once_naming_the_collective(tmp_path):
+    out = tmp_path / "dead"
+    proc, seconds = launch(out, fault("exit"), f"trainer.collective_timeout_s={TIMEOUT_S * 20}")
+    assert proc.returncode != 0
+    assert "inline_fault: exit rank 1 in step 3" in proc.stderr
+    message = "PeerError: rank 0: the collective all_reduce of the stop flags (step 3, all ranks) failed: a peer died"
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "local_rank: 1" in proc.stderr and "exitcode: 1" in proc.stderr  # torchrun saw rank 1 die
+    assert not left_behind(out)
+    assert seconds < TIMEOUT_S * 20 + START_UP_S  # the peer's death fails the collective, no timeout waited out
 
 
 def test_ranks_reading_different_data_are_stopped_before_the_first_step(tmp_path):

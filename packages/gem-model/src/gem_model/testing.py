@@ -48,7 +48,7 @@ from gem_model.lifecycle import Callback
 from gem_model.markers import hookimpl
 from gem_model.plan import DensePlacement, Plan, TablePlacement
 from gem_model.results import RunSummary
-from gem_model.testing_faults import Fault, StateDump, UnevenSource
+from gem_model.testing_faults import Digests, Fault, NanForward, StateDump, UnevenSource
 
 
 def hstu_mask(n: int, t: int, window: int, device: torch.device) -> torch.Tensor:
@@ -249,7 +249,7 @@ class Recorder(Callback):
 
 @hookimpl
 def gem_register_callbacks():
-    return [Recorder, Fault, StateDump]
+    return [Recorder, Fault, StateDump, NanForward, Digests]
 
 
 @hookimpl

@@ -1,6 +1,9 @@
 """Faults and probes for the reliability tests (registered through :mod:`gem_model.testing`).
 
-- ``inline_fault`` (callback): a dead (SIGKILL) or stalled peer in a chosen step on a chosen rank;
+- ``inline_fault`` (callback): a dead (SIGKILL, or ``os._exit``) or stalled peer in a chosen step
+  on a chosen rank;
+- ``inline_nan_forward`` (callback): a NaN loss on one rank only, in chosen steps (its peers' are finite);
+- ``inline_digests`` (callback): every rank's SHA-256 of each tensor of the model state after every step;
 - ``inline_state_dump`` (callback): the run's state as loaded, written with DCP before step 1,
   to compare a resumed (or resharded) run with the checkpoint it loaded;
 - ``inline_uneven`` (data source): the synthetic data, as if each rank held another copy of it.
@@ -8,12 +11,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import sys
 import time
-from typing import ClassVar, Literal
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
+import torch
 import torch.distributed.checkpoint as dcp
 from pydantic import Field
 
@@ -26,13 +33,15 @@ from gem_model.markers import hookimpl
 class FaultConfig(ComponentConfig):
     rank: int = 1
     at_step: int = Field(5, ge=1, description="counted as the metrics count, from 1")
-    fault: Literal["kill", "stall"] = "kill"
+    fault: Literal["kill", "exit", "stall"] = "kill"
     every_attempt: bool = Field(False, description="False: only in torchrun's first attempt (no restart yet)")
 
 
 class Fault(Callback):
     """A peer's fault in step ``at_step`` on ``rank``, before the step's collective: ``kill`` sends
-    the process SIGKILL (a dead peer), ``stall`` sleeps for good (a peer that hangs)."""
+    the process SIGKILL (a dead peer), ``exit`` leaves it with ``os._exit(1)`` (a peer that dies
+    without unwinding: no exception handler, no process-group teardown), ``stall`` sleeps for good
+    (a peer that hangs)."""
 
     name: ClassVar[str] = "inline_fault"
     Config = FaultConfig
@@ -53,9 +62,96 @@ class Fault(Callback):
             )
             if self.config.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.config.fault == "exit":
+                os._exit(1)
             while True:
                 time.sleep(3600)
         return (yield)
+
+
+class NanForwardConfig(ComponentConfig):
+    rank: int = 1
+    from_step: int = Field(3, ge=1, description="counted as the metrics count, from 1")
+    steps: int = Field(0, ge=0, description="how many steps in a row; 0: every step from from_step on")
+
+
+class NanForward(Callback):
+    """On ``rank`` only, the model's task loss sum is NaN in steps ``from_step`` .. (``steps`` of
+    them): a non-finite forward on one rank of many (an overflow in one rank's batch), its
+    peers' losses finite. Nothing else changes; the step's loss reduction (or, for ranks outside
+    the loss group, its all-ranks flags) must carry it to every rank."""
+
+    name: ClassVar[str] = "inline_nan_forward"
+    Config = NanForwardConfig
+    config: NanForwardConfig
+
+    @hookimpl(wrapper=True)
+    def gem_train_step(self, run, step):
+        first, count = self.config.from_step, self.config.steps
+        if run.layout.rank != self.config.rank or step + 1 < first or (count and step + 1 >= first + count):
+            return (yield)
+        handle = run.model.register_forward_hook(_nan_task_loss)
+        try:
+            return (yield)
+        finally:
+            handle.remove()
+
+
+def _nan_task_loss(module: torch.nn.Module, args: Any, out: Any) -> Any:
+    return out._replace(task_loss_sum=out.task_loss_sum * float("nan"))  # the model's ModelOutput
+
+
+class DigestsConfig(ComponentConfig):
+    path: str
+
+
+class Digests(Callback):
+    """After every step, each rank appends ``{"step", "digests": {key: sha256}, "sharded": [key]}``
+    to ``<path>/rank<r>.jsonl``: the SHA-256 of every tensor of the model's state dict as this rank
+    holds it (its own shards of a sharded table, the local part of a DTensor), and the keys whose
+    tensor is split over ranks, to compare the state across steps and, for the tensors every rank
+    holds whole, across ranks, without gathering it."""
+
+    name: ClassVar[str] = "inline_digests"
+    Config = DigestsConfig
+    config: DigestsConfig
+
+    @hookimpl(wrapper=True)
+    def gem_train_step(self, run, step):
+        result = yield
+        state = run.model.state_dict()
+        record = {
+            "step": step + 1,
+            "digests": {key: _sha256(value) for key, value in state.items()},
+            "sharded": [key for key, value in state.items() if _split_over_ranks(value)],
+        }
+        out = Path(self.config.path)
+        out.mkdir(parents=True, exist_ok=True)
+        with (out / f"rank{run.layout.rank}.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        return result
+
+
+def _split_over_ranks(value: Any) -> bool:
+    if hasattr(value, "local_shards"):  # torchrec's ShardedTensor
+        return True
+    return any(p.is_shard() for p in getattr(value, "placements", ()))  # a DTensor sharded on some mesh dim
+
+
+def _sha256(value: Any) -> str:
+    if hasattr(value, "local_shards"):  # torchrec's ShardedTensor: this rank's shards
+        parts = [shard.tensor for shard in value.local_shards()]
+    elif hasattr(value, "to_local"):  # DTensor (FSDP2, TP)
+        parts = [value.to_local()]
+    else:
+        parts = [value]
+    digest = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            digest.update(part.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+        else:  # a module's extra state
+            digest.update(repr(part).encode())
+    return digest.hexdigest()
 
 
 class UnevenConfig(SyntheticConfig):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from gem_model.data.batch import NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
 
@@ -37,6 +39,14 @@ def check_ids(feature: str, ids: torch.Tensor, table: str, num_rows: int) -> Non
         )
 
 
+def check_feature_ids(features: Mapping[str, JaggedTensor], spec: FeatureSpec) -> None:
+    """Every feature's ids inside its table's rows: the id range check, before any lookup
+    (``benchmarks/id_check.py`` times it against the step)."""
+    for key, jt in features.items():
+        table, rows = spec.table_of(key)
+        check_ids(key, jt.values(), table, rows)
+
+
 def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
     """Raise ``ValueError`` naming the feature, table, value and allowed range of any bad input."""
     b = batch.batch_size
@@ -46,8 +56,7 @@ def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
     for key, jt in seq.items():
         if jt.lengths().numel() != b:
             raise ValueError(f"feature {key!r}: {jt.lengths().numel()} samples, expected the batch size {b}")
-        table, rows = spec.table_of(key)
-        check_ids(key, jt.values(), table, rows)
+    check_feature_ids(seq, spec)
     if not torch.equal(seq[SEQ_ITEM].lengths(), seq[SEQ_ACTION].lengths()):
         raise ValueError(f"features {SEQ_ITEM!r} and {SEQ_ACTION!r} must have the same lengths per sample")
     neg_lengths = seq[NEG_ITEM].lengths()
@@ -68,9 +77,7 @@ def validate_batch(batch: Batch, spec: FeatureSpec) -> None:
         raise ValueError(
             f"pooled features {sorted(batch.pooled.keys())} do not match the feature spec {sorted(expected_pooled)}"
         )
-    for key, jt in batch.pooled.to_dict().items():
-        table, rows = spec.table_of(key)
-        check_ids(key, jt.values(), table, rows)
+    check_feature_ids(batch.pooled.to_dict(), spec)
     if tuple(batch.dense.shape) != (b, spec.num_dense):
         raise ValueError(f"dense features: shape {tuple(batch.dense.shape)}, expected {(b, spec.num_dense)}")
     if tuple(batch.labels.shape) != (b, len(spec.tasks)):

@@ -82,18 +82,27 @@ class CoreStep:
                             timeout_s=timeout):  # fmt: skip
                 local = self.comm.all_reduce_sum(local, group=self.layout.loss_group)
         task_sum, next_sum, next_count, samples, tokens, total_flops, late_ranks, stop_ranks = local.tolist()
-        if self.layout.loss_degree < self.layout.world_size:
-            # rank 0's clock and any rank's signal decide for every rank, also those outside its loss
-            # group (tp, pp peers): they must all stop after the same step
-            flags = _to_device(torch.tensor([float(late), stop], dtype=torch.float64), self.device)
-            with collective(f"all_reduce of the stop flags (step {step + 1}, all ranks)", rank=self.layout.rank,
-                            timeout_s=timeout):  # fmt: skip
-                late_ranks, stop_ranks = self.comm.all_reduce_sum(flags, group=None).tolist()
         task_loss = task_sum / samples
         next_loss = next_sum / max(next_count, 1.0)
         value = mc.task_weight * task_loss + mc.next_item_weight * next_loss
+        nan_ranks, inf_ranks = float(math.isnan(value)), float(math.isinf(value))
+        if self.layout.loss_degree < self.layout.world_size:
+            # rank 0's clock, any rank's signal and any loss group's non-finite loss decide for every
+            # rank, also those outside its loss group (tp, pp peers): they must all stop after the
+            # same step, and skip or apply the same updates (a NaN on one tp peer alone, which the
+            # loss reduction does not reach, would otherwise let the peers' replicas diverge)
+            flags = [float(late), stop, nan_ranks, inf_ranks]
+            flags_on_device = _to_device(torch.tensor(flags, dtype=torch.float64), self.device)
+            with collective(f"all_reduce of the stop flags (step {step + 1}, all ranks)", rank=self.layout.rank,
+                            timeout_s=timeout):  # fmt: skip
+                every = self.comm.all_reduce_sum(flags_on_device, group=None)
+                late_ranks, stop_ranks, nan_ranks, inf_ranks = every.tolist()
+        elsewhere = ""
+        if math.isfinite(value) and nan_ranks + inf_ranks > 0:
+            elsewhere = f" on {int(nan_ranks + inf_ranks)} of the {self.layout.world_size} ranks (this rank's: {value})"
+            value = math.nan if nan_ranks else math.inf
         if not math.isfinite(value):
-            # every rank sees the same reduced loss, so every rank skips or halts at the same step
+            # every rank sees the same reduced loss (or flags), so every rank skips or halts at the same step
             self.skipped_in_a_row += 1
             if tc.non_finite == "skip" and self.skipped_in_a_row < tc.non_finite_max_skips:
                 return StepResult(
@@ -101,14 +110,15 @@ class CoreStep:
                     out_of_time=late_ranks > 0, stop_requested=stop_ranks > 0, skipped=True,
                 )  # fmt: skip
             kept = self.last_checkpoint() or "none written yet"
-            first = self.first_non_finite() or "none (every parameter and gradient is finite: this forward made it)"
+            made_by = "another rank's forward" if elsewhere else "this forward"
+            first = self.first_non_finite() or f"none (every parameter and gradient is finite: {made_by} made it)"
             skips = (
                 f" trainer.non_finite=skip skipped the updates of the {self.skipped_in_a_row - 1} step(s) before it "
                 f"in a row; this is trainer.non_finite_max_skips={tc.non_finite_max_skips} in a row."
                 if tc.non_finite == "skip" else ""
             )  # fmt: skip
             raise NonFiniteLossError(
-                f"step {step + 1} (rank {self.layout.rank}): the loss is {value} (task {task_loss}, next-item "
+                f"step {step + 1} (rank {self.layout.rank}): the loss is {value}{elsewhere} (task {task_loss}, next-item "
                 f"{next_loss}); the run stopped before applying this step's update.{skips} First non-finite "
                 f"parameter or gradient on this rank: {first}. Last complete checkpoint: {kept}"
             )
