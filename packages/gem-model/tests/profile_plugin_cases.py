@@ -11,6 +11,11 @@ SEEN: list[ProfileContext] = []
 
 
 @hookimpl
+def gem_profile_section_names() -> list[str]:
+    return ["third_party"]
+
+
+@hookimpl
 def gem_profile_sections(profile: ProfileContext) -> list[ProfileSection]:
     SEEN.append(profile)
     steps = profile.measured.step_seconds if profile.measured else []

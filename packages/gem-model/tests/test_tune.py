@@ -14,10 +14,10 @@ import torch
 
 from gem_model import testing
 from gem_model.cli import main
-from gem_model.config_io import load_config
+from gem_model.config_io import dump, load_config
 from gem_model.profiling.report import ProfileReport, ProfileSection
 from gem_model.trainer import train
-from gem_model.tune.search import dimensions, tune, with_overrides
+from gem_model.tune.search import _pruned, dimensions, tune, with_overrides
 
 TINY = [*testing.INLINE_OVERRIDES]
 
@@ -61,7 +61,11 @@ def test_tune_stops_within_a_budget_that_fits_only_the_starting_config(pm, monke
     monkeypatch.setattr(sys, "stderr", screen)  # a terminal: tune shows its live progress
     config = load_config(None, TINY)
     result = tune(config, pm, budget_s=1e-3, steps=2)
-    assert result.stopped_by_budget and result.candidates == [] and result.best == config
+    assert result.stopped_by_budget and result.best == config
+    # every alternative is in the table, as not measured for lack of budget
+    assert {c.dimension for c in result.candidates} == {"attention kernel", "precision", "planner"}
+    assert all(c.skipped and "of the budget left" in c.skipped and c.tokens_per_s is None and not c.chosen
+               for c in result.candidates)  # fmt: skip
     assert result.baseline.tokens_per_s and result.baseline.tokens_per_s > 0
     assert "tune" in screen.getvalue() and "/1" in screen.getvalue()  # seconds spent of a 1 s budget
 
@@ -86,6 +90,9 @@ def test_a_profile_with_a_numerics_section_gives_the_per_layer_map(pm):
     assert dims["precision"] == [{"precision": {"scheme": "inline_bf16", "overrides": {"task_head.0": "inline_fp32"},
                                                 "min_dim": 0}}]  # fmt: skip
     assert dims["balancer"] == []  # one data-parallel rank: every balancer splits alike
+    cut = ProfileSection("numerics", "numerics: cut off", summary={"status": "timed_out", "seconds": 1.0, "error": "-"})
+    dims = dict(dimensions(load_config(None, TINY), pm, ProfileReport("gem-tiny", "cpu", "-", "-", [cut])))
+    assert dims["precision"] == [{"precision.scheme": n} for n in pm.precision_schemes.names()]  # no map: every scheme
 
 
 def test_tune_refuses_several_processes(monkeypatch, capsys):
@@ -93,3 +100,47 @@ def test_tune_refuses_several_processes(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["tune", *TINY, "--budget", "1"]) == 2
     assert "one process" in capsys.readouterr().err
+
+
+def test_tune_profiles_what_it_reads_when_the_profile_is_missing_and_compares_configs(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    prof = tmp_path / "prof"
+    assert main(["tune", *TINY, "--budget", "5", "--steps", "2", "--profile", str(prof), "--out", str(tmp_path / "t")]) == 0
+    assert [s.name for s in ProfileReport.from_json((prof / "profile.json").read_text()).sections] == ["memory"]
+    assert "profiling memory into it first" in capsys.readouterr().out
+    other = tmp_path / "other.yaml"
+    other.write_text(dump(load_config(None, [*TINY, "precision.scheme=inline_bf16"])))  # as tuned.yaml is
+    assert main(["tune", *TINY, "--steps", "2", "--compare", str(other), "--out", str(tmp_path / "t")]) == 0
+    runs = json.loads((tmp_path / "t" / "compare.json").read_text())["runs"]
+    assert [r["overrides"]["config"] for r in runs] == ["(the default config)", str(other)]
+    assert all(r["tokens_per_s"] > 0 and math.isfinite(r["last_loss"]) for r in runs)
+    assert "x the tokens/s of" in capsys.readouterr().out
+
+
+def test_activation_policies_are_not_measured_when_the_profile_says_the_config_fits():
+    config = load_config(None, TINY)
+    policy = config.activation.policy.name
+    memory = ProfileSection("memory", "memory", summary={
+        "parameters": 1e9, "gradients": 1e9, "optimizer": 2e9, "measured_peak": None,
+        "activations": {policy: {"saved": 1e9, "peak": 2e9}}})  # fmt: skip
+    report = ProfileReport("gem-tiny", "cpu", "-", "-", [memory])
+    why = _pruned("activation policy", config, report, memory_gb=5.0)  # 1 + 1 + 2 + 1 GB fits 5 GB
+    assert why is not None and "5.0 GB" in why and "fits --memory-gb 5" in why
+    assert _pruned("activation policy", config, report, memory_gb=4.9) is None  # it does not fit: measure them
+    assert _pruned("activation policy", config, report, memory_gb=None) is None
+    assert _pruned("precision", config, report, memory_gb=5.0) is None
+    memory.summary["measured_peak"] = 6e9  # the allocator's peak wins over the estimate
+    assert _pruned("activation policy", config, report, memory_gb=5.0) is None
+
+
+def test_dimensions_left_out_are_recorded_as_not_searched(pm, monkeypatch, capsys):
+    config = load_config(None, TINY)
+    result = tune(config, pm, budget_s=60, steps=2, only=("precision",))
+    searched = [c for c in result.candidates if c.skipped is None]
+    assert [c.dimension for c in searched] == ["precision"] and searched[0].tokens_per_s > 0
+    assert {c.dimension: c.skipped for c in result.candidates if c.skipped} == {
+        "attention kernel": "not searched (--dimensions)", "planner": "not searched (--dimensions)"}  # fmt: skip
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    assert main(["tune", *TINY, "--budget", "1", "--dimensions", "precision,kernels"]) == 2
+    err = capsys.readouterr().err
+    assert "kernels" in err and "kernel, precision, activation, balancer, planner" in err

@@ -3,6 +3,7 @@ subcommand reaching gem-train through ``gem_profile_commands``."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from gem_model import testing
 from gem_model.config_io import load_config
 from gem_model.plugins import GemPluginManager
 from gem_model.profiling.context import ProfileContext
+from gem_model.profiling.shared_model import initial_model
 from gem_precision import plugin
 from gem_precision.probe import ProbeOptions, probe_precision
 from gem_precision.profile import lower_bit_share
@@ -28,7 +30,8 @@ def test_the_plugin_contributes_the_numerics_section_and_the_command(pm):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ctx = ProfileContext(load_config(None, TINY), pm, torch.device("cpu"), 1, 1, 1, Path("."))
+        config, cpu = load_config(None, TINY), torch.device("cpu")
+        ctx = ProfileContext(config, pm, cpu, 1, 1, 1, Path("."), build_model=lambda: initial_model(config, pm, cpu))
         sections = [s for group in pm.call("gem_profile_sections", profile=ctx) for s in group]
     finally:
         torch.set_num_threads(before)
@@ -52,3 +55,27 @@ def test_lower_bit_share_by_hand(pm):
     share, saving = lower_bit_share(result, pm, "fp32")
     assert share == pytest.approx(sum(weights[f] for f in passing) / sum(weights.values()))
     assert saving == (0.5 if passing else 0.0)  # 16 of 32 bits
+
+
+def test_the_sections_probe_recommends_what_the_full_probe_does_with_fewer_losses(pm):
+    config = load_config(None, TINY)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cpu = torch.device("cpu")
+        ctx = ProfileContext(config, pm, cpu, 1, 1, 1, Path("."), build_model=lambda: initial_model(config, pm, cpu))
+        shared = ctx.model()
+        full = probe_precision(config, pm, ProbeOptions(batches=1, max_samples=8), model=shared)
+        fast = probe_precision(config, pm, ProbeOptions(batches=1, max_samples=8, loss_until_pass=True), model=shared)
+    finally:
+        torch.set_num_threads(before)
+    assert shared.training  # the shared model is left as it was
+    assert fast.recommendations() == full.recommendations() and fast.baseline_loss == full.baseline_loss
+    for f, m in zip(full.modules, fast.modules, strict=True):
+        order = list(fast.schemes)
+        after = order[order.index(m.recommended) + 1:] if m.recommended else []
+        for s in order:  # the relative errors are the same; the loss only where it decides
+            assert m.measures[s].rel_err == pytest.approx(f.measures[s].rel_err, nan_ok=True)
+        assert all(math.isnan(m.measures[s].loss_delta) for s in after if m.measures[s].rel_err > 0)
+    measured = sum(not math.isnan(x.loss_delta) for m in fast.modules for x in m.measures.values())
+    assert measured < sum(not math.isnan(x.loss_delta) for m in full.modules for x in m.measures.values())

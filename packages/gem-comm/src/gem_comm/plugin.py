@@ -35,3 +35,8 @@ def gem_profile_sections(profile):
     from gem_comm.profile import comm_measured_section
 
     return comm_measured_section(profile)
+
+
+@hookimpl
+def gem_profile_section_names():
+    return ["comm_measured"]

@@ -133,7 +133,19 @@ def gem_profile_sections(profile: ProfileContext) -> list[ProfileSection]:
     Called once on global rank 0 after the core's sections (sequences, balance, step time, memory,
     communication) and before MFU and the recommendations, which rank every section's
     ``recommendations`` together. Section names must be unique across the report.
+
+    Each plugin's implementation is called on its own, under ``--section-budget`` (cut off past it);
+    it is called only when ``--sections`` selects one of the names it declares
+    (``gem_profile_section_names``), and it should make only those ``profile.wants(name)`` accepts.
+    ``profile.measured`` is None when the selection left the measured steps out.
     """
+
+
+@hookspec
+def gem_profile_section_names() -> list[str]:
+    """Return the names of the sections this plugin's ``gem_profile_sections`` makes, so
+    ``gem-train profile --sections a,b`` can check the names it is given and call only the plugins
+    it needs. A plugin that declares none is called only when every section is asked for."""
 
 
 @hookspec

@@ -53,6 +53,9 @@ def profile_parser(commands: dict[str, object]) -> argparse.ArgumentParser:
     full.add_argument("--warmup", type=int, default=2, help="training steps before the measured ones")
     full.add_argument("--steps", type=int, default=3, help="measured training steps (torch.profiler)")
     full.add_argument("--baseline", type=Path, help="a one-GPU profile's directory, for scaling efficiency")
+    full.add_argument("--sections", help="comma-separated sections to make (default: all; a wrong name lists them)")
+    full.add_argument("--section-budget", type=float, metavar="SECONDS",
+                      help="cut a section off past this many seconds; the report says so and goes on")  # fmt: skip
     full.set_defaults(run=profile_all)
     data = kinds.add_parser("data", help="sequence lengths, tokens and padding waste of the configured data")
     _config_args(data)
@@ -96,19 +99,23 @@ def profile_main(args: argparse.Namespace) -> int:
 def profile_all(args: argparse.Namespace, pm: object) -> int:
     from gem_model.config_io import load_config
     from gem_model.profiling.render import print_report, write_outputs
-    from gem_model.profiling.runner import ProfileOptions, run_profile
+    from gem_model.profiling.runner import ProfileOptions, run_profile, unfinished
 
     config = load_config(args.config, args.overrides)
     out = args.out or Path(config.trainer.output_dir.format(name=config.name))
+    sections = None if args.sections is None else tuple(n.strip() for n in args.sections.split(",") if n.strip())
     options = ProfileOptions(out=out, batches=args.batches, warmup=args.warmup, steps=args.steps, world=args.world,
-                             baseline=args.baseline)  # fmt: skip
+                             baseline=args.baseline, sections=sections, section_budget_s=args.section_budget)  # fmt: skip
     report = run_profile(config, pm, options)  # type: ignore[arg-type]
     if report is None:  # not global rank 0: it took part in the measured steps only
         return 0
     print_report(report)
     for what, path in write_outputs(report, out).items():
         print(f"wrote {what}: {path}")
-    return 0
+    not_done = unfinished(report)
+    for name, status in not_done.items():
+        print(f"section {name}: {status.replace('_', ' ')} ({report.section(name).summary['error']})")
+    return 1 if "failed" in not_done.values() else 0
 
 
 def report_main(args: argparse.Namespace) -> int:

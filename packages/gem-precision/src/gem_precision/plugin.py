@@ -35,4 +35,9 @@ def gem_profile_commands() -> list[ProfileCommand]:
 def gem_profile_sections(profile: ProfileContext) -> list[ProfileSection]:
     from gem_precision.profile import numerics_section
 
-    return [numerics_section(profile)]
+    return [numerics_section(profile)] if profile.wants("numerics") else []
+
+
+@hookimpl
+def gem_profile_section_names() -> list[str]:
+    return ["numerics"]

@@ -58,11 +58,21 @@ class ProbeOptions:
     max_rel_err: float = 0.1
     max_loss_change: float = 0.005
     """Largest accepted ``|Δloss| / loss`` when only the module is converted."""
+    max_samples: int | None = None
+    """Samples per batch (None: ``data.global_batch_size``). The probe keeps every linear's input and
+    output of a batch and recomputes the loss per (module, scheme): at ~220k tokens a batch that is
+    tens of GB and minutes, so the profile's section reads a sample of the batch."""
+    loss_until_pass: bool = False
+    """Recompute the loss only where it decides the recommendation: per module, the schemes in
+    ``order`` whose relative error passes, up to the first that passes both tests. The others get
+    ``loss_delta`` NaN (not measured). False: every (module, scheme), for the full table."""
 
     def check(self) -> None:
         problems: list[tuple[str, object, str]] = []
         if self.batches < 1:
             problems.append(("--batches", self.batches, "must be at least 1"))
+        if self.max_samples is not None and self.max_samples < 1:
+            problems.append(("--max-samples", self.max_samples, "must be at least 1"))
         if self.schemes is not None and not self.schemes:
             problems.append(("--schemes", self.schemes, "name at least one scheme"))
         for flag, value in (("--max-rel-err", self.max_rel_err), ("--max-loss-change", self.max_loss_change)):
@@ -169,8 +179,15 @@ def _cell(m: SchemeMeasure, options: ProbeOptions, baseline: float) -> str:
 # --------------------------------------------------------------------------------------- the probe
 
 
-def probe_precision(config: RunConfig, pm: GemPluginManager, options: ProbeOptions | None = None) -> ProbeResult:
-    """Measure every dense linear of ``config``'s model under every candidate scheme; recommend a map."""
+def probe_precision(
+    config: RunConfig, pm: GemPluginManager, options: ProbeOptions | None = None, *, model: GemModel | None = None
+) -> ProbeResult:
+    """Measure every dense linear of ``config``'s model under every candidate scheme; recommend a map.
+
+    ``model``: the config's float32 model already built on the device (the profile's shared one,
+    :meth:`ProfileContext.model <gem_model.profiling.context.ProfileContext.model>`), so its tables are
+    not drawn again; it is evaluated in eval mode and left as it was. None: the probe builds its own.
+    """
     options = options or ProbeOptions()
     options.check()
     components = resolve_components(config, pm)  # same names and option checks as `gem-train run`
@@ -182,19 +199,25 @@ def probe_precision(config: RunConfig, pm: GemPluginManager, options: ProbeOptio
         except KernelUnavailableError as exc:
             raise KernelUnavailableError(f"kernels.{path}: {kernel.name!r} cannot run here: {exc}") from None
     torch.manual_seed(config.trainer.seed * 1_000)  # as rank 0 of a run: the same initial model
-    loader = ShardedLoader(components.source, components.balancer, global_batch_size=config.data.global_batch_size)
-    model = GemModel(
-        config.model, loader.spec, attention=components.attention, norm_gate=components.norm_gate,
-        seed=config.trainer.seed,
-    )  # fmt: skip
-    if model.tables_on_meta:  # model.table_init: device (a planner would draw them; here the probe does)
-        model.materialize_tables(device)
-    model.to(device)
+    samples = min(config.data.global_batch_size, options.max_samples or config.data.global_batch_size)
+    loader = ShardedLoader(components.source, components.balancer, global_batch_size=samples)
+    if model is None:
+        model = GemModel(
+            config.model, loader.spec, attention=components.attention, norm_gate=components.norm_gate,
+            seed=config.trainer.seed,
+        )  # fmt: skip
+        if model.tables_on_meta:  # model.table_init: device (a planner would draw them; here the probe does)
+            model.materialize_tables(device)
+        model.to(device)
+    was_training = model.training
     model.eval()  # no dropout: every forward of a batch sees the same noise-free activations
     batches = [loader.batch_at(step).to(device) for step in range(options.batches)]
     fqns = list(precision_plan(model, config.precision))
-    with torch.no_grad():
-        baseline, modules = _measure(model, batches, fqns, schemes)
+    try:
+        with torch.no_grad():
+            baseline, modules = _measure(model, batches, fqns, schemes, options)
+    finally:
+        model.train(was_training)
     result = ProbeResult(config.name, options.batches, baseline, list(schemes), options, modules)
     for module in modules:
         module.recommended = next((s for s in schemes if module.measures[s].passes(options, baseline)), None)
@@ -246,7 +269,7 @@ def _capture(
 
 
 def _measure(
-    model: GemModel, batches: list[Batch], fqns: list[str], schemes: dict[str, PrecisionScheme]
+    model: GemModel, batches: list[Batch], fqns: list[str], schemes: dict[str, PrecisionScheme], options: ProbeOptions
 ) -> tuple[float, list[ModuleReport]]:
     # squared norms summed over batches, so the error is that of all captured outputs together
     err2 = {(f, s): 0.0 for f in fqns for s in schemes}
@@ -281,19 +304,25 @@ def _measure(
     for fqn in fqns:
         linear = model.get_submodule(fqn)
         measures: dict[str, SchemeMeasure] = {}
-        for name in schemes:
+        decided = False  # loss_until_pass: a cheaper scheme passed, so the rest cannot be recommended
+        for name in schemes:  # cheapest first
             key = (fqn, name)
             if key in errors:
                 measures[name] = SchemeMeasure(math.nan, math.nan, math.nan, errors[key])
-            elif key in exact:
+                continue
+            if key in exact:
                 measures[name] = SchemeMeasure(0.0, math.inf, 0.0)
             else:
+                rel = _rel(err2[key], ref2[fqn])
+                measures[name] = SchemeMeasure(rel, _sqnr(err2[key], ref2[fqn]), math.nan)
+                if options.loss_until_pass and (decided or not rel <= options.max_rel_err):
+                    continue
                 try:
-                    delta = _loss_with(model, fqn, converted[key], batches) - baseline
+                    measures[name].loss_delta = _loss_with(model, fqn, converted[key], batches) - baseline
                 except (RuntimeError, ValueError, TypeError) as exc:
                     measures[name] = SchemeMeasure(math.nan, math.nan, math.nan, f"{type(exc).__name__}: {exc}")
                     continue
-                measures[name] = SchemeMeasure(_rel(err2[key], ref2[fqn]), _sqnr(err2[key], ref2[fqn]), delta)
+            decided = decided or measures[name].passes(options, baseline)
         reports.append(ModuleReport(fqn, linear.in_features, linear.out_features, measures))
     return baseline, reports
 

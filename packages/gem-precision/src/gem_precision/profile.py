@@ -15,6 +15,9 @@ from gem_precision.probe import DEFAULT_ORDER, ProbeOptions, ProbeResult, probe_
 
 GEMM_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "float8": 8}
 SECTION_BATCHES = 1  # the probe keeps one batch's linear inputs and outputs: GBs at d=1024
+# ... and of that batch a sample: the relative errors are per row, and at ~220k tokens a global batch
+# made the section the slowest of the profile by far (minutes: a forward per module and scheme)
+SECTION_SAMPLES = 32
 
 
 def _names(value: str | None) -> tuple[str, ...] | None:
@@ -25,6 +28,7 @@ def add_arguments(prec: argparse.ArgumentParser) -> None:
     prec.add_argument("-c", "--config")
     prec.add_argument("overrides", nargs="*", metavar="key.sub=value")
     prec.add_argument("--batches", type=int, default=4, help="batches of the configured data (from step 0)")
+    prec.add_argument("--max-samples", type=int, help="samples of each batch (default: data.global_batch_size)")
     prec.add_argument("--schemes", help="comma-separated candidates (default: every registered scheme)")
     prec.add_argument("--order", help=f"comma-separated schemes, cheapest first (default: {','.join(DEFAULT_ORDER)})")
     prec.add_argument("--max-rel-err", type=float, default=0.1, help="largest accepted relative output error")
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace, pm: GemPluginManager) -> int:
     for name in order or ():  # a misspelt name would silently drop out of the ranking
         pm.precision_schemes.get(name)
     options = ProbeOptions(
-        batches=args.batches, schemes=_names(args.schemes), order=order or DEFAULT_ORDER,
+        batches=args.batches, max_samples=args.max_samples, schemes=_names(args.schemes), order=order or DEFAULT_ORDER,
         max_rel_err=args.max_rel_err, max_loss_change=args.max_loss_change,
     )  # fmt: skip
     result = probe_precision(config, pm, options)
@@ -77,7 +81,9 @@ def lower_bit_share(result: ProbeResult, pm: GemPluginManager, configured: str) 
 
 
 def numerics_section(ctx: ProfileContext) -> ProfileSection:
-    result = probe_precision(ctx.config, ctx.plugins, ProbeOptions(batches=min(ctx.batches, SECTION_BATCHES)))
+    options = ProbeOptions(batches=min(ctx.batches, SECTION_BATCHES), max_samples=SECTION_SAMPLES, loss_until_pass=True)
+    result = probe_precision(ctx.config, ctx.plugins, options, model=ctx.model())
+    samples = min(SECTION_SAMPLES, ctx.config.data.global_batch_size)
     rows: list[list[Any]] = []
     for m in result.modules:
         errs = [None if m.measures[s].error else m.measures[s].rel_err for s in result.schemes]
@@ -95,12 +101,14 @@ def numerics_section(ctx: ProfileContext) -> ProfileSection:
         ))  # fmt: skip
     return ProfileSection(
         name="numerics",
-        title=f"numerics: relative output error per linear and scheme ({result.batches} batch(es))",
+        title=f"numerics: relative output error per linear and scheme ({result.batches} batch(es) of {samples} samples)",
         summary={"baseline_loss": result.baseline_loss, "schemes": result.schemes,
                  "recommended": result.recommendations(), "precision_yaml": result.yaml(),
                  "lower_bit_share": share},
         tables=[ProfileTable("relative error ||y - y_ref|| / ||y_ref||", ["module", "in x out", *result.schemes, "recommended"],
                       rows)],
         recommendations=recs,
-        notes=["forward numerics of the freshly initialised model; the backward and training dynamics are not seen"],
+        notes=["forward numerics of the freshly initialised model; the backward and training dynamics are not seen",
+               "the loss change is measured where it decides: per linear, the cheapest schemes within the relative "
+               "error up to the first that passes (`gem-train profile precision` measures every one)"],
     )

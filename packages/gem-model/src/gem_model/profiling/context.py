@@ -4,6 +4,7 @@ and :class:`ProfileCommand` (the ``gem_profile_sections`` and ``gem_profile_comm
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,8 @@ class ProfileContext:
     - ``output_dir``: where the report is written.
     - ``measured``: :class:`MeasuredSteps` once the step-time section ran, else None.
     - ``sections``: the sections made so far, by name (the core's come first).
+    - ``selected``: the section names ``--sections`` asked for (None: all); :meth:`wants` reads it.
+    - :meth:`model`: the config's model, built once and shared by the sections that run it.
     """
 
     config: RunConfig
@@ -61,6 +64,38 @@ class ProfileContext:
     output_dir: Path
     measured: MeasuredSteps | None = None
     sections: dict[str, ProfileSection] = field(default_factory=dict)
+    selected: frozenset[str] | None = None
+    build_model: Callable[[], Any] | None = None
+    """What :meth:`model` calls the first time (the runner sets it: :func:`gem_model.profiling.shared_model.initial_model`)."""
+    _model: Any = field(default=None, repr=False)
+
+    def wants(self, name: str) -> bool:
+        """Whether the section ``name`` is to be made (``gem-train profile --sections``)."""
+        return self.selected is None or name in self.selected
+
+    def model(self) -> Any:
+        """The config's :class:`~gem_model.model.gem.GemModel` on ``device``: float32, unconverted, its
+        tables drawn (rank 0's initialisation). Built on the first call and shared: at 25 GB of tables
+        each section building its own cost a table draw and a copy of the tables' memory. Never change
+        it; a section that converts or wraps modules works on :func:`copy_sharing_tables` of it."""
+        if self._model is None:
+            if self.build_model is None:
+                raise RuntimeError("this ProfileContext has no build_model; gem-train profile sets it (to "
+                                   "gem_model.profiling.shared_model.initial_model)")  # fmt: skip
+            self._model = self.build_model()
+        return self._model
+
+
+def copy_sharing_tables(model: Any) -> Any:
+    """A deep copy of ``model`` whose embedding-table modules, and every tensor they hold, are the
+    original's (not copied), wherever else the model refers to them."""
+    memo: dict[int, Any] = {}
+    for module in model.table_modules().values():
+        for m in module.modules():
+            memo[id(m)] = m
+        for t in [*module.parameters(), *module.buffers()]:
+            memo[id(t)] = t
+    return copy.deepcopy(model, memo)
 
 
 @dataclass(frozen=True)

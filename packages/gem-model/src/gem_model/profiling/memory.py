@@ -32,7 +32,7 @@ from gem_model.data.batch import Batch
 from gem_model.model.gem import GemModel
 from gem_model.plan import Plan
 from gem_model.precision import apply_precision, set_submodule
-from gem_model.profiling.context import ProfileContext
+from gem_model.profiling.context import ProfileContext, copy_sharing_tables
 from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
 from gem_model.resolve import Components
 from gem_model.train.prepare import apply_activation
@@ -132,17 +132,24 @@ def _policy_options(config: RunConfig, name: str) -> ComponentRef:
 def activation_bytes(ctx: ProfileContext, components: Components, batch: Batch) -> dict[str, tuple[int, int] | str]:
     """Per registered activation policy: (saved, peak) bytes of one step, or why it could not run."""
     config, device = ctx.config, ctx.device
-    model = GemModel(
-        config.model, components.source.feature_spec(), attention=components.attention,
-        norm_gate=components.norm_gate, seed=config.trainer.seed,
-    )  # fmt: skip
-    if model.tables_on_meta:
-        model.materialize_tables(device)
-    model.to(device)
+    model = copy_sharing_tables(ctx.model())  # the profile's tables, this section's converted dense copy
     apply_precision(model, config.precision, components.precision, device)
     model.train()
-    for module in model.table_modules().values():  # no table gradient: it is not an activation, and at
-        module.requires_grad_(False)  # 25 GB of tables it would dwarf them (the static part counts it)
+    # no table gradient: it is not an activation, and at 25 GB of tables it would dwarf them (the static
+    # part counts it); the tables are shared with other sections, so their flags are put back
+    tables = [p for module in model.table_modules().values() for p in module.parameters()]
+    flags = [p.requires_grad for p in tables]
+    for p in tables:
+        p.requires_grad_(False)
+    try:
+        return _per_policy(ctx, model, batch)
+    finally:
+        for p, flag in zip(tables, flags, strict=True):
+            p.requires_grad_(flag)
+
+
+def _per_policy(ctx: ProfileContext, model: GemModel, batch: Batch) -> dict[str, tuple[int, int] | str]:
+    config = ctx.config
     blocks = {fqn: model.get_submodule(fqn) for fqn in model.activation_blocks()}
     out: dict[str, tuple[int, int] | str] = {}
     for name in ctx.plugins.activation_policies.names():

@@ -94,6 +94,6 @@ def write_plots(report: ProfileReport, out_dir: Path) -> dict[str, Path]:
     """Every plot whose section the report has, as ``out_dir/<file>.png``; section name -> path."""
     out = {}
     for section, (filename, draw) in PLOTS.items():
-        if report.has(section):
+        if report.has(section) and report.section(section).series:  # not a section that was cut off
             out[section] = draw(report, out_dir / filename)
     return out

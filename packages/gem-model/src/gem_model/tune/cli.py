@@ -1,26 +1,40 @@
-"""The ``gem-train tune`` command line (:mod:`gem_model.tune.search`)."""
+"""The ``gem-train tune`` command line (:mod:`gem_model.tune.search`).
+
+``--profile DIR`` reads ``DIR/profile.json``; where there is none yet, tune first makes the sections
+it reads (:data:`TUNE_SECTIONS`, no training steps) into ``DIR``, out of its own budget.
+``--compare OTHER`` searches nothing: it measures the config and ``OTHER`` (e.g. the ``tuned.yaml``
+of an earlier search) the same way, under the same ``--steps``, and writes ``compare.json``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from gem_model.errors import ConfigError
 
+TUNE_SECTIONS = ("memory", "numerics")
+"""What tune reads from a profile (the activation policies' memory, the per-layer precision map)."""
+
 
 def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="search kernels, precision, activation policy, balancer and planner by short runs")
     p.add_argument("-c", "--config", help="a .yaml/.yml/.toml run config (default: the tiny CPU run)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
-    p.add_argument("--budget", type=float, required=True, help="minutes the whole search may take")
+    p.add_argument("--budget", type=float, help="minutes the whole search may take (required unless --compare)")
     p.add_argument("--steps", type=int, default=6, help="training steps per candidate")
     p.add_argument("--memory-gb", type=float, help="largest accepted peak memory per GPU")
     p.add_argument("--max-loss-increase", type=float, default=0.05, help="largest accepted relative loss increase")
     p.add_argument("--profile", type=Path, help="a `gem-train profile` directory (its numerics map is a candidate)")
     p.add_argument("--out", type=Path, help="where tuned.yaml and tune.json go (default: <output_dir>/tune)")
+    p.add_argument("--dimensions", help="comma-separated: kernel, precision, activation, balancer, planner (default: all)")
+    p.add_argument("--compare", type=Path, metavar="OTHER",
+                   help="search nothing: measure the config and OTHER (a config file) under the same --steps")  # fmt: skip
     p.set_defaults(profile_handler=tune_main)
 
 
@@ -28,9 +42,11 @@ def tune_main(args: argparse.Namespace) -> int:
     from gem_model.config_io import load_config
     from gem_model.plugins import GemPluginManager
     from gem_model.profiling.render import load_report
-    from gem_model.tune.search import tune, write_result
+    from gem_model.tune.search import check_dimensions, tune, write_result
 
-    if not args.budget > 0 or args.steps < 2:
+    if args.compare is None and args.budget is None:
+        raise ConfigError([("--budget", None, "give the minutes the search may take")])
+    if (args.budget is not None and not args.budget > 0) or args.steps < 2:
         raise ConfigError([("--budget/--steps", (args.budget, args.steps), "a budget > 0 and at least 2 steps")])
     import os
 
@@ -39,23 +55,81 @@ def tune_main(args: argparse.Namespace) -> int:
                             "one device: run it in one process (torchrun --nproc-per-node 1 where the "
                             "planner needs a process group)")])  # fmt: skip
     config = load_config(args.config, args.overrides)
-    profile = load_report(args.profile) if args.profile is not None else None
-    result = tune(config, GemPluginManager(), budget_s=args.budget * 60, steps=args.steps, memory_gb=args.memory_gb,
-                  max_loss_increase=args.max_loss_increase, profile=profile)  # fmt: skip
+    out = args.out or Path(config.trainer.output_dir.format(name=config.name)) / "tune"
+    if args.compare is not None:
+        return _compare(config, load_config(args.compare, []), args, out)
+    only = None if args.dimensions is None else tuple(n.strip() for n in args.dimensions.split(",") if n.strip())
+    check_dimensions(only)  # before a profile is made for nothing
+    start = time.perf_counter()
+    profile = None
+    if args.profile is not None:
+        if not (args.profile / "profile.json").is_file():
+            _profile_for_tune(config, args.profile, args.budget * 60)
+        profile = load_report(args.profile)
+    budget_s = args.budget * 60 - (time.perf_counter() - start)
+    result = tune(config, GemPluginManager(), budget_s=budget_s, steps=args.steps, memory_gb=args.memory_gb,
+                  max_loss_increase=args.max_loss_increase, profile=profile, only=only)  # fmt: skip
     table = Table(title=f"gem-train tune: {len(result.candidates)} candidate(s) in {result.seconds:.0f} s")
     for col in ("dimension", "change", "tokens/s", "peak GB", "last loss", "s", "chosen / error"):
         table.add_column(col, overflow="fold")
     for c in [result.baseline, *result.candidates]:
-        change = ", ".join(f"{k}={v}" for k, v in c.overrides.items()) or "(the config)"
-        fmt = [f"{c.tokens_per_s:,.0f}" if c.tokens_per_s else "-", f"{c.peak_memory_gb:.2f}" if c.peak_memory_gb else "-",
-               f"{c.last_loss:.4f}" if c.last_loss is not None else "-"]  # fmt: skip
-        table.add_row(c.dimension, change, *fmt, f"{c.seconds:.1f}", _short(c.error) if c.error else ("yes" if c.chosen else ""))
+        table.add_row(*_row(c))
     Console().print(table)
-    out = args.out or Path(config.trainer.output_dir.format(name=config.name)) / "tune"
     for what, path in write_result(result, out).items():
         print(f"wrote {what}: {path}")
     if result.stopped_by_budget:
         print("stopped by the budget: not every candidate was tried")
+    return 0
+
+
+def _row(c: Any) -> list[str]:
+    change = ", ".join(f"{k}={v}" for k, v in c.overrides.items()) or "(the config)"
+    fmt = [f"{c.tokens_per_s:,.0f}" if c.tokens_per_s else "-", f"{c.peak_memory_gb:.2f}" if c.peak_memory_gb else "-",
+           f"{c.last_loss:.4f}" if c.last_loss is not None else "-"]  # fmt: skip
+    verdict = c.skipped or (_short(c.error) if c.error else ("yes" if c.chosen else ""))
+    return [c.dimension, change, *fmt, f"{c.seconds:.1f}", _short(verdict)]
+
+
+def _profile_for_tune(config: Any, out: Path, budget_s: float) -> None:
+    """The sections tune reads, into ``out`` (no training steps), each under a third of the budget."""
+    from gem_model.plugins import GemPluginManager
+    from gem_model.profiling.render import write_outputs
+    from gem_model.profiling.runner import ProfileOptions, registered_sections, run_profile
+
+    pm = GemPluginManager()
+    sections = tuple(n for n in TUNE_SECTIONS if n in registered_sections(pm))
+    print(f"gem-train tune: {out / 'profile.json'} does not exist; profiling {', '.join(sections)} into it first")
+    report = run_profile(config, pm, ProfileOptions(out=out, batches=1, sections=sections, section_budget_s=budget_s / 3))
+    assert report is not None  # tune runs in one process: rank 0
+    write_outputs(report, out)
+
+
+def _compare(config: Any, other: Any, args: argparse.Namespace, out: Path) -> int:
+    import json
+
+    from gem_model.plugins import GemPluginManager
+    from gem_model.tune.search import compare
+
+    names = {str(args.config or "(the default config)"): config, str(args.compare): other}
+    if len(names) < 2:
+        raise ConfigError([("--compare", str(args.compare), "is the config itself; name another config")])
+    measured = compare(names, GemPluginManager(), args.steps)
+    table = Table(title=f"gem-train tune --compare: {args.steps} steps each, the same way")
+    for col in ("dimension", "config", "tokens/s", "peak GB", "last loss", "s", ""):
+        table.add_column(col, overflow="fold")
+    for c in measured:
+        table.add_row(*_row(c))
+    Console().print(table)
+    first, second = measured
+    if first.tokens_per_s and second.tokens_per_s:
+        print(f"{second.overrides['config']}: {second.tokens_per_s / first.tokens_per_s:.3f}x the tokens/s of "
+              f"{first.overrides['config']}")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "compare.json"
+    from dataclasses import asdict
+
+    path.write_text(json.dumps({"steps": args.steps, "runs": [asdict(c) for c in measured]}, indent=1))
+    print(f"wrote comparison: {path}")
     return 0
 
 

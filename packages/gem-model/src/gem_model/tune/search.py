@@ -7,7 +7,7 @@ directory) and kept when its tokens/s beats the best so far, its last loss is at
 ``memory_gb``. The dimensions, in order:
 
 1. ``kernels.jagged_attention``: every registered attention kernel available on the device;
-2. precision: the numerics section's per-layer map (``--profile DIR`` with a ``numerics`` section),
+2. precision: the numerics section's per-layer map (``--profile DIR`` with a finished ``numerics`` section),
    else every registered scheme as ``precision.scheme``;
 3. ``activation.policy``: every registered policy (the memory budget decides between them);
 4. ``data.balancer``: every registered balancer, when the layout has more than one data-parallel rank;
@@ -15,7 +15,10 @@ directory) and kept when its tokens/s beats the best so far, its last loss is at
 
 A candidate that fails (a kernel the device lacks, a planner that needs a process group, a NaN) is
 recorded with its error and never chosen. Before each candidate the search checks that the slowest
-run so far still fits in what is left of the budget, so it stops within it.
+run so far still fits in what is left of the budget, so it stops within it; every candidate it had
+no time for is recorded as not measured (``skipped``), so the table shows what the budget left out.
+With a profile that has a ``memory`` section and a ``memory_gb``, the activation policies are not
+measured when the configured one fits: another policy only trades speed for memory.
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ import yaml
 from gem_model.config import RunConfig
 from gem_model.config_io import apply_overrides, dump, validate
 from gem_model.distributed import DistEnv, launched_by_torchrun, pick_device
-from gem_model.errors import GemError
+from gem_model.errors import ConfigError, GemError
 from gem_model.plugins import GemPluginManager
 from gem_model.profiling.report import ProfileReport
 from gem_model.train.progress import task_progress
+
+DIMENSIONS = {"kernel": "attention kernel", "precision": "precision", "activation": "activation policy",
+              "balancer": "balancer", "planner": "planner"}  # fmt: skip
+"""``--dimensions`` names -> the dimensions of the search, in its order."""
 
 
 @dataclass
@@ -53,6 +60,8 @@ class Candidate:
     seconds: float = 0.0
     error: str | None = None
     chosen: bool = False
+    skipped: str | None = None
+    """Why it was not measured (the budget, or the profile says it cannot win); None: it was."""
 
 
 @dataclass
@@ -91,6 +100,7 @@ def measure(config: RunConfig, pm: GemPluginManager, steps: int) -> tuple[float,
     })  # fmt: skip
     try:
         if device.type == "cuda":
+            torch.cuda.init()  # the allocator's statistics exist only once CUDA is initialised
             torch.cuda.reset_peak_memory_stats(device)
         summary = train(config.model_copy(update={"trainer": trainer}), pm)
         peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
@@ -109,7 +119,7 @@ def dimensions(config: RunConfig, pm: GemPluginManager, profile: ProfileReport |
         except GemError:
             continue
         kernels.append({"kernels.jagged_attention": name})
-    if profile is not None and profile.has("numerics"):
+    if profile is not None and profile.has("numerics") and "precision_yaml" in profile.section("numerics").summary:
         block = yaml.safe_load(profile.section("numerics").summary["precision_yaml"])["precision"]
         precision = [{"precision": block}]
     else:
@@ -134,8 +144,12 @@ def _same(config: RunConfig, overrides: dict[str, Any]) -> bool:
 
 def tune(
     config: RunConfig, pm: GemPluginManager, *, budget_s: float, steps: int = 6, memory_gb: float | None = None,
-    max_loss_increase: float = 0.05, profile: ProfileReport | None = None,
+    max_loss_increase: float = 0.05, profile: ProfileReport | None = None, only: tuple[str, ...] | None = None,
 ) -> TuneResult:
+    """``only``: the :data:`DIMENSIONS` names to search (None: all); the others' candidates are
+    recorded as not searched."""
+    check_dimensions(only)
+    searched = None if only is None else {DIMENSIONS[n] for n in only}
     # live progress (on a terminal): seconds of the budget spent, one advance per candidate run
     with task_progress(max(1, math.ceil(budget_s)), "tune", unit="s") as advance:
         shown = 0
@@ -148,12 +162,18 @@ def tune(
 
         start = time.perf_counter()
         return _search(config, pm, start, spent, steps=steps, budget_s=budget_s, memory_gb=memory_gb,
-                       max_loss_increase=max_loss_increase, profile=profile)  # fmt: skip
+                       max_loss_increase=max_loss_increase, profile=profile, searched=searched)  # fmt: skip
+
+
+def check_dimensions(only: tuple[str, ...] | None) -> None:
+    unknown = [n for n in only or () if n not in DIMENSIONS]
+    if unknown or only == ():
+        raise ConfigError([("--dimensions", ",".join(unknown), f"name dimensions of the search: {', '.join(DIMENSIONS)}")])
 
 
 def _search(
     config: RunConfig, pm: GemPluginManager, start: float, spent: Callable[[], None], *, steps: int, budget_s: float,
-    memory_gb: float | None, max_loss_increase: float, profile: ProfileReport | None,
+    memory_gb: float | None, max_loss_increase: float, profile: ProfileReport | None, searched: set[str] | None,
 ) -> TuneResult:
     baseline = Candidate("baseline", {})
     baseline.tokens_per_s, baseline.peak_memory_gb, baseline.last_loss = measure(config, pm, steps)
@@ -164,13 +184,18 @@ def _search(
     stopped = False
     for dimension, options in dimensions(config, pm, profile):
         current = best  # the value this dimension starts from was measured already
+        pruned = "not searched (--dimensions)" if searched is not None and dimension not in searched else None
+        pruned = pruned or _pruned(dimension, config, profile, memory_gb)
         for overrides in options:
             if _same(current, overrides):
                 continue
-            if time.perf_counter() - start + slowest > budget_s:
-                stopped = True
-                break
             c = Candidate(dimension, overrides)
+            left = budget_s - (time.perf_counter() - start)
+            if pruned or stopped or left < slowest:
+                stopped = stopped or (pruned is None)
+                c.skipped = pruned or f"not measured: {max(left, 0):.0f} s of the budget left, the slowest run took {slowest:.0f} s"
+                tried.append(c)
+                continue
             t0 = time.perf_counter()
             try:
                 c.tokens_per_s, c.peak_memory_gb, c.last_loss = measure(with_overrides(best, overrides), pm, steps)
@@ -183,11 +208,40 @@ def _search(
             if c.error is None and _acceptable(c, baseline, memory_gb, max_loss_increase) and c.tokens_per_s > best_tps:
                 best, best_tps = with_overrides(best, overrides), c.tokens_per_s
                 best_overrides = {**best_overrides, **overrides}
-        if stopped:
-            break
     for c in tried:
-        c.chosen = all(best_overrides.get(k) == v for k, v in c.overrides.items())
+        c.chosen = c.skipped is None and all(best_overrides.get(k) == v for k, v in c.overrides.items())
     return TuneResult(baseline, tried, best, best_overrides, stopped, time.perf_counter() - start)
+
+
+def _pruned(dimension: str, config: RunConfig, profile: ProfileReport | None, memory_gb: float | None) -> str | None:
+    """Why the profile says no candidate of ``dimension`` can win, or None."""
+    if dimension != "activation policy" or memory_gb is None or profile is None or not profile.has("memory"):
+        return None
+    memory = profile.section("memory").summary
+    if memory.get("status") is not None:  # the memory section was cut off or failed
+        return None
+    saved = memory.get("activations", {}).get(config.activation.policy.name, {}).get("saved")
+    if saved is None:
+        return None
+    measured = memory.get("measured_peak")
+    need = measured if measured is not None else memory["parameters"] + memory["gradients"] + memory["optimizer"] + saved
+    if need / 1e9 > memory_gb:
+        return None
+    what = "measured peak" if measured is not None else "estimated static + saved activations"
+    return (f"not measured: activation.policy {config.activation.policy.name} fits --memory-gb {memory_gb:g} "
+            f"({what} {need / 1e9:.1f} GB, profile's memory section); another policy only trades speed for memory")
+
+
+def compare(configs: dict[str, RunConfig], pm: GemPluginManager, steps: int) -> list[Candidate]:
+    """Measure each config (name -> config) the same way, in order: ``gem-train tune --compare``."""
+    out = []
+    for name, config in configs.items():
+        c = Candidate("compare", {"config": name})
+        t0 = time.perf_counter()
+        c.tokens_per_s, c.peak_memory_gb, c.last_loss = measure(config, pm, steps)
+        c.seconds = time.perf_counter() - t0
+        out.append(c)
+    return out
 
 
 def _acceptable(c: Candidate, baseline: Candidate, memory_gb: float | None, max_loss_increase: float) -> bool:
