@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 from movielens_cases import RATINGS, SEQUENCES, A, B, C, D, E, F, G, items_of, write_dataset
+from pydantic import ValidationError
 
 from gem_model.data import movielens
 from gem_model.data.batch import FeatureSpec, PooledFeature, build_batch
-from gem_model.data.movielens import MovieLensConfig, MovieLensSource, load_movielens
+from gem_model.data.movielens import USER_FEATURES, MovieLensConfig, MovieLensSource, load_movielens
 from gem_model.data.validation import validate_batch
 from gem_model.model.embeddings import SparseArch
 
@@ -23,10 +24,10 @@ from gem_model.model.embeddings import SparseArch
 def test_sequences_are_time_ordered_ties_in_file_order_and_split_last_two(source):
     src = source()
     users = torch.arange(3)
-    assert items_of(src.eval_batch(users, "valid")) == [s[:-2] for s in SEQUENCES]
-    assert items_of(src.eval_batch(users, "test")) == [s[:-1] for s in SEQUENCES]
-    assert src.targets(users, "valid").tolist() == [s[-2] for s in SEQUENCES]
-    assert src.targets(users, "test").tolist() == [s[-1] for s in SEQUENCES]
+    assert items_of(src.evaluation.eval_batch(users, "valid")) == [s[:-2] for s in SEQUENCES]
+    assert items_of(src.evaluation.eval_batch(users, "test")) == [s[:-1] for s in SEQUENCES]
+    assert src.evaluation.targets(users, "valid").tolist() == [s[-2] for s in SEQUENCES]
+    assert src.evaluation.targets(users, "test").tolist() == [s[-1] for s in SEQUENCES]
     train = src.make_batch(0, 3, torch.arange(3))
     by_user = dict(zip(src.users_of_step(0, 3).tolist(), items_of(train)))
     assert by_user == {u: s[:-2] for u, s in enumerate(SEQUENCES)}
@@ -37,7 +38,7 @@ def test_sequences_are_time_ordered_ties_in_file_order_and_split_last_two(source
     authors = source(train_on_validation=True)
     train = authors.make_batch(0, 3, torch.arange(3))
     assert dict(zip(authors.users_of_step(0, 3).tolist(), items_of(train))) == {u: s[:-1] for u, s in enumerate(SEQUENCES)}
-    assert items_of(authors.eval_batch(users, "valid")) == [s[:-2] for s in SEQUENCES]
+    assert items_of(authors.evaluation.eval_batch(users, "valid")) == [s[:-2] for s in SEQUENCES]
 
 
 def test_catalogue_is_the_item_file_in_order(source):
@@ -49,8 +50,8 @@ def test_catalogue_is_the_item_file_in_order(source):
 
 def test_max_len_keeps_the_most_recent_items(source):
     src = source(max_len=2)
-    assert items_of(src.eval_batch(torch.tensor([2]), "valid")) == [[C, D]]
-    assert items_of(src.eval_batch(torch.tensor([2]), "test")) == [[D, E]]
+    assert items_of(src.evaluation.eval_batch(torch.tensor([2]), "valid")) == [[C, D]]
+    assert items_of(src.evaluation.eval_batch(torch.tensor([2]), "test")) == [[D, E]]
     assert src.feature_spec().max_history == 2
 
 
@@ -129,7 +130,7 @@ def test_side_features_user_attributes_and_recent_genres(source):
         ("user_zip", 3, "sum"),  # 480, 481, 551
         ("item_genres", 5, "mean"),  # Action Comedy Drama Horror Romance
     ]
-    batch = src.eval_batch(torch.tensor([0, 1]), "test")  # no negatives: evaluation needs none
+    batch = src.evaluation.eval_batch(torch.tensor([0, 1]), "test")  # no negatives: evaluation needs none
     pooled = {k: v.values().tolist() for k, v in batch.pooled.to_dict().items()}
     assert pooled["user_gender"] == [0, 1] and pooled["user_zip"] == [0, 2]
     # user 1 reads B A C E: recent two are C (Comedy) and E (Drama Romance); user 2 reads C F A: F, A
@@ -137,6 +138,20 @@ def test_side_features_user_attributes_and_recent_genres(source):
     lengths = batch.pooled["item_genres"].lengths().tolist()
     assert lengths == [3, 3] and pooled["item_genres"] == [comedy, drama, romance, horror, action, comedy]
     validate_batch(src.make_batch(0, 3, torch.arange(3)), spec)
+
+
+def test_side_feature_ablations_drop_the_user_attributes_or_the_genre_bag(source):
+    full = source(side_features=True).evaluation.eval_batch(torch.tensor([0, 1]), "test").pooled.to_dict()
+    for options, kept in (({"user_attributes": False}, ["item_genres"]), ({"genre_bag": False}, list(USER_FEATURES))):
+        src = source(side_features=True, **options)
+        assert [p.name for p in src.feature_spec().pooled] == kept
+        batch = src.evaluation.eval_batch(torch.tensor([0, 1]), "test")
+        assert {k: v.values().tolist() for k, v in batch.pooled.to_dict().items()} == {
+            k: full[k].values().tolist() for k in kept
+        }
+        validate_batch(src.make_batch(0, 3, torch.arange(3)), src.feature_spec())
+    with pytest.raises(ValidationError, match="side_features: true needs user_attributes or genre_bag"):
+        MovieLensConfig(side_features=True, user_attributes=False, genre_bag=False)
 
 
 def test_bags_of_pooled_ids_and_mean_pooling():
@@ -189,6 +204,13 @@ def test_missing_files_and_short_histories_are_errors(tmp_path):
     folder = write_dataset(tmp_path / "unknown", ratings=[*RATINGS, ("1m_1", "Z (1999)", 3, 1)])
     with pytest.raises(ValueError, match="'Z \\(1999\\)' is not in the user or item file"):
         load_movielens(str(folder))
+    inter = folder / "ml-1m.inter"
+    inter.write_text(inter.read_text().replace("Z (1999)\t3\t1\n", "Z (1999)\t3\n"))  # a line one field short
+    with pytest.raises(ValueError, match=r"ml-1m.inter: 63 fields on 16 lines; every line needs 4"):
+        load_movielens(str(folder))
+    inter.write_text("user\titem_id\trating\ttimestamp\n")
+    with pytest.raises(ValueError, match=r"header \['user', .* does not start with \['user_id'"):
+        load_movielens(str(folder))
 
 
 # ---------------------------------------------------------------------------------------- evaluation
@@ -230,6 +252,10 @@ def test_evaluation_ranks_the_split_target_over_the_catalogue(source, split, exc
         assert metrics["ndcg@10_unfiltered"] == pytest.approx(sum(1 / math.log2(r + 2) for r in unfiltered) / 3)
     else:
         assert not any(k.endswith("_unfiltered") for k in metrics)
+    # the inputs are built once per split and device; a later evaluation reads the same ones
+    again = DescendingScorer()
+    assert src.evaluate(again, device=torch.device("cpu"), split=split) == metrics and again.seen == scorer.seen
+    assert src.evaluation.chunks(split, torch.device("cpu")) is src.evaluation.chunks(split, torch.device("cpu"))
     one = source(max_eval_users=1, exclude_seen=exclude_seen)
     assert one.evaluate(DescendingScorer(), device=torch.device("cpu"), split=split)["ndcg@10"] == pytest.approx(
         1 / math.log2(ranks[0] + 2)

@@ -77,7 +77,7 @@ def test_side_features_reach_retrieval_only_through_the_context_token(source):
 def test_context_token_gives_empty_histories_a_query_and_needs_room(source):
     src = source(side_features=True, num_negatives=2, max_len=7)
     model = gem_model(src, context_token=True).eval()
-    batch = src.eval_batch(torch.arange(2), "valid")
+    batch = src.evaluation.eval_batch(torch.arange(2), "valid")
     empty = build_batch(
         history=(torch.empty(0, dtype=torch.long), torch.zeros(2, dtype=torch.long)),
         actions=torch.empty(0, dtype=torch.long),

@@ -25,9 +25,9 @@ def movielens_model(src, **options) -> GemModel:
 def test_by_default_the_request_time_is_the_last_items_not_the_targets(source):
     """The paper's protocol: the query at the last position never learns when the target was rated."""
     src = source(num_negatives=2, max_len=7)
-    test = src.eval_batch(torch.tensor([0, 1]), "test")
+    test = src.evaluation.eval_batch(torch.tensor([0, 1]), "test")
     assert test.timestamps.tolist() == [50, 100, 100, 150, 5, 10, 20] and test.request_times.tolist() == [150, 20]
-    valid = src.eval_batch(torch.tensor([0, 1]), "valid")
+    valid = src.evaluation.eval_batch(torch.tensor([0, 1]), "valid")
     assert valid.request_times.tolist() == [100, 10]
     train = src.make_batch(0, 3, torch.arange(3))
     last = {0: 100, 1: 10, 2: 4}
@@ -37,9 +37,9 @@ def test_by_default_the_request_time_is_the_last_items_not_the_targets(source):
 def test_movielens_batches_carry_item_times_and_the_request_time(source):
     """User 1 rated B A C E D at 50 100 100 150 200, user 2 C F A B at 5 10 20 30 (movielens_cases)."""
     src = source(num_negatives=2, max_len=7, request_time="target")
-    test = src.eval_batch(torch.tensor([0, 1]), "test")
+    test = src.evaluation.eval_batch(torch.tensor([0, 1]), "test")
     assert test.timestamps.tolist() == [50, 100, 100, 150, 5, 10, 20] and test.request_times.tolist() == [200, 30]
-    valid = src.eval_batch(torch.tensor([0, 1]), "valid")
+    valid = src.evaluation.eval_batch(torch.tensor([0, 1]), "valid")
     assert valid.timestamps.tolist() == [50, 100, 100, 5, 10] and valid.request_times.tolist() == [150, 20]
     train = src.make_batch(0, 3, torch.arange(3))  # training reads the validation split's history
     users = src.users_of_step(0, 3).tolist()
@@ -55,7 +55,7 @@ def test_movielens_batches_carry_item_times_and_the_request_time(source):
 @pytest.mark.parametrize(("request_time", "last"), [("target", (200, 30)), ("last_event", (150, 20))])
 def test_each_position_queries_at_the_time_of_the_action_it_predicts(source, request_time, last):
     src = source(num_negatives=2, max_len=7, request_time=request_time)
-    batch = src.eval_batch(torch.tensor([0, 1]), "test")
+    batch = src.evaluation.eval_batch(torch.tensor([0, 1]), "test")
     key, query = movielens_model(src)._history_times(batch, batch.history_lengths())
     assert key.tolist() == [50, 100, 100, 150, 5, 10, 20]
     # the next item's time; the request time last
@@ -89,7 +89,7 @@ def test_the_request_time_changes_only_its_own_query(source):
     src = source(num_negatives=2, max_len=7)
     torch.manual_seed(0)
     model = movielens_model(src).eval()
-    batch = src.eval_batch(torch.tensor([0, 1, 2]), "test")
+    batch = src.evaluation.eval_batch(torch.tensor([0, 1, 2]), "test")
     before = model.user_embeddings(batch)
     batch.request_times = batch.request_times + torch.tensor([10**7, 0, 0])
     after = model.user_embeddings(batch)

