@@ -111,6 +111,25 @@ def test_op_names_fall_into_their_categories():
     assert {name: categorize(name) for name in cases} == cases
 
 
+def test_device_kernels_fall_into_their_categories_and_idle_is_the_gap_between_them():
+    """CUDA: each kernel by its own name (the H200 profile's kernels), idle = wall - union of kernels."""
+    from gem_model.profiling.step_time import KERNEL_CATEGORIES, busy_seconds, categorize, kernel_breakdown
+
+    cases = {"query_major_kernel": "attention", "key_major_kernel": "attention",
+             "nvjet_sm90_tst_256x160_64x4_1x2_h_bz_coopA_NNT": "gemm",
+             "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT": "gemm",
+             "void split_embedding_nobag_codegen_forward_unweighted_kernel<float, float>": "embeddings",
+             "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication", "triton_poi_fused_silu_3": "pointwise",
+             "_norm_gate_bwd": "pointwise", "_fp8_stats_kernel": "pointwise",
+             "void at::native::vectorized_elementwise_kernel<8, at::native::silu_backward_kernel>": "pointwise"}  # fmt: skip
+    assert {name: categorize(name, KERNEL_CATEGORIES) for name in cases} == cases
+    assert busy_seconds([(0, 10), (5, 20), (30, 40), (32, 35)]) == 30e-6  # overlapping streams count once
+    kernels = [("query_major_kernel", 0.0, 400.0), ("nvjet_sm90_x", 300.0, 700.0), ("triton_poi_fused_add", 800.0, 900.0)]
+    out = kernel_breakdown(kernels, wall_s=1e-3)
+    assert out["attention"] == 400e-6 and out["gemm"] == 400e-6 and out["pointwise"] == 100e-6
+    assert abs(out["idle"] - (1e-3 - 800e-6)) < 1e-12  # 100 us between the gemm and the add, 100 us after
+
+
 def test_mfu_arithmetic_and_the_peak_table():
     assert mfu.local_mfu(flops=3e12, seconds=2.0, world_size=2, peak=1e12) == 0.75
     assert mfu.scaling_efficiency(tokens_per_s=700.0, world_size=4, one_gpu_tokens_per_s=200.0) == 0.875
