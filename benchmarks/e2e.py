@@ -13,8 +13,8 @@ H100/H200 in bf16, dense) and against a bf16 8192^3 matmul measured here first, 
 allocated, and the loss at the last step. FLOPs are ``gem_model.model.flops`` (real tokens, the HSTU
 mask's causal pairs, backward twice the forward), the trainer's own count.
 
-``compile_bf16`` is a side row: ``overlapped_input`` plus ``trainer.compile``, outside the chain
-(whose ``compile`` row adds it to ``fp8_saved``).
+``compile_bf16`` and ``compile_fp8`` are side rows, outside the chain (whose ``compile`` row adds
+``trainer.compile`` to ``fp8_saved``): ``overlapped_input`` and ``fp8_rowwise`` plus ``trainer.compile``.
 
 ``--profile ROWS`` records two steps of each of those rows with ``torch.profiler`` and prints the kernels with
 the most device time, their share of the step, and the step's device-idle share (wall time of the
@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ ROWS: list[tuple[str, list[str]]] = [  # cumulative: each row is the one above p
 ]
 SIDE_ROWS: dict[str, tuple[str, list[str]]] = {  # not in the cumulative chain: (the row it adds to, its overrides)
     "compile_bf16": ("overlapped_input", ["trainer.compile=true"]),  # compile on the best bf16 row
+    "compile_fp8": ("fp8_rowwise", ["trainer.compile=true"]),  # compile on fp8 GEMMs without fp8_saved
 }
 SLOW_ROWS = {"torch_attention_fp32", "triton_attention"}  # seconds per step: fewer steps
 
@@ -152,6 +154,10 @@ def worker(args: argparse.Namespace) -> None:
         "last_loss": steps[-1]["step_loss"],
         "max_loss": max(r["step_loss"] for r in steps),
         "losses": [r["step_loss"] for r in steps],
+        # every step's seconds, so that rows compare step by step (each row draws the same batches) and
+        # steps that tuned or compiled Triton kernels for a new length bucket show as outliers
+        "step_seconds": [r["step_seconds"] for r in steps],
+        "step_ms_median": 1e3 * statistics.median(r["step_seconds"] for r in timed) if timed else 0.0,
         "plan": summary.extra.get("plan", "")[:200],
     }
     if profiler is not None:
