@@ -70,7 +70,7 @@ def plan_for_group(plan: ShardingPlan, *, first_rank: int, local_size: int | Non
 @dataclass
 class ReplicaSync:
     """Averages every table shard this rank holds (weights and optimizer state) with its replicas
-    in the other sparse groups: one all-reduce per dtype over ``group`` (one in all, for float32 tables)."""
+    in the other sparse groups: one in-place all-reduce per shard tensor over ``group``."""
 
     tensors: dict[torch.dtype, list[torch.Tensor]]
     group: dist.ProcessGroup
@@ -95,11 +95,12 @@ class ReplicaSync:
     def __call__(self) -> None:
         replicas = dist.get_world_size(self.group)
         for tensors in self.tensors.values():
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            dist.all_reduce(flat, group=self.group)  # gloo has no ReduceOp.AVG: sum, then divide
-            flat /= replicas
-            for t, value in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-                t.copy_(value.view_as(t))
+            for t in tensors:  # in place, one tensor at a time: a flat copy of every shard would double the tables' memory
+                buf = t if t.is_contiguous() else t.contiguous()  # FBGEMM's views are contiguous slices
+                dist.all_reduce(buf, group=self.group)  # gloo has no ReduceOp.AVG: sum, then divide
+                buf /= replicas
+                if buf is not t:
+                    t.copy_(buf)
 
 
 def _kernels(module: nn.Module) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
