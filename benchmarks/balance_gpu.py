@@ -45,18 +45,19 @@ from dataclasses import dataclass
 
 import torch
 
-from gem_model.checks import check_run
 from gem_model.components import LoadBalancer
+from gem_model.config import RunConfig
 from gem_model.config_io import load_config
 from gem_model.data.batch import Batch
 from gem_model.data.loader import ShardedLoader
 from gem_model.data.prefetch import StagedBatch, StepFacts, history_facts
-from gem_model.distributed import init_distributed, launched_by_torchrun, teardown
+from gem_model.distributed import launched_by_torchrun
 from gem_model.model.flops import count_flops
 from gem_model.plugins import GemPluginManager
 from gem_model.profiling.balance import imbalance
-from gem_model.resolve import resolve_components
+from gem_model.resolve import build_balancer
 from gem_model.train.run import Run
+from gem_model.trainer import started_run
 from gem_parallel.balance import SeqBalancedBalancer, max_over_mean
 
 BALANCERS = ("round_robin", "seq_balanced")
@@ -97,36 +98,15 @@ class Timer:
         return begin.elapsed_time(end)
 
 
-def build_run(args: argparse.Namespace, workdir: str) -> tuple[Run, GemPluginManager]:
-    """The run of ``--config`` as the trainer builds it (:func:`gem_model.trainer.train`), not started."""
+def run_config(args: argparse.Namespace, workdir: str) -> RunConfig:
+    """``--config`` with what a one-process simulation needs: no checkpoint, no evaluation, no prefetch."""
     overrides = [f"trainer.device={args.device}", "trainer.progress=false", "trainer.checkpoint_at_end=false",
                  "trainer.eval_at_end=false", "trainer.prefetch=0", f"trainer.output_dir={workdir}",
                  "trainer.resume=false", *args.set]  # fmt: skip
-    config = load_config(args.config, overrides)
-    pm = GemPluginManager()
-    components = resolve_components(config, pm)
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     if world != 1:
         raise SystemExit(f"balance_gpu.py simulates the ranks in one process; it was started with {world}")
-    check_run(config, components, world)
-    env = init_distributed(config.trainer.device, timeout_s=config.trainer.collective_timeout_s)
-    try:
-        return Run(config, pm, components, env), pm
-    except BaseException:
-        teardown(env, clean=False)
-        raise
-
-
-def make_balancer(pm: GemPluginManager, run: Run, name: str) -> LoadBalancer:
-    """``name`` from the registry, with the config's options when the config names it; a cost-aware
-    balancer takes its costs from the run's model (``bind_model``)."""
-    entry = pm.load_balancers.get(name)
-    configured = run.config.data.balancer
-    balancer = entry.cls(entry.cls.Config.model_validate(configured.options if configured.name == name else {}))
-    bind = getattr(balancer, "bind_model", None)
-    if callable(bind):
-        bind(run.config.model, run.spec)
-    return balancer
+    return load_config(args.config, overrides)
 
 
 def check_partition(parts: list[torch.Tensor], batches: list[Batch], size: int, where: str) -> None:
@@ -194,12 +174,12 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def run_benchmark(args: argparse.Namespace, workdir: str) -> dict:
-    run, pm = build_run(args, workdir)
-    try:
+    pm = GemPluginManager()
+    with started_run(run_config(args, workdir), pm) as run:  # the run as the trainer builds it, not started
         size = run.config.data.global_batch_size
         if size % args.ranks:
             raise SystemExit(f"data.global_batch_size={size} cannot be split evenly over --ranks {args.ranks}")
-        balancers = {name: make_balancer(pm, run, name) for name in BALANCERS}
+        balancers = {name: build_balancer(run.config, pm, name, run.spec) for name in BALANCERS}
         cost = balancers["seq_balanced"]
         assert isinstance(cost, SeqBalancedBalancer)
         feed = GivenBatchFeed()
@@ -235,8 +215,6 @@ def run_benchmark(args: argparse.Namespace, workdir: str) -> dict:
         }  # fmt: skip
         speedup = results["round_robin"]["slowest_rank_ms"] / results["seq_balanced"]["slowest_rank_ms"]
         return {"meta": meta, "balancers": results, "speedup_seq_balanced_over_round_robin": speedup}
-    finally:
-        teardown(run.env)
 
 
 def print_table(out: dict) -> None:

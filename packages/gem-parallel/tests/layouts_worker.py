@@ -10,13 +10,11 @@ placement each run reported, and every rank's digest of its dense weights before
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
@@ -29,6 +27,7 @@ from gem_model.distributed import init_distributed, teardown
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import resolve_components
 from gem_model.results import RunSummary
+from gem_model.testing_faults import tensor_digest
 from gem_model.train.run import Run
 
 STEPS = 5
@@ -38,11 +37,6 @@ def losses(out: Path) -> list[float]:
     return [json.loads(x)["step_loss"] for x in (out / "metrics.jsonl").read_text().splitlines() if "step_loss" in x]
 
 
-def digest(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def every_rank(value: str) -> list[str]:
@@ -54,7 +48,7 @@ def every_rank(value: str) -> list[str]:
 def dense_digest(run: Run) -> list[str]:
     """Every rank's digest of the whole dense weights (a collective: DTensors are gathered)."""
     params = [p.full_tensor() if isinstance(p, DTensor) else p for _, p in run.prepared.dense_parameters]
-    return every_rank(digest(params))
+    return every_rank(tensor_digest(params))
 
 
 def table_shards_digest(run: Run) -> list[str]:
@@ -63,7 +57,7 @@ def table_shards_digest(run: Run) -> list[str]:
         s.tensor for _, v in sorted(run.prepared.module.state_dict().items()) if isinstance(v, ShardedTensor)
         for s in sorted(v.local_shards(), key=lambda s: s.metadata.shard_offsets)
     ]  # fmt: skip
-    return every_rank(digest(shards))
+    return every_rank(tensor_digest(shards))
 
 
 def train(overrides: list[str]) -> tuple[Run, RunSummary, dict[str, list[str]]]:

@@ -192,21 +192,31 @@ class GemPluginManager:
 
     # ---------------------------------------------------------------------------------- registries
 
+    def implementers(self, hook_name: str) -> list[str]:
+        """The plugins implementing ``hook_name``, in pluggy's call order."""
+        return [impl.plugin_name for impl in getattr(self.pm.hook, hook_name).get_hookimpls()]
+
+    def call_plugin(self, hook_name: str, plugin_name: str, **kwargs: Any) -> Any:
+        """Call one plugin's implementation of ``hook_name`` on its own (the caller then knows who
+        returned what, and may time or skip each), with the ``kwargs`` it names; an exception becomes
+        a :class:`PluginError` naming the plugin, its distribution and the hook."""
+        impl = next(i for i in getattr(self.pm.hook, hook_name).get_hookimpls() if i.plugin_name == plugin_name)
+        try:
+            return impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
+        except Exception as exc:
+            provider = self._providers[plugin_name]
+            raise PluginError(
+                f"plugin {plugin_name!r} from distribution {provider.distribution} "
+                f"{provider.version} raised in hook {hook_name}: {type(exc).__name__}: {exc}"
+            ) from exc
+
     def _collect(self, hook_name: str) -> list[tuple[type, Provider]]:
         """Call every implementation of a registration hook on its own, to know who returned what."""
-        out: list[tuple[type, Provider]] = []
-        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            provider = self._providers[impl.plugin_name]
-            try:
-                result = impl.function()
-            except Exception as exc:
-                raise PluginError(
-                    f"plugin {impl.plugin_name!r} from distribution {provider.distribution} "
-                    f"{provider.version} raised in hook {hook_name}: {type(exc).__name__}: {exc}"
-                ) from exc
-            for cls in result or ():
-                out.append((cls, provider))
-        return out
+        return [
+            (cls, self._providers[name])
+            for name in self.implementers(hook_name)
+            for cls in self.call_plugin(hook_name, name) or ()
+        ]
 
     def _build(self) -> dict[str, Any]:
         regs: dict[str, Any] = {}

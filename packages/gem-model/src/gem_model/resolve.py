@@ -7,6 +7,7 @@ all problems are reported together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gem_model.components import (
     ActivationPolicy,
@@ -26,6 +27,9 @@ from gem_model.lifecycle import Callback, TrainPipeline
 from gem_model.plugins import GemPluginManager
 from gem_model.protocols import Stateful
 from gem_model.registry import Registry
+
+if TYPE_CHECKING:
+    from gem_model.data.batch import FeatureSpec
 
 
 @dataclass
@@ -121,3 +125,14 @@ def resolve_components(config: RunConfig, pm: GemPluginManager) -> Components:
     if r.bad:
         raise ConfigError(r.bad)
     return Components(precision=precision, activation=activation, callbacks=callbacks, **built)  # type: ignore[arg-type]
+
+
+def build_balancer(config: RunConfig, pm: GemPluginManager, name: str, spec: FeatureSpec) -> LoadBalancer:
+    """The registered balancer ``name`` as a run of ``config`` would use it (the profile and the
+    benchmarks compare balancers this way): the config's options when the config names it, else its
+    defaults, bound to the config's model (a cost-aware balancer reads its costs off it)."""
+    entry = pm.load_balancers.get(name)
+    configured = config.data.balancer
+    balancer: LoadBalancer = entry.cls(entry.cls.Config.model_validate(configured.options if configured.name == name else {}))
+    balancer.bind_model(config.model, spec)
+    return balancer

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -140,16 +141,20 @@ def _split_over_ranks(value: Any) -> bool:
 
 def _sha256(value: Any) -> str:
     if hasattr(value, "local_shards"):  # torchrec's ShardedTensor: this rank's shards
-        parts = [shard.tensor for shard in value.local_shards()]
-    elif hasattr(value, "to_local"):  # DTensor (FSDP2, TP)
-        parts = [value.to_local()]
-    else:
-        parts = [value]
+        return tensor_digest([shard.tensor for shard in value.local_shards()])
+    if hasattr(value, "to_local"):  # DTensor (FSDP2, TP)
+        return tensor_digest([value.to_local()])
+    return tensor_digest([value])
+
+
+def tensor_digest(parts: Iterable[Any]) -> str:
+    """SHA-256 of the bytes of ``parts`` in order (any dtype, bfloat16 too); a part that is no
+    tensor (a module's extra state) counts by its ``repr``."""
     digest = hashlib.sha256()
     for part in parts:
         if isinstance(part, torch.Tensor):
             digest.update(part.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-        else:  # a module's extra state
+        else:
             digest.update(repr(part).encode())
     return digest.hexdigest()
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from gem_model.checks import check_run
 from gem_model.config import RunConfig
@@ -15,8 +17,12 @@ from gem_model.train.outputs import check_output_dir
 from gem_model.train.run import Run
 
 
-def train(config: RunConfig, pm: GemPluginManager | None = None) -> RunSummary:
-    """Resolve every component (before any process group), join the group, train, leave cleanly."""
+@contextmanager
+def started_run(config: RunConfig, pm: GemPluginManager | None = None) -> Iterator[Run]:
+    """The run of ``config``, built but not trained: every component resolved and every constraint
+    checked before any process group, then the group joined and the :class:`Run` made. The group
+    is left on exit, cleanly when the block ended or stopped with :class:`RunInterrupted` (every
+    rank stopped after the same step)."""
     pm = pm if pm is not None else GemPluginManager()
     components = resolve_components(config, pm)
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
@@ -25,11 +31,16 @@ def train(config: RunConfig, pm: GemPluginManager | None = None) -> RunSummary:
     env = init_distributed(config.trainer.device, timeout_s=config.trainer.collective_timeout_s)
     clean = False
     try:
-        summary = Run(config, pm, components, env).fit()
+        yield Run(config, pm, components, env)
         clean = True
-        return summary
     except RunInterrupted:
         clean = True  # every rank stopped after the same step and wrote the checkpoint together
         raise
     finally:
         teardown(env, clean=clean)
+
+
+def train(config: RunConfig, pm: GemPluginManager | None = None) -> RunSummary:
+    """Resolve every component (before any process group), join the group, train, leave cleanly."""
+    with started_run(config, pm) as run:
+        return run.fit()

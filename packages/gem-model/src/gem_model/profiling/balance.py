@@ -18,6 +18,7 @@ from gem_model.data.batch import FeatureSpec
 from gem_model.model.flops import count_flops
 from gem_model.profiling.context import ProfileContext
 from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
+from gem_model.resolve import build_balancer
 
 
 def rank_loads(
@@ -37,15 +38,6 @@ def imbalance(per_step: list[list[float]]) -> float:
     return sum(ratios) / len(ratios) if ratios else 1.0
 
 
-def _balancer(ctx: ProfileContext, name: str, spec: FeatureSpec) -> LoadBalancer:
-    entry = ctx.plugins.load_balancers.get(name)
-    configured = ctx.config.data.balancer
-    options = configured.options if configured.name == name else {}
-    balancer = entry.cls(entry.cls.Config.model_validate(options))
-    balancer.bind_model(ctx.config.model, spec)  # a cost-aware balancer reads its costs off the model
-    return balancer
-
-
 def balance_section(ctx: ProfileContext, history: list[torch.Tensor], spec: FeatureSpec) -> ProfileSection:
     world = ctx.dp_degree
     model = ctx.config.model
@@ -59,7 +51,7 @@ def balance_section(ctx: ProfileContext, history: list[torch.Tensor], spec: Feat
     notes = []
     for name in ctx.plugins.load_balancers.names():
         try:
-            per_step = rank_loads(_balancer(ctx, name, spec), history, world, load)
+            per_step = rank_loads(build_balancer(ctx.config, ctx.plugins, name, spec), history, world, load)
         except ValueError as exc:
             notes.append(f"{name}: {exc}")
             continue

@@ -115,19 +115,8 @@ def selected_sections(pm: GemPluginManager, requested: tuple[str, ...] | None) -
 
 def _declared(pm: GemPluginManager) -> dict[str, list[str]]:
     """Plugin name -> the section names it declares (``gem_profile_section_names``)."""
-    out: dict[str, list[str]] = {}
-    for impl in pm.pm.hook.gem_profile_section_names.get_hookimpls():
-        out[impl.plugin_name] = list(_call_plugin(pm, impl, "gem_profile_section_names") or ())
-    return out
-
-
-def _call_plugin(pm: GemPluginManager, impl: Any, hook: str, **kwargs: Any) -> Any:
-    try:
-        return impl.function(**{k: v for k, v in kwargs.items() if k in impl.argnames})
-    except Exception as exc:
-        p = pm.provider(impl.plugin_name)
-        raise PluginError(f"plugin {impl.plugin_name!r} from distribution {p.distribution} {p.version} raised in "
-                          f"hook {hook}: {type(exc).__name__}: {exc}") from exc  # fmt: skip
+    hook = "gem_profile_section_names"
+    return {name: list(pm.call_plugin(hook, name) or ()) for name in pm.implementers(hook)}
 
 
 def _baseline_tokens_per_s(path: Path | None) -> float | None:
@@ -165,11 +154,11 @@ def run_profile(config: RunConfig, pm: GemPluginManager, options: ProfileOptions
     made = _Sections(ctx, options, device)
     try:
         _core_sections(ctx, components, made, probe)
-        for impl in pm.pm.hook.gem_profile_sections.get_hookimpls():
-            declared = made.declared.get(impl.plugin_name)
+        for plugin in pm.implementers("gem_profile_sections"):
+            declared = made.declared.get(plugin)
             if selected is None or (declared and selected & set(declared)):
-                made.run(f"plugin {impl.plugin_name}", [n for n in declared or [impl.plugin_name] if ctx.wants(n)],
-                         lambda impl=impl: _call_plugin(pm, impl, "gem_profile_sections", profile=ctx) or [])  # fmt: skip
+                made.run(f"plugin {plugin}", [n for n in declared or [plugin] if ctx.wants(n)],
+                         lambda p=plugin: pm.call_plugin("gem_profile_sections", p, profile=ctx) or [])  # fmt: skip
         if ctx.wants("mfu"):
             baseline = _baseline_tokens_per_s(options.baseline)
             made.run("mfu", ["mfu"], lambda: [mfu_section(ctx, baseline_tokens_per_s=baseline)])

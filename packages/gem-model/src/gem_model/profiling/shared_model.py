@@ -11,14 +11,13 @@ import torch
 from gem_model.config import RunConfig
 from gem_model.model.gem import GemModel
 from gem_model.resolve import resolve_components
+from gem_model.train import prepare
 
 
 def initial_model(config: RunConfig, plugins: Any, device: torch.device) -> GemModel:
     """Rank 0's initial model of ``config`` on ``device``: float32, unconverted, tables drawn."""
     components = resolve_components(config, plugins)
-    torch.manual_seed(config.trainer.seed * 1_000)
-    model = GemModel(config.model, components.source.feature_spec(), attention=components.attention,
-                     norm_gate=components.norm_gate, seed=config.trainer.seed)  # fmt: skip
+    model = prepare.initial_model(config, components, components.source.feature_spec())
     if model.tables_on_meta:  # model.table_init: device (a planner would draw them; here the profile does)
         model.materialize_tables(device)
     return model.to(device)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
+import torch
+
 from gem_model.components import (
     ActivationPolicy,
     CommStrategy,
@@ -25,6 +27,7 @@ from gem_model.components import (
     SparseOptimizerSpec,
 )
 from gem_model.config import ActivationConfig, PrecisionConfig, RunConfig
+from gem_model.data.batch import FeatureSpec
 from gem_model.distributed import DistEnv, pick_device
 from gem_model.layout import Layout
 from gem_model.model.gem import GemModel
@@ -33,7 +36,17 @@ from gem_model.precision import apply_precision, precision_plan, set_submodule
 from gem_model.resolve import Components
 from gem_model.train.optim import sparse_optimizer_spec
 
-__all__ = ["apply_activation", "apply_precision", "offline_plan", "precision_plan", "prepare_model"]
+__all__ = ["apply_activation", "apply_precision", "initial_model", "offline_plan", "precision_plan", "prepare_model"]
+
+
+def initial_model(config: RunConfig, components: Components, spec: FeatureSpec) -> GemModel:
+    """The run's model as every rank first builds it: from rank 0's random stream (some inits,
+    ``nn.Linear``'s biases, draw from the global RNG), so that replicas a planner does not broadcast
+    (tp groups, state DCP dedups as replicated) start identical. The caller moves the global RNG on
+    to its own rank's stream afterwards (dropout)."""
+    torch.manual_seed(config.trainer.seed * 1_000)
+    return GemModel(config.model, spec, attention=components.attention, norm_gate=components.norm_gate,
+                    seed=config.trainer.seed)  # fmt: skip
 
 
 def apply_activation(

@@ -19,7 +19,6 @@ from gem_model.data.prefetch import StepFacts, make_feed
 from gem_model.distributed import DistEnv
 from gem_model.errors import CheckpointError, KernelUnavailableError, NonFiniteStateError, RunInterrupted
 from gem_model.model.flops import count_flops
-from gem_model.model.gem import GemModel
 from gem_model.plan import Plan
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
@@ -30,7 +29,7 @@ from gem_model.train import state as run_state
 from gem_model.train.finite import first_non_finite
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
 from gem_model.train.optim import sparse_optimizer_spec
-from gem_model.train.prepare import prepare_model
+from gem_model.train.prepare import initial_model, prepare_model
 from gem_model.train.progress import Progress, live_progress
 from gem_model.train.report import format_sections, run_summary, step_record
 from gem_model.train.signals import StopRequest, stop_on_signals
@@ -72,14 +71,8 @@ class Run:
                 kernel.check_available(env.device)
             except KernelUnavailableError as exc:
                 raise KernelUnavailableError(f"kernels.{path}: {kernel.name!r} cannot run here: {exc}") from None
-        # Every rank builds the model from rank 0's stream: some inits (nn.Linear biases) draw from the
-        # global RNG, and replicas a planner does not broadcast (tp groups, checkpoints DCP dedups as
-        # replicated) must start identical. Then ranks > 0 go on with their own stream (dropout).
-        torch.manual_seed(tc.seed * 1_000)
-        self.model = GemModel(
-            config.model, self.spec, attention=components.attention, norm_gate=components.norm_gate, seed=tc.seed
-        )
-        if env.rank:
+        self.model = initial_model(config, components, self.spec)  # every rank from rank 0's stream
+        if env.rank:  # then ranks > 0 go on with their own stream (dropout)
             torch.manual_seed(tc.seed * 1_000 + env.rank)
         self.prepared: PreparedModel
         self.prepared, self.plans = prepare_model(
