@@ -17,7 +17,7 @@ from gem_model.cli import main
 from gem_model.config_io import dump, load_config
 from gem_model.profiling.report import ProfileReport, ProfileSection
 from gem_model.trainer import train
-from gem_model.tune.search import _pruned, dimensions, tune, with_overrides
+from gem_model.tune.search import CutOff, _pruned, _wider_gemms, dimensions, measure, tune, with_overrides
 
 TINY = [*testing.INLINE_OVERRIDES]
 
@@ -43,7 +43,7 @@ def test_tune_tries_every_dimension_and_its_config_trains(monkeypatch, tmp_path:
     }
     poison = next(c for c in result["candidates"] if c["dimension"] == "attention kernel")
     assert "NonFinite" in poison["error"] and not poison["chosen"]  # a NaN run is recorded, never chosen
-    assert not result["stopped_by_budget"] and result["seconds"] <= 5 * 60
+    assert not result["stopped_by_budget"] and result["seconds"] <= 5 * 60 and result["complete"]
     assert "gem-train tune:" in capsys.readouterr().out
     chosen = load_config(tmp_path / "tune" / "tuned.yaml", ["trainer.steps=2", f"trainer.output_dir={tmp_path}/run"])
     assert chosen.kernels.jagged_attention.name == "loop"
@@ -111,9 +111,14 @@ def test_tune_profiles_what_it_reads_when_the_profile_is_missing_and_compares_co
     other = tmp_path / "other.yaml"
     other.write_text(dump(load_config(None, [*TINY, "precision.scheme=inline_bf16"])))  # as tuned.yaml is
     assert main(["tune", *TINY, "--steps", "2", "--compare", str(other), "--out", str(tmp_path / "t")]) == 0
-    runs = json.loads((tmp_path / "t" / "compare.json").read_text())["runs"]
-    assert [r["overrides"]["config"] for r in runs] == ["(the default config)", str(other)]
+    written = json.loads((tmp_path / "t" / "compare.json").read_text())
+    runs, means = written["runs"], written["means"]
+    base = "(the default config)"
+    # A, B, B, A: neither config pays alone for the process's first run (kernel compilation, tuning)
+    assert [r["overrides"]["config"] for r in runs] == [base, str(other), str(other), base]
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["last_loss"]) for r in runs)
+    assert means[base]["tokens_per_s"] == pytest.approx((runs[0]["tokens_per_s"] + runs[3]["tokens_per_s"]) / 2)
+    assert means[str(other)]["runs"] == 2
     assert "x the tokens/s of" in capsys.readouterr().out
 
 
@@ -144,3 +149,35 @@ def test_dimensions_left_out_are_recorded_as_not_searched(pm, monkeypatch, capsy
     assert main(["tune", *TINY, "--budget", "1", "--dimensions", "precision,kernels"]) == 2
     err = capsys.readouterr().err
     assert "kernels" in err and "kernel, precision, activation, balancer, planner" in err
+
+
+def test_a_candidate_stopped_by_its_time_limit_is_an_error_not_a_figure(pm):
+    config = load_config(None, TINY)
+    with pytest.raises(CutOff, match="after 1 of 3 steps"):
+        measure(config, pm, 3, time_limit_s=1e-9)  # the trainer stops after the step that passed the limit
+    tps, peak, loss = measure(config, pm, 2, time_limit_s=600.0)  # a limit not reached changes nothing
+    assert tps > 0 and peak is None and math.isfinite(loss)
+
+
+def test_tune_reports_the_result_so_far_after_every_candidate(pm):
+    seen = []
+
+    def record(so_far):
+        seen.append((so_far.complete, sum(c.skipped is None for c in so_far.candidates)))
+
+    result = tune(load_config(None, TINY), pm, budget_s=60, steps=2, only=("precision", "planner"), on_candidate=record)
+    measured = [c for c in result.candidates if c.skipped is None]
+    # once after the baseline, then once per measured candidate, each with what was tried so far
+    assert [n for _, n in seen] == [0, *range(1, len(measured) + 1)] and not any(done for done, _ in seen)
+    assert result.complete
+
+
+def test_on_a_gpu_schemes_with_wider_gemms_are_not_measured(pm):
+    config = load_config(None, [*TINY, "precision.scheme=inline_bf16"])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    why = _wider_gemms(config, {"precision.scheme": "inline_fp32"}, pm, cuda)
+    assert why is not None and "float32" in why and "inline_bf16" in why
+    assert _wider_gemms(config, {"precision.scheme": "inline_fp32"}, pm, cpu) is None  # a CPU may run fp32 faster
+    assert _wider_gemms(config, {"precision.scheme": "inline_bf16"}, pm, cuda) is None
+    assert _wider_gemms(load_config(None, TINY), {"precision.scheme": "inline_bf16"}, pm, cuda) is None
+    assert _wider_gemms(config, {"kernels.jagged_attention": "loop"}, pm, cuda) is None

@@ -8,6 +8,7 @@ defined in a small module of its own (listed beside it), all of them importable 
 from __future__ import annotations
 
 from gem_model.components import (  # the component interfaces
+    GEMM_BITS,
     ActivationPolicy,
     CommStrategy,
     Component,
@@ -33,6 +34,7 @@ from gem_model.protocols import ShardableModel, Stateful  # what the core needs 
 from gem_model.results import ReportSection, RunSummary, StepResult  # what a run hands back
 
 __all__ = [
+    "GEMM_BITS",
     "ActivationPolicy",
     "Callback",
     "CommStrategy",

@@ -138,6 +138,10 @@ class NormGateKernel(Kernel):
 # ------------------------------------------------------------------------------------ precision, memory
 
 
+GEMM_BITS: dict[str, int] = {"float32": 32, "bfloat16": 16, "float16": 16, "float8": 8}
+"""Bits per GEMM operand of each :attr:`PrecisionScheme.gemm_dtype` value."""
+
+
 class PrecisionScheme(Component):
     """Numerics of the dense ``nn.Linear`` layers, applied by module swap, and the dtype in which
     activations flow through the whole model when this scheme is the run's ``precision.scheme``.

@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 import math
 import re
+import time
+from collections.abc import Callable
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -180,13 +182,15 @@ def _cell(m: SchemeMeasure, options: ProbeOptions, baseline: float) -> str:
 
 
 def probe_precision(
-    config: RunConfig, pm: GemPluginManager, options: ProbeOptions | None = None, *, model: GemModel | None = None
+    config: RunConfig, pm: GemPluginManager, options: ProbeOptions | None = None, *, model: GemModel | None = None,
+    on_phase: Callable[[str], None] | None = None,
 ) -> ProbeResult:
     """Measure every dense linear of ``config``'s model under every candidate scheme; recommend a map.
 
     ``model``: the config's float32 model already built on the device (the profile's shared one,
     :meth:`ProfileContext.model <gem_model.profiling.context.ProfileContext.model>`), so its tables are
     not drawn again; it is evaluated in eval mode and left as it was. None: the probe builds its own.
+    ``on_phase``: told, as each phase ends, what it did and how long it took (the profile prints it).
     """
     options = options or ProbeOptions()
     options.check()
@@ -215,7 +219,7 @@ def probe_precision(
     fqns = list(precision_plan(model, config.precision))
     try:
         with torch.no_grad():
-            baseline, modules = _measure(model, batches, fqns, schemes, options)
+            baseline, modules = _measure(model, batches, fqns, schemes, options, on_phase or (lambda _: None))
     finally:
         model.train(was_training)
     result = ProbeResult(config.name, options.batches, baseline, list(schemes), options, modules)
@@ -269,7 +273,8 @@ def _capture(
 
 
 def _measure(
-    model: GemModel, batches: list[Batch], fqns: list[str], schemes: dict[str, PrecisionScheme], options: ProbeOptions
+    model: GemModel, batches: list[Batch], fqns: list[str], schemes: dict[str, PrecisionScheme], options: ProbeOptions,
+    on_phase: Callable[[str], None],
 ) -> tuple[float, list[ModuleReport]]:
     # squared norms summed over batches, so the error is that of all captured outputs together
     err2 = {(f, s): 0.0 for f in fqns for s in schemes}
@@ -278,9 +283,12 @@ def _measure(
     converted: dict[tuple[str, str], nn.Module] = {}
     exact: set[tuple[str, str]] = set()
     losses: list[float] = []
+    clock = time.perf_counter()
     for batch in batches:
         loss, seen = _capture(model, fqns, batch)  # one batch's activations alive at a time
         losses.append(loss)
+        on_phase(f"float32 forward with {len(fqns)} linears captured: {time.perf_counter() - clock:.1f} s")
+        clock = time.perf_counter()
         for fqn in fqns:
             linear = model.get_submodule(fqn)
             for name, scheme in schemes.items():
@@ -299,7 +307,10 @@ def _measure(
                 except (RuntimeError, ValueError, TypeError) as exc:
                     errors[key] = f"{type(exc).__name__}: {exc}"
             ref2[fqn] += sum(float(y.double().square().sum()) for _, y in seen[fqn])
+        on_phase(f"{len(fqns)} linears x {len(schemes)} schemes converted and compared: {time.perf_counter() - clock:.1f} s")
+        clock = time.perf_counter()
     baseline = sum(losses) / len(losses)
+    recomputed = 0
     reports = []
     for fqn in fqns:
         linear = model.get_submodule(fqn)
@@ -319,11 +330,13 @@ def _measure(
                     continue
                 try:
                     measures[name].loss_delta = _loss_with(model, fqn, converted[key], batches) - baseline
+                    recomputed += 1
                 except (RuntimeError, ValueError, TypeError) as exc:
                     measures[name] = SchemeMeasure(math.nan, math.nan, math.nan, f"{type(exc).__name__}: {exc}")
                     continue
             decided = decided or measures[name].passes(options, baseline)
         reports.append(ModuleReport(fqn, linear.in_features, linear.out_features, measures))
+    on_phase(f"{recomputed} losses recomputed with one linear converted: {time.perf_counter() - clock:.1f} s")
     return baseline, reports
 
 

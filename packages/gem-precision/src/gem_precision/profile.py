@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from gem_model.api import ProfileCommand, ProfileContext, ProfileSection, ProfileTable, Recommendation
+from gem_model.api import GEMM_BITS, ProfileCommand, ProfileContext, ProfileSection, ProfileTable, Recommendation
 from gem_model.plugins import GemPluginManager
 from gem_precision.probe import DEFAULT_ORDER, ProbeOptions, ProbeResult, probe_precision
 
-GEMM_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "float8": 8}
 SECTION_BATCHES = 1  # the probe keeps one batch's linear inputs and outputs: GBs at d=1024
 # ... and of that batch a sample: the relative errors are per row, and at ~220k tokens a global batch
 # made the section the slowest of the profile by far (minutes: a forward per module and scheme)
@@ -82,7 +82,10 @@ def lower_bit_share(result: ProbeResult, pm: GemPluginManager, configured: str) 
 
 def numerics_section(ctx: ProfileContext) -> ProfileSection:
     options = ProbeOptions(batches=min(ctx.batches, SECTION_BATCHES), max_samples=SECTION_SAMPLES, loss_until_pass=True)
-    result = probe_precision(ctx.config, ctx.plugins, options, model=ctx.model())
+    def phase(what: str) -> None:  # where the section's time goes, in the profile's log
+        print(f"[profile] numerics: {what}", file=sys.stderr, flush=True)
+
+    result = probe_precision(ctx.config, ctx.plugins, options, model=ctx.model(), on_phase=phase)
     samples = min(SECTION_SAMPLES, ctx.config.data.global_batch_size)
     rows: list[list[Any]] = []
     for m in result.modules:

@@ -68,7 +68,8 @@ def tune_main(args: argparse.Namespace) -> int:
         profile = load_report(args.profile)
     budget_s = args.budget * 60 - (time.perf_counter() - start)
     result = tune(config, GemPluginManager(), budget_s=budget_s, steps=args.steps, memory_gb=args.memory_gb,
-                  max_loss_increase=args.max_loss_increase, profile=profile, only=only)  # fmt: skip
+                  max_loss_increase=args.max_loss_increase, profile=profile, only=only,
+                  on_candidate=lambda so_far: write_result(so_far, out))  # tune.json after every candidate  # fmt: skip
     table = Table(title=f"gem-train tune: {len(result.candidates)} candidate(s) in {result.seconds:.0f} s")
     for col in ("dimension", "change", "tokens/s", "peak GB", "last loss", "s", "chosen / error"):
         table.add_column(col, overflow="fold")
@@ -108,27 +109,29 @@ def _compare(config: Any, other: Any, args: argparse.Namespace, out: Path) -> in
     import json
 
     from gem_model.plugins import GemPluginManager
-    from gem_model.tune.search import compare
+    from gem_model.tune.search import compare, compare_means
 
     names = {str(args.config or "(the default config)"): config, str(args.compare): other}
     if len(names) < 2:
         raise ConfigError([("--compare", str(args.compare), "is the config itself; name another config")])
     measured = compare(names, GemPluginManager(), args.steps)
-    table = Table(title=f"gem-train tune --compare: {args.steps} steps each, the same way")
+    table = Table(title=f"gem-train tune --compare: {args.steps} steps a run, in the order A, B, B, A")
     for col in ("dimension", "config", "tokens/s", "peak GB", "last loss", "s", ""):
         table.add_column(col, overflow="fold")
     for c in measured:
         table.add_row(*_row(c))
     Console().print(table)
-    first, second = measured
-    if first.tokens_per_s and second.tokens_per_s:
-        print(f"{second.overrides['config']}: {second.tokens_per_s / first.tokens_per_s:.3f}x the tokens/s of "
-              f"{first.overrides['config']}")  # fmt: skip
+    means = compare_means(measured)
+    (first, a), (second, b) = means.items()
+    if a["tokens_per_s"] and b["tokens_per_s"]:
+        print(f"{second}: {b['tokens_per_s'] / a['tokens_per_s']:.3f}x the tokens/s of {first} "
+              f"(means of {b['runs']} and {a['runs']} runs: {b['tokens_per_s']:,.0f} / {a['tokens_per_s']:,.0f})")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     path = out / "compare.json"
     from dataclasses import asdict
 
-    path.write_text(json.dumps({"steps": args.steps, "runs": [asdict(c) for c in measured]}, indent=1))
+    path.write_text(json.dumps({"steps": args.steps, "order": "A, B, B, A", "runs": [asdict(c) for c in measured],
+                                "means": means}, indent=1))  # fmt: skip
     print(f"wrote comparison: {path}")
     return 0
 

@@ -18,11 +18,19 @@ recorded with its error and never chosen. Before each candidate the search check
 run so far still fits in what is left of the budget, so it stops within it; every candidate it had
 no time for is recorded as not measured (``skipped``), so the table shows what the budget left out.
 With a profile that has a ``memory`` section and a ``memory_gb``, the activation policies are not
-measured when the configured one fits: another policy only trades speed for memory.
+measured when the configured one fits: another policy only trades speed for memory. On a GPU, a
+precision scheme whose GEMMs run in more bits than the configured scheme's is not measured either:
+it cannot be faster there (on this config fp32 is ~40 s a step against ~0.3 s in bf16).
+
+Each candidate after the first runs under ``trainer.time_limit_s`` = what is left of the budget; one
+that stops early is recorded with its error and never chosen, so the search ends within the budget
+plus one candidate's start-up and one step. ``tune.json`` is rewritten after every candidate
+(``"complete": false`` until the end), so a search killed from outside keeps what it measured.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
@@ -36,6 +44,7 @@ from typing import Any
 import torch
 import yaml
 
+from gem_model.components import GEMM_BITS
 from gem_model.config import RunConfig
 from gem_model.config_io import apply_overrides, dump, validate
 from gem_model.distributed import DistEnv, launched_by_torchrun, pick_device
@@ -72,11 +81,13 @@ class TuneResult:
     best_overrides: dict[str, Any] = field(default_factory=dict)
     stopped_by_budget: bool = False
     seconds: float = 0.0
+    complete: bool = True
+    """False while the search still runs (the ``tune.json`` written after each candidate)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"baseline": asdict(self.baseline), "candidates": [asdict(c) for c in self.candidates],
                 "best_overrides": self.best_overrides, "stopped_by_budget": self.stopped_by_budget,
-                "seconds": self.seconds}  # fmt: skip
+                "seconds": self.seconds, "complete": self.complete}  # fmt: skip
 
 
 def with_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
@@ -88,25 +99,41 @@ def with_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     return validate(apply_overrides(data, rest))
 
 
-def measure(config: RunConfig, pm: GemPluginManager, steps: int) -> tuple[float, float | None, float]:
-    """Train ``steps`` steps of ``config`` in a scratch directory: (tokens/s, peak GB or None, last loss)."""
+class CutOff(GemError):
+    """A candidate run stopped by its time limit before its last step: its figures are not comparable."""
+
+
+def measure(
+    config: RunConfig, pm: GemPluginManager, steps: int, time_limit_s: float | None = None
+) -> tuple[float, float | None, float]:
+    """Train ``steps`` steps of ``config`` in a scratch directory: (tokens/s, peak GB or None, last loss).
+
+    ``time_limit_s``: the trainer's own limit on the loop; a run it stops early raises :class:`CutOff`.
+    The model is released and the CUDA cache emptied afterwards, so candidates do not stack up (the
+    big config's tables are 25 GB)."""
     from gem_model.trainer import train
 
     scratch = tempfile.mkdtemp(prefix="gem-tune-")
     device = pick_device(config.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
     trainer = config.trainer.model_copy(update={
         "steps": steps, "output_dir": scratch, "checkpoint_every": 0, "checkpoint_at_end": False, "eval_every": 0,
-        "eval_at_end": False, "progress": False, "log_every": steps, "resume": False, "time_limit_s": None,
+        "eval_at_end": False, "progress": False, "log_every": steps, "resume": False, "time_limit_s": time_limit_s,
     })  # fmt: skip
     try:
         if device.type == "cuda":
             torch.cuda.init()  # the allocator's statistics exist only once CUDA is initialised
             torch.cuda.reset_peak_memory_stats(device)
         summary = train(config.model_copy(update={"trainer": trainer}), pm)
+        if summary.steps < steps:
+            raise CutOff(f"stopped by its time limit ({time_limit_s:.0f} s, what was left of the budget) after "
+                         f"{summary.steps} of {steps} steps")  # fmt: skip
         peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         return summary.tokens_per_s, peak, summary.last_loss
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def dimensions(config: RunConfig, pm: GemPluginManager, profile: ProfileReport | None) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -145,9 +172,11 @@ def _same(config: RunConfig, overrides: dict[str, Any]) -> bool:
 def tune(
     config: RunConfig, pm: GemPluginManager, *, budget_s: float, steps: int = 6, memory_gb: float | None = None,
     max_loss_increase: float = 0.05, profile: ProfileReport | None = None, only: tuple[str, ...] | None = None,
+    on_candidate: Callable[[TuneResult], None] | None = None,
 ) -> TuneResult:
     """``only``: the :data:`DIMENSIONS` names to search (None: all); the others' candidates are
-    recorded as not searched."""
+    recorded as not searched. ``on_candidate``: called with the result so far (``complete`` False)
+    after every measured candidate."""
     check_dimensions(only)
     searched = None if only is None else {DIMENSIONS[n] for n in only}
     # live progress (on a terminal): seconds of the budget spent, one advance per candidate run
@@ -162,7 +191,8 @@ def tune(
 
         start = time.perf_counter()
         return _search(config, pm, start, spent, steps=steps, budget_s=budget_s, memory_gb=memory_gb,
-                       max_loss_increase=max_loss_increase, profile=profile, searched=searched)  # fmt: skip
+                       max_loss_increase=max_loss_increase, profile=profile, searched=searched,
+                       on_candidate=on_candidate or (lambda _: None))  # fmt: skip
 
 
 def check_dimensions(only: tuple[str, ...] | None) -> None:
@@ -174,6 +204,7 @@ def check_dimensions(only: tuple[str, ...] | None) -> None:
 def _search(
     config: RunConfig, pm: GemPluginManager, start: float, spent: Callable[[], None], *, steps: int, budget_s: float,
     memory_gb: float | None, max_loss_increase: float, profile: ProfileReport | None, searched: set[str] | None,
+    on_candidate: Callable[[TuneResult], None],
 ) -> TuneResult:
     baseline = Candidate("baseline", {})
     baseline.tokens_per_s, baseline.peak_memory_gb, baseline.last_loss = measure(config, pm, steps)
@@ -182,6 +213,8 @@ def _search(
     best, best_overrides, best_tps = config, {}, baseline.tokens_per_s
     tried: list[Candidate] = []
     stopped = False
+    device = pick_device(config.trainer.device, 0)
+    on_candidate(TuneResult(baseline, [], best, {}, False, time.perf_counter() - start, complete=False))
     for dimension, options in dimensions(config, pm, profile):
         current = best  # the value this dimension starts from was measured already
         pruned = "not searched (--dimensions)" if searched is not None and dimension not in searched else None
@@ -191,14 +224,15 @@ def _search(
                 continue
             c = Candidate(dimension, overrides)
             left = budget_s - (time.perf_counter() - start)
-            if pruned or stopped or left < slowest:
-                stopped = stopped or (pruned is None)
-                c.skipped = pruned or f"not measured: {max(left, 0):.0f} s of the budget left, the slowest run took {slowest:.0f} s"
+            why = pruned or _wider_gemms(config, overrides, pm, device)
+            if why or stopped or left < slowest:
+                stopped = stopped or (why is None)
+                c.skipped = why or f"not measured: {max(left, 0):.0f} s of the budget left, the slowest run took {slowest:.0f} s"
                 tried.append(c)
                 continue
             t0 = time.perf_counter()
             try:
-                c.tokens_per_s, c.peak_memory_gb, c.last_loss = measure(with_overrides(best, overrides), pm, steps)
+                c.tokens_per_s, c.peak_memory_gb, c.last_loss = measure(with_overrides(best, overrides), pm, steps, left)
             except Exception as exc:  # a candidate that cannot run is a result, not the end of the search
                 c.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             c.seconds = time.perf_counter() - t0
@@ -208,9 +242,27 @@ def _search(
             if c.error is None and _acceptable(c, baseline, memory_gb, max_loss_increase) and c.tokens_per_s > best_tps:
                 best, best_tps = with_overrides(best, overrides), c.tokens_per_s
                 best_overrides = {**best_overrides, **overrides}
+            on_candidate(TuneResult(baseline, list(tried), best, best_overrides, stopped,
+                                    time.perf_counter() - start, complete=False))  # fmt: skip
     for c in tried:
         c.chosen = c.skipped is None and all(best_overrides.get(k) == v for k, v in c.overrides.items())
     return TuneResult(baseline, tried, best, best_overrides, stopped, time.perf_counter() - start)
+
+
+def _wider_gemms(config: RunConfig, overrides: dict[str, Any], pm: GemPluginManager, device: torch.device) -> str | None:
+    """Why a ``precision.scheme`` candidate cannot be faster on ``device``, or None: on a GPU, GEMMs in
+    more bits than the configured scheme's run at a lower tensor-core rate (fp32: no tensor cores, and
+    fp32 activations double every activation's bytes). On a CPU nothing is assumed."""
+    name = overrides.get("precision.scheme")
+    if name is None or device.type != "cuda":
+        return None
+    bits = GEMM_BITS
+    mine = pm.precision_schemes.get(config.precision.scheme.name).cls.gemm_dtype
+    theirs = pm.precision_schemes.get(name).cls.gemm_dtype
+    if bits.get(theirs, 0) <= bits.get(mine, 0):
+        return None
+    return (f"not measured: {name}'s GEMMs run in {theirs}, more bits than {config.precision.scheme.name}'s "
+            f"{mine}; on a GPU that cannot be faster")
 
 
 def _pruned(dimension: str, config: RunConfig, profile: ProfileReport | None, memory_gb: float | None) -> str | None:
@@ -233,14 +285,34 @@ def _pruned(dimension: str, config: RunConfig, profile: ProfileReport | None, me
 
 
 def compare(configs: dict[str, RunConfig], pm: GemPluginManager, steps: int) -> list[Candidate]:
-    """Measure each config (name -> config) the same way, in order: ``gem-train tune --compare``."""
+    """Measure two configs (name -> config) the same way: ``gem-train tune --compare``.
+
+    The runs go A, B, B, A: a process's first run pays for compiling and tuning kernels (Triton's
+    autotuner, the length buckets a run meets first), which would otherwise count against whichever
+    config runs first. Returns the four runs in that order; :func:`compare_means` averages them."""
+    if len(configs) != 2:
+        raise ConfigError([("--compare", list(configs), "compares exactly two configs")])
+    a, b = configs.items()
     out = []
-    for name, config in configs.items():
+    for name, config in (a, b, b, a):
         c = Candidate("compare", {"config": name})
         t0 = time.perf_counter()
         c.tokens_per_s, c.peak_memory_gb, c.last_loss = measure(config, pm, steps)
         c.seconds = time.perf_counter() - t0
         out.append(c)
+    return out
+
+
+def compare_means(runs: list[Candidate]) -> dict[str, dict[str, float | None]]:
+    """Per config (in first-seen order): the mean tokens/s, the largest peak GB and the mean last loss of its runs."""
+    names = list(dict.fromkeys(c.overrides["config"] for c in runs))
+    out: dict[str, dict[str, float | None]] = {}
+    for name in names:
+        mine = [c for c in runs if c.overrides["config"] == name]
+        peaks = [c.peak_memory_gb for c in mine if c.peak_memory_gb is not None]
+        out[name] = {"tokens_per_s": sum(c.tokens_per_s or 0.0 for c in mine) / len(mine),
+                     "peak_memory_gb": max(peaks) if peaks else None,
+                     "last_loss": sum(c.last_loss or 0.0 for c in mine) / len(mine), "runs": len(mine)}  # fmt: skip
     return out
 
 
@@ -258,6 +330,8 @@ def write_result(result: TuneResult, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"config": out / "tuned.yaml", "table": out / "tune.json"}
     head = f"# gem-train tune: chosen overrides {result.best_overrides or 'none (the config as given was fastest)'}\n"
+    if not result.complete:
+        head += f"# the search is still running ({len(result.candidates)} candidate(s) so far): this is the best yet\n"
     paths["config"].write_text(head + dump(result.best))
     paths["table"].write_text(json.dumps(result.to_dict(), indent=1))
     return paths
