@@ -130,6 +130,32 @@ def test_device_kernels_fall_into_their_categories_and_idle_is_the_gap_between_t
     assert abs(out["idle"] - (1e-3 - 800e-6)) < 1e-12  # 100 us between the gemm and the add, 100 us after
 
 
+def test_only_kernels_copies_and_memsets_are_device_work():
+    """The profiler mirrors its annotations (ProfilerStep#N, module and record_function ranges) on the
+    device timeline; they span many kernels and must not count as kernels."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from gem_model.profiling.step_time import device_work, top_kernels
+
+    def event(name, start, end, device=DeviceType.CUDA, **kw):
+        return FunctionEvent(id=0, name=name, thread=0, start_us=start, end_us=end, device_type=device, **kw)
+
+    events = [
+        event("query_major_kernel", 0, 400, activity_type="kernel"),
+        event("query_major_kernel", 500, 900, activity_type="kernel"),
+        event("Memcpy HtoD (Pinned -> Device)", 900, 950, activity_type="gpu_memcpy"),
+        event("ProfilerStep#4", 0, 1000, is_user_annotation=True),
+        event("DistributedDataParallel.forward", 0, 800, activity_type="gpu_user_annotation"),
+        event("aten::mm", 0, 300, device=DeviceType.CPU),
+    ]
+    work = device_work(events)
+    assert [name for name, _, _ in work] == ["query_major_kernel", "query_major_kernel", "Memcpy HtoD (Pinned -> Device)"]
+    rows = top_kernels(work, steps=2)
+    assert rows[0] == ["query_major_kernel", "attention", 0.4, 1.0]  # 800 us over 2 steps, one call each
+    assert rows[1][:2] == ["Memcpy HtoD (Pinned -> Device)", "pointwise"] and len(rows) == 2
+
+
 def test_mfu_arithmetic_and_the_peak_table():
     assert mfu.local_mfu(flops=3e12, seconds=2.0, world_size=2, peak=1e12) == 0.75
     assert mfu.scaling_efficiency(tokens_per_s=700.0, world_size=4, one_gpu_tokens_per_s=200.0) == 0.875

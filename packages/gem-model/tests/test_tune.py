@@ -80,6 +80,8 @@ def test_bad_budget_exits_2(monkeypatch, capsys):
     monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
     assert main(["tune", *TINY, "--budget", "0"]) == 2
     assert "--budget" in capsys.readouterr().err
+    assert main(["tune", *TINY, "--budget", "1", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
 
 
 def test_a_profile_with_a_numerics_section_gives_the_per_layer_map(pm):
@@ -87,8 +89,10 @@ def test_a_profile_with_a_numerics_section_gives_the_per_layer_map(pm):
     numerics = ProfileSection("numerics", "numerics", summary={"precision_yaml": block})
     report = ProfileReport("gem-tiny", "cpu", "-", "-", [numerics])
     dims = dict(dimensions(load_config(None, TINY), pm, report))
+    schemes = [{"precision.scheme": n} for n in pm.precision_schemes.names()]
+    # the map first, then every scheme as the whole model's (a cheaper map may not be the fastest one)
     assert dims["precision"] == [{"precision": {"scheme": "inline_bf16", "overrides": {"task_head.0": "inline_fp32"},
-                                                "min_dim": 0}}]  # fmt: skip
+                                                "min_dim": 0}}, *schemes]  # fmt: skip
     assert dims["balancer"] == []  # one data-parallel rank: every balancer splits alike
     cut = ProfileSection("numerics", "numerics: cut off", summary={"status": "timed_out", "seconds": 1.0, "error": "-"})
     dims = dict(dimensions(load_config(None, TINY), pm, ProfileReport("gem-tiny", "cpu", "-", "-", [cut])))
@@ -181,3 +185,24 @@ def test_on_a_gpu_schemes_with_wider_gemms_are_not_measured(pm):
     assert _wider_gemms(config, {"precision.scheme": "inline_bf16"}, pm, cuda) is None
     assert _wider_gemms(load_config(None, TINY), {"precision.scheme": "inline_bf16"}, pm, cuda) is None
     assert _wider_gemms(config, {"kernels.jagged_attention": "loop"}, pm, cuda) is None
+
+
+def test_a_warm_up_run_comes_first_and_each_config_runs_repeats_times(pm, monkeypatch):
+    import gem_model.tune.search as search
+
+    runs = []
+    real = search.measure_once
+
+    def counted(config, *args, **kwargs):
+        runs.append(config.precision.scheme.name)
+        return real(config, *args, **kwargs)
+
+    monkeypatch.setattr(search, "measure_once", counted)
+    result = tune(load_config(None, TINY), pm, budget_s=60, steps=2, only=("precision",), repeats=2)
+    measured = [c for c in result.candidates if c.skipped is None]
+    assert len(measured) == 1 and result.warmup_seconds > 0
+    # the uncounted warm-up, the baseline twice, the candidate twice
+    assert runs == ["inline_fp32", "inline_fp32", "inline_fp32", "inline_bf16", "inline_bf16"]
+    runs.clear()
+    tune(load_config(None, TINY), pm, budget_s=60, steps=2, only=("precision",), warmup=False)
+    assert runs == ["inline_fp32", "inline_bf16"]

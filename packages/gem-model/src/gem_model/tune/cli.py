@@ -28,6 +28,9 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     p.add_argument("--budget", type=float, help="minutes the whole search may take (required unless --compare)")
     p.add_argument("--steps", type=int, default=6, help="training steps per candidate")
+    p.add_argument("--repeats", type=int, default=1, help="runs per config in a row; the last one counts")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the uncounted first run of the config (it compiles and tunes the kernels)")
     p.add_argument("--memory-gb", type=float, help="largest accepted peak memory per GPU")
     p.add_argument("--max-loss-increase", type=float, default=0.05, help="largest accepted relative loss increase")
     p.add_argument("--profile", type=Path, help="a `gem-train profile` directory (its numerics map is a candidate)")
@@ -46,8 +49,9 @@ def tune_main(args: argparse.Namespace) -> int:
 
     if args.compare is None and args.budget is None:
         raise ConfigError([("--budget", None, "give the minutes the search may take")])
-    if (args.budget is not None and not args.budget > 0) or args.steps < 2:
-        raise ConfigError([("--budget/--steps", (args.budget, args.steps), "a budget > 0 and at least 2 steps")])
+    if (args.budget is not None and not args.budget > 0) or args.steps < 2 or args.repeats < 1:
+        raise ConfigError([("--budget/--steps/--repeats", (args.budget, args.steps, args.repeats),
+                            "a budget > 0, at least 2 steps and at least 1 repeat")])  # fmt: skip
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each rank would time and choose on its own
@@ -69,7 +73,8 @@ def tune_main(args: argparse.Namespace) -> int:
     budget_s = args.budget * 60 - (time.perf_counter() - start)
     result = tune(config, GemPluginManager(), budget_s=budget_s, steps=args.steps, memory_gb=args.memory_gb,
                   max_loss_increase=args.max_loss_increase, profile=profile, only=only,
-                  on_candidate=lambda so_far: write_result(so_far, out))  # tune.json after every candidate  # fmt: skip
+                  on_candidate=lambda so_far: write_result(so_far, out),  # tune.json after every candidate
+                  warmup=args.warmup, repeats=args.repeats)  # fmt: skip
     table = Table(title=f"gem-train tune: {len(result.candidates)} candidate(s) in {result.seconds:.0f} s")
     for col in ("dimension", "change", "tokens/s", "peak GB", "last loss", "s", "chosen / error"):
         table.add_column(col, overflow="fold")

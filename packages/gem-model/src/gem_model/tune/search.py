@@ -8,10 +8,15 @@ directory) and kept when its tokens/s beats the best so far, its last loss is at
 
 1. ``kernels.jagged_attention``: every registered attention kernel available on the device;
 2. precision: the numerics section's per-layer map (``--profile DIR`` with a finished ``numerics`` section),
-   else every registered scheme as ``precision.scheme``;
+   then every registered scheme as ``precision.scheme``;
 3. ``activation.policy``: every registered policy (the memory budget decides between them);
 4. ``data.balancer``: every registered balancer, when the layout has more than one data-parallel rank;
 5. ``parallel.planner``: every registered planner that can drive the launched world.
+
+A process's first run is slower than later ones (Triton compiles and tunes the kernels, 0.6x on the
+big config), so the search first trains the starting config once, uncounted (``warmup``), and with
+``repeats`` > 1 every config is trained that many times in a row and its last run counts: a
+candidate's first run still compiles the kernels only it uses.
 
 A candidate that fails (a kernel the device lacks, a planner that needs a process group, a NaN) is
 recorded with its error and never chosen. Before each candidate the search checks that the slowest
@@ -83,11 +88,13 @@ class TuneResult:
     seconds: float = 0.0
     complete: bool = True
     """False while the search still runs (the ``tune.json`` written after each candidate)."""
+    warmup_seconds: float = 0.0
+    """The uncounted first run of the starting config (0: none)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"baseline": asdict(self.baseline), "candidates": [asdict(c) for c in self.candidates],
                 "best_overrides": self.best_overrides, "stopped_by_budget": self.stopped_by_budget,
-                "seconds": self.seconds, "complete": self.complete}  # fmt: skip
+                "seconds": self.seconds, "complete": self.complete, "warmup_seconds": self.warmup_seconds}  # fmt: skip
 
 
 def with_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
@@ -104,6 +111,17 @@ class CutOff(GemError):
 
 
 def measure(
+    config: RunConfig, pm: GemPluginManager, steps: int, time_limit_s: float | None = None, *, repeats: int = 1
+) -> tuple[float, float | None, float]:
+    """:func:`measure_once` ``repeats`` times in a row, sharing ``time_limit_s``: the last run's figures."""
+    deadline = None if time_limit_s is None else time.perf_counter() + time_limit_s
+    for _ in range(repeats):
+        left = None if deadline is None else max(deadline - time.perf_counter(), 1e-9)
+        figures = measure_once(config, pm, steps, left)
+    return figures
+
+
+def measure_once(
     config: RunConfig, pm: GemPluginManager, steps: int, time_limit_s: float | None = None
 ) -> tuple[float, float | None, float]:
     """Train ``steps`` steps of ``config`` in a scratch directory: (tokens/s, peak GB or None, last loss).
@@ -150,7 +168,8 @@ def dimensions(config: RunConfig, pm: GemPluginManager, profile: ProfileReport |
         block = yaml.safe_load(profile.section("numerics").summary["precision_yaml"])["precision"]
         precision = [{"precision": block}]
     else:
-        precision = [{"precision.scheme": n} for n in pm.precision_schemes.names()]
+        precision = []
+    precision += [{"precision.scheme": n} for n in pm.precision_schemes.names()]
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     planners = [{"parallel.planner": n} for n in pm.parallel_planners.names()
                 if (pm.parallel_planners.get(n).cls.max_world_size or world) >= world]  # fmt: skip
@@ -172,11 +191,12 @@ def _same(config: RunConfig, overrides: dict[str, Any]) -> bool:
 def tune(
     config: RunConfig, pm: GemPluginManager, *, budget_s: float, steps: int = 6, memory_gb: float | None = None,
     max_loss_increase: float = 0.05, profile: ProfileReport | None = None, only: tuple[str, ...] | None = None,
-    on_candidate: Callable[[TuneResult], None] | None = None,
+    on_candidate: Callable[[TuneResult], None] | None = None, warmup: bool = True, repeats: int = 1,
 ) -> TuneResult:
     """``only``: the :data:`DIMENSIONS` names to search (None: all); the others' candidates are
     recorded as not searched. ``on_candidate``: called with the result so far (``complete`` False)
-    after every measured candidate."""
+    after every measured candidate. ``warmup``: train the starting config once first, uncounted;
+    ``repeats``: runs per config, the last one counts."""
     check_dimensions(only)
     searched = None if only is None else {DIMENSIONS[n] for n in only}
     # live progress (on a terminal): seconds of the budget spent, one advance per candidate run
@@ -192,7 +212,7 @@ def tune(
         start = time.perf_counter()
         return _search(config, pm, start, spent, steps=steps, budget_s=budget_s, memory_gb=memory_gb,
                        max_loss_increase=max_loss_increase, profile=profile, searched=searched,
-                       on_candidate=on_candidate or (lambda _: None))  # fmt: skip
+                       on_candidate=on_candidate or (lambda _: None), warmup=warmup, repeats=repeats)  # fmt: skip
 
 
 def check_dimensions(only: tuple[str, ...] | None) -> None:
@@ -204,11 +224,16 @@ def check_dimensions(only: tuple[str, ...] | None) -> None:
 def _search(
     config: RunConfig, pm: GemPluginManager, start: float, spent: Callable[[], None], *, steps: int, budget_s: float,
     memory_gb: float | None, max_loss_increase: float, profile: ProfileReport | None, searched: set[str] | None,
-    on_candidate: Callable[[TuneResult], None],
+    on_candidate: Callable[[TuneResult], None], warmup: bool, repeats: int,
 ) -> TuneResult:
+    warmup_s = 0.0
+    if warmup:  # compiles and tunes the kernels the starting config uses: not a figure
+        measure(config, pm, steps)
+        warmup_s = time.perf_counter() - start
     baseline = Candidate("baseline", {})
-    baseline.tokens_per_s, baseline.peak_memory_gb, baseline.last_loss = measure(config, pm, steps)
-    baseline.seconds = slowest = time.perf_counter() - start
+    t0 = time.perf_counter()
+    baseline.tokens_per_s, baseline.peak_memory_gb, baseline.last_loss = measure(config, pm, steps, repeats=repeats)
+    baseline.seconds = slowest = time.perf_counter() - t0
     spent()
     best, best_overrides, best_tps = config, {}, baseline.tokens_per_s
     tried: list[Candidate] = []
@@ -232,7 +257,8 @@ def _search(
                 continue
             t0 = time.perf_counter()
             try:
-                c.tokens_per_s, c.peak_memory_gb, c.last_loss = measure(with_overrides(best, overrides), pm, steps, left)
+                c.tokens_per_s, c.peak_memory_gb, c.last_loss = measure(
+                    with_overrides(best, overrides), pm, steps, left, repeats=repeats)
             except Exception as exc:  # a candidate that cannot run is a result, not the end of the search
                 c.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             c.seconds = time.perf_counter() - t0
@@ -246,7 +272,8 @@ def _search(
                                     time.perf_counter() - start, complete=False))  # fmt: skip
     for c in tried:
         c.chosen = c.skipped is None and all(best_overrides.get(k) == v for k, v in c.overrides.items())
-    return TuneResult(baseline, tried, best, best_overrides, stopped, time.perf_counter() - start)
+    return TuneResult(baseline, tried, best, best_overrides, stopped, time.perf_counter() - start,
+                      warmup_seconds=warmup_s)
 
 
 def _wider_gemms(config: RunConfig, overrides: dict[str, Any], pm: GemPluginManager, device: torch.device) -> str | None:
@@ -287,12 +314,13 @@ def _pruned(dimension: str, config: RunConfig, profile: ProfileReport | None, me
 def compare(configs: dict[str, RunConfig], pm: GemPluginManager, steps: int) -> list[Candidate]:
     """Measure two configs (name -> config) the same way: ``gem-train tune --compare``.
 
-    The runs go A, B, B, A: a process's first run pays for compiling and tuning kernels (Triton's
-    autotuner, the length buckets a run meets first), which would otherwise count against whichever
-    config runs first. Returns the four runs in that order; :func:`compare_means` averages them."""
+    A process's first run pays for compiling and tuning kernels (Triton's autotuner, the length
+    buckets a run meets first), so an uncounted run of A comes first; then A, B, B, A, so that drift
+    over the process's life counts against neither. Returns the four runs in that order; :func:`compare_means` averages them."""
     if len(configs) != 2:
         raise ConfigError([("--compare", list(configs), "compares exactly two configs")])
     a, b = configs.items()
+    measure(a[1], pm, steps)  # a first run that compiles and tunes the kernels: not counted
     out = []
     for name, config in (a, b, b, a):
         c = Candidate("compare", {"config": name})
