@@ -130,6 +130,14 @@ def test_device_kernels_fall_into_their_categories_and_idle_is_the_gap_between_t
     assert abs(out["idle"] - (1e-3 - 800e-6)) < 1e-12  # 100 us between the gemm and the add, 100 us after
 
 
+def test_idle_without_the_profiler_is_a_warm_step_less_the_device_work():
+    from gem_model.profiling.step_time import idle_without_profiler
+
+    # the first warm-up step compiles; the faster of the last two is the unprofiled step
+    assert idle_without_profiler([9.0, 0.30, 0.26], busy_per_step=0.236) == (0.26, pytest.approx(0.024))
+    assert idle_without_profiler([0.2], busy_per_step=0.25) == (0.2, 0.0)  # never below zero
+
+
 def test_only_kernels_copies_and_memsets_are_device_work():
     """The profiler mirrors its annotations (ProfilerStep#N, module and record_function ranges) on the
     device timeline; they span many kernels and must not count as kernels."""

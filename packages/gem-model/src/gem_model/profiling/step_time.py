@@ -127,6 +127,13 @@ def top_kernels(kernels: list[tuple[str, float, float]], steps: int, limit: int 
              total[name] / 1e3 / n, calls[name] / n] for name in ranked]  # fmt: skip
 
 
+def idle_without_profiler(warmup_seconds: list[float], busy_per_step: float) -> tuple[float, float]:
+    """(an unprofiled step's wall time, its idle estimate): the faster of the last two warm-up steps
+    (kernels compiled by then, no profiler's host cost) less the profiled steps' device work per step."""
+    plain = min(warmup_seconds[-2:])
+    return plain, max(0.0, plain - busy_per_step)
+
+
 def kernel_breakdown(kernels: list[tuple[str, float, float]], wall_s: float) -> dict[str, float]:
     """Seconds per category from device kernels ``(name, start_us, end_us)``; ``idle``: the steps'
     wall time less the union of the kernels' intervals (the device waiting for the host)."""
@@ -179,6 +186,8 @@ class StepProbe:
     def __init__(self, warmup: int, device: torch.device):
         self.warmup, self.device = warmup, device
         self.results: list[StepResult] = []
+        self.warmup_seconds: list[float] = []
+        """Wall time of the unprofiled warm-up steps: the profiler's own host cost is not in them."""
         self.comm: list[dict[str, float]] = []
         self.comm_name = ""
         self.world_size = 1
@@ -200,6 +209,8 @@ class StepProbe:
             self._start()
         before = run.comm.measurements()
         result = yield
+        if measured < 0:
+            self.warmup_seconds.append(result.seconds)
         if measured >= 0:
             after = run.comm.measurements()
             self.results.append(result)
@@ -299,6 +310,20 @@ def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
     measured = probe.measured()
     n = len(measured.step_seconds)
     rows = [[k, parts[k] / max(n, 1) * 1e3, 100 * share[k]] for k in ORDER]
+    idle_share = share["idle"]
+    summary: dict[str, Any] = {"seconds": parts, "share": share, "steps": n, "step_seconds": measured.step_seconds}
+    notes = ["CUDA: device time per kernel (copies and memsets as pointwise), idle = the steps' wall time less "
+             "the union of the kernels' intervals; CPU: host self time per op, idle = wall time less op time"]  # fmt: skip
+    if ctx.device.type == "cuda" and probe.warmup_seconds and n:
+        # the profiler's host cost slows the host, so the device waits more under it than without it
+        busy = sum(v for k, v in parts.items() if k != "idle") / n
+        plain, idle_plain = idle_without_profiler(probe.warmup_seconds, busy)
+        idle_share = idle_plain / plain if plain > 0 else 0.0
+        summary.update(unprofiled_step_seconds=plain, idle_without_profiler=idle_plain,
+                       idle_share_without_profiler=idle_share)  # fmt: skip
+        notes.append(f"without the profiler a step took {1e3 * plain:.1f} ms (the faster of the last two warm-up "
+                     f"steps, another batch): idle ~{1e3 * idle_plain:.1f} ms ({100 * idle_share:.1f} %) against "
+                     f"{1e3 * parts['idle'] / n:.1f} ms under the profiler, whose own host cost the rest is")  # fmt: skip
     recs = []
     if share["pointwise"] > 0.2 and not ctx.config.trainer.compile:
         recs.append(Recommendation(
@@ -306,21 +331,20 @@ def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
             metric="step time", evidence=f"pointwise ops take {100 * share['pointwise']:.1f} % of the step; "
             "the gain assumes fusion halves them",
         ))  # fmt: skip
-    if share["idle"] > 0.2:
+    if idle_share > 0.2:
         recs.append(Recommendation(
-            action="raise the work per step (data.global_batch_size) or trainer.prefetch", expected_gain=share["idle"] / 2,
-            metric="step time", evidence=f"{100 * share['idle']:.1f} % of the measured step time no op ran "
+            action="raise the work per step (data.global_batch_size) or trainer.prefetch", expected_gain=idle_share / 2,
+            metric="step time", evidence=f"{100 * idle_share:.1f} % of the measured step time no op ran "
             "(host overhead, input waits); the gain assumes half of it can be hidden",
         ))  # fmt: skip
     return ProfileSection(
         name="step_time",
         title=f"step time over {n} measured step(s) on {ctx.device.type}",
-        summary={"seconds": parts, "share": share, "steps": n, "step_seconds": measured.step_seconds},
+        summary=summary,
         tables=[ProfileTable("torch.profiler breakdown", ["category", "ms / step", "% of step"], rows)] + ([
             ProfileTable("device kernels with the most time", ["kernel", "category", "ms / step", "calls / step"],
                          top_kernels(probe.kernels, n))] if probe.kernels else []),  # fmt: skip
         series={"breakdown_ms_per_step": {k: parts[k] / max(n, 1) * 1e3 for k in ORDER}},
         recommendations=recs,
-        notes=["CUDA: device time per kernel (copies and memsets as pointwise), idle = the steps' wall time less "
-               "the union of the kernels' intervals; CPU: host self time per op, idle = wall time less op time"],
+        notes=notes,
     )
