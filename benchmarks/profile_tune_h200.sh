@@ -3,7 +3,7 @@
 # in stages that each fit a 10-minute device command (benchmarks/results/profile.md has the runs).
 #
 #   bash benchmarks/profile_tune_h200.sh profile OUT [SECTIONS]  # the report (all sections: ~2.5-4 min)
-#   bash benchmarks/profile_tune_h200.sh tune OUT PROFILE_DIR    # tune from a profile (4-minute budget)
+#   bash benchmarks/profile_tune_h200.sh tune OUT PROFILE_DIR    # tune from a profile (5-minute budget)
 #   bash benchmarks/profile_tune_h200.sh compare OUT TUNED       # the config against TUNED: warm-up, A B B A
 #
 # Packages come from PYTHONPATH (GEM_PLUGINS names the plugin modules); every command is cut off by
@@ -25,7 +25,7 @@ case $stage in
     echo "profile rc=$? in $(( $(date +%s) - t0 )) s"; grep '^\[profile\]' "$out/profile.log"
     ;;
   tune)
-    timeout 290 $G tune -c "$C" --budget 4 --steps 12 --repeats 2 --profile "${3:?the profile folder}" \
+    timeout 350 $G tune -c "$C" --budget 5 --steps 12 --repeats 2 --profile "${3:?the profile folder}" \
       --memory-gb 130 --out "$out/tune" > "$out/tune.log" 2>&1
     echo "tune rc=$? in $(( $(date +%s) - t0 )) s"; grep -A 80 'gem-train tune:' "$out/tune.log"
     ;;

@@ -152,7 +152,7 @@ def test_dimensions_left_out_are_recorded_as_not_searched(pm, monkeypatch, capsy
     monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
     assert main(["tune", *TINY, "--budget", "1", "--dimensions", "precision,kernels"]) == 2
     err = capsys.readouterr().err
-    assert "kernels" in err and "kernel, precision, activation, balancer, planner" in err
+    assert "kernels" in err and "kernel, precision, activation, balancer, planner, compile" in err
 
 
 def test_a_candidate_stopped_by_its_time_limit_is_an_error_not_a_figure(pm):
@@ -206,3 +206,14 @@ def test_a_warm_up_run_comes_first_and_each_config_runs_repeats_times(pm, monkey
     runs.clear()
     tune(load_config(None, TINY), pm, budget_s=60, steps=2, only=("precision",), warmup=False)
     assert runs == ["inline_fp32", "inline_bf16"]
+
+
+def test_compile_is_a_dimension_on_a_gpu_only(pm, monkeypatch):
+    import gem_model.tune.search as search
+
+    config = load_config(None, TINY)
+    assert dict(dimensions(config, pm, None))["compile"] == []  # the CPU: inductor's C++ build takes minutes
+    monkeypatch.setattr(search, "pick_device", lambda *_: torch.device("cuda"))
+    gpu = dict(dimensions(config.model_copy(update={"trainer": config.trainer.model_copy(update={"device": "cpu"})}),
+                          pm, None))  # fmt: skip
+    assert gpu["compile"] == [{"trainer.compile": True}]  # the other setting than the config's

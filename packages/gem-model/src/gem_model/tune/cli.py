@@ -35,7 +35,7 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-loss-increase", type=float, default=0.05, help="largest accepted relative loss increase")
     p.add_argument("--profile", type=Path, help="a `gem-train profile` directory (its numerics map is a candidate)")
     p.add_argument("--out", type=Path, help="where tuned.yaml and tune.json go (default: <output_dir>/tune)")
-    p.add_argument("--dimensions", help="comma-separated: kernel, precision, activation, balancer, planner (default: all)")
+    p.add_argument("--dimensions", help="comma-separated: kernel, precision, activation, balancer, planner, compile (default: all)")
     p.add_argument("--compare", type=Path, metavar="OTHER",
                    help="search nothing: measure the config and OTHER (a config file) under the same --steps")  # fmt: skip
     p.set_defaults(profile_handler=tune_main)

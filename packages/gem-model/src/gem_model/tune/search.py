@@ -11,7 +11,9 @@ directory) and kept when its tokens/s beats the best so far, its last loss is at
    then every registered scheme as ``precision.scheme``;
 3. ``activation.policy``: every registered policy (the memory budget decides between them);
 4. ``data.balancer``: every registered balancer, when the layout has more than one data-parallel rank;
-5. ``parallel.planner``: every registered planner that can drive the launched world.
+5. ``parallel.planner``: every registered planner that can drive the launched world;
+6. ``trainer.compile``: the other setting, on a GPU (the profile recommends it when pointwise work
+   is large; on a CPU inductor's C++ build takes minutes, so it is not tried there).
 
 A process's first run is slower than later ones (Triton compiles and tunes the kernels, 0.6x on the
 big config), so the search first trains the starting config once, uncounted (``warmup``), and with
@@ -59,7 +61,7 @@ from gem_model.profiling.report import ProfileReport
 from gem_model.train.progress import task_progress
 
 DIMENSIONS = {"kernel": "attention kernel", "precision": "precision", "activation": "activation policy",
-              "balancer": "balancer", "planner": "planner"}  # fmt: skip
+              "balancer": "balancer", "planner": "planner", "compile": "compile"}  # fmt: skip
 """``--dimensions`` names -> the dimensions of the search, in its order."""
 
 
@@ -177,10 +179,12 @@ def dimensions(config: RunConfig, pm: GemPluginManager, profile: ProfileReport |
     dp = entry.cls(entry.cls.Config.model_validate(config.parallel.planner.options)).layout(
         DistEnv(0, world, 0, device, None)).dp_degree  # fmt: skip
     balancers = [{"data.balancer": n} for n in pm.load_balancers.names()] if dp > 1 else []
+    # on a GPU, compiling the blocks fuses their pointwise kernels; on a CPU inductor builds C++ for minutes
+    compile_ = [{"trainer.compile": not config.trainer.compile}] if device.type == "cuda" else []
     return [
         ("attention kernel", kernels), ("precision", precision),
         ("activation policy", [{"activation.policy": n} for n in pm.activation_policies.names()]),
-        ("balancer", balancers), ("planner", planners),
+        ("balancer", balancers), ("planner", planners), ("compile", compile_),
     ]  # fmt: skip
 
 
