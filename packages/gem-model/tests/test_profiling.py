@@ -130,11 +130,11 @@ def test_device_kernels_fall_into_their_categories_and_idle_is_the_gap_between_t
     assert abs(out["idle"] - (1e-3 - 800e-6)) < 1e-12  # 100 us between the gemm and the add, 100 us after
 
 
-def test_idle_without_the_profiler_is_an_unprofiled_step_less_the_device_work():
+def test_idle_without_the_profiler_is_a_warm_step_less_the_device_work():
     from gem_model.profiling.step_time import idle_without_profiler
 
-    # the median of the steps run without the profiler
-    assert idle_without_profiler([0.30, 0.25, 0.26], busy_per_step=0.236) == (0.26, pytest.approx(0.024))
+    # the first warm-up step compiles; the faster of the last two is the unprofiled step
+    assert idle_without_profiler([9.0, 0.30, 0.26], busy_per_step=0.236) == (0.26, pytest.approx(0.024))
     assert idle_without_profiler([0.2], busy_per_step=0.25) == (0.2, 0.0)  # never below zero
 
 
@@ -317,16 +317,3 @@ def test_scaling_efficiency_against_a_one_gpu_baseline(profiled: Path, pm):
     summary = mfu.mfu_section(ctx, baseline_tokens_per_s=40.0).summary
     assert summary["tokens_per_s"] == 80.0 and summary["scaling_efficiency"] == 80.0 / (2 * 40.0)
     assert summary["achieved_flops_per_gpu"] == 2e9 / 2.0 / 2  # per GPU: FLOPs / seconds / processes
-
-
-def test_the_profiled_steps_are_followed_by_as_many_without_the_profiler(pm):
-    """Throughput and MFU come from the steps after the profiled ones: the profiler's host cost is not in them."""
-    from gem_model import testing
-    from gem_model.config_io import load_config
-    from gem_model.profiling.step_time import measure_steps
-
-    probe = measure_steps(load_config(None, [*testing.INLINE_OVERRIDES]), pm, warmup=1, steps=2)
-    assert [r.step for r in probe.results] == [1, 2] and [r.step for r in probe.plain] == [3, 4]
-    measured = probe.measured()
-    assert measured.step_seconds == [r.seconds for r in probe.plain] and measured.tokens == [r.tokens for r in probe.plain]
-    assert sum(v for k, v in probe.breakdown().items() if k != "idle") > 0  # the profiled steps' ops were seen

@@ -51,8 +51,7 @@ def profile_parser(commands: dict[str, object]) -> argparse.ArgumentParser:
     full.add_argument("--world", type=int, help="processes to assume for balance, memory and communication")
     full.add_argument("--batches", type=int, default=8, help="global batches the data sections read")
     full.add_argument("--warmup", type=int, default=2, help="training steps before the measured ones")
-    full.add_argument("--steps", type=int, default=3,
-                      help="training steps under torch.profiler; as many again run without it (throughput, MFU)")
+    full.add_argument("--steps", type=int, default=3, help="measured training steps (torch.profiler)")
     full.add_argument("--baseline", type=Path, help="a one-GPU profile's directory, for scaling efficiency")
     full.add_argument("--sections", help="comma-separated sections to make (default: all; a wrong name lists them)")
     full.add_argument("--section-budget", type=float, metavar="SECONDS",

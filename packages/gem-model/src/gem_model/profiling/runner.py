@@ -63,7 +63,7 @@ class ProfileOptions:
     """Global batches the data sections read (from step 0)."""
     warmup: int = 2
     steps: int = 3
-    """Training steps under ``torch.profiler`` (after ``warmup``); as many again run without it."""
+    """Measured training steps (after ``warmup``)."""
     world: int | None = None
     """Processes to assume for balance, memory and communication (None: the launched world)."""
     baseline: Path | None = None
@@ -140,8 +140,7 @@ def run_profile(config: RunConfig, pm: GemPluginManager, options: ProfileOptions
     probe = None
     if steps:
         start = time.perf_counter()
-        print(f"[profile] training steps ({options.warmup} warm-up + {options.steps} profiled + {options.steps} "
-              "without the profiler) ...", file=sys.stderr, flush=True)  # fmt: skip
+        print(f"[profile] training steps ({options.warmup} + {options.steps} measured) ...", file=sys.stderr, flush=True)
         probe = measure_steps(config, pm, warmup=options.warmup, steps=options.steps)
         print(f"[profile] training steps: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if int(os.environ.get("RANK", "0")) != 0:

@@ -1,12 +1,10 @@
 """The step-time section: a few real training steps under ``torch.profiler``, broken down by kind.
 
-The config trains ``warmup + 2 x steps`` steps through the ordinary trainer (its planner, comm
+The config trains ``warmup + steps`` steps through the ordinary trainer (its planner, comm
 strategy, pipeline and kernels; nothing is checkpointed or evaluated). A step wrapper registered for
-that run only (:class:`StepProbe`) runs ``steps`` steps under the profiler after the warm-up, then
-``steps`` more without it; it records each step's wall time, tokens, FLOPs and the difference of
-``CommStrategy.measurements()``, and reads the allocator's peak on CUDA. The profiler's host cost
-slows a step (on the H200 big config ~320 against ~260 ms), so throughput and MFU
-(:class:`MeasuredSteps`) come from the unprofiled steps, and so does the idle estimate on CUDA.
+that run only (:class:`StepProbe`) starts the profiler after the warm-up, records each measured
+step's wall time, tokens, FLOPs and the difference of ``CommStrategy.measurements()``, and reads the
+allocator's peak on CUDA.
 
 On CUDA each device kernel is put in a category by its own name (:data:`KERNEL_CATEGORIES`):
 kernels launched outside any op (Triton's direct launches, the backward on autograd's device
@@ -35,7 +33,6 @@ On the CPU, attribution per profiled op of its *self* host time, so nothing is c
 from __future__ import annotations
 
 import os
-import statistics
 import shutil
 import tempfile
 from collections.abc import Generator, Iterator
@@ -130,10 +127,10 @@ def top_kernels(kernels: list[tuple[str, float, float]], steps: int, limit: int 
              total[name] / 1e3 / n, calls[name] / n] for name in ranked]  # fmt: skip
 
 
-def idle_without_profiler(plain_seconds: list[float], busy_per_step: float) -> tuple[float, float]:
-    """(an unprofiled step's wall time, its idle estimate): the median of the steps run without the
-    profiler after the profiled ones, less the profiled steps' device work per step."""
-    plain = statistics.median(plain_seconds)
+def idle_without_profiler(warmup_seconds: list[float], busy_per_step: float) -> tuple[float, float]:
+    """(an unprofiled step's wall time, its idle estimate): the faster of the last two warm-up steps
+    (kernels compiled by then, no profiler's host cost) less the profiled steps' device work per step."""
+    plain = min(warmup_seconds[-2:])
     return plain, max(0.0, plain - busy_per_step)
 
 
@@ -186,14 +183,11 @@ def _scope_module(module: torch.nn.Module, scope: str) -> None:
 class StepProbe:
     """Registered for the profile's training run only: profiles and measures steps after ``warmup``."""
 
-    def __init__(self, warmup: int, device: torch.device, profiled: int | None = None):
+    def __init__(self, warmup: int, device: torch.device):
         self.warmup, self.device = warmup, device
-        self.profiled = profiled
-        """Steps under the profiler (None: every step after the warm-up); the ones after run without it."""
         self.results: list[StepResult] = []
-        """The profiled steps."""
-        self.plain: list[StepResult] = []
-        """The steps after the profiled ones, without the profiler's host cost."""
+        self.warmup_seconds: list[float] = []
+        """Wall time of the unprofiled warm-up steps: the profiler's own host cost is not in them."""
         self.comm: list[dict[str, float]] = []
         self.comm_name = ""
         self.world_size = 1
@@ -215,12 +209,13 @@ class StepProbe:
             self._start()
         before = run.comm.measurements()
         result = yield
-        profiled = measured >= 0 and (self.profiled is None or measured < self.profiled)
+        if measured < 0:
+            self.warmup_seconds.append(result.seconds)
         if measured >= 0:
             after = run.comm.measurements()
-            (self.results if profiled else self.plain).append(result)
+            self.results.append(result)
             self.comm.append({k: v - before.get(k, 0.0) for k, v in after.items()})
-        if profiled and (step + 1 == run.config.trainer.steps or measured + 1 == self.profiled):
+        if step + 1 == run.config.trainer.steps:
             self._stop()
         return result
 
@@ -243,13 +238,11 @@ class StepProbe:
             self.profiler.__exit__(None, None, None)
 
     def measured(self) -> MeasuredSteps:
-        """The unprofiled steps after the profiled ones where there are any, else the profiled ones."""
         n = max(len(self.comm), 1)
         keys = sorted({k for c in self.comm for k in c})
-        steps = self.plain or self.results
         return MeasuredSteps(
-            step_seconds=[r.seconds for r in steps], tokens=[r.tokens for r in steps],
-            flops=[r.flops for r in steps], comm_strategy=self.comm_name, world_size=self.world_size,
+            step_seconds=[r.seconds for r in self.results], tokens=[r.tokens for r in self.results],
+            flops=[r.flops for r in self.results], comm_strategy=self.comm_name, world_size=self.world_size,
             comm_per_step={k: sum(c.get(k, 0.0) for c in self.comm) / n for k in keys}, peak_memory_bytes=self.peak,
         )  # fmt: skip
 
@@ -290,20 +283,19 @@ def _registered(pm: GemPluginManager, plugin: object) -> Iterator[None]:
 
 
 def measure_steps(config: RunConfig, pm: GemPluginManager, *, warmup: int, steps: int) -> StepProbe:
-    """Train ``warmup + 2 x steps`` steps of ``config`` (in a scratch output directory) under a probe:
-    ``steps`` profiled, then ``steps`` without the profiler."""
+    """Train ``warmup + steps`` steps of ``config`` (in a scratch output directory) under a probe."""
     from gem_model.distributed import pick_device
     from gem_model.trainer import train
 
     scratch = tempfile.mkdtemp(prefix="gem-profile-steps-")
     try:
         run_config = config.model_copy(update={"trainer": config.trainer.model_copy(update={
-            "steps": warmup + 2 * steps, "output_dir": scratch, "checkpoint_every": 0, "checkpoint_at_end": False,
-            "eval_every": 0, "eval_at_end": False, "progress": False, "log_every": warmup + 2 * steps,
+            "steps": warmup + steps, "output_dir": scratch, "checkpoint_every": 0, "checkpoint_at_end": False,
+            "eval_every": 0, "eval_at_end": False, "progress": False, "log_every": warmup + steps,
             "resume": False, "time_limit_s": None, "tensorboard": False,
         })})  # fmt: skip
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        probe = StepProbe(warmup, pick_device(config.trainer.device, local_rank), profiled=steps)
+        probe = StepProbe(warmup, pick_device(config.trainer.device, local_rank))
         with _registered(pm, probe):
             train(run_config, pm)
         return probe
@@ -315,22 +307,22 @@ def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
     parts = probe.breakdown()
     wall = sum(parts.values())
     share = {k: (v / wall if wall else 0.0) for k, v in parts.items()}
-    n = len(probe.results)
+    measured = probe.measured()
+    n = len(measured.step_seconds)
     rows = [[k, parts[k] / max(n, 1) * 1e3, 100 * share[k]] for k in ORDER]
     idle_share = share["idle"]
-    summary: dict[str, Any] = {"seconds": parts, "share": share, "steps": n,
-                               "step_seconds": [r.seconds for r in probe.results]}  # fmt: skip
+    summary: dict[str, Any] = {"seconds": parts, "share": share, "steps": n, "step_seconds": measured.step_seconds}
     notes = ["CUDA: device time per kernel (copies and memsets as pointwise), idle = the steps' wall time less "
              "the union of the kernels' intervals; CPU: host self time per op, idle = wall time less op time"]  # fmt: skip
-    if ctx.device.type == "cuda" and probe.plain and n:
+    if ctx.device.type == "cuda" and probe.warmup_seconds and n:
         # the profiler's host cost slows the host, so the device waits more under it than without it
         busy = sum(v for k, v in parts.items() if k != "idle") / n
-        plain, idle_plain = idle_without_profiler([r.seconds for r in probe.plain], busy)
+        plain, idle_plain = idle_without_profiler(probe.warmup_seconds, busy)
         idle_share = idle_plain / plain if plain > 0 else 0.0
         summary.update(unprofiled_step_seconds=plain, idle_without_profiler=idle_plain,
                        idle_share_without_profiler=idle_share)  # fmt: skip
-        notes.append(f"without the profiler a step took {1e3 * plain:.1f} ms (median of {len(probe.plain)} steps "
-                     f"after the profiled ones, other batches): idle ~{1e3 * idle_plain:.1f} ms ({100 * idle_share:.1f} %) against "
+        notes.append(f"without the profiler a step took {1e3 * plain:.1f} ms (the faster of the last two warm-up "
+                     f"steps, another batch): idle ~{1e3 * idle_plain:.1f} ms ({100 * idle_share:.1f} %) against "
                      f"{1e3 * parts['idle'] / n:.1f} ms under the profiler, whose own host cost the rest is")  # fmt: skip
     recs = []
     if share["pointwise"] > 0.2 and not ctx.config.trainer.compile:
