@@ -63,6 +63,10 @@ class Case:
     fwd_target: float | None = None  # TFLOP/s
     bwd_target: float | None = None
     fwd_ms_limit: float | None = None
+    lengths: str = "uniform"
+    """``uniform`` (the sparsity rule above), ``fixed`` (every sequence ``max_seq_len`` long, no targets:
+    NVIDIA's uniform-length protocol) or ``powerlaw`` (P(n) ~ (n + 1)^-0.95 over 0..N-1, one target
+    each: the lengths of configs/h200-large.yaml's synthetic source, as the model sees them)."""
 
 
 CASES = {
@@ -73,12 +77,21 @@ CASES = {
     "n4096_s0.95": Case(512, 4, 128, 4096, 0.95, fwd_target=390, bwd_target=235),
     "n4096_s0.3": Case(512, 4, 128, 4096, 0.3),
     "movielens": Case(128, 2, 64, 200, 0.6, fwd_ms_limit=0.1),
+    "fixed1024": Case(512, 4, 128, 1024, 1.0, fwd_target=392, bwd_target=309, lengths="fixed"),
+    "fixed2048": Case(512, 4, 128, 2048, 1.0, fwd_target=466, bwd_target=386, lengths="fixed"),
+    "fixed4096": Case(512, 4, 128, 4096, 1.0, fwd_target=508, bwd_target=433, lengths="fixed"),
+    "big_config": Case(384, 8, 128, 4096, 0.95, lengths="powerlaw"),
 }
 QUICK_CASES = ("n1024_s0.95", "n4096_s0.95", "n1024_s0.3", "movielens")
 
 
 def sample_lengths(case: Case, gen: torch.Generator) -> torch.Tensor:
     n, s = case.max_seq_len, case.sparsity
+    if case.lengths == "fixed":
+        return torch.full((case.batch,), n, dtype=torch.int64)
+    if case.lengths == "powerlaw":  # the history (0..N-2 long) plus the candidate
+        weights = (torch.arange(n - 1, dtype=torch.float64) + 1) ** -0.95
+        return torch.multinomial(weights, case.batch, replacement=True, generator=gen) + 1
     low, high = (math.ceil(round((2 * s - 1) * n, 6)), n) if s >= 0.5 else (0, math.ceil(round(2 * s * n, 6)))
     return torch.randint(low, high, (case.batch,), generator=gen)
 
@@ -87,6 +100,10 @@ def make_inputs(case: Case, device: torch.device) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(SEED)
     lengths = sample_lengths(case, gen)
     targets = torch.minimum(torch.randint(1, 21, (case.batch,), generator=gen), lengths)
+    if case.lengths == "fixed":
+        targets = torch.zeros_like(lengths)
+    elif case.lengths == "powerlaw":
+        targets = torch.ones_like(lengths)
     offsets = torch.zeros(case.batch + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     rows = int(offsets[-1])

@@ -1,0 +1,432 @@
+"""Interleaved A/B timing of whole training steps: several variants of one run, in one process, on the
+same batches, so that a few per cent can be resolved.
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/e2e_ab.py --config configs/h200-large.yaml \\
+        --variants A=base,B=base,C=unfused --steps 60 --out ab.json
+    python benchmarks/e2e_ab.py --config configs/tiny.yaml --device cpu --steps 4 --warmup 1   # smoke test
+
+Why one process: `e2e.py` ran each row in its own process, one after the other, and the same row came
+out up to 15 % apart by its place in the call (warm-up, clocks, the allocator's history). Here one
+:class:`~gem_model.train.run.Run` is built once; a *variant* is a switch applied to that live run
+between two steps (``VARIANTS`` below: compile the blocks, the dq mode of attention, the unfused
+HSTU gap, ...), never a different model.
+
+Protocol:
+* The batches are drawn once. Every batch is trained once by every variant, in an order rotated per
+  batch (A B C, B C A, C A B, ...), so no variant always runs first or after the same one.
+* Warm-up: the first ``--warmup`` batches, plus one batch of each tuning bucket the timed batches
+  meet (the Triton kernels tune per mean-length bucket), run every variant before timing starts.
+* Per step: host wall time (from this step's start to the next step's start: the step's one host
+  sync makes the host wait for the device, so in steady state this is the device's step time), and
+  device time from CUDA events: the forward (to the loss) and the backward-and-update spans, whose
+  sum is the device's work span without the wait at the loss check. Idle = wall - device.
+* Reported per variant: median and interquartile range of wall and device ms, tokens/s and MFU
+  (our convention: backward twice the forward; NVIDIA's: attention backward 2.5x its forward) over
+  the medians, peak memory. An A/A pair (the same variant under two names) shows the resolution.
+
+Every variant trains (each step is a real update), so the weights move on between the variants'
+steps of one batch; the losses are reported for sanity, not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DATASHEET_BF16 = 989e12
+
+Switch = Callable[[object], Callable[[], None]]
+"""Applied to a live run; returns the function that undoes it."""
+
+
+def _blocks(run: object) -> list[torch.nn.Module]:
+    return list(run.model.blocks)  # type: ignore[attr-defined]
+
+
+def switch_base(run: object) -> Callable[[], None]:
+    return lambda: None
+
+
+def switch_compile(run: object) -> Callable[[], None]:
+    """``torch.compile`` of each HSTU block, as ``trainer.compile`` does (``nn.Module.compile``); the
+    compiled callable is kept and swapped in and out, so the variant compiles once."""
+    blocks = _blocks(run)
+    for b in blocks:
+        if getattr(b, "_ab_compiled", None) is None:
+            b.compile()
+            b._ab_compiled = b._compiled_call_impl
+        b._compiled_call_impl = b._ab_compiled
+
+    def undo() -> None:
+        for b in blocks:
+            b._compiled_call_impl = None
+
+    return undo
+
+
+def _attention_option(**options: object) -> Switch:
+    def apply(run: object) -> Callable[[], None]:
+        kernel = run.components.attention  # type: ignore[attr-defined]
+        before = kernel.config
+        kernel.config = before.model_copy(update=options)
+
+        def undo() -> None:
+            kernel.config = before
+
+        return undo
+
+    return apply
+
+
+def switch_unfused(run: object) -> Callable[[], None]:
+    """The HSTU gap (silu, split, attention, norm-gate) as separate kernels instead of the fused path."""
+    blocks = _blocks(run)
+    saved = [getattr(b, "mixer", None) for b in blocks]
+    for b in blocks:
+        b.mixer = None
+
+    def undo() -> None:
+        for b, m in zip(blocks, saved):
+            b.mixer = m
+
+    return undo
+
+
+VARIANTS: dict[str, Switch] = {
+    "base": switch_base,
+    "compile": switch_compile,
+    "dq_atomic": _attention_option(dq="atomic"),
+    "dq_separate": _attention_option(dq="separate"),
+    "unfused": switch_unfused,
+}
+
+
+@dataclass
+class Row:
+    name: str
+    switches: list[str]
+    wall_ms: list[float] = field(default_factory=list)
+    device_ms: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    flops: list[float] = field(default_factory=list)
+    flops_nvidia: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    peak_gib: float = 0.0
+
+
+class EventPipeline:
+    """Wraps the run's train pipeline to record CUDA events around the forward (to the loss) and
+    around backward-and-update: per step ``[fwd start, fwd end, bwd start, update end]``."""
+
+    def __init__(self, pipeline: object, device: torch.device):
+        self.inner, self.cuda = pipeline, device.type == "cuda"
+        self.steps: list[list[object]] = []
+
+    def __getattr__(self, name: str) -> object:  # next_batch, setup, ...: the wrapped pipeline's
+        return getattr(self.inner, name)
+
+    def _mark(self, new_step: bool = False) -> None:
+        if new_step:
+            self.steps.append([])
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.steps[-1].append(e)
+        else:
+            self.steps[-1].append(time.perf_counter())
+
+    def forward_and_loss(self, batch: object) -> object:
+        self._mark(new_step=True)
+        out = self.inner.forward_and_loss(batch)  # type: ignore[attr-defined]
+        self._mark()
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._mark()
+        self.inner.backward(loss)  # type: ignore[attr-defined]
+
+    def optimizer_step(self) -> None:
+        self.inner.optimizer_step()  # type: ignore[attr-defined]
+        self._mark()
+
+    def take(self) -> list[float]:
+        """Device ms (forward span + backward-and-update span) of every step recorded since the last
+        call; the device must have finished them."""
+        out = []
+        for a, b, c, d in self.steps:
+            if self.cuda:
+                out.append(a.elapsed_time(b) + c.elapsed_time(d))  # type: ignore[attr-defined]
+            else:
+                out.append(1e3 * ((b - a) + (d - c)))  # type: ignore[operator]
+        self.steps.clear()
+        return out
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) < 2:
+        x = xs[0] if xs else float("nan")
+        return x, x, x
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], statistics.median(xs), q[2]
+
+
+def tuning_bucket(tokens: int, samples: int) -> int:
+    """The mean-length bucket of the attention kernels' tuning key (``length_buckets``)."""
+    mean = -(-tokens // max(1, samples))
+    return max(16, 1 << max(0, mean - 1).bit_length())
+
+
+def profile_steps(step: Callable[[], None], steps: int) -> dict:
+    """Device time per kernel category and the top kernels of ``steps`` profiled steps."""
+    from profiling import device_events, device_idle, top_kernels  # benchmarks/profiling.py, beside this script
+
+    from gem_model.profiling.step_time import KERNEL_CATEGORIES, categorize
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+    events = device_events(prof)
+    categories: dict[str, float] = {}
+    for e in events:
+        c = categorize(e["name"], KERNEL_CATEGORIES)
+        categories[c] = categories.get(c, 0.0) + e.get("dur", 0) / 1e3 / steps
+    idle = device_idle(events)
+    return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
+            "top_kernels": top_kernels(events, steps, 30)}  # fmt: skip
+
+
+def worker(args: argparse.Namespace) -> None:
+    from gem_model.config_io import load_config
+    from gem_model.model.flops import count_flops
+    from gem_model.plugins import GemPluginManager
+    from gem_model.trainer import started_run
+
+    names, rows = [], []
+    for item in args.variants.split(","):
+        name, _, spec = item.partition("=")
+        switches = (spec or name).split("+")
+        unknown = [s for s in switches if s not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"--variants: unknown switch {unknown}; known: {', '.join(VARIANTS)}")
+        names.append(name)
+        rows.append(Row(name, switches))
+    total = args.warmup + args.steps
+    overrides = [*args.set, f"trainer.device={args.device}", "trainer.progress=false", "trainer.checkpoint_at_end=false",
+                 "trainer.eval_at_end=false", f"trainer.steps={(total + args.steady) * len(rows) + 64}",
+                 f"trainer.output_dir={args.workdir}/ab", "trainer.log_every=1000000", "trainer.resume=false"]  # fmt: skip
+    config = load_config(args.config, overrides)
+    with started_run(config, GemPluginManager()) as run:
+        device = run.env.device
+        staged = [run.feed.get(s) for s in range(total)]
+        batches = [s.ready() for s in staged]
+        run.feed.close()
+        nvidia = []
+        for b in batches:
+            counted = count_flops(config.model, run.spec, b.history_lengths().cpu())
+            nvidia.append(counted.train_step + 0.5 * counted.hstu_attention)
+        buckets: dict[int, int] = {}
+        for i in range(args.warmup, total):
+            buckets.setdefault(tuning_bucket(staged[i].facts.tokens, staged[i].facts.samples), i)
+        warm = list(range(args.warmup)) + sorted(set(buckets.values()))
+        pipeline = run.components.pipeline
+        events = EventPipeline(pipeline, device)
+        current: list[int] = [0]
+        run.core_step.pipeline = events
+        pipeline.next_batch = lambda step: staged[current[0]]  # every variant trains the same staged batch
+        undo: list[Callable[[], None]] = []
+        step = 0
+
+        def use(row: Row) -> None:
+            for u in undo:
+                u()
+            undo.clear()
+            for sw in row.switches:
+                undo.append(VARIANTS[sw](run))
+
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        def one(index: int, row: Row, timed: bool) -> None:
+            """One step of ``row`` on batch ``index``, closed by a device sync, so that its wall time is
+            its own (without it the host's clock would take in the previous variant's backward)."""
+            nonlocal step
+            use(row)
+            current[0] = index
+            if device.type == "cuda" and not timed:
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            result = run.core_step(step)
+            step += 1
+            sync()
+            wall = time.perf_counter() - t0
+            device_ms = events.take()
+            if not timed:
+                if device.type == "cuda":
+                    row.peak_gib = max(row.peak_gib, torch.cuda.max_memory_allocated(device) / 2**30)
+                return
+            row.wall_ms.append(1e3 * wall)
+            row.device_ms.extend(device_ms)
+            row.tokens.append(result.tokens)
+            row.flops.append(result.flops)
+            row.flops_nvidia.append(nvidia[index])
+            row.losses.append(result.loss)
+
+        t_warm = time.perf_counter()
+        for index in warm:
+            for row in rows:
+                one(index, row, timed=False)
+        print(f"warm-up: {len(warm)} batches x {len(rows)} variants in {time.perf_counter() - t_warm:.1f} s "
+              f"(tuning buckets {sorted(buckets)})", flush=True)  # fmt: skip
+        for k, index in enumerate(range(args.warmup, total)):
+            for j in range(len(rows)):
+                one(index, rows[(j + k) % len(rows)], timed=True)
+        steady: dict[str, dict[str, float]] = {}
+        for row in rows if args.steady else ():
+            # consecutive steps without a sync between them, as training runs: the host may run ahead,
+            # so idle here is what a real run sees (the A/B steps above each pay a restart)
+            use(row)
+            sync()
+            events.take()
+            t0 = time.perf_counter()
+            for index in range(args.warmup, args.warmup + min(args.steady, args.steps)):
+                current[0] = index
+                run.core_step(step)
+                step += 1
+            sync()
+            wall = time.perf_counter() - t0
+            spans = events.take()
+            steady[row.name] = {"steps": len(spans), "wall_ms_per_step": 1e3 * wall / len(spans),
+                                "device_ms_per_step": sum(spans) / len(spans)}  # fmt: skip
+        profile = {}
+        for row in rows:
+            if row.name in args.profile.split(","):
+                profile[row.name] = profile_steps(lambda row=row: one(args.warmup, row, timed=False), steps=2)
+        for u in undo:
+            u()
+        peak = run.peak
+    result = {
+        "rows": [r.__dict__ for r in rows],
+        "peak_flops": peak,
+        "warmup_batches": warm,
+        "steady": steady,
+        "profile": profile,
+    }
+    Path(args.result).write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------ orchestrator
+
+
+def summarize(row: dict, peak: float) -> dict:
+    wall = quartiles(row["wall_ms"])
+    dev = quartiles(row["device_ms"])
+    n = len(row["wall_ms"])
+    mean_tokens = sum(row["tokens"]) / max(n, 1)
+    mean_flops = sum(row["flops"]) / max(n, 1)
+    mean_flops_nv = sum(row["flops_nvidia"]) / max(n, 1)
+    med_s = wall[1] / 1e3
+    return {
+        "variant": row["name"], "switches": row["switches"], "steps": n,
+        "wall_ms_q1": wall[0], "wall_ms_median": wall[1], "wall_ms_q3": wall[2],
+        "device_ms_q1": dev[0], "device_ms_median": dev[1], "device_ms_q3": dev[2],
+        "idle_share": 1 - dev[1] / wall[1] if wall[1] else None,
+        "tokens_per_s": mean_tokens / med_s if med_s else 0.0,
+        "mfu": mean_flops / med_s / peak if med_s else 0.0,
+        "mfu_nvidia": mean_flops_nv / med_s / peak if med_s else 0.0,
+        "paired": row.get("paired"), "peak_gib": row["peak_gib"], "loss_first": row["losses"][0] if row["losses"] else None,
+        "loss_last": row["losses"][-1] if row["losses"] else None,
+    }  # fmt: skip
+
+
+def paired(rows: list[dict]) -> None:
+    """Each variant's speed-up over the first, batch by batch (both trained the same batch): the
+    median and IQR of ``wall(first) / wall(variant)``. Batches differ in size by 2x, so ratios of the
+    same batch resolve far less than the medians of the two rows would."""
+    base = rows[0]["wall_ms"]
+    for row in rows:
+        ratios = [a / b for a, b in zip(base, row["wall_ms"]) if b > 0]
+        q1, med, q3 = quartiles(ratios)
+        row["paired"] = {"median": med, "q1": q1, "q3": q3, "batches": len(ratios)}
+
+
+def print_table(summary: list[dict]) -> None:
+    print(f"\n{'variant':<12} {'steps':>5} {'wall ms (q1 / med / q3)':>26} {'span ms med':>13} {'idle':>6} "
+          f"{'tokens/s':>11} {'MFU':>7} {'MFU nv':>7} {'peak GiB':>8}")  # fmt: skip
+    for s in summary:
+        print(f"{s['variant']:<12} {s['steps']:>5} {s['wall_ms_q1']:>8.1f} / {s['wall_ms_median']:>6.1f} / "
+              f"{s['wall_ms_q3']:>6.1f} {s['device_ms_median']:>13.1f} {100 * (s['idle_share'] or 0):>5.1f}% "
+              f"{s['tokens_per_s']:>11,.0f} {100 * s['mfu']:>6.2f}% {100 * s['mfu_nvidia']:>6.2f}% {s['peak_gib']:>8.1f}")  # fmt: skip
+    for s in summary[1:]:
+        r = s["paired"]
+        print(f"{s['variant']} against {summary[0]['variant']}, batch by batch: speed-up median {r['median']:.3f}x "
+              f"(IQR {r['q1']:.3f}-{r['q3']:.3f}) over {r['batches']} batches; > 1 is faster")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/h200-large.yaml")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--variants", default="A=base,B=base", help=f"NAME=SWITCH[+SWITCH],...; switches: {', '.join(VARIANTS)}")
+    p.add_argument("--steps", type=int, default=60, help="timed batches; each variant trains each of them once")
+    p.add_argument("--warmup", type=int, default=4, help="batches every variant trains before timing")
+    p.add_argument("--steady", type=int, default=0, metavar="N",
+                   help="then N consecutive steps per variant without a sync per step: the idle share a run sees")
+    p.add_argument("--profile", default="", metavar="VARIANTS", help="profile two steps of these variants")
+    p.add_argument("--set", action="append", default=[], help="a config override (key=value)")
+    p.add_argument("--out")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker or "LOCAL_RANK" in os.environ:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            args.workdir = args.workdir or tmp
+            args.result = args.result or os.path.join(tmp, "result.json")
+            worker(args)
+            raw = json.loads(Path(args.result).read_text())
+        paired(raw["rows"])
+        summary = [summarize(r, raw["peak_flops"]) for r in raw["rows"]]
+        print_table(summary)
+        for name, prof in raw["profile"].items():
+            print(f"\nprofile of {name}: device busy {prof['busy_ms_per_step']:.1f} ms per step")
+            for c, ms in sorted(prof["categories_ms_per_step"].items(), key=lambda kv: -kv[1]):
+                print(f"  {c:<14} {ms:8.2f} ms  {100 * ms / prof['busy_ms_per_step']:5.1f} %")
+            for k in prof["top_kernels"]:
+                print(f"  {k['ms_per_step']:8.2f} ms  {k['kernel'][:110]}")
+        for name, st in raw["steady"].items():
+            print(f"steady {name}: {st['steps']} steps, wall {st['wall_ms_per_step']:.1f} ms/step, device "
+                  f"{st['device_ms_per_step']:.1f} ms/step, idle {100 * (1 - st['device_ms_per_step'] / st['wall_ms_per_step']):.1f} %")
+        if args.out:
+            meta = {
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+                "torch": torch.__version__, "command": " ".join(shlex.quote(a) for a in sys.argv),
+                "config": args.config, "set": args.set, "peak_flops": raw["peak_flops"],
+                "warmup_batches": raw["warmup_batches"], "steady": raw["steady"], "profile": raw["profile"],
+            }  # fmt: skip
+            Path(args.out).write_text(json.dumps({"meta": meta, "summary": summary, "rows": raw["rows"]}, indent=1))
+        return 0
+    raise SystemExit("run it under torchrun (see the docstring), or with --worker for a single process")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "4")
+    sys.exit(main())
