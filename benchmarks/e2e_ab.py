@@ -104,12 +104,28 @@ def switch_unfused(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_host_syncs(run: object) -> Callable[[], None]:
+    """The batches without their host-side lengths: the model then reads lengths back from the device
+    (the candidate check, the next-item plan), as before ``Batch.host_lengths`` existed."""
+    batches = run._ab_batches  # type: ignore[attr-defined]
+    saved = [b.host_lengths for b in batches]
+    for b in batches:
+        b.host_lengths = None
+
+    def undo() -> None:
+        for b, h in zip(batches, saved):
+            b.host_lengths = h
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
     "dq_atomic": _attention_option(dq="atomic"),
     "dq_separate": _attention_option(dq="separate"),
     "unfused": switch_unfused,
+    "host_syncs": switch_host_syncs,
 }
 
 
@@ -234,6 +250,7 @@ def worker(args: argparse.Namespace) -> None:
         device = run.env.device
         staged = [run.feed.get(s) for s in range(total)]
         batches = [s.ready() for s in staged]
+        run._ab_batches = batches
         run.feed.close()
         nvidia = []
         for b in batches:
@@ -313,6 +330,24 @@ def worker(args: argparse.Namespace) -> None:
             spans = events.take()
             steady[row.name] = {"steps": len(spans), "wall_ms_per_step": 1e3 * wall / len(spans),
                                 "device_ms_per_step": sum(spans) / len(spans)}  # fmt: skip
+        syncs: dict[str, int] = {}
+        if args.sync_debug and device.type == "cuda":
+            # one step of the first variant with CUDA's sync debugging: every host sync warns, from the
+            # Python line that caused it
+            import warnings
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    one(args.warmup, rows[0], timed=False)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            for w in caught:
+                if "synchroniz" in str(w.message):
+                    site = f"{Path(w.filename).name}:{w.lineno}"
+                    syncs[site] = syncs.get(site, 0) + 1
+            print(f"host syncs in one step of {rows[0].name}: {sum(syncs.values())} {syncs}", flush=True)
         profile = {}
         for row in rows:
             if row.name in args.profile.split(","):
@@ -326,6 +361,7 @@ def worker(args: argparse.Namespace) -> None:
         "warmup_batches": warm,
         "steady": steady,
         "profile": profile,
+        "syncs": syncs,
     }
     Path(args.result).write_text(json.dumps(result))
 
@@ -387,6 +423,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=4, help="batches every variant trains before timing")
     p.add_argument("--steady", type=int, default=0, metavar="N",
                    help="then N consecutive steps per variant without a sync per step: the idle share a run sees")
+    p.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step (CUDA)")
     p.add_argument("--profile", default="", metavar="VARIANTS", help="profile two steps of these variants")
     p.add_argument("--set", action="append", default=[], help="a config override (key=value)")
     p.add_argument("--out")

@@ -5,14 +5,15 @@ Importing this module never imports triton; the Triton kernel loads its module o
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from pydantic import model_validator
 
 from gem_kernels.attention_torch import LayoutCache, jagged_attention_torch
 from gem_kernels.availability import require_triton
-from gem_model.components import ComponentConfig, JaggedAttentionKernel
+from gem_model.components import ComponentConfig, JaggedAttentionKernel, NormGateKernel
 from gem_model.errors import KernelUnavailableError
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -126,6 +127,12 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         """Query rows per tile; set together with ``block_n`` to skip autotuning."""
         block_n: int | None = None
         """Keys per tile."""
+        fuse_gap: Literal["auto", "on", "off"] = "auto"
+        """Fuse the HSTU block's silu, split and norm-gate with attention (:mod:`gem_kernels.hstu_gap_triton`:
+        no ``silu(pre)`` gradient assembled by copies, no separate silu passes; benchmarks/results/e2e_ab.md
+        measures it). ``auto``: when ``kernels.norm_gate`` is ``triton`` too (the
+        fused path is that kernel's math); ``on``: the same, and any other norm-gate kernel is an
+        error; ``off``: the ops run one by one."""
 
         @model_validator(mode="after")
         def _blocks(self) -> TritonJaggedAttention.Config:
@@ -141,6 +148,37 @@ class TritonJaggedAttention(JaggedAttentionKernel):
 
     def check_available(self, device: torch.device) -> None:
         require_triton(device, op=self.op, name=self.name)
+
+    def fused_gap(self, norm_gate: NormGateKernel) -> Callable[..., torch.Tensor] | None:
+        from gem_kernels.norm_gate import TritonNormGate
+
+        if self.config.fuse_gap == "off":
+            return None
+        if not isinstance(norm_gate, TritonNormGate):
+            if self.config.fuse_gap == "on":
+                raise ValueError(
+                    f"kernels.jagged_attention.options.fuse_gap=on fuses the norm-gate of kernels.norm_gate "
+                    f"'triton', but kernels.norm_gate is {norm_gate.name!r}; set kernels.norm_gate=triton, or "
+                    "fuse_gap to auto or off"
+                )
+            return None
+        return self._gap
+
+    def _gap(self, pre: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor,
+             seq_offsets: torch.Tensor, **options: Any) -> torch.Tensor:  # fmt: skip
+        num_targets = options.get("num_targets")
+        check_time_inputs(pre, options.get("time_bias"), options.get("timestamps"), options.get("query_timestamps"))
+        require_triton(pre.device, op=self.op, name=self.name, in_call=True)
+        from gem_kernels.hstu_gap_triton import hstu_gap_triton
+
+        if seq_offsets.dim() != 1 or seq_offsets.is_floating_point():
+            raise ValueError(f"jagged_attention: seq_offsets must be integer [B + 1], got {seq_offsets.dtype}")
+        if num_targets is not None and num_targets.shape != (seq_offsets.numel() - 1,):
+            raise ValueError(f"jagged_attention: num_targets must be [B], got {tuple(num_targets.shape)}")
+        blocks = None
+        if self.config.block_m is not None and self.config.block_n is not None:
+            blocks = (self.config.block_m, self.config.block_n)
+        return hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets, dq_mode=self.config.dq, blocks=blocks, **options)
 
     def __call__(
         self,

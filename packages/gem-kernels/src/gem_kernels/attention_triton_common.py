@@ -187,6 +187,13 @@ def silu_and_grad_biased(s, alpha, r, SILU: tl.constexpr):
 
 
 @triton.jit
+def silu_grad(z):
+    """``silu'(z)`` in fp32, exact (an epilogue's once-per-element cost, not the scores' inner loop)."""
+    sig = tl.sigmoid(z)
+    return sig * (1.0 + z * (1.0 - sig))
+
+
+@triton.jit
 def allowed(query_idx, key_idx, history_len, max_attn_len, HAS_WINDOW: tl.constexpr):
     """KERNELS.md mask ``i == j or 0 < p(i) - p(j) <= W`` on a column and a row of indices (shapes
     ``[M, 1]`` and ``[1, N]``, either way round). Positions are clamped on the vectors; per element it

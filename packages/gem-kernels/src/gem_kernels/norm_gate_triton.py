@@ -4,6 +4,10 @@ Forward: one pass over ``x`` and ``u``, writes ``y`` plus per-row mean and 1/std
 that the backward needs no second reduction over ``x``. Backward: one pass over ``x, u, dy`` writing
 ``dx, du``; ``dweight``/``dbias`` are summed per program in fp32 and the few per-program partial rows
 are added by torch at the end (no atomics, deterministic).
+
+With ``silu_gate`` the gate is ``silu(u)`` of a pre-activation ``u``, computed on the fly, and the
+backward writes the gradient of that pre-activation (``du * silu'(u)``): the fused HSTU gap
+(:mod:`gem_kernels.hstu_gap_triton`) then never materialises ``silu(u)`` nor its gradient.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, num_programs
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, num_programs, silu_grad
 
 MAX_DIM = 16384
 """Rows are held in registers whole; wider rows would spill."""
@@ -26,7 +30,8 @@ def _rows_per_tile(block_d: int) -> int:
 
 @triton.jit
 def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, stride_x, stride_u, stride_y, num_rows, eps,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
+                   SILU_GATE: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     rows_ok = rows < num_rows
@@ -34,6 +39,8 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, stride_x, stride_u, stride_y, num_
     inside = rows_ok[:, None] & cols_ok[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    if SILU_GATE:
+        u = u * tl.sigmoid(u)
     w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cols_ok, other=0.0).to(tl.float32)
     mean = tl.sum(x, 1) / D
@@ -48,7 +55,8 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, stride_x, stride_u, stride_y, num_
 @triton.jit
 def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART,
                    stride_x, stride_u, stride_dy, stride_dx, stride_du, num_rows, tiles_per_program,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
+                   SILU_GATE: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
@@ -67,6 +75,9 @@ def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART,
         rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
         xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
         du = dy * (xhat * w[None, :] + b[None, :])
+        if SILU_GATE:
+            du = du * silu_grad(u)
+            u = u * tl.sigmoid(u)
         dz = dy * u
         dw += tl.sum(dz * xhat, 0)
         db += tl.sum(dz, 0)
@@ -86,9 +97,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class NormGateFunction(torch.autograd.Function):
     @staticmethod
     def run_forward(
-        x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+        x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+        silu_gate: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``y`` in ``x``'s shape, and the float32 ``mean`` and ``rstd`` of each row."""
+        """``y`` in ``x``'s shape, and the float32 ``mean`` and ``rstd`` of each row (``silu_gate``:
+        the gate is ``silu(u)``)."""
         x2, u2 = _rows(x), _rows(u)
         num_rows, dim = x2.shape
         block_d = triton.next_power_of_2(dim)
@@ -102,6 +115,7 @@ class NormGateFunction(torch.autograd.Function):
                 _norm_gate_fwd[(triton.cdiv(num_rows, rows),)](
                     x2, u2, weight, bias, y, mean, rstd, x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
                     D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
+                    SILU_GATE=silu_gate,
                 )
         return y.view(x.shape), mean, rstd
 
@@ -121,9 +135,11 @@ class NormGateFunction(torch.autograd.Function):
 
 def norm_gate_backward(
     dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-    mean: torch.Tensor, rstd: torch.Tensor,
+    mean: torch.Tensor, rstd: torch.Tensor, *, silu_gate: bool = False, du_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dx, du`` in ``x``'s shape (contiguous) and ``d_weight, d_bias`` of one call."""
+    """``dx, du`` in ``x``'s shape (contiguous) and ``d_weight, d_bias`` of one call. ``silu_gate``: the
+    forward's gate was ``silu(u)``, and ``du`` is the gradient of ``u`` itself. ``du_out``: a ``[rows,
+    D]`` view (unit last stride) to write ``du`` into, instead of a new tensor."""
     x2, u2, dy2 = _rows(x), _rows(u), _rows(dy)
     weight, bias = weight.contiguous(), bias.contiguous()
     num_rows, dim = x2.shape
@@ -133,7 +149,7 @@ def norm_gate_backward(
     programs = num_programs(x2.device, 4, max(tiles, 1))
     tiles_per_program = triton.cdiv(tiles, programs)
     dx = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
-    du = torch.empty((num_rows, dim), dtype=u.dtype, device=u.device)
+    du = torch.empty((num_rows, dim), dtype=u.dtype, device=u.device) if du_out is None else du_out
     dw_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
     db_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
     with device_guard(x2.device):
@@ -141,10 +157,11 @@ def norm_gate_backward(
             x2, u2, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part, x2.stride(0), u2.stride(0),
             dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
             D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
+            SILU_GATE=silu_gate,
         )
     dw = dw_part[:, :dim].sum(0).to(weight.dtype)
     db = db_part[:, :dim].sum(0).to(bias.dtype)
-    return dx.view(x.shape), du.view(u.shape), dw, db
+    return dx.view(x.shape), (du if du_out is not None else du.view(u.shape)), dw, db
 
 
 def norm_gate_triton(

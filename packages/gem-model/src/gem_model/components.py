@@ -115,6 +115,25 @@ class JaggedAttentionKernel(Kernel):
         query_timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
+    def fused_gap(self, norm_gate: NormGateKernel) -> Callable[..., torch.Tensor] | None:
+        """The HSTU block's whole gap between its two GEMMs as one function, or ``None`` (the default:
+        the block composes ``silu``, the split, this kernel and ``norm_gate``).
+
+        The function maps the ``uvqk`` projection's output ``pre`` ``[L, H (2 Dv + 2 Dqk)]`` (columns
+        ``u, v, q, k``) to ``norm_gate(attention(silu(q), silu(k), silu(v)), silu(u))`` ``[L, H Dv]``::
+
+            gap(pre, gate_weight, gate_bias, seq_offsets, *, num_heads, attention_dim, value_dim,
+                max_seq_len, alpha, eps, num_targets, max_attn_len, position_bias, time_bias,
+                timestamps, query_timestamps)
+
+        with the semantics of :meth:`__call__` and :class:`NormGateKernel`. A kernel offers it when it
+        can fuse the pointwise work around it (gem-kernels' ``triton``: no copy of ``silu(pre)``'s
+        gradient is assembled); ``norm_gate`` is the run's configured norm-gate kernel, so a fused
+        gap can refuse kernels it does not implement. The block calls it in eager mode only; under
+        ``torch.compile`` it composes the ops.
+        """
+        return None
+
 
 class NormGateKernel(Kernel):
     """The HSTU block's pointwise step: ``layer_norm(x) * weight + bias`` multiplied by the gate ``u``.

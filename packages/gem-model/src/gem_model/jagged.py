@@ -28,10 +28,13 @@ def sequence_ids(lengths: torch.Tensor, total: int | None = None) -> torch.Tenso
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=n)
 
 
-def positions_in_sequence(lengths: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """For each value, its position (0-based) within its own sequence."""
+def positions_in_sequence(
+    lengths: torch.Tensor, offsets: torch.Tensor | None = None, *, total: int | None = None
+) -> torch.Tensor:
+    """For each value, its position (0-based) within its own sequence. ``total``: the number of values,
+    when the caller knows it (else it is read from the device: a host sync)."""
     offsets = offsets_of(lengths) if offsets is None else offsets
-    total = int(offsets[-1])
+    total = int(offsets[-1]) if total is None else total
     return torch.arange(total, device=lengths.device) - torch.repeat_interleave(
         offsets[:-1], lengths, output_size=total
     )

@@ -86,6 +86,10 @@ class Batch:
     Optional times (integer seconds; empty when the source has none): ``timestamps`` holds the time
     of each history item (the values layout of ``seq_item``), ``request_times`` ``[B]`` the time of
     the action the sample predicts after its history (the request time of a recommendation).
+
+    ``host_lengths``: the sequence KJT's lengths (every key's, key by key) on the host. A batch moved
+    off the CPU keeps its CPU lengths here, so that the model can size and plan jagged work without
+    reading lengths back from the device (each read is a host sync that idles the GPU).
     """
 
     sequence: KeyedJaggedTensor
@@ -95,6 +99,7 @@ class Batch:
     sample_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     timestamps: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     request_times: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    host_lengths: torch.Tensor | None = None
 
     @property
     def has_times(self) -> bool:
@@ -107,6 +112,22 @@ class Batch:
     def history_lengths(self) -> torch.Tensor:
         return self.sequence[SEQ_ITEM].lengths()
 
+    def lengths_on_host(self, key: str) -> torch.Tensor | None:
+        """The lengths of ``key`` of the sequence KJT as a CPU tensor, or ``None`` if only the device
+        has them (a batch built on a device)."""
+        lengths = self._host()
+        if lengths is None:
+            return None
+        b = self.batch_size
+        i = list(self.sequence.keys()).index(key)
+        return lengths[i * b : (i + 1) * b]
+
+    def _host(self) -> torch.Tensor | None:
+        if self.host_lengths is not None:
+            return self.host_lengths
+        lengths = self.sequence.lengths()
+        return lengths if lengths.device.type == "cpu" else None
+
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         return Batch(
             sequence=kjt_to(self.sequence, device, non_blocking),
@@ -116,6 +137,7 @@ class Batch:
             sample_ids=self.sample_ids.to(device, non_blocking=non_blocking),
             timestamps=self.timestamps.to(device, non_blocking=non_blocking),
             request_times=self.request_times.to(device, non_blocking=non_blocking),
+            host_lengths=self._host(),
         )
 
     def pin_memory(self) -> Batch:
@@ -128,6 +150,7 @@ class Batch:
             sample_ids=self.sample_ids.pin_memory(),
             timestamps=self.timestamps.pin_memory(),
             request_times=self.request_times.pin_memory(),
+            host_lengths=self._host(),
         )
 
 

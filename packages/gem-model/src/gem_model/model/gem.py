@@ -241,7 +241,9 @@ class GemModel(nn.Module):
             lead = 1
         if cfg.use_candidate:
             cand = seq[CAND_ITEM]
-            if int(cand.lengths().min()) != 1 or int(cand.lengths().max()) != 1:
+            counts = batch.lengths_on_host(CAND_ITEM)  # on the host: no device sync for the check
+            counts = cand.lengths() if counts is None else counts
+            if int(counts.min()) != 1 or int(counts.max()) != 1:
                 raise ValueError(f"model.use_candidate needs exactly one {CAND_ITEM!r} per sample")
             if times is not None:  # the candidate is asked about at the request time
                 times = (append_one(times[0], lengths, batch.request_times)[0],
@@ -250,7 +252,7 @@ class GemModel(nn.Module):
             num_targets = torch.ones_like(lengths)
         offsets = offsets_of(lengths)
         if self.position is not None:
-            x = x + self.position(positions_in_sequence(lengths, offsets)).to(x.dtype)
+            x = x + self.position(positions_in_sequence(lengths, offsets, total=x.shape[0])).to(x.dtype)
         x = self.input_dropout(x)
         for block in self.blocks:
             x = block(x, offsets, num_targets, times)
@@ -262,13 +264,17 @@ class GemModel(nn.Module):
             summary = torch.where(has_any[:, None], x[last.clamp(min=0)], x.new_zeros(()))
         else:  # every sequence empty and no candidate
             summary = x.new_zeros(b, x.shape[1])
-        rows = torch.arange(x.shape[0], device=x.device)
         if cfg.use_candidate or lead:
-            pos = positions_in_sequence(lengths, offsets)
-            hist_rows = rows[(pos >= lead) & (pos < lead + hist_lengths.repeat_interleave(lengths))]
+            # rows lead .. lead + history length of each sequence; every sequence has exactly one
+            # candidate (checked above) and one context token, so their count is known without a sync
+            count = x.shape[0] - b * (lead + (1 if cfg.use_candidate else 0))
+            shift = offsets[:-1] + lead - offsets_of(hist_lengths)[:-1]
+            hist_rows = torch.arange(count, device=x.device) + torch.repeat_interleave(
+                shift, hist_lengths, output_size=count
+            )
+            hist_out = x[hist_rows]
         else:
-            hist_rows = rows
-        hist_out = x[hist_rows]
+            hist_out = x
         owner = sequence_ids(hist_lengths, hist_out.shape[0])
         # summed in float32: a bf16 sum over thousands of rows would round away most of them
         mean = x.new_zeros(b, x.shape[1], dtype=torch.float32).index_add(0, owner, hist_out.float())
@@ -314,6 +320,7 @@ class GemModel(nn.Module):
             batch.sequence[SEQ_ITEM].values(), batch.sequence[NEG_ITEM].values(),
             num_negatives=self.spec.num_negatives, per_position=self.spec.negatives_per_position,
             l2_normalize=self.config.l2_normalize, temperature=self.config.temperature,
+            host_lengths=batch.lengths_on_host(SEQ_ITEM),
         )
 
     # ---------------------------------------------------------------------------------- retrieval

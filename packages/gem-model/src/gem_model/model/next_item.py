@@ -74,6 +74,7 @@ CHUNK_ELEMENTS = 1 << 25
 def next_item_loss(
     query: Tensor, items: Tensor, negatives: Tensor, lengths: Tensor, item_ids: Tensor, negative_ids: Tensor, *,
     num_negatives: int, per_position: bool, l2_normalize: bool, temperature: float,
+    host_lengths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(loss sum, count)`` over the predicted positions of jagged histories.
 
@@ -81,6 +82,7 @@ def next_item_loss(
     ``[L, D]``: the embeddings of the history's items; ``lengths`` ``[B]``; ``item_ids`` ``[L]``;
     ``negatives`` / ``negative_ids``: ``[B * K, D]`` / ``[B * K]`` (shared) or, with
     ``per_position``, ``[P * K, D]`` / ``[P * K]`` in the order of the predicted positions.
+    ``host_lengths``: ``lengths`` on the host, if the caller has them (the plan then needs no sync).
     """
     k, d = num_negatives, query.shape[1]
     if per_position:
@@ -98,8 +100,8 @@ def next_item_loss(
         hit = negative_ids.reshape(rows.numel(), k) == item_ids[rows + 1][:, None]
         neg_logit = neg_logit.masked_fill(hit, float("-inf"))
     else:
-        plan = plan_chunks(lengths, d)
-        count = torch.tensor(plan.rows, device=lengths.device)
+        plan = plan_chunks(lengths, d, host_lengths=host_lengths)
+        count = torch.full((), plan.rows, dtype=torch.long, device=lengths.device)  # a fill: no host copy
         if plan.rows == 0:
             return query.sum() * 0.0, count
         neg = negatives.reshape(lengths.numel(), k, d)
@@ -169,14 +171,15 @@ def group_by_length(
     return chunks
 
 
-def plan_chunks(lengths: Tensor, dim: int) -> Plan:
+def plan_chunks(lengths: Tensor, dim: int, *, host_lengths: Tensor | None = None) -> Plan:
     """The :class:`Plan` of histories of ``lengths``.
 
-    The host reads the lengths (one sync) and groups the sequences (O(B) python); the O(P) index
+    The host groups the sequences by their lengths (O(B) python): from ``host_lengths`` (the same
+    lengths on the host) when given, else by reading ``lengths`` back (one sync). The O(P) index
     tensors are then built on the device from per-sequence numbers, copied over in one piece.
     """
     counts = (lengths - 1).clamp(min=0)
-    n = counts.tolist()
+    n = (counts if host_lengths is None else (host_lengths - 1).clamp(min=0)).tolist()
     # the constants read at call time, so that a test can shrink them
     groups = group_by_length(n, dim, growth=BUCKET_GROWTH, small=SMALL_BUCKET, chunk_elements=CHUNK_ELEMENTS)
     chunks, order, size, start, chunk_start = [], [], [], [], []
@@ -191,7 +194,10 @@ def plan_chunks(lengths: Tensor, dim: int) -> Plan:
         chunk_start += [slot] * len(seqs)
         slot, valid = slot + s * len(seqs), valid + rows
     dev, total, m = lengths.device, valid, len(order)
-    seqs, size_o, start_o, chunk_o = torch.tensor([order, size, start, chunk_start], dtype=torch.long).to(dev).reshape(4, m)
+    table = torch.tensor([order, size, start, chunk_start], dtype=torch.long)
+    if dev.type == "cuda":  # from page-locked memory, so that the copy does not wait for the device
+        table = table.pin_memory()
+    seqs, size_o, start_o, chunk_o = table.to(dev, non_blocking=True).reshape(4, m)
     first_row = offsets_of(lengths)[:-1]
     first_pred = offsets_of(counts)[:-1]
     n_o, row_o, pred_o = counts[seqs], first_row[seqs], first_pred[seqs]

@@ -1,0 +1,60 @@
+"""An HSTU block on gem-kernels' ``triton`` kernels: the fused gap (one function between the two GEMMs)
+against the same block with ``fuse_gap: off`` (silu, split, attention and norm-gate one by one), on the
+same weights and fresh random inputs, forward and every gradient. Triton runs in its interpreter here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gem_kernels.attention import TritonJaggedAttention
+from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
+from gem_kernels.testing import offsets_from_lengths, relative_error
+from gem_model.model.hstu import HSTUBlock
+
+
+def block(fuse_gap: str, *, norm_gate=None, position_bias: bool = False) -> HSTUBlock:
+    attention = TritonJaggedAttention(TritonJaggedAttention.Config(fuse_gap=fuse_gap))
+    return HSTUBlock(dim=32, num_heads=2, attention_dim=16, value_dim=16, max_seq_len=16, max_attn_len=0, alpha=0.25,
+                     dropout=0.0, attention=attention, norm_gate=norm_gate or TritonNormGate(),
+                     position_bias=position_bias)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_matches_the_unfused_block(dtype):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    fused = block("on", position_bias=True)
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.5))
+    plain = copy.deepcopy(fused)
+    plain.mixer = None
+    assert fused.mixer is not None
+    offsets = offsets_from_lengths([6, 0, 11, 3])
+    targets = torch.tensor([1, 0, 2, 1])
+    x = torch.randn(20, 32, generator=gen).to(dtype)
+    dy = torch.randn(20, 32, generator=gen).to(dtype)
+    results = []
+    for b in (fused, plain):
+        b = b.to(dtype) if dtype != torch.float32 else b
+        xi = x.clone().requires_grad_()
+        y = b(xi, offsets, targets)
+        grads = torch.autograd.grad(y, [xi, *b.parameters()], dy)
+        results.append((y, grads))
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    (y_f, g_f), (y_p, g_p) = results
+    assert relative_error(y_f, y_p) < tolerance
+    names = ["x", *(n for n, _ in fused.named_parameters())]
+    for name, a, b in zip(names, g_f, g_p):
+        assert relative_error(a, b) < tolerance, f"d {name}: {relative_error(a, b):.2e}"
+
+
+def test_fuse_gap_follows_the_norm_gate_kernel():
+    assert block("auto").mixer is not None
+    assert block("auto", norm_gate=TorchNormGate()).mixer is None  # the fused path is triton's norm-gate
+    assert block("off").mixer is None
+    with pytest.raises(ValueError, match="fuse_gap=on fuses the norm-gate of kernels.norm_gate 'triton'"):
+        block("on", norm_gate=TorchNormGate())
