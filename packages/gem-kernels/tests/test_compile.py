@@ -1,5 +1,5 @@
 """The compiled (GPU) path, which the interpreter never runs: compile every kernel for sm_90 on CPU,
-without and with the relative biases, and with the fused gap's silu-gradient epilogue."""
+without and with the relative biases."""
 
 from __future__ import annotations
 
@@ -17,9 +17,6 @@ GROUPS = {
     # the relative biases: inline-PTX table loads, the diagonal gather and the bucket atomics
     "biases": """[Variant(k, "bfloat16", 128, 128, targets=True, window=True, position_bias=True, time_bias=True)
              for k in ("forward", "dq", "dkdv", "dkdv_atomic")]""",
-    # the fused HSTU gap's epilogue: gradients stored times silu'(pre)
-    "silu_grad": """[Variant(k, "bfloat16", 128, 128, targets=True, silu_grad=True)
-             for k in ("dq", "dkdv", "dkdv_atomic")]""",
 }
 SCRIPT = """
 import json
@@ -29,7 +26,7 @@ for v in ({variants}):
     print(json.dumps({{"kernel": v.kernel, "dtype": v.dtype, "shared": r["shared_bytes"], "registers": r["registers"]}}))
 """
 HOPPER_SHARED_LIMIT = 227 * 1024
-COUNTS = {"plain": 6, "biases": 4, "silu_grad": 3}
+COUNTS = {"plain": 6, "biases": 4}
 
 
 @pytest.mark.parametrize("group", list(GROUPS))

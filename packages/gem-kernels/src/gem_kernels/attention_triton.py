@@ -69,7 +69,6 @@ from gem_kernels.attention_triton_common import (
     scan_chunk,
     silu_and_grad,
     silu_and_grad_biased,
-    silu_grad,
     silu_mode,
 )
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
@@ -167,23 +166,20 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
 @triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets"])
 def query_major_kernel(
-    Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, PRE,
+    Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
-    stride_dom, stride_doh, stride_om, stride_oh, stride_pm, stride_ph,
+    stride_dom, stride_doh, stride_om, stride_oh,
     num_seqs, num_heads, alpha, out_scale, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV: tl.constexpr, D_OUT: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_OUT: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr,
-    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, SILU_GRAD: tl.constexpr,
+    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue. ``PB``,
     ``TB``: position and time bias tables; ``EDGES``: the time buckets' edge table; ``TS``, ``QTS``:
-    int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias).
-    With ``SILU_GRAD`` the stored result is multiplied by ``silu'(PRE)`` (``PRE``: the pre-activations
-    the output's rows and heads came from, strides ``stride_pm``, ``stride_ph``): ``dq`` becomes the
-    gradient of the projection that ``q = silu(pre)`` was computed from (the fused HSTU gap)."""
+    int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -252,19 +248,13 @@ def query_major_kernel(
             out_ptrs = (OUT + seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om
                         + offs_out[None, :])
             out_mask = rows_ok[:, None] & (offs_out < D_OUT)[None, :]
-            result = acc * out_scale
-            if SILU_GRAD:
-                pre_ptrs = (PRE + seq_start * stride_pm + head * stride_ph + queries[:, None] * stride_pm
-                            + offs_out[None, :])
-                result = result * silu_grad(tl.load(pre_ptrs, mask=out_mask, other=0.0).to(tl.float32))
-            tl.store(out_ptrs, cast(result, OUT.dtype.element_ty, INTERP), mask=out_mask)
+            tl.store(out_ptrs, cast(acc * out_scale, OUT.dtype.element_ty, INTERP), mask=out_mask)
             tile = next_tile
         tiles_before = chunk_end
     release_queue(COUNTER)
 
 
-_POINTERS = ("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES", "TS", "QTS",
-             "PRE")
+_POINTERS = ("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES", "TS", "QTS")
 FORWARD = TunedKernel("forward", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"),
                       key_names=KEY_NAMES)
 DQ = TunedKernel("dq", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"), key_names=KEY_NAMES)
@@ -284,19 +274,14 @@ def query_major(
     blocks: tuple[int, int] | None = None,
     bias: RelativeBias = NO_BIAS,
     out: torch.Tensor | None = None,
-    silu_pre: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The forward output, or ``dq`` when ``grad_out`` is given. Inputs have unit last-dim stride;
     ``bias`` comes from :func:`gem_kernels.attention_triton_bias.prepare_bias`. ``out``: where to
-    write it (``[L, H, D]``, any row and head strides, unit last stride), else a new tensor. With
-    ``silu_pre`` (``dq`` only; the pre-activations ``q = silu(silu_pre)`` came from, laid out like
-    ``out``) the result is ``dq * silu'(silu_pre)``, the gradient of ``silu_pre``."""
+    write it (``[L, H, D]``, any row and head strides, unit last stride), else a new tensor."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     compute_dq = grad_out is not None
     dim_out = dim_qk if compute_dq else dim_v
-    if silu_pre is not None and not compute_dq:
-        raise ValueError("query_major: silu_pre applies to the dq pass only")
     if out is None:
         out = torch.empty((num_rows, num_heads, dim_out), dtype=q.dtype if compute_dq else v.dtype, device=q.device)
     num_seqs = seq_offsets.shape[0] - 1
@@ -309,10 +294,8 @@ def query_major(
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
     chunk = CHUNK  # read at call time: tests shrink it
-    silu_grad = silu_pre is not None
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(), chunk,
-               "auto" if blocks is None else blocks, silu_grad)
-    pre = silu_pre if silu_pre is not None else out
+               "auto" if blocks is None else blocks)
 
     def constexprs() -> dict:
         return dict(
@@ -320,7 +303,6 @@ def query_major(
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
             HAS_POS_BIAS=bias.position is not None, HAS_TIME_BIAS=bias.time is not None,
             SILU=silu_mode(q.dtype), IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk,
-            SILU_GRAD=silu_grad,
         )
 
     def tile_bound(config: Config) -> int:
@@ -330,8 +312,8 @@ def query_major(
         counter = queue_counter(device)
         args = (
             q, k, v, do, out, seq_offsets, num_targets if num_targets is not None else seq_offsets, counter,
-            *bias.pointers(q), pre, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), out.stride(0), out.stride(1), pre.stride(0), pre.stride(1),
+            *bias.pointers(q), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), out.stride(0), out.stride(1),
             num_seqs, num_heads, alpha, scale, max_attn_len, max_seq_len - 1, bias.num_buckets,
         )
         if blocks is not None:

@@ -46,7 +46,6 @@ from gem_kernels.attention_triton_common import (
     scan_chunk,
     silu_and_grad,
     silu_and_grad_biased,
-    silu_grad,
     silu_mode,
 )
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
@@ -146,22 +145,20 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
 @triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets"])
 def key_major_kernel(
-    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB, PRE_K, PRE_V,
+    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
-    stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh, stride_pm, stride_ph,
+    stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     num_seqs, num_heads, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
-    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, SILU_GRAD: tl.constexpr,
+    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """dk, dv (and dq with ``ATOMIC_DQ``) for every (sequence, head, key block) tile; with ``POS_GRAD`` /
     ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
-    ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``. With ``SILU_GRAD``
-    dk and dv are stored times ``silu'(PRE_K)``, ``silu'(PRE_V)`` (pre-activations laid out with
-    strides ``stride_pm``, ``stride_ph``): the gradients of the projections k and v came from."""
+    ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -228,23 +225,17 @@ def key_major_kernel(
                 )
             dk_ptrs = DK + seq_start * stride_dkm + head * stride_dkh + keys[:, None] * stride_dkm + offs_qk[None, :]
             dv_ptrs = DV + seq_start * stride_dvm + head * stride_dvh + keys[:, None] * stride_dvm + offs_v[None, :]
-            dk_mask = keys_ok[:, None] & d_qk_ok[None, :]
-            dv_mask = keys_ok[:, None] & d_v_ok[None, :]
-            dk = dk * (alpha / max_seq_len)
-            dv = dv * (1.0 / max_seq_len)
-            if SILU_GRAD:
-                pre_rows = seq_start * stride_pm + head * stride_ph + keys[:, None] * stride_pm
-                dk = dk * silu_grad(tl.load(PRE_K + pre_rows + offs_qk[None, :], mask=dk_mask, other=0.0).to(tl.float32))
-                dv = dv * silu_grad(tl.load(PRE_V + pre_rows + offs_v[None, :], mask=dv_mask, other=0.0).to(tl.float32))
-            tl.store(dk_ptrs, cast(dk, DK.dtype.element_ty, INTERP), mask=dk_mask)
-            tl.store(dv_ptrs, cast(dv, DV.dtype.element_ty, INTERP), mask=dv_mask)
+            tl.store(dk_ptrs, cast(dk * (alpha / max_seq_len), DK.dtype.element_ty, INTERP),
+                     mask=keys_ok[:, None] & d_qk_ok[None, :])
+            tl.store(dv_ptrs, cast(dv * (1.0 / max_seq_len), DV.dtype.element_ty, INTERP),
+                     mask=keys_ok[:, None] & d_v_ok[None, :])
             tile = next_tile
         tiles_before = chunk_end
     release_queue(COUNTER)
 
 
 _POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES",
-             "TS", "QTS", "DPB", "DTB", "PRE_K", "PRE_V")
+             "TS", "QTS", "DPB", "DTB")
 DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES)
 DKDV_ATOMIC = TunedKernel(
     "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES
@@ -267,14 +258,10 @@ def key_major(
     bias: RelativeBias = NO_BIAS,
     bias_grads: BiasGrads | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    silu_pre: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it, and
     with ``bias_grads`` (zeroed, :meth:`BiasGrads.zeros`) the bias gradients times ``max_seq_len``.
-    ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors.
-    ``silu_pre = (pre_k, pre_v)``: the pre-activations ``k = silu(pre_k)``, ``v = silu(pre_v)`` came
-    from (two views with the same strides): the results are then ``dk * silu'(pre_k)`` and
-    ``dv * silu'(pre_v)``, the gradients of the pre-activations."""
+    ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     if out is not None:
@@ -282,8 +269,6 @@ def key_major(
     else:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    if silu_pre is not None and silu_pre[0].stride()[:2] != silu_pre[1].stride()[:2]:
-        raise ValueError("key_major: silu_pre's two views must share their row and head strides")
     num_seqs = seq_offsets.shape[0] - 1
     if num_rows == 0 or num_seqs <= 0:
         return dk, dv
@@ -295,10 +280,8 @@ def key_major(
     grads = bias_grads if bias_grads is not None else BiasGrads(None, None)
     grad_flags = (grads.position is not None, grads.time is not None)
     chunk = CHUNK  # read at call time: tests shrink it
-    silu_grad = silu_pre is not None
-    pre_k, pre_v = silu_pre if silu_pre is not None else (dk, dk)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
-               "auto" if blocks is None else blocks, silu_grad)
+               "auto" if blocks is None else blocks)
 
     def constexprs() -> dict:
         return dict(
@@ -306,7 +289,7 @@ def key_major(
             HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
-            IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, SILU_GRAD=silu_grad,
+            IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk,
         )
 
     def restore() -> None:  # tuning runs added into the accumulators
@@ -321,10 +304,9 @@ def key_major(
         counter = queue_counter(device)
         args = (
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
-            counter, *bias.pointers(q), *grads.pointers(dq), pre_k, pre_v, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), pre_k.stride(0), pre_k.stride(1), num_seqs,
-            num_heads, float(alpha),
+            counter, *bias.pointers(q), *grads.pointers(dq), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, float(alpha),
             float(max_seq_len), max_attn_len, max_seq_len - 1, bias.num_buckets,
         )
         if blocks is not None:

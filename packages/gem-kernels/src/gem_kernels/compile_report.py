@@ -42,8 +42,6 @@ class Variant:
     position_bias: bool = False
     time_bias: bool = False
     """With a bias, the dk/dv kernels also accumulate its gradient."""
-    silu_grad: bool = False
-    """The fused HSTU gap's epilogue: dq, dk, dv stored times silu'(pre) (not the forward)."""
 
 
 def configs(kernel: str, wide: bool) -> list[tuple[int, int, int, int, int]]:
@@ -66,7 +64,6 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
         HAS_TARGETS=variant.targets, HAS_WINDOW=variant.window, SILU=0 if t == "fp32" else 2, IEEE=t == "fp32",
         INTERP=False, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, PROGRAMS_PER_SM=per_sm,
         BLOCK_DQK=dim_block(variant.dim_qk), HAS_POS_BIAS=variant.position_bias, HAS_TIME_BIAS=variant.time_bias,
-        SILU_GRAD=variant.silu_grad and variant.kernel != "forward",
     )
     offsets = {"SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "PB": "*fp32", "TB": "*fp32",
                "EDGES": "*i64", "TS": "*i64", "QTS": "*i64"}
@@ -77,7 +74,7 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
             DQK=variant.dim_qk, DV=variant.dim_v, D_OUT=dim_out, BLOCK_DV=dim_block(variant.dim_v),
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", **common,
         )
-        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT", "PRE")} | offsets
+        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT")} | offsets
         signature = _signature(fn, pointers, ("alpha", "out_scale"))
     else:
         fn = attention_triton_bwd.key_major_kernel
@@ -87,8 +84,8 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
             POS_STRIPES=attention_triton_bias.POSITION_STRIPES, TIME_STRIPES=attention_triton_bias.TIME_STRIPES,
             **common,
         )
-        pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV", "PRE_K", "PRE_V")}
-                    | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32"} | offsets)
+        pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV")} | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32"}
+                    | offsets)
         signature = _signature(fn, pointers, ("alpha", "max_seq_len"))
     for name in constants:
         signature[name] = "constexpr"
@@ -123,11 +120,10 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs=2, default=(128, 128), metavar=("DQK", "DV"))
     parser.add_argument("--all-configs", action="store_true", help="every autotuning config, not just the first")
     parser.add_argument("--bias", choices=("none", "position", "time", "both"), default="none")
-    parser.add_argument("--silu-grad", action="store_true", help="the fused HSTU gap's backward epilogue")
     args = parser.parse_args()
     for kernel in KERNELS:
         variant = Variant(kernel, args.dtype, *args.dims, position_bias=args.bias in ("position", "both"),
-                          time_bias=args.bias in ("time", "both"), silu_grad=args.silu_grad)
+                          time_bias=args.bias in ("time", "both"))
         table = configs(kernel, max(args.dims) > 128)
         for config in table if args.all_configs else table[:1]:
             r = compile_variant(variant, config, args.arch)

@@ -15,13 +15,19 @@ Fused, every pass that remains is one that some kernel had to make anyway:
 
 * forward: one kernel writes ``silu`` of the ``v, q, k`` columns only; the norm-gate kernel reads the
   ``u`` columns of ``pre`` and applies the silu itself;
-* backward: the gradient of ``pre`` is one ``[L, 4 H D]`` buffer, and each kernel that produces a
-  slice of it writes that slice already multiplied by ``silu'(pre)``: the norm-gate backward the
-  ``u`` columns, the key-major attention pass the ``k`` and ``v`` columns (in its store epilogue),
-  the ``dq`` pass the ``q`` columns (or, with atomic ``dq``, the cast of its fp32 accumulator).
+* backward: the gradient of ``pre`` is one ``[L, 4 H D]`` buffer that the kernels write into, in
+  place of the concatenation: the norm-gate backward writes the ``u`` columns already multiplied by
+  ``silu'(u)``; the attention passes write ``dk``, ``dv`` and ``dq`` into theirs (with atomic ``dq``,
+  the cast of its fp32 accumulator applies ``silu'`` too), and one pass multiplies those columns by
+  ``silu'(pre)`` in place.
 
-No concatenation, no separate silu pass, no ``silu(u)`` tensor. The saved activations are ``pre``,
-``silu`` of its ``v, q, k`` columns and the attention output (one ``[L, H Dv]`` less than unfused).
+Why that last pass is not an epilogue of the attention kernels: there, loading a tile of ``pre`` beside
+the two fp32 accumulators spilled registers in the key-major kernel's loops (216 bytes at its best
+tile, ``compile_report``), and the epilogue cost more on the H200 (+10 ms a step on the big config)
+than this pass (three column blocks read twice and written once).
+
+No concatenation, no ``silu(u)`` tensor. The saved activations are ``pre``, ``silu`` of its ``v, q,
+k`` columns and the attention output (one ``[L, H Dv]`` less than unfused).
 """
 
 from __future__ import annotations
@@ -120,7 +126,6 @@ class HSTUGapFunction(torch.autograd.Function):
             return t[:, a:b].view(rows, heads, -1)
 
         v, q, k = heads_of(post, 0, hv), heads_of(post, hv, hv + hq), heads_of(post, hv + hq, hv + 2 * hq)
-        pre_v, pre_q, pre_k = heads_of(pre, hv, 2 * hv), heads_of(pre, 2 * hv, 2 * hv + hq), heads_of(pre, 2 * hv + hq, 2 * hv + 2 * hq)
         d_v, d_q, d_k = heads_of(d_pre, hv, 2 * hv), heads_of(d_pre, 2 * hv, 2 * hv + hq), heads_of(d_pre, 2 * hv + hq, 2 * hv + 2 * hq)
         bias = RelativeBias(*tables, edges=edges)
         kernel = _kernel_options(options)
@@ -129,11 +134,16 @@ class HSTUGapFunction(torch.autograd.Function):
         mode = resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads)
         dq_accum = torch.zeros((rows, heads, dqk), dtype=torch.float32, device=pre.device) if mode == "atomic" else None
         key_major(q, k, v, d_attn, seq_offsets, num_targets, dq_accum, bias=bias, bias_grads=grads,
-                  out=(d_k, d_v), silu_pre=(pre_k, pre_v), **kernel)  # fmt: skip
+                  out=(d_k, d_v), **kernel)  # fmt: skip
+        q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
         if dq_accum is not None:
-            silu_columns(pre[:, 2 * hv: 2 * hv + hq], d_pre[:, 2 * hv: 2 * hv + hq], grad=dq_accum.view(rows, hq))
+            silu_columns(pre[:, q_cols], d_pre[:, q_cols], grad=dq_accum.view(rows, hq))
+            for cols in (v_cols, k_cols):
+                silu_columns(pre[:, cols], d_pre[:, cols], grad=d_pre[:, cols])
         else:
-            query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, silu_pre=pre_q, **kernel)
+            query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
+            every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
+            silu_columns(pre[:, every], d_pre[:, every], grad=d_pre[:, every])
         d_position, d_time = grads.result(bias, kernel["max_seq_len"])
         return d_pre, d_weight, d_gate_bias, d_position, d_time, None, None, None, None, None
 
