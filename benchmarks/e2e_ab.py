@@ -91,15 +91,15 @@ def _attention_option(**options: object) -> Switch:
 
 
 def switch_unfused(run: object) -> Callable[[], None]:
-    """The HSTU gap (silu, split, attention, norm-gate) as separate kernels instead of the fused path."""
+    """The HSTU blocks op by op (layer norm, residual add, silu, split, attention, norm-gate) instead of fused."""
     blocks = _blocks(run)
-    saved = [getattr(b, "mixer", None) for b in blocks]
+    saved = [getattr(b, "fused", None) for b in blocks]
     for b in blocks:
-        b.mixer = None
+        b.fused = None
 
     def undo() -> None:
         for b, m in zip(blocks, saved):
-            b.mixer = m
+            b.fused = m
 
     return undo
 
@@ -223,7 +223,21 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
         categories[c] = categories.get(c, 0.0) + e.get("dur", 0) / 1e3 / steps
     idle = device_idle(events)
     return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
-            "top_kernels": top_kernels(events, steps, 30)}  # fmt: skip
+            "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events)}  # fmt: skip
+
+
+def device_gaps(events: list[dict], limit: int = 15) -> list[dict]:
+    """The longest stretches with no device work, each with the kernels before and after it: where the
+    device waits for the host."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events)
+    gaps, end, before = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append({"ms": (start - end) / 1e3, "after": before[:80], "before": name[:80]})
+        if end is None or stop >= end:
+            end, before = stop, name
+    gaps.sort(key=lambda g: -g["ms"])
+    return gaps[:limit]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -448,6 +462,9 @@ def main() -> int:
                 print(f"  {c:<14} {ms:8.2f} ms  {100 * ms / prof['busy_ms_per_step']:5.1f} %")
             for k in prof["top_kernels"]:
                 print(f"  {k['ms_per_step']:8.2f} ms  {k['kernel'][:110]}")
+            print("  longest device gaps (ms, the kernel before -> after):")
+            for g in prof.get("gaps", []):
+                print(f"  {g['ms']:8.3f} ms  {g['after'][:60]} -> {g['before'][:60]}")
         for name, st in raw["steady"].items():
             print(f"steady {name}: {st['steps']} steps, wall {st['wall_ms_per_step']:.1f} ms/step, device "
                   f"{st['device_ms_per_step']:.1f} ms/step, idle {100 * (1 - st['device_ms_per_step'] / st['wall_ms_per_step']):.1f} %")

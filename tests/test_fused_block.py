@@ -1,6 +1,7 @@
-"""An HSTU block on gem-kernels' ``triton`` kernels: the fused gap (one function between the two GEMMs)
-against the same block with ``fuse_gap: off`` (silu, split, attention and norm-gate one by one), on the
-same weights and fresh random inputs, forward and every gradient. Triton runs in its interpreter here.
+"""An HSTU block on gem-kernels' ``triton`` kernels: fused around its linears (layer norm with the
+residual branch, then silu, split, attention and norm-gate as one function) against the same block with
+``fuse_block: off`` (every op by itself), on the same weights and fresh random inputs, forward and every
+gradient. Triton runs in its interpreter here.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from gem_kernels.testing import offsets_from_lengths, relative_error
 from gem_model.model.hstu import HSTUBlock
 
 
-def block(fuse_gap: str, *, norm_gate=None, position_bias: bool = False) -> HSTUBlock:
-    attention = TritonJaggedAttention(TritonJaggedAttention.Config(fuse_gap=fuse_gap))
+def block(fuse_block: str, *, norm_gate=None, position_bias: bool = False) -> HSTUBlock:
+    attention = TritonJaggedAttention(TritonJaggedAttention.Config(fuse_block=fuse_block))
     return HSTUBlock(dim=32, num_heads=2, attention_dim=16, value_dim=16, max_seq_len=16, max_attn_len=0, alpha=0.25,
                      dropout=0.0, attention=attention, norm_gate=norm_gate or TritonNormGate(),
                      position_bias=position_bias)  # fmt: skip
@@ -31,8 +32,8 @@ def test_fused_block_matches_the_unfused_block(dtype):
         for p in fused.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.5))
     plain = copy.deepcopy(fused)
-    plain.mixer = None
-    assert fused.mixer is not None
+    plain.fused = None
+    assert fused.fused is not None
     offsets = offsets_from_lengths([6, 0, 11, 3])
     targets = torch.tensor([1, 0, 2, 1])
     x = torch.randn(20, 32, generator=gen).to(dtype)
@@ -52,9 +53,9 @@ def test_fused_block_matches_the_unfused_block(dtype):
         assert relative_error(a, b) < tolerance, f"d {name}: {relative_error(a, b):.2e}"
 
 
-def test_fuse_gap_follows_the_norm_gate_kernel():
-    assert block("auto").mixer is not None
-    assert block("auto", norm_gate=TorchNormGate()).mixer is None  # the fused path is triton's norm-gate
-    assert block("off").mixer is None
-    with pytest.raises(ValueError, match="fuse_gap=on fuses the norm-gate of kernels.norm_gate 'triton'"):
+def test_fuse_block_follows_the_norm_gate_kernel():
+    assert block("auto").fused is not None
+    assert block("auto", norm_gate=TorchNormGate()).fused is None  # the fused path is triton's norm-gate
+    assert block("off").fused is None
+    with pytest.raises(ValueError, match="fuse_block=on fuses the norm-gate of kernels.norm_gate 'triton'"):
         block("on", norm_gate=TorchNormGate())

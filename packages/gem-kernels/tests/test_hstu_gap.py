@@ -1,5 +1,6 @@
-"""The fused HSTU gap (silu, split, attention, norm-gate; gem_kernels.hstu_gap_triton) against the same
-ops composed from the float64 references, forward and every gradient.
+"""The fused HSTU gap (silu, split, attention, norm-gate; gem_kernels.hstu_gap_triton) and the layer norm
+fork (gem_kernels.layer_norm_triton) against the same ops composed from float64 references, forward and
+every gradient.
 
 Runs in Triton's interpreter on fresh random data; fresh memory is NaN (the ``poison`` fixture), so a
 slice of the pre-activation gradient that no kernel wrote fails the test.
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_kernels.hstu_gap_triton import hstu_gap_triton, silu_columns
+from gem_kernels.layer_norm_triton import norm_fork
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import offsets_from_lengths, relative_error
 
@@ -90,3 +92,23 @@ def test_gap_refuses_a_projection_of_the_wrong_width():
     with pytest.raises(ValueError, match=r"pre must be \[L, 128\]"):
         hstu_gap_triton(torch.zeros(4, 100), torch.ones(32), torch.zeros(32), offsets_from_lengths([4]),
                         num_heads=HEADS, attention_dim=DQK, value_dim=DV, max_seq_len=8, alpha=1.0, eps=EPS)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_fork_sums_the_residual_gradient_into_the_layer_norms(gen, dtype):
+    x = (torch.randn(7, 48, generator=gen) * 3 + 1).to(dtype)
+    d_ln, d_skip = torch.randn(7, 48, generator=gen).to(dtype), torch.randn(7, 48, generator=gen).to(dtype)
+    xi = x.clone().requires_grad_()
+    ln, skip = norm_fork(xi)
+    (got,) = torch.autograd.grad([ln, skip], xi, [d_ln, d_skip])
+    exact = x.double().requires_grad_()
+    want_ln = F.layer_norm(exact, (48,))
+    (want,) = torch.autograd.grad([want_ln, exact], exact, [d_ln.double(), d_skip.double()])
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative_error(ln, want_ln) < tolerance
+    assert torch.equal(skip, x)
+    assert relative_error(got, want) < tolerance
+    xj = x.clone().requires_grad_()
+    (only_ln,) = torch.autograd.grad(norm_fork(xj)[0], xj, d_ln)  # the residual branch unused
+    (want_only,) = torch.autograd.grad(F.layer_norm(exact, (48,)), exact, d_ln.double())
+    assert relative_error(only_ln, want_only) < tolerance

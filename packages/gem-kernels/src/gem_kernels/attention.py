@@ -127,12 +127,12 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         """Query rows per tile; set together with ``block_n`` to skip autotuning."""
         block_n: int | None = None
         """Keys per tile."""
-        fuse_gap: Literal["auto", "on", "off"] = "auto"
-        """Fuse the HSTU block's silu, split and norm-gate with attention (:mod:`gem_kernels.hstu_gap_triton`:
-        no ``silu(pre)`` gradient assembled by copies, no separate silu passes; benchmarks/results/e2e_ab.md
-        measures it). ``auto``: when ``kernels.norm_gate`` is ``triton`` too (the
-        fused path is that kernel's math); ``on``: the same, and any other norm-gate kernel is an
-        error; ``off``: the ops run one by one."""
+        fuse_block: Literal["auto", "on", "off"] = "auto"
+        """Run the HSTU block's pointwise work fused around its two GEMMs (:mod:`gem_kernels.hstu_block`:
+        the input layer norm with its residual branch, and silu, split, attention and norm-gate as one
+        function; benchmarks/results/e2e_ab.md measures it). ``auto``: when ``kernels.norm_gate`` is
+        ``triton`` too (the fused path is that kernel's math); ``on``: the same, and any other
+        norm-gate kernel is an error; ``off``: the ops run one by one."""
 
         @model_validator(mode="after")
         def _blocks(self) -> TritonJaggedAttention.Config:
@@ -149,27 +149,28 @@ class TritonJaggedAttention(JaggedAttentionKernel):
     def check_available(self, device: torch.device) -> None:
         require_triton(device, op=self.op, name=self.name)
 
-    def fused_gap(self, norm_gate: NormGateKernel) -> Callable[..., torch.Tensor] | None:
+    def fused_block(self, norm_gate: NormGateKernel) -> Callable[..., torch.Tensor] | None:
         from gem_kernels.norm_gate import TritonNormGate
 
-        if self.config.fuse_gap == "off":
+        if self.config.fuse_block == "off":
             return None
         if not isinstance(norm_gate, TritonNormGate):
-            if self.config.fuse_gap == "on":
+            if self.config.fuse_block == "on":
                 raise ValueError(
-                    f"kernels.jagged_attention.options.fuse_gap=on fuses the norm-gate of kernels.norm_gate "
+                    f"kernels.jagged_attention.options.fuse_block=on fuses the norm-gate of kernels.norm_gate "
                     f"'triton', but kernels.norm_gate is {norm_gate.name!r}; set kernels.norm_gate=triton, or "
-                    "fuse_gap to auto or off"
+                    "fuse_block to auto or off"
                 )
             return None
-        return self._gap
+        return self._block
 
-    def _gap(self, pre: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor,
-             seq_offsets: torch.Tensor, **options: Any) -> torch.Tensor:  # fmt: skip
+    def _block(self, x: torch.Tensor, uvqk: Callable[[torch.Tensor], torch.Tensor],
+               out: Callable[[torch.Tensor], torch.Tensor], gate_weight: torch.Tensor, gate_bias: torch.Tensor,
+               seq_offsets: torch.Tensor, **options: Any) -> torch.Tensor:  # fmt: skip
         num_targets = options.get("num_targets")
-        check_time_inputs(pre, options.get("time_bias"), options.get("timestamps"), options.get("query_timestamps"))
-        require_triton(pre.device, op=self.op, name=self.name, in_call=True)
-        from gem_kernels.hstu_gap_triton import hstu_gap_triton
+        check_time_inputs(x, options.get("time_bias"), options.get("timestamps"), options.get("query_timestamps"))
+        require_triton(x.device, op=self.op, name=self.name, in_call=True)
+        from gem_kernels.hstu_block import hstu_block_triton
 
         if seq_offsets.dim() != 1 or seq_offsets.is_floating_point():
             raise ValueError(f"jagged_attention: seq_offsets must be integer [B + 1], got {seq_offsets.dtype}")
@@ -178,7 +179,8 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         blocks = None
         if self.config.block_m is not None and self.config.block_n is not None:
             blocks = (self.config.block_m, self.config.block_n)
-        return hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets, dq_mode=self.config.dq, blocks=blocks, **options)
+        return hstu_block_triton(x, uvqk, out, gate_weight, gate_bias, seq_offsets, dq_mode=self.config.dq,
+                                 blocks=blocks, **options)  # fmt: skip
 
     def __call__(
         self,

@@ -115,22 +115,25 @@ class JaggedAttentionKernel(Kernel):
         query_timestamps: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
-    def fused_gap(self, norm_gate: NormGateKernel) -> Callable[..., torch.Tensor] | None:
-        """The HSTU block's whole gap between its two GEMMs as one function, or ``None`` (the default:
-        the block composes ``silu``, the split, this kernel and ``norm_gate``).
+    def fused_block(self, norm_gate: NormGateKernel) -> Callable[..., torch.Tensor] | None:
+        """The HSTU block's whole forward as one function around its two linears, or ``None`` (the
+        default: the block composes layer norm, the linears, ``silu``, the split, this kernel and
+        ``norm_gate`` op by op; :mod:`gem_model.model.hstu`).
 
-        The function maps the ``uvqk`` projection's output ``pre`` ``[L, H (2 Dv + 2 Dqk)]`` (columns
-        ``u, v, q, k``) to ``norm_gate(attention(silu(q), silu(k), silu(v)), silu(u))`` ``[L, H Dv]``::
+        The function computes ``x + out(norm_gate(attention(q, k, v), u))`` with
+        ``u, v, q, k = split(silu(uvqk(layer_norm(x))))``::
 
-            gap(pre, gate_weight, gate_bias, seq_offsets, *, num_heads, attention_dim, value_dim,
-                max_seq_len, alpha, eps, num_targets, max_attn_len, position_bias, time_bias,
-                timestamps, query_timestamps)
+            block(x, uvqk, out, gate_weight, gate_bias, seq_offsets, *, num_heads, attention_dim,
+                  value_dim, max_seq_len, alpha, eps, num_targets, max_attn_len, position_bias,
+                  time_bias, timestamps, query_timestamps)
 
-        with the semantics of :meth:`__call__` and :class:`NormGateKernel`. A kernel offers it when it
-        can fuse the pointwise work around it (gem-kernels' ``triton``: no copy of ``silu(pre)``'s
-        gradient is assembled); ``norm_gate`` is the run's configured norm-gate kernel, so a fused
-        gap can refuse kernels it does not implement. The block calls it in eager mode only; under
-        ``torch.compile`` it composes the ops.
+        ``uvqk`` and ``out`` are the block's linears as callables (the precision scheme's modules,
+        ``out`` with the block's dropout), so the GEMMs stay the scheme's; ``eps`` is the norm-gate's;
+        the rest has the semantics of :meth:`__call__` and :class:`NormGateKernel`. A kernel offers it
+        when it fuses the pointwise work around the GEMMs (gem-kernels' ``triton``);
+        ``norm_gate`` is the run's configured norm-gate kernel, so a fused block can refuse kernels
+        it does not implement. The block calls it in eager mode only; under ``torch.compile`` it
+        composes the ops.
         """
         return None
 

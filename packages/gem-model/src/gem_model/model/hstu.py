@@ -7,9 +7,9 @@ One block, on the ``[L, D]`` values of a jagged batch::
                                                    # (+ optional relative position / time bias)
     x = x + W_o · dropout(norm_gate(a, u))         # layer_norm(a) * u
 
-Between the two GEMMs (``pre = W_uvqk · layer_norm(x)`` and ``W_o · ...``) the attention kernel may
-offer the whole gap fused (:meth:`~gem_model.components.JaggedAttentionKernel.fused_gap`); the block
-then hands it ``pre`` and gets the norm-gate's output back.
+The attention kernel may offer the whole block fused around its two linears
+(:meth:`~gem_model.components.JaggedAttentionKernel.fused_block`); the block then hands it ``x`` and
+the linears, and gets the block's output back.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ class HSTUBlock(nn.Module):
         self.num_heads, self.attention_dim, self.value_dim = num_heads, attention_dim, value_dim
         self.max_seq_len, self.max_attn_len, self.alpha = max_seq_len, max_attn_len, alpha
         self.attention, self.norm_gate = attention, norm_gate
-        # the gap between the GEMMs as one fused function, when the attention kernel offers one
-        # (JaggedAttentionKernel.fused_gap); None composes the ops below
-        self.mixer = attention.fused_gap(norm_gate)
+        # the whole block as one fused function around the linears, when the attention kernel offers
+        # one (JaggedAttentionKernel.fused_block); None composes the ops below
+        self.fused = attention.fused_block(norm_gate)
         self.uvqk = nn.Linear(dim, num_heads * (2 * value_dim + 2 * attention_dim))
         self.gate_weight = nn.Parameter(torch.ones(num_heads * value_dim))
         self.gate_bias = nn.Parameter(torch.zeros(num_heads * value_dim))
@@ -73,27 +73,26 @@ class HSTUBlock(nn.Module):
             if times is None:
                 raise ValueError("an HSTU block with a time bias needs the rows' (key, query) timestamps")
             bias.update(time_bias=self.time_bias, timestamps=times[0], query_timestamps=times[1])
+        if self.fused is not None and not torch.compiler.is_compiling():
+            return self.fused(
+                x, self.uvqk, lambda y: self.out(self.dropout(y)).to(x.dtype), self.gate_weight, self.gate_bias,
+                offsets, num_heads=h, attention_dim=dqk, value_dim=dv, max_seq_len=self.max_seq_len,
+                alpha=self.alpha, eps=GATE_EPS, num_targets=num_targets, max_attn_len=self.max_attn_len, **bias,
+            )
         pre = self.uvqk(F.layer_norm(x, x.shape[-1:]))
-        if self.mixer is not None and not torch.compiler.is_compiling():
-            y = self.mixer(
-                pre, self.gate_weight, self.gate_bias, offsets, num_heads=h, attention_dim=dqk, value_dim=dv,
-                max_seq_len=self.max_seq_len, alpha=self.alpha, eps=GATE_EPS, num_targets=num_targets,
-                max_attn_len=self.max_attn_len, **bias,
-            )
-        else:
-            u, v, q, k = torch.split(F.silu(pre), [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
-            attn = self.attention(
-                q.reshape(n, h, dqk),
-                k.reshape(n, h, dqk),
-                v.reshape(n, h, dv),
-                offsets,
-                max_seq_len=self.max_seq_len,
-                alpha=self.alpha,
-                num_targets=num_targets,
-                max_attn_len=self.max_attn_len,
-                **bias,
-            )
-            y = self.norm_gate(attn.reshape(n, h * dv), u, self.gate_weight, self.gate_bias, GATE_EPS)
+        u, v, q, k = torch.split(F.silu(pre), [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
+        attn = self.attention(
+            q.reshape(n, h, dqk),
+            k.reshape(n, h, dqk),
+            v.reshape(n, h, dv),
+            offsets,
+            max_seq_len=self.max_seq_len,
+            alpha=self.alpha,
+            num_targets=num_targets,
+            max_attn_len=self.max_attn_len,
+            **bias,
+        )
+        y = self.norm_gate(attn.reshape(n, h * dv), u, self.gate_weight, self.gate_bias, GATE_EPS)
         return x + self.out(self.dropout(y)).to(x.dtype)
 
 

@@ -1,0 +1,124 @@
+"""The HSTU block's input layer norm and its residual branch in Triton, as one autograd function
+(imports triton).
+
+A block computes ``x + f(layer_norm(x))``: ``x`` has two uses, so autograd adds their two gradients in
+a pass of its own after the layer norm's backward (read two, write one). :class:`NormFork` returns
+``(layer_norm(x), x)`` and the block adds ``f(...)`` to that second output: both gradients then reach
+one backward, whose kernel adds the residual's gradient while it writes the layer norm's. Forward: one
+pass writing the normalised rows plus each row's mean and 1/std (fp32); backward: one pass over ``x``
+and both gradients. No affine parameters (the block's layer norm has none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
+
+MAX_DIM = 16384
+"""Rows are held in registers whole."""
+
+
+def _rows_per_program(block_d: int) -> int:
+    return max(1, min(16, 8192 // block_d))
+
+
+@triton.jit
+def _norm_fwd(X, Y, MEAN, RSTD, stride_x, stride_y, num_rows, eps,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    rows_ok = rows < num_rows
+    inside = rows_ok[:, None] & (cols < D)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    mean = tl.sum(x, 1) / D
+    centered = tl.where(inside, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast(centered * rstd[:, None], Y.dtype.element_ty, INTERP),
+             mask=inside)
+    tl.store(MEAN + rows, mean, mask=rows_ok)
+    tl.store(RSTD + rows, rstd, mask=rows_ok)
+
+
+@triton.jit
+def _norm_bwd(X, DY, DSKIP, DX, MEAN, RSTD, stride_x, stride_dy, stride_skip, stride_dx, num_rows,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
+              INTERP: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    rows_ok = rows < num_rows
+    inside = rows_ok[:, None] & (cols < D)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
+    xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
+    dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
+    if HAS_SKIP:
+        dx += tl.load(DSKIP + rows[:, None] * stride_skip + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast(dx, DX.dtype.element_ty, INTERP), mask=inside)
+
+
+def _launch_shape(dim: int) -> tuple[int, int, int]:
+    block_d = triton.next_power_of_2(dim)
+    return block_d, _rows_per_program(block_d), 4 if block_d <= 2048 else 8
+
+
+class NormFork(torch.autograd.Function):
+    """``(layer_norm(x), x)`` over the last dim, no affine; the backward sums both outputs' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        rows, dim = x2.shape
+        y = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
+        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        block_d, per, warps = _launch_shape(dim)
+        if rows:
+            with device_guard(x.device):
+                _norm_fwd[(triton.cdiv(rows, per),)](
+                    x2, y, mean, rstd, x2.stride(0), y.stride(0), rows, eps,
+                    D=dim, BLOCK_D=block_d, ROWS=per, INTERP=INTERPRET, num_warps=warps,
+                )
+        ctx.save_for_backward(x2, mean, rstd)
+        ctx.shape = x.shape
+        # the second output is x itself (a view): the block's residual branch, whose gradient
+        # arrives here beside the layer norm's
+        return y.view(x.shape), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor | None, dskip: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+        x2, mean, rstd = ctx.saved_tensors
+        rows, dim = x2.shape
+        if dy is None:
+            return dskip, None
+        dy2 = dy.reshape(rows, dim)
+        dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
+        skip = None
+        if dskip is not None:
+            skip = dskip.reshape(rows, dim)
+            skip = skip if skip.stride(-1) == 1 else skip.contiguous()
+        dx = torch.empty((rows, dim), dtype=x2.dtype, device=x2.device)
+        block_d, per, warps = _launch_shape(dim)
+        if rows:
+            with device_guard(x2.device):
+                _norm_bwd[(triton.cdiv(rows, per),)](
+                    x2, dy2, skip if skip is not None else dy2, dx, mean, rstd, x2.stride(0), dy2.stride(0),
+                    (skip if skip is not None else dy2).stride(0), dx.stride(0), rows,
+                    D=dim, BLOCK_D=block_d, ROWS=per, HAS_SKIP=skip is not None, INTERP=INTERPRET, num_warps=warps,
+                )
+        return dx.view(ctx.shape), None
+
+
+def norm_fork(x: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer_norm(x), x)``, differentiable, with one fused backward for both (see the module docstring).
+    ``eps`` is ``F.layer_norm``'s default."""
+    if x.shape[-1] > MAX_DIM:
+        raise ValueError(f"norm_fork: rows of at most {MAX_DIM} elements, got {x.shape[-1]}")
+    return NormFork.apply(x, eps)
