@@ -2,7 +2,7 @@
 
 A changed width, table size or global batch makes a checkpoint another shape than the run's
 state: :func:`check` names the first mismatched tensors with both shapes, and the config fields
-that differ (:func:`~gem_model.train.checkpoint.config_differences`), and refuses
+that differ (:func:`~gem_model.train.identity.differences`), and refuses
 (:class:`~gem_model.errors.IncompatibleCheckpointError`, ``gem-train`` exits 2). Only with
 ``trainer.resume_partial=true`` is such a checkpoint loaded, and then only the tensors that fit;
 the others keep this run's fresh initialisation and are listed.
@@ -13,17 +13,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gem_model.config import RunConfig
 from gem_model.errors import IncompatibleCheckpointError
 from gem_model.layout import Layout
-from gem_model.train import checkpoint as ckpt
-from gem_model.train import reshard
+from gem_model.train import identity, reshard, safe_load
+
+if TYPE_CHECKING:
+    from gem_model.plugins import GemPluginManager
 
 SHOWN = 5
 """Mismatched tensors named in the message; the rest are counted."""
@@ -47,8 +48,9 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's global shape, from the checkpoint's DCP metadata (no tensor is read)."""
-    metadata = FileSystemReader(str(path)).read_metadata()
+    """Every tensor's global shape, from the checkpoint's DCP metadata (no tensor is read, and
+    nothing of the checkpoint runs: :mod:`~gem_model.train.safe_load`)."""
+    metadata = safe_load.read_metadata(path)
     return {
         key: tuple(md.size) for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
     }
@@ -124,31 +126,12 @@ def loadable(state: dict[str, Any], skip: set[str], prefix: str = "") -> dict[st
     return out
 
 
-def differences(meta: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    return ckpt.config_differences(meta.get("config", {}), current)
-
-
-def refuse_another_run(latest: Path, config: RunConfig, world_size: int, model_state: dict[str, Any]) -> None:
-    """``trainer.resume`` unset (auto): refuse ``latest`` when its run's config differs from this one
-    in what matters, or its world size does; name the fields, and the model tensors that differ."""
-    meta = ckpt.read_meta(latest)
-    differs = differences(meta, config.model_dump(mode="json"))
-    if int(meta.get("world_size", world_size)) != world_size:
-        differs.insert(0, f"world size ({meta['world_size']} -> {world_size})")
-    if not differs:
-        return
-    more = f" and {len(differs) - 8} more" if len(differs) > 8 else ""
-    fit = compare(latest, {"model": model_state}, meta.get("config", {}), config.data.global_batch_size)
-    shapes = f" Its model: {fit.describe()}." if fit.mismatched else ""
-    raise IncompatibleCheckpointError(
-        f"{latest.parent} holds checkpoints of another run ({latest.name}); its config differs in "
-        f"{', '.join(differs[:8])}{more}.{shapes} Choose another trainer.output_dir, or set trainer.resume=true "
-        "to load it anyway (nothing was overwritten)"
-    )
+def differences(meta: dict[str, Any], current: dict[str, Any], pm: GemPluginManager) -> list[str]:
+    return identity.differences(meta.get("config", {}), current, pm)
 
 
 def what_to_load(
-    path: Path, meta: dict[str, Any], state: dict[str, Any], config: RunConfig, layout: Layout
+    path: Path, meta: dict[str, Any], state: dict[str, Any], config: RunConfig, layout: Layout, pm: GemPluginManager
 ) -> tuple[set[str], list[str]]:
     """Before any tensor loads: refuse what cannot load (another layout, tensors that do not fit
     without ``trainer.resume_partial``); else the dotted keys to leave fresh, and what to tell."""
@@ -156,7 +139,7 @@ def what_to_load(
     if saved_world != world:
         reshard.check(path, meta, layout)
     fit = compare(path, state, meta.get("config", {}), config.data.global_batch_size)
-    differs = differences(meta, config.model_dump(mode="json"))
+    differs = differences(meta, config.model_dump(mode="json"), pm)
     if saved_world != world:
         differs.insert(0, f"world size ({saved_world} -> {world})")
     check(path, fit, differs, partial=config.trainer.resume_partial)
