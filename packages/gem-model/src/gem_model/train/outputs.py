@@ -90,11 +90,13 @@ def _torn(metrics: Path, number: int, text: str, steps: list[int | None], start_
     after = next((s for s in steps[number:] if s is not None), None)
     found = re.match(r'\s*\{\s*"step"\s*:\s*(\d+)\s*[,}]', text)
     if found:
-        span = f"step {found.group(1)}"
         first = int(found.group(1))
-    else:
+        span = f"step {first}"
+    else:  # the step it held lies between its neighbours' (a log_every > 1 leaves several possible)
         first = before + 1
-        span = f"a step after step {before}" + (f" and before step {after}" if after is not None else "")
+        last = None if after is None else max(after - 1, first)
+        span = (f"step {first}" if last == first else f"a step from {first} to {last}" if last is not None
+                else f"a step after step {before}")  # fmt: skip
     redo = (f"this run logs steps after {start_step} again" if first > start_step
             else "it is lost: that step is not trained again")  # fmt: skip
     return (f"{metrics} line {number} is torn ({len(text)} characters, not JSON; a kill cut it short): dropped "

@@ -52,9 +52,17 @@ def _size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _failures(exc: BaseException) -> list[tuple[int | None, BaseException]]:
+    """(rank, exception) of each failure DCP's ``CheckpointException`` gathered; else ``exc`` itself."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return [(None, exc)]
+    found = [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in sorted(failures.items())]
+    return [(rank, e) for rank, e in found if isinstance(e, BaseException)] or [(None, exc)]
+
+
 def os_error(exc: BaseException) -> OSError | None:
-    """The first :class:`OSError` with an errno in ``exc``'s chain (causes, contexts, and the
-    per-rank failures DCP's ``CheckpointException`` gathers)."""
+    """The first :class:`OSError` with an errno in ``exc``'s chain (causes and contexts)."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -64,22 +72,23 @@ def os_error(exc: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno is not None:
             return e
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
         todo += [e.__cause__, e.__context__]
     return None
 
 
 def cause(exc: BaseException) -> str:
-    """What went wrong, in words: the OS error's meaning where the chain has one."""
-    oserr = os_error(exc)
+    """What went wrong, in words: the OS error's meaning where the chain has one (on the first rank
+    that failed, when DCP gathered the ranks' failures)."""
+    failures = _failures(exc)
+    rank, first = failures[0]
+    where = "" if rank is None else f"on rank {rank}{f' (and {len(failures) - 1} more)' if len(failures) > 1 else ''}: "
+    oserr = os_error(first)
     if oserr is not None:
         meaning = CAUSES.get(oserr.errno or 0, oserr.strerror or "")
-        where = f" ({oserr.filename})" if oserr.filename else ""
-        return f"{meaning} [{errno.errorcode.get(oserr.errno or 0, oserr.errno)}]{where}"
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return f"{type(exc).__name__}: {first}"
+        name = f" ({oserr.filename})" if oserr.filename else ""
+        return f"{where}{meaning} [{errno.errorcode.get(oserr.errno or 0, oserr.errno)}]{name}"
+    line = (str(first).strip().splitlines() or [""])[0][:300]
+    return f"{where}{type(first).__name__}: {line}"
 
 
 def describe_failure(exc: BaseException, *, step: int, path: Path) -> str:
@@ -89,23 +98,33 @@ def describe_failure(exc: BaseException, *, step: int, path: Path) -> str:
     )
 
 
+def _write_probe(probe: Path) -> None:
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b"\0" * _PROBE_BYTES)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    probe.unlink()
+
+
 def check_writable(out: Path) -> None:
     """Create ``out`` and write, sync and remove a small file in it; a failure is a
     :class:`ConfigError` on ``trainer.output_dir`` naming the path, the cause and the free space."""
     probe = out / f".writable-{socket.gethostname()}-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, b"\0" * _PROBE_BYTES)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        probe.unlink()
+        _write_probe(probe)
     except OSError as exc:
         with contextlib.suppress(OSError):
             probe.unlink(missing_ok=True)
         raise ConfigError(
-            [("trainer.output_dir", str(out), f"cannot be written: {cause(exc)}; the file system there has "
-              f"{free_space(out)}. Choose a writable trainer.output_dir (nothing was built)")]
-        ) from None  # fmt: skip
+            [
+                (
+                    "trainer.output_dir",
+                    str(out),
+                    f"cannot be written: {cause(exc)}; the file system there has {free_space(out)}. Choose a "
+                    "writable trainer.output_dir (nothing was built)",
+                )
+            ]
+        ) from None
