@@ -10,9 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from gem_model.cli import main
 from gem_model.config_io import load_config
+from gem_model.distributed import DistEnv
+from gem_model.errors import UnsafeCheckpointError
+from gem_model.train.checkpoint import Checkpointer
 from gem_model.train.integrity import verify, write_manifest
 from gem_model.train.safe_load import read_metadata
 from gem_model.trainer import train
@@ -72,3 +76,19 @@ def test_the_index_of_a_real_checkpoint_reads_through_the_allow_list(pm, tiny_ov
     shapes = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
     assert shapes["model.sparse.ec.embeddings.item.weight"][1] == 32
     assert any(v.properties.dtype == torch.float32 for v in metadata.state_dict_metadata.values() if hasattr(v, "size"))
+
+
+def test_values_that_are_not_tensors_load_without_running_code(tmp_path):
+    """A component's state may hold plain values; one naming code (an object of some class) is refused."""
+    path, marker = tmp_path / "step_00000001", tmp_path / "the-payload-ran"
+    plain = {"count": 3, "seen": [1, 2.5], "label": "x", "table": torch.arange(4)}
+    dcp.save({"components": plain, "evil": Payload(marker)}, checkpoint_id=str(path))
+    (path / "meta.json").write_text("{}")
+    checkpointer = Checkpointer(tmp_path, DistEnv(0, 1, 0, torch.device("cpu"), None))
+    state = {"components": {"count": 0, "seen": [], "label": "", "table": torch.zeros(4, dtype=torch.int64)}}
+    checkpointer.load(path, state)
+    assert state["components"]["count"] == 3 and state["components"]["seen"] == [1, 2.5]
+    assert state["components"]["label"] == "x" and torch.equal(state["components"]["table"], torch.arange(4))
+    with pytest.raises(UnsafeCheckpointError, match=r"the value of evil: .*posix\.mkdir"):
+        checkpointer.load(path, {"evil": None})
+    assert not marker.exists()

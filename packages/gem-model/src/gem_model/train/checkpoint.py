@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gem_model.distributed import DistEnv
-from gem_model.errors import CheckpointError, CheckpointWriteError
+from gem_model.errors import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 from gem_model.train import soundness
 from gem_model.train.integrity import MANIFEST, PARTIAL, step_dirs, write_manifest
 from gem_model.train.peers import collective
@@ -178,8 +178,15 @@ class Checkpointer:
         No code of the checkpoint runs: its index and its non-tensor values are read by
         :mod:`~gem_model.train.safe_load` (allow-listed classes, ``weights_only``)."""
         meta = read_meta(path)  # another world size: train.reshard decided it can be loaded
-        with _single_process_quiet(self.env):
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path))
+        try:
+            with _single_process_quiet(self.env):
+                dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path))
+        except CheckpointException as exc:  # DCP gathers every rank's failure: a refusal stays one
+            unsafe = [e for e in (f[0] if isinstance(f, tuple) else f for f in exc.failures.values())
+                      if isinstance(e, UnsafeCheckpointError)]  # fmt: skip
+            if unsafe:
+                raise unsafe[0] from None
+            raise
         return meta
 
 

@@ -16,6 +16,7 @@ import collections
 import io
 import pathlib
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise _refuse(self.directory, f"the value of {key}: {exc}") from None
+            raise _refuse(self.directory, f"the value of {key}: {_named_global(exc)}") from None
         if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
             set_element(self.original_state_dict, self.mappings[key], loaded)
         else:
             self.state_dict[key] = loaded
+
+
+def _named_global(exc: BaseException) -> str:
+    """torch's weights_only refusal, in a line: the global the value names (its message goes on to
+    suggest ``weights_only=False``, which is exactly what must not happen here)."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    if found:
+        return f"it names {found.group(1)}, which a checkpoint's values never hold"
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
