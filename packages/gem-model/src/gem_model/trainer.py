@@ -47,8 +47,10 @@ def started_run(config: RunConfig, pm: GemPluginManager | None = None) -> Iterat
         clean = True  # every rank stopped after the same step and wrote the checkpoint together
         raise
     finally:
-        teardown(env, clean=clean)
-        held.release()
+        try:
+            teardown(env, clean=clean)
+        finally:
+            held.release()
 
 
 def train(config: RunConfig, pm: GemPluginManager | None = None) -> RunSummary:

@@ -13,18 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gem_model.config import RunConfig
 from gem_model.errors import IncompatibleCheckpointError
-from gem_model.layout import Layout
-from gem_model.train import identity, reshard, safe_load
-
-if TYPE_CHECKING:
-    from gem_model.plugins import GemPluginManager
+from gem_model.train import safe_load
 
 SHOWN = 5
 """Mismatched tensors named in the message; the rest are counted."""
@@ -124,32 +119,3 @@ def loadable(state: dict[str, Any], skip: set[str], prefix: str = "") -> dict[st
         elif key not in skip:
             out[k] = v
     return out
-
-
-def differences(meta: dict[str, Any], current: dict[str, Any], pm: GemPluginManager) -> list[str]:
-    return identity.differences(meta.get("config", {}), current, pm)
-
-
-def what_to_load(
-    path: Path, meta: dict[str, Any], state: dict[str, Any], config: RunConfig, layout: Layout, pm: GemPluginManager
-) -> tuple[set[str], list[str]]:
-    """Before any tensor loads: refuse what cannot load (another layout, tensors that do not fit
-    without ``trainer.resume_partial``); else the dotted keys to leave fresh, and what to tell."""
-    saved_world, world = int(meta.get("world_size", layout.world_size)), layout.world_size
-    if saved_world != world:
-        reshard.check(path, meta, layout)
-    fit = compare(path, state, meta.get("config", {}), config.data.global_batch_size)
-    differs = differences(meta, config.model_dump(mode="json"), pm)
-    if saved_world != world:
-        differs.insert(0, f"world size ({saved_world} -> {world})")
-    check(path, fit, differs, partial=config.trainer.resume_partial)
-    skip, notes = set(fit.keys), []
-    if saved_world != world:
-        skip |= reshard.rank_keys(state)
-        notes.append(
-            f"resharded {path} from {saved_world} to {world} processes; each rank's RNG starts afresh from its seed"
-        )
-    if fit.mismatched:
-        notes.append(f"trainer.resume_partial: loaded {path} but for {fit.describe()}; those keep this run's fresh "
-                     "initialisation")  # fmt: skip
-    return skip, notes

@@ -16,12 +16,25 @@ checkpoints and where it writes never make it another run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
+
+from gem_model.components import (
+    ActivationPolicy,
+    CommStrategy,
+    Component,
+    DataSource,
+    Kernel,
+    LoadBalancer,
+    ParallelPlanner,
+    PrecisionScheme,
+)
+from gem_model.lifecycle import Callback, TrainPipeline
 
 if TYPE_CHECKING:
     from gem_model.plugins import GemPluginManager
@@ -39,35 +52,35 @@ IGNORED_TRAINER = frozenset(
 )  # fmt: skip
 _MISSING = object()
 
-# The config's component slots: dotted path -> the registry that resolves it.
-SLOTS: dict[str, Callable[[GemPluginManager], Registry]] = {
-    "kernels.jagged_attention": lambda pm: pm.kernel_registry("jagged_attention"),
-    "kernels.norm_gate": lambda pm: pm.kernel_registry("norm_gate"),
-    "precision.scheme": lambda pm: pm.precision_schemes,
-    "activation.policy": lambda pm: pm.activation_policies,
-    "parallel.planner": lambda pm: pm.parallel_planners,
-    "comm.strategy": lambda pm: pm.comm_strategies,
-    "data.source": lambda pm: pm.data_sources,
-    "data.balancer": lambda pm: pm.load_balancers,
-    "trainer.pipeline": lambda pm: pm.train_pipelines,
+# The config's component slots: dotted path -> (the registry that resolves it, the interface it implements).
+SLOTS: dict[str, tuple[Callable[[GemPluginManager], Registry], type[Component]]] = {
+    "kernels.jagged_attention": (lambda pm: pm.kernel_registry("jagged_attention"), Kernel),
+    "kernels.norm_gate": (lambda pm: pm.kernel_registry("norm_gate"), Kernel),
+    "precision.scheme": (lambda pm: pm.precision_schemes, PrecisionScheme),
+    "activation.policy": (lambda pm: pm.activation_policies, ActivationPolicy),
+    "parallel.planner": (lambda pm: pm.parallel_planners, ParallelPlanner),
+    "comm.strategy": (lambda pm: pm.comm_strategies, CommStrategy),
+    "data.source": (lambda pm: pm.data_sources, DataSource),
+    "data.balancer": (lambda pm: pm.load_balancers, LoadBalancer),
+    "trainer.pipeline": (lambda pm: pm.train_pipelines, TrainPipeline),
 }
 
 
-def _by_meaning(ref: Any, registry: Registry) -> dict[str, Any] | None:
+def _by_meaning(ref: Any, registry: Registry, interface: type[Component]) -> dict[str, Any] | None:
     """``ref`` (``{name, options}``) with its options as the component's ``Config`` fills them,
     reduced to what the component declares as shaping the run; None when nothing of it does. A name
-    no installed plugin provides, or options its ``Config`` refuses, are compared as written."""
+    no installed plugin provides (a plugin since uninstalled) counts as its interface's default
+    says, its options as written; options its ``Config`` refuses are compared as written."""
     if not isinstance(ref, dict) or "name" not in ref:
         return ref
     name, options = ref["name"], ref.get("options", {})
-    if name not in registry:
-        return {"name": name, "options": options}
-    cls = registry.entries()[name].cls
-    try:
-        options = cls.Config.model_validate(options).model_dump(mode="json")
-    except ValidationError:
-        return {"name": name, "options": options}
-    shapes = cls.shapes_run
+    if name in registry:
+        cls = registry.entries()[name].cls
+        with contextlib.suppress(ValidationError):
+            options = cls.Config.model_validate(options).model_dump(mode="json")
+        shapes = cls.shapes_run
+    else:
+        shapes = interface.shapes_run
     if shapes is False:
         return None
     if shapes is not True:
@@ -78,18 +91,18 @@ def _by_meaning(ref: Any, registry: Registry) -> dict[str, Any] | None:
 def identity(dump: dict[str, Any], pm: GemPluginManager) -> dict[str, Any]:
     """What of the config ``dump`` makes the run what it is (see the module's docstring)."""
     out = copy.deepcopy(dump)
-    for path, registry in SLOTS.items():
+    for path, (registry, interface) in SLOTS.items():
         parent_key, _, key = path.rpartition(".")
         parent = out.get(parent_key)
         if isinstance(parent, dict) and key in parent:
-            resolved = _by_meaning(parent[key], registry(pm))
+            resolved = _by_meaning(parent[key], registry(pm), interface)
             if resolved is None:
                 del parent[key]
             else:
                 parent[key] = resolved
     callbacks = {}
     for ref in out.pop("callbacks", None) or []:
-        resolved = _by_meaning(ref, pm.callbacks)
+        resolved = _by_meaning(ref, pm.callbacks, Callback)
         if isinstance(resolved, dict) and "name" in resolved:
             callbacks[resolved["name"]] = resolved["options"]
     if callbacks:

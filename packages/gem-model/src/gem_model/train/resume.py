@@ -12,7 +12,9 @@ from which halted non-finite (:mod:`~gem_model.train.soundness`) or whose manife
 (:mod:`~gem_model.train.integrity`) is passed over, saying why; the first left is the resume point.
 With ``trainer.resume`` unset, a checkpoint of another run (:mod:`~gem_model.train.identity`) is
 refused (exit 2), naming the fields and model tensors that differ; ``trainer.resume=false``
-refuses any checkpoint.
+refuses any checkpoint. Before any tensor of the chosen one loads, :func:`what_to_load` refuses
+what cannot load (a layout that partitions the model differently; tensors of another shape,
+unless ``trainer.resume_partial``) and says what to leave fresh.
 
 When a run halts on a non-finite value, :func:`after_halt` names the resume point that trains (the
 newest checkpoint a step trained from) and the checkpoints it passed over.
@@ -30,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from gem_model.config import RunConfig
 from gem_model.errors import CheckpointError, ConfigError, IncompatibleCheckpointError
+from gem_model.layout import Layout
 from gem_model.train import checkpoint as ckpt
-from gem_model.train import compat, identity, integrity, lock, outputs, soundness, storage
+from gem_model.train import compat, identity, integrity, lock, outputs, reshard, soundness, storage
 
 if TYPE_CHECKING:
     from gem_model.plugins import GemPluginManager
@@ -122,6 +125,31 @@ def refuse_another_run(
         f"{', '.join(differs[:SHOWN_FIELDS])}{more}.{shapes} Choose another trainer.output_dir, or set "
         "trainer.resume=true to load it anyway (nothing was overwritten)"
     )
+
+
+def what_to_load(
+    path: Path, meta: dict[str, Any], state: dict[str, Any], config: RunConfig, layout: Layout, pm: GemPluginManager
+) -> tuple[set[str], list[str]]:
+    """Before any tensor of ``path`` loads: refuse what cannot load (another layout, tensors that do
+    not fit without ``trainer.resume_partial``); else the dotted keys to leave fresh, and what to tell."""
+    saved_world, world = int(meta.get("world_size", layout.world_size)), layout.world_size
+    if saved_world != world:
+        reshard.check(path, meta, layout)
+    fit = compat.compare(path, state, meta.get("config", {}), config.data.global_batch_size)
+    differs = identity.differences(meta.get("config", {}), config.model_dump(mode="json"), pm)
+    if saved_world != world:
+        differs.insert(0, f"world size ({saved_world} -> {world})")
+    compat.check(path, fit, differs, partial=config.trainer.resume_partial)
+    skip, notes = set(fit.keys), []
+    if saved_world != world:
+        skip |= reshard.rank_keys(state)
+        notes.append(
+            f"resharded {path} from {saved_world} to {world} processes; each rank's RNG starts afresh from its seed"
+        )
+    if fit.mismatched:
+        notes.append(f"trainer.resume_partial: loaded {path} but for {fit.describe()}; those keep this run's fresh "
+                     "initialisation")  # fmt: skip
+    return skip, notes
 
 
 def resume_point(root: Path, known: soundness.Soundness) -> str:

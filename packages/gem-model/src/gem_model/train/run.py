@@ -225,7 +225,7 @@ class Run:
         run_state.prepare_for_load(self.optimizers)
         state = run_state.run_state(**self._state_owners())  # type: ignore[arg-type]
         meta = ckpt.read_meta(path)
-        skip, notes = compat.what_to_load(path, meta, state, self.config, self.layout, self.pm)  # or refuse, exit 2
+        skip, notes = resume.what_to_load(path, meta, state, self.config, self.layout, self.pm)  # or refuse, exit 2
         self.checkpointer.load(path, compat.loadable(state, skip))
         run_state.restore(state, **self._state_owners())  # type: ignore[arg-type]
         guards = meta.get("guards", {})
