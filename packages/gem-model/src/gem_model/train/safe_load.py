@@ -24,8 +24,10 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from gem_model.errors import UnsafeCheckpointError
 
@@ -122,3 +124,17 @@ def _named_global(exc: BaseException) -> str:
     if found:
         return f"it names {found.group(1)}, which a checkpoint's values never hold"
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+class _WholeLoadPlanner(_EmptyStateDictLoadPlanner, SafeLoadPlanner):
+    """Every value of a checkpoint, rebuilt from its index, read as :class:`SafeLoadPlanner` reads."""
+
+
+def read_whole(directory: Path) -> dict[str, Any]:
+    """Every value of the checkpoint ``directory`` (sharded tables whole), in this process, without
+    a process group and without running any of its code."""
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state, storage_reader=SafeReader(str(directory)), planner=_WholeLoadPlanner(None, directory), no_dist=True
+    )
+    return state
