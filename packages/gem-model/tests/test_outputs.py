@@ -67,3 +67,20 @@ def test_resume_true_with_nothing_to_resume_exits_2_and_says_so(capsys, inline_e
     err = capsys.readouterr().err
     assert "trainer.resume: there is nothing to resume from" in err and "(got True)" in err
     assert not (tmp_path / "gem-tiny" / "metrics.jsonl").exists()  # refused before anything was built
+
+
+def test_a_torn_metrics_line_is_reported_with_the_step_it_drops(pm, tiny_overrides, tmp_path, capsys):
+    cfg = load_config(None, [*tiny_overrides, "trainer.steps=4", "trainer.checkpoint_every=2", "trainer.checkpoint_at_end=false"])
+    train(cfg, pm)
+    metrics = tmp_path / "gem-tiny" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    lines[0] = lines[0][:9]  # step 1's line damaged: before the checkpoint, so no resume logs it again
+    metrics.write_text("\n".join(lines) + '\n{"step": 5, "lo')  # and a line a kill cut short
+    capsys.readouterr()
+    train(cfg, pm)  # continues from step 2
+    said = capsys.readouterr().out
+    assert f"{metrics} line 1 is torn (9 characters, not JSON; a kill cut it short): dropped its record of step 1; " \
+           "it is lost: that step is not trained again" in said
+    assert f"{metrics} line 5 is torn (15 characters, not JSON; a kill cut it short): dropped its record of step 5; " \
+           "this run logs steps after 2 again" in said
+    assert [r["step"] for r in records(tmp_path / "gem-tiny")] == [2, 3, 4]

@@ -1,6 +1,7 @@
 """A stalled or dead peer: every rank exits non-zero, the error names the collective and the rank,
-no process is left behind. Ranks that read different data are stopped before the first step. (A
-peer SIGKILLed and restarted by torchrun: ``test_elastic.py``.)
+no process is left behind. Ranks that read different data are stopped before the first step, and so
+are all ranks when rank 0 finds the output directory held by another run. (A peer SIGKILLed and
+restarted by torchrun: ``test_elastic.py``.)
 
 2 processes through torchrun, the fault from the ``inline_fault`` callback (rank 1, in step 3).
 The stalled case runs with ``trainer.collective_timeout_s=3`` and ``trainer.stop_grace_s=3``: rank 0
@@ -14,7 +15,10 @@ before any timeout.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -86,4 +90,24 @@ def test_ranks_reading_different_data_are_stopped_before_the_first_step(tmp_path
     assert "the ranks read different data (data.source 'inline_uneven', global batch 8), found before step 1" in proc.stderr
     assert "rank 0: 10 steps per epoch" in proc.stderr and "rank 1: 9 steps per epoch" in proc.stderr
     assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+    assert not left_behind(out)
+
+
+def test_every_rank_stops_with_exit_2_when_rank_0_cannot_lock_the_output_directory(tmp_path):
+    """The directory is held by a shared lock here, which the ranks' own checks (shared too) pass
+    but rank 0's exclusive lock does not: rank 1 learns of the refusal in the start-up all-reduce."""
+    out = tmp_path / "held"
+    out.mkdir()
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": "2026-12-02T00:00:00+00:00"}
+    (out / "run.lock").write_text(json.dumps(holder))
+    fd = os.open(out / "run.lock", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        proc, _ = launch(out)
+    finally:
+        os.close(fd)
+    refusal = f"trainer.output_dir: is in use by another run: pid {os.getpid()} on host {socket.gethostname()}"
+    assert proc.returncode != 0 and proc.stderr.count(refusal) == 2, proc.stderr[-3000:]  # both ranks say it
+    assert "exitcode: 2" in proc.stderr
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     assert not left_behind(out)

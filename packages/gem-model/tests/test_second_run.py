@@ -10,7 +10,7 @@ import pytest
 
 from gem_model.config_io import load_config
 from gem_model.errors import CheckpointError
-from gem_model.train.checkpoint import config_differences
+from gem_model.train.identity import differences
 from gem_model.trainer import train
 
 
@@ -74,7 +74,7 @@ def test_resume_defaults_to_auto():
     assert load_config(None, ["trainer.resume=false"]).trainer.resume is False
 
 
-def test_only_fields_that_shape_the_run_make_it_another_run():
+def test_only_fields_that_shape_the_run_make_it_another_run(pm):
     base = load_config(None, []).model_dump(mode="json")
     same = load_config(
         None,
@@ -91,9 +91,9 @@ def test_only_fields_that_shape_the_run_make_it_another_run():
             "trainer.prefetch=0",
         ],
     ).model_dump(mode="json")
-    assert config_differences(base, same) == []
+    assert differences(base, same, pm) == []
     other = load_config(None, ["data.global_batch_size=32", "trainer.seed=1", "name=x"]).model_dump(mode="json")
-    assert config_differences(base, other) == [
+    assert differences(base, other, pm) == [
         "data.global_batch_size (64 -> 32)",
         'name ("gem-tiny" -> "x")',
         "trainer.seed (0 -> 1)",

@@ -85,6 +85,7 @@ def _wire_hook(dtype: torch.dtype) -> Any:
 class QuantizedComm(MeasuredComm):
     name: ClassVar[str] = "quantized"
     Config = QuantizedConfig
+    shapes_run: ClassVar[bool | frozenset[str]] = True  # lower-precision gradients change the update
     config: QuantizedConfig
 
     def configure_ddp(self, ddp: DistributedDataParallel) -> None:

@@ -4,10 +4,12 @@ Exit status:
 
 - 0: success.
 - 2: a bad command line or config (unknown names, bad values, constraints across fields and
-  against the data, an output directory holding another run's metrics, ``trainer.resume=true``
-  with nothing to resume): always before any process group starts. Also a checkpoint that does not
-  fit the run (:class:`~gem_model.errors.IncompatibleCheckpointError`: the first mismatched
-  tensors, both shapes, the config fields that differ), before any tensor loads.
+  against the data, an output directory that cannot be written, is in use by another run or holds
+  another run's metrics, ``trainer.resume=true`` with nothing to resume): always before any model
+  is built. Also a checkpoint that does not fit the run
+  (:class:`~gem_model.errors.IncompatibleCheckpointError`: the first mismatched tensors, both
+  shapes, the config fields that differ), before any tensor loads, and one that would run code
+  (:class:`~gem_model.errors.UnsafeCheckpointError`), before any of it runs.
 - 3: a NaN or Inf stopped the run (:class:`~gem_model.errors.NonFiniteError`): the loss (no update
   was applied) or parameters a checkpoint would have saved (it was not written).
 - 143 / 130: SIGTERM / SIGINT stopped the run after the step in progress, once the checkpoint of
@@ -82,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gem_model.distributed import launched_by_torchrun
     from gem_model.plugins import GemPluginManager
     from gem_model.resolve import resolve_components
-    from gem_model.train.outputs import check_output_dir
+    from gem_model.train import resume
 
     config = load_config(args.config, args.overrides)
     pm = GemPluginManager()
@@ -97,7 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
               "such as torchrec_ddp")]
         )
     check_run(config, components, world)
-    check_output_dir(config, world)
+    resume.check_before_build(config, world, pm)  # writable, not locked, resume and metrics as asked
     if launch.needs_torchrun(args) and not launched_by_torchrun():
         argv = launch.torchrun_argv(args, (["-c", args.config] if args.config else []) + list(args.overrides))
         sys.stdout.flush()

@@ -44,6 +44,11 @@ class Component(ABC):
 
     name: ClassVar[str]
     Config: ClassVar[type[ComponentConfig]] = ComponentConfig
+    shapes_run: ClassVar[bool | frozenset[str]] = True
+    """Whether choosing this component makes a run another run (:mod:`gem_model.train.identity`):
+    ``True``, its name and every option; a set of option names, its name and those options;
+    ``False``, nothing of it (a checkpoint of the run continues under another choice). A component
+    that changes what is computed, even by rounding, keeps ``True``."""
 
     def __init__(self, config: ComponentConfig | None = None):
         self.config = config if config is not None else self.Config()
@@ -216,7 +221,10 @@ class CommStrategy(Component):
     """Owns the collectives of a run: gradient sync, embedding all-to-all settings, metric reductions.
 
     The training loop never calls a collective directly; it goes through this object.
+    A strategy that changes the reduced values (quantized collectives) sets :attr:`shapes_run`.
     """
+
+    shapes_run: ClassVar[bool | frozenset[str]] = False
 
     def setup(self, env: DistEnv) -> None:
         """Called once the process group exists (or right away in a single-process run)."""

@@ -70,6 +70,17 @@ class IncompatibleCheckpointError(CheckpointError):
     differ. ``gem-train`` exits 2, as for a bad config; nothing was loaded."""
 
 
+class UnsafeCheckpointError(IncompatibleCheckpointError):
+    """A checkpoint whose index or values name code to run (a crafted or damaged pickle): refused
+    before any of it runs, naming the file. ``gem-train`` exits 2, as for another run's checkpoint."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (no space, permission denied, a read-only file system):
+    names the step, the path, the cause and the free space; the partial folder was removed and the
+    checkpoints before it stay the resume point. ``gem-train`` exits 1."""
+
+
 class PeerError(GemError):
     """A collective failed because a peer died or stalled past ``trainer.collective_timeout_s``, or
     the ranks disagree on the data before the first step: names the collective (or the data) and

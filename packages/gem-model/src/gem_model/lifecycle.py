@@ -10,7 +10,7 @@ its ``@hookimpl`` methods see the run through the :class:`~gem_model.context.Run
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from gem_model.components import Component
 
@@ -68,3 +68,5 @@ class Callback(Component):
     builds one instance per run from the config and registers it for that run only; an installed
     callback that no config names does nothing. A callback may be :class:`~gem_model.protocols.Stateful`.
     """
+
+    shapes_run: ClassVar[bool | frozenset[str]] = False  # it observes the run; one that changes it says so

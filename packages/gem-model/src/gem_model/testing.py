@@ -337,17 +337,12 @@ def tiny_run(
 
 def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a saved checkpoint by its dotted key (``model.<name>``, ``dense_optimizer...``),
-    read in this process without a process group, whatever world size wrote it (sharded tables whole)."""
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+    read in this process without a process group, whatever world size wrote it (sharded tables
+    whole), and without running any code of the checkpoint (:mod:`gem_model.train.safe_load`)."""
     from gem_model.train.compat import leaves
+    from gem_model.train.safe_load import read_whole
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(path), f"{tmp}/state.pt")
-        state = torch.load(f"{tmp}/state.pt", weights_only=False)
-    return {k: v for k, v in leaves(state) if isinstance(v, torch.Tensor)}
+    return {k: v for k, v in leaves(read_whole(Path(path))) if isinstance(v, torch.Tensor)}
 
 
 def random_jagged_batch(

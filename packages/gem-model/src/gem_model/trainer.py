@@ -13,31 +13,44 @@ from gem_model.errors import RunInterrupted
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import resolve_components
 from gem_model.results import RunSummary
-from gem_model.train.outputs import check_output_dir
+from gem_model.train import resume
+from gem_model.train.lock import OutputLock
+from gem_model.train.outputs import output_dir
 from gem_model.train.run import Run
 
 
 @contextmanager
 def started_run(config: RunConfig, pm: GemPluginManager | None = None) -> Iterator[Run]:
     """The run of ``config``, built but not trained: every component resolved and every constraint
-    checked before any process group, then the group joined and the :class:`Run` made. The group
-    is left on exit, cleanly when the block ended or stopped with :class:`RunInterrupted` (every
-    rank stopped after the same step)."""
+    checked before any process group, then the group joined, the output directory locked by rank 0
+    for the whole run (:mod:`gem_model.train.lock`) and the :class:`Run` made. The group is left and
+    the lock let go on exit; the group cleanly when the block ended or stopped with
+    :class:`RunInterrupted` (every rank stopped after the same step)."""
     pm = pm if pm is not None else GemPluginManager()
     components = resolve_components(config, pm)
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     check_run(config, components, world)
-    check_output_dir(config, world)
+    resume.check_before_build(config, world, pm)
     env = init_distributed(config.trainer.device, timeout_s=config.trainer.collective_timeout_s)
+    held = OutputLock(output_dir(config))
     clean = False
     try:
-        yield Run(config, pm, components, env)
+        refusal = held.acquire() if env.is_main else None
+        if refusal is not None and not env.distributed:
+            raise refusal
+        note = held.took_over()
+        if note is not None:
+            print(f"[{config.name}] {note}", flush=True)
+        yield Run(config, pm, components, env, refusal=refusal)
         clean = True
     except RunInterrupted:
         clean = True  # every rank stopped after the same step and wrote the checkpoint together
         raise
     finally:
-        teardown(env, clean=clean)
+        try:
+            teardown(env, clean=clean)
+        finally:
+            held.release()
 
 
 def train(config: RunConfig, pm: GemPluginManager | None = None) -> RunSummary:

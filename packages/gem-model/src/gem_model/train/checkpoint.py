@@ -7,7 +7,10 @@ Layout under ``<output_dir>/checkpoints``::
 
 A checkpoint becomes visible by an atomic rename after all ranks wrote their part and rank 0 wrote
 the manifest (a checksum per file, :mod:`gem_model.train.integrity`) last, so a crash or a NaN stop
-never leaves a half-written "latest" checkpoint, and earlier ones are never touched.
+never leaves a half-written "latest" checkpoint, and earlier ones are never touched. Whether and
+what to resume is :mod:`gem_model.train.resume`'s decision; reading never runs a checkpoint's code
+(:mod:`gem_model.train.safe_load`). Which checkpoints a step trained from is kept beside them, in
+``<output_dir>/soundness.json`` (:mod:`gem_model.train.soundness`).
 """
 
 from __future__ import annotations
@@ -24,61 +27,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gem_model.distributed import DistEnv
-from gem_model.errors import CheckpointError
+from gem_model.errors import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
+from gem_model.train import soundness
 from gem_model.train.integrity import MANIFEST, PARTIAL, step_dirs, write_manifest
 from gem_model.train.peers import collective
-
-# What of the run config shapes a checkpoint, or what continuing it means: a checkpoint whose saved
-# config differs from this run's in anything else (top-level sections and trainer fields not listed
-# here) is another run's. How long a run trains, how it logs, evaluates, where it writes, which
-# kernels, communication strategy or train pipeline compute the same thing, which callbacks observe
-# it: none of them make it another run.
-IGNORED_TOP = frozenset({"kernels", "comm", "callbacks"})
-IGNORED_TRAINER = frozenset(
-    {
-        "steps", "device", "prefetch", "log_every", "output_dir", "checkpoint_every", "checkpoint_at_end",
-        "resume", "time_limit_s", "eval_every", "eval_at_end", "progress", "tensorboard", "peak_flops",
-        "compile", "pipeline", "non_finite", "non_finite_max_skips", "loss_spike_factor", "loss_spike_window",
-        "collective_timeout_s", "resume_partial", "stop_grace_s",
-    }
-)  # fmt: skip
-_MISSING = object()
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, dict) and value:
-        for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    else:
-        out[prefix] = value
-
-
-def _ignored(key: str) -> bool:
-    top, _, rest = key.partition(".")
-    return top in IGNORED_TOP or (top == "trainer" and rest.split(".")[0] in IGNORED_TRAINER)
-
-
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The dotted config fields, of those that matter, where ``saved`` and ``current`` differ.
-
-    Both are ``RunConfig.model_dump(mode="json")`` dumps (as ``Run.save_checkpoint`` writes into
-    ``meta.json``); each difference reads ``field (saved -> current)``.
-    """
-    a: dict[str, Any] = {}
-    b: dict[str, Any] = {}
-    _flatten(saved, "", a)
-    _flatten(current, "", b)
-    out = []
-    for key in sorted(set(a) | set(b)):
-        if _ignored(key):
-            continue
-        x, y = a.get(key, _MISSING), b.get(key, _MISSING)
-        if x != y:
-            show = lambda v: "unset" if v is _MISSING else json.dumps(v)  # noqa: E731
-            out.append(f"{key} ({show(x)} -> {show(y)})")
-    return out
+from gem_model.train.safe_load import SafeLoadPlanner, SafeReader
+from gem_model.train.storage import describe_failure, free_space
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -158,39 +115,78 @@ class Checkpointer:
         self.env = env
         self.timeout_s = timeout_s  # trainer.collective_timeout_s: a save's collectives fail after it
 
-    def _barrier(self) -> None:
-        if self.env.distributed:
-            dist.barrier()
+    def _agree(self, failed: bool) -> bool:
+        """Whether any rank failed; in place of a barrier, so every rank stops together."""
+        if not self.env.distributed:
+            return failed
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.env.device)
+        dist.all_reduce(flag)
+        return bool(flag.item())
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], files: dict[str, str] | None = None) -> Path:
-        """Write ``state`` (DCP, every rank), ``meta.json`` and ``files`` (name -> text, rank 0)."""
+        """Write ``state`` (DCP, every rank), ``meta.json`` and ``files`` (name -> text, rank 0).
+
+        A failure to write (no space, permission, a read-only file system) on any rank stops every
+        rank with :class:`~gem_model.errors.CheckpointWriteError` naming the step, the path, the cause
+        and the free space; the partial folder is removed and the checkpoints before stay as they were.
+        """
         final = step_dir(self.root, step)
         partial = final.with_name(final.name + PARTIAL)
-        if self.env.is_main:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
+        error: BaseException | None = None
+        timeout = self.timeout_s
         with collective(f"in the checkpoint save of step {step} (DCP and its barriers)", rank=self.env.rank,
-                        timeout_s=self.timeout_s):  # fmt: skip
-            self._barrier()
-            with _single_process_quiet(self.env):
-                dcp.save(state, checkpoint_id=str(partial))
-            self._barrier()
-        if self.env.is_main:
-            for name, text in (files or {}).items():
-                (partial / name).write_text(text)
-            (partial / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
-            write_manifest(partial)  # last: a folder without it is a save that never finished
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
-        self._barrier()
+                        timeout_s=timeout):  # fmt: skip
+            try:
+                if self.env.is_main:
+                    # a leftover of this step can only be a killed run's: this run holds the directory's lock
+                    shutil.rmtree(partial, ignore_errors=True)
+                    partial.mkdir(parents=True)
+            except OSError as exc:
+                error = exc
+            if not self._agree(error is not None):
+                try:
+                    with _single_process_quiet(self.env):
+                        dcp.save(state, checkpoint_id=str(partial))
+                except (OSError, RuntimeError, CheckpointException) as exc:  # CheckpointException: DCP's, on every rank
+                    error = exc
+            if error is None and self.env.is_main:
+                try:
+                    for name, text in (files or {}).items():
+                        (partial / name).write_text(text)
+                    (partial / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+                    write_manifest(partial)  # last: a folder without it is a save that never finished
+                    if final.exists():
+                        shutil.rmtree(final)
+                    soundness.clear(final)  # the marks of a checkpoint this one replaces
+                    os.replace(partial, final)
+                except OSError as exc:
+                    error = exc
+            failed = self._agree(error is not None)
+        if failed:
+            if self.env.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            what = describe_failure(error, step=step, path=partial) if error is not None else (
+                f"the checkpoint of step {step} could not be written to {partial}: another rank failed to write "
+                f"its part (its own message names the cause); the file system here has {free_space(partial)}"
+            )  # fmt: skip
+            raise CheckpointWriteError(f"{what}. The partial folder was removed") from error
         return final
 
     def load(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
-        """Load in place into ``state`` (tensors are filled, other values replaced); returns meta."""
+        """Load in place into ``state`` (tensors are filled, other values replaced); returns meta.
+
+        No code of the checkpoint runs: its index and its non-tensor values are read by
+        :mod:`~gem_model.train.safe_load` (allow-listed classes, ``weights_only``)."""
         meta = read_meta(path)  # another world size: train.reshard decided it can be loaded
-        with _single_process_quiet(self.env):
-            dcp.load(state, checkpoint_id=str(path))
+        try:
+            with _single_process_quiet(self.env):
+                dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path))
+        except CheckpointException as exc:  # DCP gathers every rank's failure: a refusal stays one
+            unsafe = [e for e in (f[0] if isinstance(f, tuple) else f for f in exc.failures.values())
+                      if isinstance(e, UnsafeCheckpointError)]  # fmt: skip
+            if unsafe:
+                raise unsafe[0] from None
+            raise
         return meta
 
 

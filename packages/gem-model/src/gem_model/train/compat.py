@@ -2,7 +2,7 @@
 
 A changed width, table size or global batch makes a checkpoint another shape than the run's
 state: :func:`check` names the first mismatched tensors with both shapes, and the config fields
-that differ (:func:`~gem_model.train.checkpoint.config_differences`), and refuses
+that differ (:func:`~gem_model.train.identity.differences`), and refuses
 (:class:`~gem_model.errors.IncompatibleCheckpointError`, ``gem-train`` exits 2). Only with
 ``trainer.resume_partial=true`` is such a checkpoint loaded, and then only the tensors that fit;
 the others keep this run's fresh initialisation and are listed.
@@ -16,14 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gem_model.config import RunConfig
 from gem_model.errors import IncompatibleCheckpointError
-from gem_model.layout import Layout
-from gem_model.train import checkpoint as ckpt
-from gem_model.train import reshard
+from gem_model.train import safe_load
 
 SHOWN = 5
 """Mismatched tensors named in the message; the rest are counted."""
@@ -47,8 +43,9 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's global shape, from the checkpoint's DCP metadata (no tensor is read)."""
-    metadata = FileSystemReader(str(path)).read_metadata()
+    """Every tensor's global shape, from the checkpoint's DCP metadata (no tensor is read, and
+    nothing of the checkpoint runs: :mod:`~gem_model.train.safe_load`)."""
+    metadata = safe_load.read_metadata(path)
     return {
         key: tuple(md.size) for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
     }
@@ -122,51 +119,3 @@ def loadable(state: dict[str, Any], skip: set[str], prefix: str = "") -> dict[st
         elif key not in skip:
             out[k] = v
     return out
-
-
-def differences(meta: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    return ckpt.config_differences(meta.get("config", {}), current)
-
-
-def refuse_another_run(latest: Path, config: RunConfig, world_size: int, model_state: dict[str, Any]) -> None:
-    """``trainer.resume`` unset (auto): refuse ``latest`` when its run's config differs from this one
-    in what matters, or its world size does; name the fields, and the model tensors that differ."""
-    meta = ckpt.read_meta(latest)
-    differs = differences(meta, config.model_dump(mode="json"))
-    if int(meta.get("world_size", world_size)) != world_size:
-        differs.insert(0, f"world size ({meta['world_size']} -> {world_size})")
-    if not differs:
-        return
-    more = f" and {len(differs) - 8} more" if len(differs) > 8 else ""
-    fit = compare(latest, {"model": model_state}, meta.get("config", {}), config.data.global_batch_size)
-    shapes = f" Its model: {fit.describe()}." if fit.mismatched else ""
-    raise IncompatibleCheckpointError(
-        f"{latest.parent} holds checkpoints of another run ({latest.name}); its config differs in "
-        f"{', '.join(differs[:8])}{more}.{shapes} Choose another trainer.output_dir, or set trainer.resume=true "
-        "to load it anyway (nothing was overwritten)"
-    )
-
-
-def what_to_load(
-    path: Path, meta: dict[str, Any], state: dict[str, Any], config: RunConfig, layout: Layout
-) -> tuple[set[str], list[str]]:
-    """Before any tensor loads: refuse what cannot load (another layout, tensors that do not fit
-    without ``trainer.resume_partial``); else the dotted keys to leave fresh, and what to tell."""
-    saved_world, world = int(meta.get("world_size", layout.world_size)), layout.world_size
-    if saved_world != world:
-        reshard.check(path, meta, layout)
-    fit = compare(path, state, meta.get("config", {}), config.data.global_batch_size)
-    differs = differences(meta, config.model_dump(mode="json"))
-    if saved_world != world:
-        differs.insert(0, f"world size ({saved_world} -> {world})")
-    check(path, fit, differs, partial=config.trainer.resume_partial)
-    skip, notes = set(fit.keys), []
-    if saved_world != world:
-        skip |= reshard.rank_keys(state)
-        notes.append(
-            f"resharded {path} from {saved_world} to {world} processes; each rank's RNG starts afresh from its seed"
-        )
-    if fit.mismatched:
-        notes.append(f"trainer.resume_partial: loaded {path} but for {fit.describe()}; those keep this run's fresh "
-                     "initialisation")  # fmt: skip
-    return skip, notes

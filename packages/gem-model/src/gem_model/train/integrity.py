@@ -4,8 +4,9 @@
 ``step_N.partial/``, then ``manifest.json`` (every file's size and SHA-256), then renames the
 folder to ``step_N/``. A resume verifies the newest checkpoint's manifest before any tensor is
 read; a checkpoint with no manifest (a save that never finished), a missing, truncated or damaged
-file, or an unreadable manifest is reported file by file and skipped, and the newest checkpoint
-that verifies is loaded instead, saying so.
+file, or an unreadable manifest is reported file by file and passed over
+(:func:`gem_model.train.resume.choose`), and the newest checkpoint that verifies is loaded instead,
+saying so.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -75,28 +75,3 @@ def step_dirs(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(PARTIAL))
-
-
-@dataclass
-class Selection:
-    """The newest checkpoint that verifies (None: none does), and the newer ones skipped, with why."""
-
-    path: Path | None
-    rejected: list[tuple[Path, list[str]]] = field(default_factory=list)
-
-    def report(self) -> list[str]:
-        lines = [f"skipped checkpoint {path}: {'; '.join(problems)}" for path, problems in self.rejected]
-        if self.rejected and self.path is not None:
-            lines.append(f"falling back to {self.path}, the newest checkpoint whose manifest verifies")
-        return lines
-
-
-def newest_valid(root: Path) -> Selection:
-    """Verify the checkpoints under ``root`` newest first; stop at the first that verifies."""
-    rejected = []
-    for path in reversed(step_dirs(root)):
-        problems = verify(path)
-        if not problems:
-            return Selection(path, rejected)
-        rejected.append((path, problems))
-    return Selection(None, rejected)

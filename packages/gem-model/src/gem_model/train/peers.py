@@ -40,22 +40,29 @@ def collective(what: str, *, rank: int, timeout_s: float) -> Iterator[None]:
 
 
 def check_same_data(loader: ShardedLoader, comm: CommStrategy, *, rank: int, world_size: int, device: torch.device,
-                    timeout_s: float) -> None:  # fmt: skip
-    """Every rank's steps per epoch and step 1's global batch lengths, compared before step 1."""
+                    timeout_s: float, refused: bool = False) -> bool:  # fmt: skip
+    """Every rank's steps per epoch and step 1's global batch lengths, compared before step 1.
+
+    The same all-reduce carries whether this rank refuses to start (rank 0 found the output
+    directory locked by another run): returns whether any rank did, so that all stop together."""
     if world_size < 2:
-        return
+        return refused
     per_epoch = loader.source.steps_per_epoch(loader.global_batch_size)
     lengths = loader.source.lengths(0, loader.global_batch_size)
-    facts = torch.zeros(world_size, 3, dtype=torch.float64)
-    facts[rank] = torch.tensor([-1.0 if per_epoch is None else per_epoch, lengths.numel(), lengths.sum()])
+    facts = torch.zeros(world_size, 4, dtype=torch.float64)
+    epoch = -1.0 if per_epoch is None else per_epoch
+    facts[rank] = torch.tensor([epoch, lengths.numel(), lengths.sum(), float(refused)])
     with collective("all_reduce of the data facts (before step 1)", rank=rank, timeout_s=timeout_s):
         every = comm.all_reduce_sum(facts.to(device), group=None).cpu()
-    if bool((every == every[0]).all()):
-        return
+    if bool(every[:, 3].any()):
+        return True
+    data = every[:, :3]
+    if bool((data == data[0]).all()):
+        return False
     rows = [
         f"rank {r}: {'endless' if f[0] < 0 else int(f[0])} steps per epoch, step 1 of {int(f[1])} samples "
         f"with {int(f[2])} history items"
-        for r, f in enumerate(every.tolist())
+        for r, f in enumerate(data.tolist())
     ]
     raise PeerError(
         f"the ranks read different data (data.source {loader.source.name!r}, global batch "

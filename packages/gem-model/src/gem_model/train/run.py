@@ -17,14 +17,20 @@ from gem_model.data.batch import Batch
 from gem_model.data.loader import ShardedLoader
 from gem_model.data.prefetch import StepFacts, make_feed
 from gem_model.distributed import DistEnv
-from gem_model.errors import CheckpointError, KernelUnavailableError, NonFiniteStateError, RunInterrupted
+from gem_model.errors import (
+    CheckpointWriteError,
+    ConfigError,
+    KernelUnavailableError,
+    NonFiniteStateError,
+    RunInterrupted,
+)
 from gem_model.model.flops import count_flops
 from gem_model.plan import Plan
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
 from gem_model.results import ReportSection, RunSummary, StepResult
 from gem_model.train import checkpoint as ckpt
-from gem_model.train import compat, integrity, outputs, peers
+from gem_model.train import compat, lock, outputs, peers, resume
 from gem_model.train import state as run_state
 from gem_model.train.finite import first_non_finite
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
@@ -33,6 +39,7 @@ from gem_model.train.prepare import initial_model, prepare_model
 from gem_model.train.progress import Progress, live_progress
 from gem_model.train.report import format_sections, run_summary, step_record
 from gem_model.train.signals import StopRequest, stop_on_signals
+from gem_model.train.soundness import Soundness
 from gem_model.train.spikes import LossSpikes, warn
 from gem_model.train.step import CoreStep
 
@@ -40,9 +47,15 @@ __all__ = ["Run", "StepResult"]
 
 
 class Run:
-    def __init__(self, config: RunConfig, pm: GemPluginManager, components: Components, env: DistEnv):
+    def __init__(
+        self, config: RunConfig, pm: GemPluginManager, components: Components, env: DistEnv, *,
+        refusal: ConfigError | None = None,
+    ):  # fmt: skip
+        """``refusal``: rank 0's, when another run holds the output directory's lock (train.lock):
+        every rank learns of it in the start-up collective and stops with it, before the model is built."""
         self.config, self.pm, self.components, self.env = config, pm, components, env
         tc = config.trainer
+        self.output_dir = outputs.output_dir(config)
         torch.manual_seed(tc.seed * 1_000 + env.rank)
         components.comm.setup(env)
         self.comm = components.comm
@@ -61,8 +74,9 @@ class Run:
         )
         self.spec = self.loader.spec
         components.balancer.bind_model(config.model, self.spec)  # before the first batch is assigned
-        peers.check_same_data(self.loader, self.comm, rank=env.rank, world_size=env.world_size, device=env.device,
-                              timeout_s=tc.collective_timeout_s)  # fmt: skip
+        if peers.check_same_data(self.loader, self.comm, rank=env.rank, world_size=env.world_size, device=env.device,
+                                 timeout_s=tc.collective_timeout_s, refused=refusal is not None):  # fmt: skip
+            raise refusal if refusal is not None else lock.refusal_seen_by_peer(self.output_dir)
         self.feed = make_feed(
             self.loader, prefetch=tc.prefetch, device=env.device, facts=self._batch_facts, end=tc.steps
         )
@@ -99,7 +113,6 @@ class Run:
             self.prepared.sparse_optimizer_fused,
             self.prepared.after_optimizer_step,
         )
-        self.output_dir = Path(tc.output_dir.format(name=config.name))
         self.checkpointer = ckpt.Checkpointer(self.output_dir / "checkpoints", env, timeout_s=tc.collective_timeout_s)
         self.metrics = MetricsFile(self.output_dir / "metrics.jsonl" if env.is_main else None, tensorboard=tc.tensorboard)
         gemm_dtype = components.precision[config.precision.scheme.name].gemm_dtype
@@ -107,6 +120,7 @@ class Run:
         self.start_step = 0
         self.steps_done = config.trainer.steps  # fewer when trainer.time_limit_s stops the run early
         self.last_checkpoint: Path | None = None
+        self.soundness = Soundness(writes=env.is_main)  # which checkpoints a step trained from
         self.stop = StopRequest(tc.stop_grace_s)
         self.spikes = LossSpikes(tc.loss_spike_factor, tc.loss_spike_window)
         self.stopped_by_signal = False  # agreed by every rank in a step's all-reduce
@@ -121,7 +135,7 @@ class Run:
             optimizers=self.optimizers,
             dense_parameters=[p for _, p in self.prepared.dense_parameters],
             device=env.device,
-            last_checkpoint=lambda: self.last_checkpoint,
+            resume_point=self._after_halt,
             first_non_finite=lambda: first_non_finite(self.prepared.module),
             stop=self.stop,
         )
@@ -139,30 +153,19 @@ class Run:
         self._continue_or_refuse()
 
     def _continue_or_refuse(self) -> None:
-        """Resume this run's latest checkpoint, or refuse an output directory holding another's."""
-        tc, config, env = self.config.trainer, self.config, self.env
-        outputs.check_output_dir(config, env.world_size)
-        saved = integrity.step_dirs(self.checkpointer.root)
-        chosen = integrity.newest_valid(self.checkpointer.root) if saved and tc.resume is not False else None
-        if chosen is not None and chosen.path is None:
-            raise CheckpointError(
-                f"{self.checkpointer.root} holds checkpoints but none verifies, so nothing was loaded:\n  "
-                + "\n  ".join(chosen.report())
-                + "\nRemove them to start afresh, or choose another trainer.output_dir"
-            )
-        latest = chosen.path if chosen is not None else None
-        if tc.resume is None and latest is not None:  # auto: continue this run, refuse another's
-            compat.refuse_another_run(latest, config, env.world_size, self.prepared.module.state_dict())
-        if latest is not None and chosen is not None:
-            self.resume(latest, chosen.report())
-        elif saved:
-            raise CheckpointError(
-                f"{self.checkpointer.root} holds checkpoints of an earlier run and trainer.resume=false; "
-                "set trainer.resume=true (or leave it unset) to continue it, or choose another "
-                "trainer.output_dir (nothing was overwritten)"
-            )
+        """Resume what :mod:`~gem_model.train.resume` chooses, or start afresh; it refuses the rest."""
+        config, env = self.config, self.env
+        model_state = self.prepared.module.state_dict()
+        choice = resume.choose(self.checkpointer.root, config, env.world_size, self.pm, model_state)
+        if choice.path is not None:
+            self.resume(choice.path, choice.report())
         if env.is_main:
-            outputs.start_metrics(self.output_dir, config, env.world_size, start_step=self.start_step)
+            for line in outputs.start_metrics(self.output_dir, config, env.world_size, start_step=self.start_step):
+                print(f"[{config.name}] {line}", flush=True)
+
+    def _after_halt(self, step: int, loss: float) -> str:
+        """The non-finite halt's last words: the resume point that trains, what it passed over."""
+        return resume.after_halt(self.checkpointer.root, self.soundness, step=step, loss=loss)
 
     # -------------------------------------------------------------------------------------- a step
 
@@ -193,8 +196,8 @@ class Run:
         if ranks > 0:
             where = f"{bad} is non-finite on rank {self.env.rank}" if bad else "another rank holds a non-finite value"
             raise NonFiniteStateError(
-                f"step {step} (rank {self.env.rank}): {where}; the checkpoint of step {step} was not written, "
-                f"and the last one written stays the resume point: {self.last_checkpoint or 'none written yet'}"
+                f"step {step} (rank {self.env.rank}): {where}; the checkpoint of step {step} was not written. "
+                f"Resume point: {resume.resume_point(self.checkpointer.root, self.soundness)}"
             )
         self.loader.step = step
         meta = {
@@ -206,7 +209,12 @@ class Run:
             "guards": {"loss_window": list(self.spikes.losses), "skipped_in_a_row": self.core_step.skipped_in_a_row},
         }
         state = run_state.run_state(**self._state_owners())  # type: ignore[arg-type]
-        self.last_checkpoint = self.checkpointer.save(step, state, meta, files={"plan.json": self.plan.to_json()})
+        try:
+            self.last_checkpoint = self.checkpointer.save(step, state, meta, files={"plan.json": self.plan.to_json()})
+        except CheckpointWriteError as exc:
+            point = resume.resume_point(self.checkpointer.root, self.soundness)
+            raise CheckpointWriteError(f"{exc}; the checkpoints before stay as they were. Resume point: {point}") from exc
+        self.soundness.written(self.last_checkpoint)
         return self.last_checkpoint
 
     def resume(self, path: Path, skipped: Sequence[str] = ()) -> None:
@@ -217,7 +225,7 @@ class Run:
         run_state.prepare_for_load(self.optimizers)
         state = run_state.run_state(**self._state_owners())  # type: ignore[arg-type]
         meta = ckpt.read_meta(path)
-        skip, notes = compat.what_to_load(path, meta, state, self.config, self.layout)  # or refuse, exit 2
+        skip, notes = resume.what_to_load(path, meta, state, self.config, self.layout, self.pm)  # or refuse, exit 2
         self.checkpointer.load(path, compat.loadable(state, skip))
         run_state.restore(state, **self._state_owners())  # type: ignore[arg-type]
         guards = meta.get("guards", {})
@@ -227,6 +235,7 @@ class Run:
             print(f"[{self.config.name}] {line}", flush=True)
         self.start_step = self.loader.step
         self.last_checkpoint = path
+        self.soundness.loaded(path)
         if self.env.is_main:
             steps = self.config.trainer.steps
             if self.start_step >= steps:
@@ -300,6 +309,7 @@ class Run:
                     self._event({"step": step + 1, "event": "non_finite_skip", "non_finite_loss": str(result.loss),
                                  "in_a_row": self.core_step.skipped_in_a_row})  # fmt: skip
                 else:
+                    self.soundness.trained(step + 1, result.loss)  # the checkpoints before this step train
                     first_loss = result.loss if math.isnan(first_loss) else first_loss
                     window.append(result.loss)
                     spike = self.spikes.observe(step + 1, result.loss)

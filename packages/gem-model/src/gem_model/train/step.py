@@ -40,13 +40,13 @@ class CoreStep:
         optimizers: Optimizers,
         dense_parameters: list[torch.nn.Parameter],
         device: torch.device,
-        last_checkpoint: Callable[[], object],
+        resume_point: Callable[[int, float], str],
         first_non_finite: Callable[[], str | None],
         stop: StopRequest | None = None,
     ):
         self.config, self.layout, self.comm, self.pipeline = config, layout, comm, pipeline
         self.optimizers, self.dense_parameters, self.device = optimizers, dense_parameters, device
-        self.last_checkpoint, self.first_non_finite = last_checkpoint, first_non_finite
+        self.resume_point, self.first_non_finite = resume_point, first_non_finite
         self.stop = stop if stop is not None else StopRequest()  # set by SIGTERM / SIGINT (train.signals)
         self.clock = StepClock()
         self.deadline: float | None = None  # perf_counter() time when trainer.time_limit_s runs out
@@ -109,7 +109,6 @@ class CoreStep:
                     step, value, task_loss, next_loss, int(samples), int(tokens), total_flops, self.clock.lap(),
                     out_of_time=late_ranks > 0, stop_requested=stop_ranks > 0, skipped=True,
                 )  # fmt: skip
-            kept = self.last_checkpoint() or "none written yet"
             made_by = "another rank's forward" if elsewhere else "this forward"
             first = self.first_non_finite() or f"none (every parameter and gradient is finite: {made_by} made it)"
             skips = (
@@ -120,7 +119,7 @@ class CoreStep:
             raise NonFiniteLossError(
                 f"step {step + 1} (rank {self.layout.rank}): the loss is {value}{elsewhere} (task {task_loss}, next-item "
                 f"{next_loss}); the run stopped before applying this step's update.{skips} First non-finite "
-                f"parameter or gradient on this rank: {first}. Last complete checkpoint: {kept}"
+                f"parameter or gradient on this rank: {first}. {self.resume_point(step + 1, value)}"
             )
         self.skipped_in_a_row = 0
         ranks = self.layout.loss_degree

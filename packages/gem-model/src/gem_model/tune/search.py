@@ -356,6 +356,14 @@ def _acceptable(c: Candidate, baseline: Candidate, memory_gb: float | None, max_
     return memory_gb is None or c.peak_memory_gb is None or c.peak_memory_gb <= memory_gb
 
 
+def tuned_run(best: RunConfig) -> RunConfig:
+    """``best`` as a run of its own, ``<name>-tuned``: ``gem-train run -c tuned.yaml`` then writes
+    where the tuned config's own checkpoints (another run, by identity) are not."""
+    tc = best.trainer
+    out = tc.output_dir if "{name}" in tc.output_dir else tc.output_dir.rstrip("/") + "-tuned"
+    return best.model_copy(update={"name": f"{best.name}-tuned", "trainer": tc.model_copy(update={"output_dir": out})})
+
+
 def write_result(result: TuneResult, out: Path) -> dict[str, Path]:
     import json
 
@@ -364,6 +372,6 @@ def write_result(result: TuneResult, out: Path) -> dict[str, Path]:
     head = f"# gem-train tune: chosen overrides {result.best_overrides or 'none (the config as given was fastest)'}\n"
     if not result.complete:
         head += f"# the search is still running ({len(result.candidates)} candidate(s) so far): this is the best yet\n"
-    paths["config"].write_text(head + dump(result.best))
+    paths["config"].write_text(head + dump(tuned_run(result.best)))
     paths["table"].write_text(json.dumps(result.to_dict(), indent=1))
     return paths
