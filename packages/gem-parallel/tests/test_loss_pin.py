@@ -11,10 +11,20 @@ from pathlib import Path
 
 import pytest
 
-# trainer.steps=4 of the REFERENCE overrides (conftest.py), recorded at commit 4ddf59e
+from gem_model.testing import assert_pinned
+
+# trainer.steps=4 of the REFERENCE overrides (conftest.py), by planner, per CPU family (assert_pinned)
+AVX2 = "AVX2 CI machine, 4ddf59e"
+SPR = "AVX-512 + AMX (Sapphire Rapids), b9cca1e"
 PINNED = {
-    "single": ["0x1.1dfc7cc52640cp+3", "0x1.f38f93d96cb66p+2", "0x1.05a5b3a1dae60p+3", "0x1.09b436a58469fp+3"],
-    "torchrec_ddp": ["0x1.1dfc7c48d3dcbp+3", "0x1.f38f95fa4d269p+2", "0x1.05a5b3d1dae60p+3", "0x1.09b4381d3dcb0p+3"],
+    "single": {
+        AVX2: ["0x1.1dfc7cc52640cp+3", "0x1.f38f93d96cb66p+2", "0x1.05a5b3a1dae60p+3", "0x1.09b436a58469fp+3"],
+        SPR: ["0x1.1dfc7cc52640cp+3", "0x1.f38f94196cb66p+2", "0x1.05a5b1c6f4deap+3", "0x1.09b4380000000p+3"],
+    },
+    "torchrec_ddp": {
+        AVX2: ["0x1.1dfc7c48d3dcbp+3", "0x1.f38f95fa4d269p+2", "0x1.05a5b3d1dae60p+3", "0x1.09b4381d3dcb0p+3"],
+        SPR: ["0x1.1dfc7cc52640cp+3", "0x1.f38f965a4d269p+2", "0x1.05a5b3667e252p+3", "0x1.09b43732c2350p+3"],
+    },
 }
 RUN = ["trainer.steps=4", "trainer.checkpoint_at_end=false", "trainer.eval_at_end=false"]
 
@@ -28,10 +38,12 @@ def losses(args: list[str], out: Path, nproc: int) -> list[str]:
 
 
 def test_single_reproduces_the_pinned_losses(reference_overrides, tmp_path):
-    assert losses([*reference_overrides, *RUN, "parallel.planner=single"], tmp_path / "one", 1) == PINNED["single"]
+    out = losses([*reference_overrides, *RUN, "parallel.planner=single"], tmp_path / "one", 1)
+    assert_pinned(out, PINNED["single"], "packages/gem-parallel/tests/test_loss_pin.py PINNED['single']")
 
 
 @pytest.mark.multiprocess
 def test_torchrec_ddp_on_two_processes_reproduces_the_pinned_losses(reference_overrides, tmp_path):
     args = [*reference_overrides, *RUN, "parallel.planner=torchrec_ddp"]
-    assert losses(args, tmp_path / "two", 2) == PINNED["torchrec_ddp"]
+    out = losses(args, tmp_path / "two", 2)
+    assert_pinned(out, PINNED["torchrec_ddp"], "packages/gem-parallel/tests/test_loss_pin.py PINNED['torchrec_ddp']")

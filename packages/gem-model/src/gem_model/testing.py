@@ -11,7 +11,9 @@ For a plugin's own tests (:mod:`gem_model.testing_tools`, re-exported here):
 - :func:`tiny_run`: train a few steps in this process on these components plus the plugin's;
 - :func:`random_jagged_batch`: a random :class:`~gem_model.data.batch.Batch` of jagged histories;
 - :func:`fake_run_context`: a :class:`~gem_model.context.RunContext` over a real tiny model, to
-  call a callback's hooks directly.
+  call a callback's hooks directly;
+- :func:`assert_pinned` (:mod:`gem_model.testing_pins`): losses equal, bit for bit, to one of
+  the sets pinned per CPU family.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from gem_model.markers import hookimpl
 from gem_model.plan import DensePlacement, Plan, TablePlacement
 from gem_model.results import RunSummary
 from gem_model.testing_faults import Digests, Fault, NanForward, StateDump, UnevenSource
+from gem_model.testing_pins import assert_pinned as assert_pinned
 
 
 def hstu_mask(n: int, t: int, window: int, device: torch.device) -> torch.Tensor:
