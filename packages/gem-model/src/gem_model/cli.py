@@ -136,7 +136,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     components = resolve_components(config, GemPluginManager())
     limit = components.planner.max_world_size
     if args.world_size < 1 or (limit is not None and args.world_size > limit):
-        raise ConfigError([("--world-size", args.world_size, f"must be in [1, {limit or 'any'}] for parallel.planner {components.planner.name!r}")])
+        raise ConfigError([("--world-size (--nproc)", args.world_size, f"must be in [1, {limit or 'any'}] for parallel.planner {components.planner.name!r}")])
     per_node = args.gpus_per_node or min(args.world_size, 8)
     if per_node < 1:
         raise ConfigError([("--gpus-per-node", args.gpus_per_node, "must be at least 1")])
