@@ -1,8 +1,10 @@
 """``fsdp``: the dense part in FSDP2 (HSDP with ``dp_replicate``), TP or CP in the HSTU blocks, the
 tables replicated or sharded by torchrec.
 
-The layout is a named ``DeviceMesh`` over ``dp_replicate x dp_shard x cp x tp``
-(:mod:`gem_parallel.mesh`). :meth:`FSDPPlanner.apply` composes, in this order (TorchTitan's):
+The degrees are the core's :class:`~gem_model.parallel_dims.ParallelDims` (``FSDPConfig`` embeds its
+fields), checked before any process starts; the layout is a named ``DeviceMesh`` over
+``dp_replicate x dp_shard x cp x tp`` in their mesh order (:mod:`gem_model.mesh`).
+:meth:`FSDPPlanner.apply` composes, in this order (TorchTitan's):
 
 1. ``tp > 1``: tensor parallelism in every HSTU block with DTensor ``parallelize_module``
    (:mod:`gem_parallel.tensor_parallel`); ``cp > 1``: each sequence's rows split over the cp ranks
@@ -18,7 +20,7 @@ The layout is a named ``DeviceMesh`` over ``dp_replicate x dp_shard x cp x tp``
    coalesced all-reduce) before it steps, as DDP would. ``tables: sharded``: torchrec's planner
    and DMP shard them over all ranks, as ``torchrec_ddp`` does, with a data-parallel wrapper that
    wraps nothing (FSDP2 owns the dense part); with ``sparse`` below the world size, within sparse
-   groups of that many ranks, the replicas averaged across the groups after every step
+   groups of that many ranks (contiguous or strided), the replicas averaged across the groups after every step
    (:mod:`gem_parallel.sparse_groups`: torchrec's 2-D sparse parallelism).
 """
 
