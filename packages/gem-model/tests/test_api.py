@@ -20,7 +20,7 @@ def test_every_listed_name_resolves_to_the_module_the_table_names():
 
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchName'"):
-        api.NoSuchName  # noqa: B018
+        api.NoSuchName
 
 
 def test_importing_the_api_for_hookimpl_stays_light():
