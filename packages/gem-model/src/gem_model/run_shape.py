@@ -35,6 +35,8 @@ class RunShape:
     build_model: Callable[[], ShardableModel] | None = field(default=None, repr=False)
     read_lengths: Callable[[int], torch.Tensor] | None = field(default=None, repr=False)
     feature_spec: FeatureSpec | None = field(default=None, repr=False)
+    activation_dtype: torch.dtype | None = None
+    """The dtype activations flow in (``precision.activation_dtype``, ``auto`` resolved through the scheme)."""
     _model: ShardableModel | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -58,7 +60,10 @@ class RunShape:
             batch = config.data.global_batch_size
             return torch.cat([components.source.lengths(step, batch) for step in range(batches)])
 
-        return cls(config, ranks_per_node, build_model, read_lengths, components.source.feature_spec())
+        from gem_model.precision import activation_dtype_of
+
+        dtype = activation_dtype_of(config.precision, components.precision)
+        return cls(config, ranks_per_node, build_model, read_lengths, components.source.feature_spec(), dtype)
 
     @property
     def num_heads(self) -> int:

@@ -115,8 +115,8 @@ class AutoPlanner(ParallelPlanner):
             raise ConfigError([(f"{_WHERE}.fixed", c.fixed, f"unknown dim(s) {unknown}; allowed: dp_replicate, dp_shard, cp, tp, sparse")])
         config = self._run.config
         step_model = StepModel.from_profile(c.profile, config, where=f"{_WHERE}.profile") if c.profile else None
-        activation = 2 if config.precision.scheme.name != "fp32" and config.precision.activation_dtype != "float32" else 4
-        workload = workload_of(self._run, activation_bytes=activation)
+        dtype = self._run.activation_dtype
+        workload = workload_of(self._run, activation_bytes=4 if dtype is None else dtype.itemsize)
         options = PlannerOptions(max_tp=c.max_tp, max_cp=c.max_cp, fixed=c.fixed, sharding_types=c.sharding_types)  # type: ignore[arg-type]
         try:
             chosen = plan_topology(self.topology(world_size), workload, options, step_model=step_model)
