@@ -110,7 +110,7 @@ def run_one(kernel: str, scheme: str, overrides: str, min_dim: int, policy: str,
         "outcome": "trained" if math.isfinite(summary.last_loss) else "nonfinite",
         "first_loss": summary.first_loss,
         "last_loss": summary.last_loss,
-        "activation_dtype": str(run.plans["policy"].activation_dtype)[6:],
+        "activation_dtype": str(run.preparation.precision.activation_dtype)[6:],
         "dtypes": {k: sorted(v) for k, v in seen.items()},
     }
 

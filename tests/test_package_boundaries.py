@@ -1,4 +1,5 @@
-"""Each package stands on its own: the core imports no plugin package, a plugin no sibling but gem_model."""
+"""Each package stands on its own: the core imports no plugin package, a plugin no sibling but gem_model,
+and of gem_model only its public door, ``gem_model.api`` (and ``gem_model.testing`` in tests)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {"gem_model", "gem_kernels", "gem_precision", "gem_parallel", "gem_comm"}
+PLUGINS = ("gem-kernels", "gem-precision", "gem-parallel", "gem-comm")
+PUBLIC = {"gem_model.api", "gem_model.testing"}
+PLUGIN_MODULES = sorted(
+    [p for pkg in PLUGINS for p in (ROOT / "packages" / pkg / "src").rglob("*.py")]
+    + list((ROOT / "examples" / "gem-plugin-example" / "src").rglob("*.py"))
+)
 
 
 def imported_top_levels(path: Path) -> set[str]:
@@ -31,6 +38,36 @@ def offenders(package: str, allowed: set[str], where: str) -> list[str]:
         bad = (imported_top_levels(path) & OURS) - allowed
         found += [f"{path.relative_to(ROOT)} imports {name}" for name in sorted(bad)]
     return found
+
+
+def core_modules_imported(path: Path) -> set[str]:
+    """Every ``gem_model`` module ``path`` imports (``from gem_model import x`` counts as ``gem_model``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return {n for n in names if n == "gem_model" or n.startswith("gem_model.")}
+
+
+@pytest.mark.parametrize("path", PLUGIN_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_plugin_module_uses_only_the_public_api(path):
+    assert core_modules_imported(path) - PUBLIC == set(), "import it from gem_model.api (docs/plugins.md)"
+
+
+def test_the_public_api_scan_sees_imports(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text(
+        "from gem_model import hookimpl\nfrom gem_model.api import Layout\nimport gem_model.layout\n"
+        "def f():\n    from gem_model.config import RunConfig\n"
+    )
+    assert core_modules_imported(sample) - PUBLIC == {"gem_model", "gem_model.layout", "gem_model.config"}
+    assert len(PLUGIN_MODULES) > 40  # every module of the four packages and the example
 
 
 def test_core_imports_no_plugin_package():

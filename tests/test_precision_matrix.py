@@ -74,10 +74,10 @@ def test_a_backend_the_device_lacks_is_refused_before_training(tmp_path: Path) -
 
 def test_activation_dtype_can_be_set_apart_from_the_scheme(tmp_path: Path) -> None:
     run = build(tmp_path, "precision.scheme=bf16", "precision.activation_dtype=float32")
-    assert run.plans["policy"].activation_dtype == torch.float32
+    assert run.preparation.precision.activation_dtype == torch.float32
     assert run.model.activation_dtype == torch.float32
     run = build(tmp_path, "precision.scheme=bf16", "precision.min_dim=16")
-    policy = run.plans["policy"]
+    policy = run.preparation.precision
     assert policy.activation_dtype == torch.bfloat16 and policy.plan["dense_proj"] is None
     assert "kept in float32: dense_proj" in policy.describe()
     assert policy.fsdp_mixed_precision() == {

@@ -8,6 +8,11 @@ import torch
 from gem_model import testing
 from gem_model.distributed import DistEnv
 from gem_model.layout import Layout
+from gem_model.parallel_dims import ParallelDims
+
+
+def dims(**degrees: int) -> ParallelDims:
+    return ParallelDims(**{"dp_shard": 1, "sparse": 1, **degrees})
 
 
 def test_data_parallel_layout_is_one_dim_over_the_world():
@@ -26,14 +31,17 @@ def test_tensor_parallel_ranks_read_the_same_share_and_reduce_over_data_x_contex
     for dp in range(2):
         for cp in range(2):
             for tp in range(2):
-                layout = Layout({"dp_shard": 2, "cp": 2, "tp": 2}, {"dp_shard": dp, "cp": cp, "tp": tp}, groups)
+                rank = (dp * 2 + cp) * 2 + tp
+                layout = Layout(dims(dp_shard=2, cp=2, tp=2), rank, groups=groups)
+                assert layout.coords == {"dp_shard": dp, "cp": cp, "tp": tp}
                 ranks[layout.rank] = layout
     assert sorted(ranks) == list(range(8))
     assert [ranks[r].dp_rank for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert {layout.dp_degree for layout in ranks.values()} == {2}
     assert ranks[5].loss_degree == 4 and ranks[5].loss_group == "dp+cp"
-    assert ranks[5].group("tp") == "tp" and ranks[5].group("pp", "tp") == "tp"  # pp has degree 1
-    assert ranks[5].enabled("cp") and not ranks[5].enabled("pp") and ranks[5].degree("pp") == 1
+    # dp_replicate has degree 1: not in the mesh, ignored in a group's dims
+    assert ranks[5].group("tp") == "tp" and ranks[5].group("dp_replicate", "tp") == "tp"
+    assert ranks[5].enabled("cp") and not ranks[5].enabled("dp_replicate") and ranks[5].degree("dp_replicate") == 1
 
 
 def test_one_rank_needs_no_group():
@@ -42,28 +50,38 @@ def test_one_rank_needs_no_group():
 
 
 def test_a_flattened_group_the_planner_did_not_make_is_an_error():
-    layout = Layout({"dp_replicate": 2, "cp": 2}, {"dp_replicate": 0, "cp": 1}, {"dp_replicate": "a", "cp": "b"})
+    layout = Layout(dims(dp_replicate=2, cp=2), 1, groups={"dp_replicate": "a", "cp": "b"})
+    assert layout.coords == {"dp_replicate": 0, "cp": 1}
     with pytest.raises(KeyError, match=r"no process group over 'dp_replicate\+cp'"):
         layout.loss_group
 
 
 @pytest.mark.parametrize(
-    ("degrees", "coords", "message"),
+    ("degrees", "rank", "mesh_dims", "message"),
     [
-        ({"xp": 2}, {"xp": 0}, "unknown dim"),
-        ({"tp": 0}, {"tp": 0}, "degrees are at least 1"),
-        ({"tp": 2}, {"tp": 2}, "coordinate along 'tp' is 2"),
-        ({"tp": 2}, {"tp": 0, "cp": 0}, "coordinates for dims not in the mesh"),
+        ({"tp": 2}, 0, ("xp",), "unknown dim"),
+        ({"tp": 2}, 2, (), r"rank 2 is not in \[0, 2\)"),
+        ({"tp": 2, "cp": 2}, 0, ("tp",), r"dim\(s\) \['cp'\] have degree above 1 but are not mesh dims"),
+        ({"tp": 2}, 0, ("tp", "dp_shard"), "not in the mesh order"),
     ],
 )
-def test_bad_layouts_are_refused(degrees, coords, message):
+def test_bad_layouts_are_refused(degrees, rank, mesh_dims, message):
     with pytest.raises(ValueError, match=message):
-        Layout(degrees, coords)
+        Layout(dims(**degrees), rank, mesh_dims)
+
+
+def test_degrees_are_at_least_one_and_must_be_resolved():
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        dims(tp=0)
+    with pytest.raises(ValueError, match="not resolved"):
+        Layout(ParallelDims(tp=2), 0)  # dp_shard = 0: not filled from a world size
 
 
 def test_unknown_dim_in_a_query_is_refused():
     with pytest.raises(ValueError, match="unknown dim 'dp'"):
         Layout.data_parallel(rank=0, world_size=1).degree("dp")
+    with pytest.raises(ValueError, match="unknown dim 'pp'"):
+        Layout.data_parallel(rank=0, world_size=1).degree("pp")  # no planner here has pipeline stages
 
 
 def test_planner_default_layout_and_the_replicated_test_planner():
@@ -100,7 +118,7 @@ def test_a_layout_that_does_not_cover_the_processes_is_refused(pm, tiny_override
 def test_a_one_rank_mesh_dim_hands_out_the_group_the_planner_stored():
     # a mesh dim of degree 1 still has a (one-rank) process group: callers that need a real group
     # (torchrec's sharders) get it; a dim outside the mesh, or a layout without groups, has none
-    layout = Layout({"dp_replicate": 1, "tp": 2}, {"dp_replicate": 0, "tp": 1}, {"dp_replicate": "one", "tp": "tp"})
+    layout = Layout(dims(tp=2), 1, ("dp_replicate", "tp"), {"dp_replicate": "one", "tp": "tp"})
     assert layout.group("dp_replicate") == "one" and layout.loss_group == "one" and layout.loss_degree == 1
     assert layout.group("dp_replicate", "tp") == "tp" and layout.group("cp") is None
-    assert Layout({"dp_replicate": 1}, {"dp_replicate": 0}).group("dp_replicate") is None
+    assert Layout(dims(), 0).group("dp_replicate") is None

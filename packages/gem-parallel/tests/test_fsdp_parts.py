@@ -13,10 +13,12 @@ import torch.distributed as dist
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from gem_model import testing
+from gem_model.api import PlannerContext
 from gem_model.components import SparseOptimizerSpec
 from gem_model.config import ModelConfig
 from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
 from gem_model.distributed import DistEnv
+from gem_model.errors import ConfigError
 from gem_model.jagged import offsets_of
 from gem_model.model.gem import GemModel
 from gem_parallel.context_parallel import ContextParallelAttention, head_tail_rows
@@ -38,7 +40,7 @@ def planner(**options) -> FSDPPlanner:
 
 
 def test_degrees_fill_dp_shard_and_name_the_mesh_dims():
-    assert planner(dp_replicate=2, tp=2).dims(8).describe() == "dp_replicate=2 x dp_shard=2 x tp=2 x cp=1 x sparse=1"
+    assert str(planner(dp_replicate=2, tp=2).dims(8)) == "dp_replicate=2 x dp_shard=2 x cp=1 x tp=2 x sparse=1"
     layout = planner(dp_replicate=2, cp=2).layout(offline(8))
     assert layout.degrees == {"dp_replicate": 2, "dp_shard": 2, "cp": 2}
     assert (layout.dp_degree, layout.loss_degree, layout.mesh) == (4, 8, None)
@@ -50,13 +52,14 @@ def test_degrees_fill_dp_shard_and_name_the_mesh_dims():
 @pytest.mark.parametrize(
     ("options", "world", "message"),
     [
-        ({"dp_replicate": 3}, 4, r"parallel.planner.options.dp_replicate x tp x cp = 3 x 1 x 1 does not divide the world size 4"),
-        ({"dp_shard": 3}, 4, r"dp_replicate x dp_shard x tp x cp = 1 x 3 x 1 x 1 = 3, but the world size is 4"),
+        ({"dp_replicate": 3}, 4, r"parallel.planner.options.dp_replicate x cp x tp: must divide the world size 4 .*\(got '3 x 1 x 1'\)"),
+        ({"dp_shard": 3}, 4, r"dp_replicate x dp_shard x cp x tp: the mesh degrees multiply to 3, but the world size is 4"),
         ({"tp": 2, "cp": 2}, 4, r"tp = 2 and cp = 2 together are not supported"),
+        ({"dp_replicate": 2, "mesh_order": ["dp_shard", "dp_replicate", "cp", "tp"]}, 4, r"mesh_order: dp_replicate must come before dp_shard"),
     ],
 )
 def test_degrees_that_do_not_fit_name_the_option(options, world, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         planner(**options).layout(offline(world))
 
 
@@ -66,13 +69,13 @@ def test_plan_checks_tp_against_the_heads_and_apply_needs_a_mesh():
     p = planner(tp=4)
     layout = p.layout(offline(4))
     with pytest.raises(ValueError, match=r"parallel.planner.options.tp = 4 must divide model.num_heads = 2"):
-        p.plan(model, env=offline(4), layout=layout, comm=testing.PlainComm(), sparse_optimizer=SPEC)
+        p.plan(model, PlannerContext(offline(4), layout, testing.PlainComm(), SPEC))
     p = planner()
     layout = p.layout(offline(2))
-    plan = p.plan(model, env=offline(2), layout=layout, comm=testing.PlainComm(), sparse_optimizer=SPEC)
+    plan = p.plan(model, PlannerContext(offline(2), layout, testing.PlainComm(), SPEC))
     assert plan.dense["blocks"].strategy == "fully_sharded" and plan.dense["blocks"].dims == ["dp_shard"]
     with pytest.raises(ValueError, match="needs a process group and its device mesh"):
-        p.apply(model, plan, env=offline(2), layout=layout, comm=testing.PlainComm(), sparse_optimizer=SPEC)
+        p.apply(model, plan, PlannerContext(offline(2), layout, testing.PlainComm(), SPEC))
 
 
 def test_sharded_tables_are_planned_by_torchrec_offline():
@@ -80,7 +83,7 @@ def test_sharded_tables_are_planned_by_torchrec_offline():
     model = GemModel(ModelConfig(max_seq_len=16), src.feature_spec(), attention=testing.LoopAttention(), norm_gate=testing.TorchNormGate())
     p = planner(tables="sharded", sharding_types=["table_wise"])
     layout = p.layout(offline(4))
-    plan = p.plan(model, env=offline(4), layout=layout, comm=testing.PlainComm(), sparse_optimizer=SPEC)
+    plan = p.plan(model, PlannerContext(offline(4), layout, testing.PlainComm(), SPEC))
     assert {c.name for c in model.table_configs()} == set(plan.tables)
     assert all(t.sharding == "table_wise" and len(t.ranks) == 1 and t.compute_kernel == "fused" for t in plan.tables.values())
     assert plan.native is not None and plan.notes == ["tables sharded by torchrec over all 4 ranks"]

@@ -13,6 +13,7 @@ import torch
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from gem_model import testing
+from gem_model.api import PlannerContext
 from gem_model.components import SparseOptimizerSpec
 from gem_model.config import ModelConfig
 from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
@@ -48,13 +49,13 @@ def test_the_gem_model_meets_planners_through_the_protocol():
 def test_single_plans_every_table_unsharded_as_plain_data():
     planner, m = SinglePlanner(), model()
     layout = planner.layout(env())
-    plan = planner.plan(m, env=env(), layout=layout, comm=testing.PlainComm(), sparse_optimizer=SPEC)
+    plan = planner.plan(m, PlannerContext(env(), layout, testing.PlainComm(), SPEC))
     assert plan.native is None and Plan.from_dict(json.loads(plan.to_json())) == plan
     assert set(plan.tables) == {c.name for c in m.table_configs()}
     assert all(t.sharding == "unsharded" and t.ranks == [0] for t in plan.tables.values())
     assert sum(d.parameters for d in plan.dense.values()) == sum(p.numel() for _, p in m.dense_named_parameters())
     assert "item" in plan.format() and "blocks" in plan.format()
-    prepared = planner.apply(m, plan, env=env(), layout=layout, comm=testing.PlainComm(), sparse_optimizer=SPEC)
+    prepared = planner.apply(m, plan, PlannerContext(env(), layout, testing.PlainComm(), SPEC))
     assert prepared.module is m
 
 
@@ -62,12 +63,12 @@ def test_torchrec_ddp_plans_offline_for_any_world_size_and_places_every_table():
     planner, m = TorchrecDDPPlanner(), model(table_init="device")
     layout = planner.layout(env(4))
     assert layout.degrees == {"dp_replicate": 4} and layout.group("dp_replicate") is None
-    plan = planner.plan(m, env=env(4), layout=layout, comm=testing.PlainComm(), sparse_optimizer=SPEC)
+    plan = planner.plan(m, PlannerContext(env(4), layout, testing.PlainComm(), SPEC))
     assert set(plan.tables) == {c.name for c in m.table_configs()}
     assert all(t.ranks and max(t.ranks) < 4 and t.compute_kernel == "fused" for t in plan.tables.values())
     assert {d.strategy for d in plan.dense.values()} == {"replicated"}
     with pytest.raises(ValueError, match="needs a process group"):
-        planner.apply(m, plan, env=env(4), layout=layout, comm=testing.PlainComm(), sparse_optimizer=SPEC)
+        planner.apply(m, plan, PlannerContext(env(4), layout, testing.PlainComm(), SPEC))
 
 
 @pytest.mark.multiprocess

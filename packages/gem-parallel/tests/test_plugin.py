@@ -32,7 +32,7 @@ def env(world: int = 1, backend: str | None = None) -> DistEnv:
 
 def test_plugin_registers_both_planners():
     pm = GemPluginManager(autoload=False, plugins=[gem_parallel.plugin])
-    assert pm.parallel_planners.names() == ["fsdp", "single", "torchrec_ddp"]
+    assert pm.parallel_planners.names() == ["auto", "fsdp", "single", "torchrec_ddp"]
     assert pm.parallel_planners.get("single").cls is SinglePlanner
     assert pm.parallel_planners.get("torchrec_ddp").cls is TorchrecDDPPlanner
 

@@ -11,6 +11,7 @@ from torch.distributed.remote_device import _remote_device
 from torchrec.distributed.types import ShardedModule
 
 from gem_model import testing
+from gem_model.api import PlannerContext
 from gem_model.checks import check_run
 from gem_model.config import ModelConfig, TrainerConfig
 from gem_model.config_io import load_config
@@ -45,10 +46,10 @@ def test_sparse_must_divide_the_world_before_any_process_starts(tmp_path):
     overrides = [*testing.INLINE_OVERRIDES, "parallel.planner=fsdp", f"trainer.output_dir={tmp_path}"]
     pm = GemPluginManager(autoload=False, plugins=[testing, plugin])
     config = load_config(None, [*overrides, "parallel.planner.options.tables=sharded", "parallel.planner.options.sparse=3"])
-    with pytest.raises(ConfigError, match=r"parallel\.planner\.options\.sparse = 3 must divide the world size 4"):
+    with pytest.raises(ConfigError, match=r"parallel\.planner\.options\.sparse: must divide the world size 4 .*\(got 3\)"):
         check_run(config, resolve_components(config, pm), 4)
     config = load_config(None, [*overrides, "parallel.planner.options.sparse=2"])  # tables replicated
-    with pytest.raises(ConfigError, match=r"options\.sparse = 2 shards the tables .* needs parallel\.planner\.options\.tables = sharded"):
+    with pytest.raises(ConfigError, match=r"options\.sparse: shards the tables .* needs parallel\.planner\.options\.tables = sharded \(got 2\)"):
         check_run(config, resolve_components(config, pm), 4)
 
 
@@ -58,10 +59,10 @@ def test_each_sparse_group_gets_the_group_plan_with_its_own_global_placements():
     assert FSDPPlanner(FSDPConfig(tables="sharded")).dims(4).sparse == 4  # 0: one group of all ranks
     m, env = model(), offline(4)
     layout = planner.layout(env)
-    plan = planner.plan(m, env=env, layout=layout, comm=testing.PlainComm(), sparse_optimizer=SGD)
+    plan = planner.plan(m, PlannerContext(env, layout, testing.PlainComm(), SGD))
     assert "within each of 2 sparse groups of 2 ranks" in plan.notes[0]
     assert all(t.ranks and max(t.ranks) < 2 for t in plan.tables.values())  # planned for a group of 2
-    second = plan_for_group(plan.native, first_rank=2)
+    second = plan_for_group(plan.native, ranks=planner.dims(4).sparse_group_ranks(2))
     for name, shardings in plan.native.plan.items():
         for table, ps in shardings.items():
             moved = second.plan[name][table]
@@ -75,9 +76,15 @@ def test_each_sparse_group_gets_the_group_plan_with_its_own_global_placements():
         for ps in shardings.values():
             for s in ps.sharding_spec.shards:
                 s.placement = _remote_device(f"rank:{s.placement.rank()}/cuda:{s.placement.rank()}")
-    moved = plan_for_group(plan.native, first_rank=2, local_size=4)
+    moved = plan_for_group(plan.native, ranks=[2, 3], local_size=4)
     devices = {str(s.placement) for ps in moved.plan["sparse.ec"].values() for s in ps.sharding_spec.shards}
     assert devices <= {"rank:2/cuda:2", "rank:3/cuda:3"} and devices
+    # a strided group (ranks 1 and 3 of 4): group rank i is global rank ranks[i]
+    strided = FSDPPlanner(FSDPConfig(tables="sharded", sparse=2, sparse_groups="strided")).dims(4)
+    assert strided.sparse_group_ranks(3) == [1, 3]
+    moved = plan_for_group(plan.native, ranks=strided.sparse_group_ranks(3), local_size=4)
+    devices = {str(s.placement) for ps in moved.plan["sparse.ec"].values() for s in ps.sharding_spec.shards}
+    assert devices <= {"rank:1/cuda:1", "rank:3/cuda:3"} and devices
 
 
 def test_the_optimizers_run_the_planners_after_step_hook_after_each_step():
@@ -103,8 +110,8 @@ def test_a_one_rank_dim_gets_its_real_one_rank_group(tmp_path):
         assert layout.loss_group is group and layout.group("tp") is None  # tp: not a mesh dim
         spec = sparse_optimizer_spec(TrainerConfig())
         m = model()
-        plan = planner.plan(m, env=env, layout=layout, comm=testing.PlainComm(), sparse_optimizer=spec)
-        prepared = planner.apply(m, plan, env=env, layout=layout, comm=testing.PlainComm(), sparse_optimizer=spec)
+        plan = planner.plan(m, PlannerContext(env, layout, testing.PlainComm(), spec))
+        prepared = planner.apply(m, plan, PlannerContext(env, layout, testing.PlainComm(), spec))
         sharded = [mod for mod in prepared.module.modules() if isinstance(mod, ShardedModule)]
         assert sharded and all(mod._env.process_group is group for mod in sharded)
     finally:

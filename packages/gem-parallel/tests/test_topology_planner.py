@@ -11,8 +11,8 @@ import json
 
 import pytest
 
+from gem_model.api import MESH_DIMS
 from gem_parallel.cost import Lookups, estimate
-from gem_parallel.dims import DENSE_DIMS
 from gem_parallel.sparse_plan import PlanDoesNotFitError, _check_and_count, plan_sparse_group, sparse_topology
 from gem_parallel.topology import h200
 from gem_parallel.topology_planner import NAIVE_ORDER, PlannerOptions, candidate_dims, orders, plan_topology
@@ -53,14 +53,14 @@ def check_plan(plan, w: Workload) -> None:
     assert plan.cost.comm_seconds <= plan.naive.comm_seconds
     # the cheapest order of the chosen degrees is the one chosen
     tables = plan.sparse.max_table_bytes
-    for order in orders(dims):
-        other = estimate(dims, order, topo, w, table_bytes_per_rank=tables)
+    for other_order in orders(dims):
+        other = estimate(other_order, topo, w, table_bytes_per_rank=tables)
         assert plan.cost.comm_seconds <= other.comm_seconds + 1e-12
     if dims.tp > 1:
         assert plan.links()["tp"] == "nvlink"
-    assert list(plan.mesh_degrees()) == list(plan.order.outer_to_inner)
+    assert list(plan.mesh_degrees()) == list(plan.dims.mesh_order)
     json.dumps(plan.to_dict())  # plain data
-    assert plan.dims.describe() in plan.summary()
+    assert str(plan.dims) in plan.summary()
 
 
 def test_one_node_plans_a_model_that_fits():
@@ -106,12 +106,28 @@ def test_candidates_respect_heads_sequence_length_and_batch():
     seen = list(candidate_dims(h200(2), w, PlannerOptions()))
     assert seen
     for d in seen:
-        assert 4 % d.tp == 0 and (d.cp == 1 or 12 % (2 * d.cp) == 0) and 8 % d.dp_degree == 0
-    assert {d.cp for d in seen} <= {1, 2, 3, 6} and max(d.tp for d in seen) == 4
+        assert 4 % d.tp == 0 and 2 * d.cp <= 12 and 8 % d.dp_degree == 0
+        assert d.tp == 1 or d.cp == 1  # fsdp applies one of them in the blocks
+        d.check(world_size=16, num_heads=4, global_batch_size=8, max_seq_len=12)  # the run's own checks agree
+    assert {d.cp for d in seen} == {1, 2, 4} and max(d.tp for d in seen) == 4
 
 
 def test_naive_order_puts_the_first_declared_dim_innermost():
-    assert NAIVE_ORDER.outer_to_inner[-1] == "dp_replicate" and set(NAIVE_ORDER.outer_to_inner) == set(DENSE_DIMS)
+    assert NAIVE_ORDER["mesh_order"][-1] == "dp_replicate" and set(NAIVE_ORDER["mesh_order"]) == set(MESH_DIMS)
+
+
+def test_orders_are_those_fsdp_applies():
+    from gem_model.api import ParallelDims
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, sparse=4)
+    seen = {d.mesh_order for d in orders(dims)}
+    # dp_replicate outside dp_shard: 3 of the 6 orders of the three enabled dims, cp (degree 1) innermost
+    assert seen == {("dp_replicate", "dp_shard", "tp", "cp"), ("dp_replicate", "tp", "dp_shard", "cp"),
+                    ("tp", "dp_replicate", "dp_shard", "cp")}  # fmt: skip
+    # dp_replicate alone keeps dp_shard (degree 1) inside it, as fsdp's mesh does
+    assert [d.mesh_order for d in orders(ParallelDims(dp_replicate=4, dp_shard=1, sparse=4))] == [
+        ("dp_replicate", "dp_shard", "cp", "tp")]  # fmt: skip
+    assert {d.sparse_groups for d in orders(dims.model_copy(update={"sparse": 2}))} == {"contiguous", "strided"}
 
 
 def test_torchrec_is_told_the_sparse_group_and_its_budget():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from gem_model.components import ComponentConfig, PrecisionScheme
+from gem_model.api import ComponentConfig, PrecisionScheme
 
 
 class Fp16GemmConfig(ComponentConfig):

@@ -1,6 +1,6 @@
 """Hook implementations of the example plugin."""
 
-from gem_model import hookimpl
+from gem_model.api import hookimpl
 
 
 @hookimpl

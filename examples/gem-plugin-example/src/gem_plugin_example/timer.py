@@ -15,8 +15,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field
 
-from gem_model import hookimpl
-from gem_model.api import Callback, ComponentConfig, ReportSection, RunContext, RunSummary, StepResult
+from gem_model.api import Callback, ComponentConfig, ReportSection, RunContext, RunSummary, StepResult, hookimpl
 
 
 class StepTimerConfig(ComponentConfig):

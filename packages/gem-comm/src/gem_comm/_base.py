@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gem_comm.default import DefaultComm
 from gem_comm.measure import CommMeter
-from gem_model.distributed import DistEnv
+from gem_model.api import DistEnv
 
 
 class MeasuredComm(DefaultComm):

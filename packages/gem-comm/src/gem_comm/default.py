@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gem_model.components import CommStrategy
-from gem_model.distributed import DistEnv
+from gem_model.api import CommStrategy, DistEnv
 
 
 class DefaultComm(CommStrategy):

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gem_comm._base import MeasuredComm, done, flat_padded
 from gem_comm.measure import CommMeter, all_gather_bytes, ring_all_reduce_bytes, scatter_bytes
-from gem_model.components import ComponentConfig
+from gem_model.api import ComponentConfig
 
 
 class HierarchicalConfig(ComponentConfig):

@@ -39,10 +39,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
-from gem_model import hookimpl
-from gem_model.components import ComponentConfig
-from gem_model.lifecycle import Callback
-from gem_model.results import ReportSection
+from gem_model.api import Callback, ComponentConfig, ReportSection, hookimpl
 
 
 def ring_all_reduce_bytes(nbytes: int, world: int) -> int:

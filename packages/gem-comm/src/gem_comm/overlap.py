@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gem_comm._base import MeasuredComm
 from gem_comm.measure import CommMeter, ring_all_reduce_bytes
-from gem_model.components import ComponentConfig
+from gem_model.api import ComponentConfig
 
 
 class OverlapConfig(ComponentConfig):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gem_model import hookimpl
+from gem_model.api import hookimpl
 
 
 @hookimpl

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gem_comm._base import MeasuredComm, done, flat_padded
 from gem_comm.measure import CommMeter, all_gather_bytes, ring_all_reduce_bytes, scatter_bytes
-from gem_model.components import ComponentConfig
+from gem_model.api import ComponentConfig
 
 WireDtype = Literal["bf16", "fp16"]
 EmbeddingPrecision = Literal["fp32", "bf16", "fp16", "fp8"]

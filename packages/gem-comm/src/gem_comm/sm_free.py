@@ -29,8 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from gem_comm._base import MeasuredComm
-from gem_model.components import ComponentConfig
-from gem_model.distributed import DistEnv
+from gem_model.api import ComponentConfig, DistEnv
 
 
 class SmFreeConfig(ComponentConfig):

@@ -47,13 +47,10 @@ from torchrec.distributed.train_pipeline.tracing import ArgInfoStepFactory
 from torchrec.distributed.train_pipeline.types import ArgInfo, CallArgs
 from torchrec.distributed.train_pipeline.utils import _override_input_dist_forwards
 
-from gem_model.data.prefetch import StagedBatch, batch_tensors
-from gem_model.lifecycle import TrainPipeline
+from gem_model.api import StagedBatch, TrainPipeline, batch_tensors
 
 if TYPE_CHECKING:
-    from gem_model.context import Optimizers
-    from gem_model.data.batch import Batch
-    from gem_model.layout import Layout
+    from gem_model.api import Batch, Layout, Optimizers
 
 
 class StagedSparseDist(TrainPipelineSparseDist):

@@ -13,8 +13,7 @@ from pydantic import model_validator
 
 from gem_kernels.attention_torch import LayoutCache, jagged_attention_torch
 from gem_kernels.availability import require_triton
-from gem_model.components import ComponentConfig, JaggedAttentionKernel, NormGateKernel
-from gem_model.errors import KernelUnavailableError
+from gem_model.api import ComponentConfig, JaggedAttentionKernel, KernelUnavailableError, NormGateKernel
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

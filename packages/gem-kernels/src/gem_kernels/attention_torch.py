@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_kernels.reference import attention_mask
-from gem_model.jagged import gather_bias, relative_bias_matrix, time_bucket_matrix
+from gem_model.api import gather_bias, relative_bias_matrix, time_bucket_matrix
 
 BUCKET_GROWTH = 1.25
 """A bucket holds lengths in ``[size / BUCKET_GROWTH, size]``: at most ~1.56x the work of no padding,

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET
-from gem_model.jagged import TIME_BUCKET_STEP, time_buckets
+from gem_model.api import TIME_BUCKET_STEP, time_buckets
 
 LOG2_TO_BUCKET = tl.constexpr(math.log(2.0) / TIME_BUCKET_STEP)
 """``log2(d) * LOG2_TO_BUCKET = ln(d) / 0.301``: ``log2`` is the GPU's native (MUFU) logarithm."""

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from gem_model.errors import KernelUnavailableError
+from gem_model.api import KernelUnavailableError
 
 _TRUTHY = ("1", "true", "yes", "on", "y")
 

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_kernels.availability import require_triton
-from gem_model.components import NormGateKernel
-from gem_model.errors import KernelUnavailableError
+from gem_model.api import KernelUnavailableError, NormGateKernel
 
 
 def check_norm_gate_inputs(x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
-from gem_model import hookimpl
-from gem_model.components import Kernel
+from gem_model.api import Kernel, hookimpl
 
 
 @hookimpl

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gem_model.jagged import relative_bias_matrix, time_bias_matrix
+from gem_model.api import relative_bias_matrix, time_bias_matrix
 
 
 def effective_positions(lengths: torch.Tensor, num_targets: torch.Tensor | None, size: int) -> torch.Tensor:

@@ -1,56 +1,101 @@
 """The public plugin interface of gem-model, in one module (``docs/plugins.md`` describes it).
 
-A plugin needs nothing else: the ``hookimpl`` marker, the interfaces its classes subclass, the run
-context its lifecycle hooks receive, the layout and plan types, and the result types. Each name is
-defined in a small module of its own (listed beside it), all of them importable without the trainer.
+A plugin imports nothing else of the core than this module (and :mod:`gem_model.testing` in its
+tests): a test parses every plugin module's imports and fails on any other. Each name is defined
+in a small module of its own (listed below); they are imported on first use, so ``from
+gem_model.api import hookimpl`` in a plugin's ``plugin.py`` imports neither torchrec nor the
+trainer, and a plugin module imports only what it names.
 """
 
 from __future__ import annotations
 
-from gem_model.components import (  # the component interfaces
-    GEMM_BITS,
-    ActivationPolicy,
-    CommStrategy,
-    Component,
-    ComponentConfig,
-    DataSource,
-    JaggedAttentionKernel,
-    Kernel,
-    LoadBalancer,
-    NormGateKernel,
-    ParallelPlanner,
-    PrecisionScheme,
-    PreparedModel,
-    SparseOptimizerSpec,
-)
-from gem_model.context import Optimizers, RunContext  # what lifecycle hooks receive
-from gem_model.layout import Layout  # named parallel dims, degrees, coordinates, groups
-from gem_model.lifecycle import Callback, TrainPipeline  # the step's stages; lifecycle plugins
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gem_model.markers import hookimpl
-from gem_model.plan import DensePlacement, Plan, TablePlacement  # a planner's decision, plain data
-from gem_model.profiling.context import MeasuredSteps, ProfileCommand, ProfileContext  # gem-train profile
-from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation  # a profile's data
-from gem_model.protocols import ShardableModel, Stateful  # what the core needs of models, components
-from gem_model.results import ReportSection, RunSummary, StepResult  # what a run hands back
+
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    # the component interfaces, and what planners and kernels hand back
+    "gem_model.components": (
+        "GEMM_BITS", "ActivationPolicy", "CommStrategy", "Component", "ComponentConfig", "DataSource",
+        "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NormGateKernel", "ParallelPlanner", "PlannerContext",
+        "PrecisionScheme", "PreparedModel", "SparseOptimizerSpec",
+    ),
+    "gem_model.context": ("Optimizers", "RunContext"),  # what lifecycle hooks receive
+    "gem_model.lifecycle": ("Callback", "TrainPipeline"),  # the step's stages; lifecycle plugins
+    "gem_model.protocols": ("ShardableModel", "Stateful"),  # what the core needs of models, components
+    "gem_model.results": ("ReportSection", "RunSummary", "StepResult"),  # what a run hands back
+    # the parallel degrees, their runtime view, the run a planner lays out, a planner's decision
+    "gem_model.parallel_dims": (
+        "DATA_DIMS", "LOSS_DIMS", "MESH_DIMS", "SPARSE_GROUP", "SPARSE_REPLICA_GROUP", "ParallelDims", "dims_of",
+    ),
+    "gem_model.layout": ("Layout",),
+    "gem_model.run_shape": ("RunShape",),
+    "gem_model.plan": ("DensePlacement", "Plan", "TablePlacement"),
+    "gem_model.distributed": ("DistEnv", "pick_device"),
+    "gem_model.precision": ("PrecisionPolicy", "precision_plan", "set_submodule"),
+    # the config, and the errors a plugin raises or expects
+    "gem_model.config": ("ComponentRef", "ModelConfig", "PrecisionConfig", "RunConfig"),
+    "gem_model.config_io": ("load_config",),
+    "gem_model.errors": ("ConfigError", "KernelUnavailableError"),
+    "gem_model.plugins": ("GemPluginManager",),
+    "gem_model.resolve": ("resolve_components",),
+    # the data a step sees
+    "gem_model.data.batch": ("Batch", "FeatureSpec"),
+    "gem_model.data.loader": ("ShardedLoader",),
+    "gem_model.data.prefetch": ("StagedBatch", "batch_tensors"),
+    # jagged sequences and the attention biases' reference math (kernels share them)
+    "gem_model.jagged": (
+        "TIME_BUCKET_STEP", "gather_bias", "relative_bias_matrix", "sequence_ids", "time_bias_matrix",
+        "time_bucket_matrix", "time_buckets",
+    ),
+    # the model and its cost
+    "gem_model.model.gem": ("GemModel",),
+    "gem_model.model.flops": ("count_flops",),
+    "gem_model.profiling.memory": ("step_loss",),
+    # gem-train profile
+    "gem_model.profiling.context": ("MeasuredSteps", "ProfileCommand", "ProfileContext"),
+    "gem_model.profiling.report": ("ProfileSection", "ProfileTable", "Recommendation"),
+}  # fmt: skip
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
+    "DATA_DIMS",
     "GEMM_BITS",
+    "LOSS_DIMS",
+    "MESH_DIMS",
+    "SPARSE_GROUP",
+    "SPARSE_REPLICA_GROUP",
+    "TIME_BUCKET_STEP",
     "ActivationPolicy",
+    "Batch",
     "Callback",
     "CommStrategy",
     "Component",
     "ComponentConfig",
+    "ComponentRef",
+    "ConfigError",
     "DataSource",
     "DensePlacement",
+    "DistEnv",
+    "FeatureSpec",
+    "GemModel",
+    "GemPluginManager",
     "JaggedAttentionKernel",
     "Kernel",
+    "KernelUnavailableError",
     "Layout",
     "LoadBalancer",
     "MeasuredSteps",
+    "ModelConfig",
     "NormGateKernel",
     "Optimizers",
+    "ParallelDims",
     "ParallelPlanner",
     "Plan",
+    "PlannerContext",
+    "PrecisionConfig",
+    "PrecisionPolicy",
     "PrecisionScheme",
     "PreparedModel",
     "ProfileCommand",
@@ -59,13 +104,106 @@ __all__ = [
     "ProfileTable",
     "Recommendation",
     "ReportSection",
+    "RunConfig",
     "RunContext",
+    "RunShape",
     "RunSummary",
     "ShardableModel",
+    "ShardedLoader",
     "SparseOptimizerSpec",
+    "StagedBatch",
     "Stateful",
     "StepResult",
     "TablePlacement",
     "TrainPipeline",
+    "batch_tensors",
+    "count_flops",
+    "dims_of",
+    "gather_bias",
     "hookimpl",
+    "load_config",
+    "pick_device",
+    "precision_plan",
+    "relative_bias_matrix",
+    "resolve_components",
+    "sequence_ids",
+    "set_submodule",
+    "step_loss",
+    "time_bias_matrix",
+    "time_bucket_matrix",
+    "time_buckets",
 ]
+"""Every name above; a test checks the list against the table."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gem_model.api' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
+
+
+if TYPE_CHECKING:
+    from gem_model.components import (
+        GEMM_BITS,
+        ActivationPolicy,
+        CommStrategy,
+        Component,
+        ComponentConfig,
+        DataSource,
+        JaggedAttentionKernel,
+        Kernel,
+        LoadBalancer,
+        NormGateKernel,
+        ParallelPlanner,
+        PlannerContext,
+        PrecisionScheme,
+        PreparedModel,
+        SparseOptimizerSpec,
+    )
+    from gem_model.config import ComponentRef, ModelConfig, PrecisionConfig, RunConfig
+    from gem_model.config_io import load_config
+    from gem_model.context import Optimizers, RunContext
+    from gem_model.data.batch import Batch, FeatureSpec
+    from gem_model.data.loader import ShardedLoader
+    from gem_model.data.prefetch import StagedBatch, batch_tensors
+    from gem_model.distributed import DistEnv, pick_device
+    from gem_model.errors import ConfigError, KernelUnavailableError
+    from gem_model.jagged import (
+        TIME_BUCKET_STEP,
+        gather_bias,
+        relative_bias_matrix,
+        sequence_ids,
+        time_bias_matrix,
+        time_bucket_matrix,
+        time_buckets,
+    )
+    from gem_model.layout import Layout
+    from gem_model.lifecycle import Callback, TrainPipeline
+    from gem_model.model.flops import count_flops
+    from gem_model.model.gem import GemModel
+    from gem_model.parallel_dims import (
+        DATA_DIMS,
+        LOSS_DIMS,
+        MESH_DIMS,
+        SPARSE_GROUP,
+        SPARSE_REPLICA_GROUP,
+        ParallelDims,
+        dims_of,
+    )
+    from gem_model.plan import DensePlacement, Plan, TablePlacement
+    from gem_model.plugins import GemPluginManager
+    from gem_model.precision import PrecisionPolicy, precision_plan, set_submodule
+    from gem_model.profiling.context import MeasuredSteps, ProfileCommand, ProfileContext
+    from gem_model.profiling.memory import step_loss
+    from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
+    from gem_model.protocols import ShardableModel, Stateful
+    from gem_model.resolve import resolve_components
+    from gem_model.results import ReportSection, RunSummary, StepResult
+    from gem_model.run_shape import RunShape

@@ -1,21 +1,22 @@
 """Constraints across config fields and against the data, checked before any process starts.
 
 Field-by-field checks are the pydantic models' (:mod:`gem_model.config`); these need the resolved
-components (the data source's feature spec, the planner's layout) and the number of processes.
+components (the data source's feature spec, the planner's degrees: :mod:`gem_model.parallel_checks`)
+and the number of processes.
 Every problem is reported together, each with its dotted config path and the bad value.
 """
 
 from __future__ import annotations
 
-import torch
-
 from gem_model.config import RunConfig
-from gem_model.distributed import DistEnv
 from gem_model.errors import ConfigError
+from gem_model.parallel_checks import parallel_problems
 from gem_model.resolve import Components
 
 
-def run_problems(config: RunConfig, components: Components, world_size: int) -> list[tuple[str, object, str]]:
+def run_problems(
+    config: RunConfig, components: Components, world_size: int, *, ranks_per_node: int | None = None
+) -> list[tuple[str, object, str]]:
     mc, problems = config.model, []
     mixers = mc.cross_layers + (mc.interaction_layers if mc.use_side_features else 0)
     if mixers and mc.embedding_dim % mc.num_heads:
@@ -23,17 +24,7 @@ def run_problems(config: RunConfig, components: Components, world_size: int) -> 
             ("model.num_heads", mc.num_heads, f"must divide model.embedding_dim ({mc.embedding_dim}): the "
              "interaction and cross layers split the width over the heads")
         )  # fmt: skip
-    try:
-        layout = components.planner.layout(DistEnv(0, world_size, 0, torch.device("cpu"), None))
-    except (ValueError, TypeError) as exc:
-        problems.append(("parallel.planner", config.parallel.planner.name, f"cannot lay out {world_size} processes: {exc}"))
-    else:
-        batch = config.data.global_batch_size
-        if batch % layout.dp_degree:
-            problems.append(
-                ("data.global_batch_size", batch, f"must divide evenly over the {layout.dp_degree} data-parallel "
-                 f"ranks of {world_size} process(es)")
-            )  # fmt: skip
+    problems += parallel_problems(config, components, world_size, ranks_per_node=ranks_per_node)
     history = components.source.feature_spec().max_history
     need = history + int(mc.use_candidate) + int(mc.context_token)
     if mc.max_seq_len < need:
@@ -45,8 +36,8 @@ def run_problems(config: RunConfig, components: Components, world_size: int) -> 
     return problems
 
 
-def check_run(config: RunConfig, components: Components, world_size: int) -> None:
+def check_run(config: RunConfig, components: Components, world_size: int, *, ranks_per_node: int | None = None) -> None:
     """Raise one :class:`ConfigError` listing every cross-field and data constraint ``config`` breaks."""
-    problems = run_problems(config, components, world_size)
+    problems = run_problems(config, components, world_size, ranks_per_node=ranks_per_node)
     if problems:
         raise ConfigError(problems)

@@ -55,9 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_launch_args(run)
     sub.add_parser("plugins", help="list installed plugins, the hooks they implement and the names they register")
-    plan = sub.add_parser("plan", help="print the parallel plan a run would get (tables, dense modules, layout)")
+    plan = sub.add_parser(
+        "plan", help="print the parallel plan a run would get (layout, tables, dense modules; a planner's prediction)"
+    )
     _add_config_args(plan)
-    plan.add_argument("--nproc", type=int, default=1, help="plan for this many processes (none are started)")
+    plan.add_argument(
+        "--world-size", "--nproc", dest="world_size", type=int, default=1,
+        help="plan for this many processes in all (none are started)",
+    )  # fmt: skip
+    plan.add_argument(
+        "--gpus-per-node", type=int, help="processes per node, for a planner that places dims on links (default: "
+        "the world size up to 8)",
+    )  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print the plan as JSON (as saved beside checkpoints)")
     cfg = sub.add_parser("config", help="print the resolved config and its JSON schema")
     _add_config_args(cfg)
@@ -98,7 +107,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"drives at most {limit} process(es) but {world} were asked for; pick a distributed planner "
               "such as torchrec_ddp")]
         )
-    check_run(config, components, world)
+    per_node = args.nproc if not launched_by_torchrun() else int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+    check_run(config, components, world, ranks_per_node=per_node)
     resume.check_before_build(config, world, pm)  # writable, not locked, resume and metrics as asked
     if launch.needs_torchrun(args) and not launched_by_torchrun():
         argv = launch.torchrun_argv(args, (["-c", args.config] if args.config else []) + list(args.overrides))
@@ -119,6 +129,7 @@ def cmd_plugins(_: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from gem_model.checks import check_run
     from gem_model.plugins import GemPluginManager
     from gem_model.resolve import resolve_components
     from gem_model.train.prepare import offline_plan
@@ -126,9 +137,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     components = resolve_components(config, GemPluginManager())
     limit = components.planner.max_world_size
-    if args.nproc < 1 or (limit is not None and args.nproc > limit):
-        raise ConfigError([("--nproc", args.nproc, f"must be in [1, {limit or 'any'}] for parallel.planner {components.planner.name!r}")])
-    plan = offline_plan(config, components, world_size=args.nproc)
+    if args.world_size < 1 or (limit is not None and args.world_size > limit):
+        raise ConfigError([("--world-size (--nproc)", args.world_size, f"must be in [1, {limit or 'any'}] for parallel.planner {components.planner.name!r}")])
+    per_node = args.gpus_per_node or min(args.world_size, 8)
+    if per_node < 1:
+        raise ConfigError([("--gpus-per-node", args.gpus_per_node, "must be at least 1")])
+    check_run(config, components, args.world_size, ranks_per_node=per_node)  # the checks gem-train run makes
+    plan = offline_plan(config, components, world_size=args.world_size, ranks_per_node=per_node)
     print(plan.to_json() if args.json else plan.format())
     return 0
 

@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from gem_model.data.batch import Batch, FeatureSpec
     from gem_model.distributed import DistEnv
     from gem_model.layout import Layout
+    from gem_model.parallel_dims import ParallelDims
     from gem_model.plan import Plan
     from gem_model.protocols import ShardableModel
+    from gem_model.run_shape import RunShape
 
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -301,15 +303,35 @@ class SparseOptimizerSpec:
         return (self.fused_cls or self.cls), dict(self.kwargs if self.fused_kwargs is None else self.fused_kwargs)
 
 
+@dataclass(frozen=True)
+class PlannerContext:
+    """What :meth:`ParallelPlanner.plan` and :meth:`ParallelPlanner.apply` get besides the model."""
+
+    env: DistEnv
+    """This process: rank, world size, device, backend (``env.distributed`` is False when
+    ``gem-train plan`` asks for a plan without processes)."""
+    layout: Layout
+    """The layout :meth:`ParallelPlanner.layout` made for this run."""
+    comm: CommStrategy
+    """The run's communication strategy (embedding all-to-all codecs, DDP settings)."""
+    sparse_optimizer: SparseOptimizerSpec
+    """The tables' optimizer (``trainer.sparse_optimizer``)."""
+
+
 class ParallelPlanner(Component):
-    """Places the model on the devices of the run and wraps it (sharding, data parallelism).
+    """Chooses the run's parallel degrees, places the model on the devices and wraps it.
 
-    Three stages, as TorchRec keeps its ``ShardingPlan`` apart from DMP:
+    Four stages, as TorchTitan keeps its ``ParallelDims`` and TorchRec its ``ShardingPlan`` apart
+    from applying them:
 
-    1. :meth:`layout`, before the loader exists: the named dims, their degrees and groups;
-    2. :meth:`plan`: plain data (:class:`~gem_model.plan.Plan`) saying where every table and dense
+    1. :meth:`dims`, before any process starts: the degrees
+       (:class:`~gem_model.parallel_dims.ParallelDims`), which the core checks against the run
+       (the heads, the lengths, the batch, the world, the precision) and reports with the
+       planner's option paths (:attr:`dims_path`);
+    2. :meth:`layout`, before the loader exists: the runtime view of those degrees (mesh, groups);
+    3. :meth:`plan`: plain data (:class:`~gem_model.plan.Plan`) saying where every table and dense
        module goes; printed by ``gem-train plan`` and saved beside every checkpoint;
-    3. :meth:`apply`: wraps the model as the plan says and hands back a :class:`PreparedModel`.
+    4. :meth:`apply`: wraps the model as the plan says and hands back a :class:`PreparedModel`.
 
     A planner sees the model through :class:`~gem_model.protocols.ShardableModel` only.
     """
@@ -317,36 +339,44 @@ class ParallelPlanner(Component):
     max_world_size: ClassVar[int | None] = None
     """The most processes this planner can drive (None: any); checked before processes start."""
 
+    dims_path: ClassVar[str] = "parallel.planner.options"
+    """Where the user sets this planner's degrees: the prefix of the config paths that the core's
+    checks of :meth:`dims` name (``parallel.planner.options.tp``)."""
+
+    def bind_run(self, run: RunShape) -> None:
+        """Called once, before :meth:`dims` and :meth:`layout`, with the run this planner lays out
+        (its config, the model on the meta device, the data's lengths). The default ignores it."""
+
+    def dims(self, world_size: int) -> ParallelDims:
+        """The resolved degrees for ``world_size`` ranks; a :class:`~gem_model.errors.ConfigError`
+        names the options that cannot fit it. The default: every rank a data-parallel replica that
+        holds every table."""
+        from gem_model.parallel_dims import ParallelDims
+
+        return ParallelDims(dp_replicate=world_size, dp_shard=1, sparse=1)
+
     def layout(self, env: DistEnv) -> Layout:
-        """The run's layout. The default: every rank a data-parallel replica over the default group
-        (no group when ``env`` has no process group: one process, or a plan made offline)."""
+        """The run's layout of :meth:`dims`. The default: a one-dim layout keeps the default group
+        (no mesh); more dims get a ``DeviceMesh`` (:meth:`Layout.build <gem_model.layout.Layout.build>`)."""
         from gem_model.layout import Layout
 
+        dims = self.dims(env.world_size)
+        if len(dims.enabled_dims) > 1:
+            return Layout.build(dims, env)
         group = None
         if env.distributed:
             import torch.distributed as dist
 
             group = dist.group.WORLD
-        return Layout.data_parallel(rank=env.rank, world_size=env.world_size, group=group)
+        layout = Layout(dims, env.rank)
+        return Layout(dims, env.rank, layout.mesh_dims, {layout.mesh_dims[0]: group})
 
     @abstractmethod
-    def plan(
-        self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
-    ) -> Plan:
-        """Decide where every table and dense module goes; wrap nothing. ``env.distributed`` is
-        False when ``gem-train plan`` asks for a plan without processes."""
+    def plan(self, model: ShardableModel, ctx: PlannerContext) -> Plan:
+        """Decide where every table and dense module goes; wrap nothing."""
 
     @abstractmethod
-    def apply(
-        self,
-        model: ShardableModel,
-        plan: Plan,
-        *,
-        env: DistEnv,
-        layout: Layout,
-        comm: CommStrategy,
-        sparse_optimizer: SparseOptimizerSpec,
-    ) -> PreparedModel:
+    def apply(self, model: ShardableModel, plan: Plan, ctx: PlannerContext) -> PreparedModel:
         """Place and wrap ``model`` as ``plan`` says (called on every rank, with a process group
         where the layout has more than one rank)."""
 
@@ -354,9 +384,8 @@ class ParallelPlanner(Component):
         self, model: ShardableModel, *, env: DistEnv, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
     ) -> PreparedModel:
         """:meth:`layout`, :meth:`plan` and :meth:`apply` in one call (for tests and scripts)."""
-        layout = self.layout(env)
-        plan = self.plan(model, env=env, layout=layout, comm=comm, sparse_optimizer=sparse_optimizer)
-        return self.apply(model, plan, env=env, layout=layout, comm=comm, sparse_optimizer=sparse_optimizer)
+        ctx = PlannerContext(env, self.layout(env), comm, sparse_optimizer)
+        return self.apply(model, self.plan(model, ctx), ctx)
 
 
 # ------------------------------------------------------------------------------------------------ data

@@ -2,7 +2,7 @@
 
 Components are named by string (``precision.scheme: bf16``) or as ``{name: ..., options: {...}}``;
 their options are checked against the component's own ``Config`` when the run is resolved
-(:func:`gem_model.resolve.resolve_run`). The defaults are the tiny CPU run.
+(:func:`gem_model.resolve.resolve_components`). The defaults are the tiny CPU run.
 """
 
 from __future__ import annotations

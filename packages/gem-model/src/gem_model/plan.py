@@ -50,6 +50,10 @@ class Plan:
     tables: dict[str, TablePlacement]
     dense: dict[str, DensePlacement]
     notes: list[str] = field(default_factory=list)
+    prediction: dict[str, Any] = field(default_factory=dict)
+    """What the planner predicts of a step on this layout (plain data, e.g. gem-parallel's ``auto``:
+    the step's parts in seconds, tokens/s, the scaling efficiency); empty when it predicts nothing.
+    The notes say it in words."""
     native: Any = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,6 +72,7 @@ class Plan:
             tables={k: TablePlacement(**v) for k, v in data["tables"].items()},
             dense={k: DensePlacement(**v) for k, v in data["dense"].items()},
             notes=list(data.get("notes", [])),
+            prediction=dict(data.get("prediction", {})),
         )
 
     def format(self) -> str:

@@ -10,8 +10,10 @@ from gem_model.errors import DuplicateNameError, UnknownNameError
 
 C = TypeVar("C", bound=type[Component])
 
-# Which of our distributions provides each name the default configs use, so that a run whose config
-# names a component nobody installed can say what to install. Only a hint: the registries decide.
+# Which of our plugin distributions provides each name, so that a run whose config names a component
+# nobody installed can say what to install. Only a hint: the registries decide. The core cannot read
+# the entry points of a package that is not installed, so the list is kept here and a test
+# (tests/test_readme_packages.py) checks it against what the installed packages register.
 KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("kernel jagged_attention", "torch"): "gem-kernels",
     ("kernel jagged_attention", "triton"): "gem-kernels",
@@ -32,8 +34,12 @@ KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("comm strategy", "hierarchical"): "gem-comm",
     ("comm strategy", "sm_free"): "gem-comm",
     ("callback", "comm_report"): "gem-comm",
+    ("train pipeline", "sparse_dist"): "gem-comm",
     ("parallel planner", "single"): "gem-parallel",
     ("parallel planner", "torchrec_ddp"): "gem-parallel",
+    ("parallel planner", "fsdp"): "gem-parallel",
+    ("parallel planner", "auto"): "gem-parallel",
+    ("load balancer", "seq_balanced"): "gem-parallel",
 }
 
 

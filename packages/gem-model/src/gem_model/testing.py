@@ -6,7 +6,7 @@ attention loop, no sharding) and follow the interface contracts exactly, so a te
 plugin package can fill every other seam without installing the sibling packages. Their names
 start with ``inline_`` or are kernel names no package uses, so they never clash with real plugins.
 
-For a plugin's own tests (:mod:`gem_model.testing_tools`, re-exported here):
+For a plugin's own tests:
 
 - :func:`tiny_run`: train a few steps in this process on these components plus the plugin's;
 - :func:`random_jagged_batch`: a random :class:`~gem_model.data.batch.Batch` of jagged histories;
@@ -38,6 +38,7 @@ from gem_model.components import (
     JaggedAttentionKernel,
     NormGateKernel,
     ParallelPlanner,
+    PlannerContext,
     PrecisionScheme,
     PreparedModel,
 )
@@ -45,9 +46,9 @@ from gem_model.context import RunContext
 from gem_model.data.batch import Batch
 from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
 from gem_model.jagged import relative_bias_matrix, time_bias_matrix
-from gem_model.layout import Layout
 from gem_model.lifecycle import Callback
 from gem_model.markers import hookimpl
+from gem_model.parallel_dims import ParallelDims
 from gem_model.plan import DensePlacement, Plan, TablePlacement
 from gem_model.results import RunSummary
 from gem_model.testing_faults import Digests, Fault, NanForward, StateDump, UnevenSource
@@ -179,15 +180,16 @@ class Single(ParallelPlanner):
     name: ClassVar[str] = "inline_single"
     max_world_size: ClassVar[int | None] = 1
 
-    def plan(self, model, *, env, layout, comm, sparse_optimizer):
+    def plan(self, model, ctx):
         tables = {c.name: TablePlacement("unsharded", [0], rows=c.num_embeddings, dim=c.embedding_dim) for c in model.table_configs()}
-        return Plan(self.name, layout.describe(), tables, {"model": DensePlacement("local")})
+        return Plan(self.name, ctx.layout.describe(), tables, {"model": DensePlacement("local")})
 
-    def apply(self, model, plan, *, env, layout, comm, sparse_optimizer):
-        model.to(env.device)
+    def apply(self, model, plan, ctx):
+        model.to(ctx.env.device)
         sparse = {f"{m}.{n}": p for m, module in model.table_modules().items() for n, p in module.named_parameters()}
         dense = model.dense_named_parameters()
-        opt = KeyedOptimizerWrapper(sparse, lambda ps: sparse_optimizer.cls(ps, **sparse_optimizer.kwargs))
+        spec = ctx.sparse_optimizer
+        opt = KeyedOptimizerWrapper(sparse, lambda ps: spec.cls(ps, **spec.kwargs))
         return PreparedModel(module=model, dense_parameters=dense, sparse_optimizer=opt, sparse_optimizer_fused=False)
 
 
@@ -199,9 +201,8 @@ class Replicated(Single):
     name: ClassVar[str] = "inline_replicated"
     max_world_size: ClassVar[int | None] = None
 
-    def layout(self, env):
-        group = dist.group.WORLD if env.distributed else None
-        return Layout({"tp": env.world_size}, {"tp": env.rank}, {"tp": group})
+    def dims(self, world_size):
+        return ParallelDims(tp=world_size, dp_shard=1, sparse=1)
 
 
 class RecorderConfig(ComponentConfig):
@@ -373,8 +374,9 @@ def fake_run_context(*overrides: str, output_dir: str | Path, step: int = 0) -> 
     model = GemModel(config.model, c.source.feature_spec(), attention=c.attention, norm_gate=c.norm_gate)
     spec = sparse_optimizer_spec(config.trainer)
     layout = c.planner.layout(env)
-    plan = c.planner.plan(model, env=env, layout=layout, comm=c.comm, sparse_optimizer=spec)
-    prepared = c.planner.apply(model, plan, env=env, layout=layout, comm=c.comm, sparse_optimizer=spec)
+    ctx = PlannerContext(env, layout, c.comm, spec)
+    plan = c.planner.plan(model, ctx)
+    prepared = c.planner.apply(model, plan, ctx)
     dense = torch.optim.AdamW([p for _, p in prepared.dense_parameters], lr=config.trainer.dense_lr)
     names = [n for n, _ in prepared.dense_parameters]
     optimizers = Optimizers(dense, names, prepared.sparse_optimizer, prepared.sparse_optimizer_fused)

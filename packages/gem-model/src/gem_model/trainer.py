@@ -29,7 +29,7 @@ def started_run(config: RunConfig, pm: GemPluginManager | None = None) -> Iterat
     pm = pm if pm is not None else GemPluginManager()
     components = resolve_components(config, pm)
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
-    check_run(config, components, world)
+    check_run(config, components, world, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
     resume.check_before_build(config, world, pm)
     env = init_distributed(config.trainer.device, timeout_s=config.trainer.collective_timeout_s)
     held = OutputLock(output_dir(config))

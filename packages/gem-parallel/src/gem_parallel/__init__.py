@@ -1,4 +1,4 @@
-"""gem-parallel: parallel planners for GEM runs (single process; torchrec sharding + DDP)."""
+"""gem-parallel: parallel planners for GEM runs (single, torchrec_ddp, fsdp, auto) and the seq_balanced balancer."""
 
 from gem_parallel.__about__ import __version__
 

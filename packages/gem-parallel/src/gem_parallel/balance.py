@@ -28,10 +28,7 @@ from typing import ClassVar
 import torch
 from pydantic import Field, model_validator
 
-from gem_model.components import ComponentConfig, LoadBalancer
-from gem_model.config import ModelConfig
-from gem_model.data.batch import FeatureSpec
-from gem_model.model.flops import count_flops
+from gem_model.api import ComponentConfig, FeatureSpec, LoadBalancer, ModelConfig, count_flops
 
 
 def cost_coefficients(model: ModelConfig, spec: FeatureSpec) -> tuple[float, float]:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gem_model.jagged import gather_bias, sequence_ids, time_buckets
+from gem_model.api import gather_bias, sequence_ids, time_buckets
 
 
 def head_tail_rows(offsets: torch.Tensor, cp: int, rank: int) -> torch.Tensor:

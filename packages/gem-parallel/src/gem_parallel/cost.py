@@ -11,7 +11,8 @@ An analytic model, the same for every candidate layout so that they can be compa
 - an all-to-all sends to the peers inside the node over NVLink and to the others over the network
   at the same time, and pays one message latency per peer;
 - the table replicas of the sparse groups are averaged by an all-reduce of each rank's shards
-  every ``table_sync_every`` steps (torchrec's ``DMPCollection.sync``);
+  every ``table_sync_every`` steps (torchrec's ``DMPCollection.sync``; ``fsdp`` averages them after
+  every step, and the ``auto`` planner costs that);
 - nothing overlaps with compute (an upper bound on exposed time; overlap is the comm strategy's job).
 
 Bytes are those one rank sends per step.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from gem_parallel.dims import DimName, MeshOrder, ParallelDims
+from gem_model.api import ParallelDims
 from gem_parallel.topology import Placement, Topology, place
 from gem_parallel.workload import Workload
 
@@ -69,10 +70,10 @@ class MemoryPerRank:
 @dataclass(frozen=True)
 class StepCost:
     dims: ParallelDims
-    order: MeshOrder
+    """The degrees, with their mesh order and sparse groups."""
     per_dim: tuple[DimCost, ...]
     memory: MemoryPerRank
-    placements: dict[DimName, Placement] = field(repr=False)
+    placements: dict[str, Placement] = field(repr=False)
 
     @property
     def comm_seconds(self) -> float:
@@ -133,28 +134,27 @@ class Lookups:
 
 def estimate(
     dims: ParallelDims,
-    order: MeshOrder,
     topo: Topology,
     w: Workload,
     *,
     table_bytes_per_rank: float | None = None,
     lookups: Lookups | None = None,
 ) -> StepCost:
-    """The step cost of ``w`` laid out as ``dims`` in ``order`` on ``topo``.
+    """The step cost of ``w`` laid out as ``dims`` (in their mesh order) on ``topo``.
 
     ``table_bytes_per_rank``: the most any rank holds of the tables (default: an even split);
     ``lookups``: :meth:`Lookups.of` ``(w)``, passed by callers that cost many layouts of one workload.
     """
-    pl = place(dims, order, topo)
+    pl = place(dims, topo)
     lk = lookups or Lookups.of(w)
     dense, dense_mem = dense_part(dims, pl, topo, w)
     sparse, sparse_mem = sparse_part(dims, pl, topo, w, lk, table_bytes_per_rank)
     memory = MemoryPerRank(**dense_mem, **sparse_mem)
-    return StepCost(dims=dims, order=order, per_dim=(*dense, *sparse), memory=memory, placements=pl)
+    return StepCost(dims=dims, per_dim=(*dense, *sparse), memory=memory, placements=pl)
 
 
 def dense_part(
-    dims: ParallelDims, pl: dict[DimName, Placement], topo: Topology, w: Workload
+    dims: ParallelDims, pl: dict[str, Placement], topo: Topology, w: Workload
 ) -> tuple[list[DimCost], dict[str, float]]:
     """The costs of ``tp``, ``cp``, ``dp_shard`` and ``dp_replicate``, and the dense part's memory."""
     samples = w.global_batch_size / dims.dp_degree  # per data-parallel rank (shared by its tp x cp ranks)
@@ -195,7 +195,7 @@ def dense_part(
 
 def sparse_part(
     dims: ParallelDims,
-    pl: dict[DimName, Placement],
+    pl: dict[str, Placement],
     topo: Topology,
     w: Workload,
     lk: Lookups,
@@ -210,7 +210,7 @@ def sparse_part(
     return costs, {"tables": tables, "embedding_buffers": 2 * emb_elems * w.table_bytes}
 
 
-def _sparse_cost(dims: ParallelDims, pl: dict[DimName, Placement], topo: Topology, w: Workload, samples: float,
+def _sparse_cost(dims: ParallelDims, pl: dict[str, Placement], topo: Topology, w: Workload, samples: float,
                  lk: Lookups) -> DimCost:
     p = pl["sparse"]
     # a cp rank looks up the ids of its part of each sequence; pooled features once per sample
@@ -223,7 +223,7 @@ def _sparse_cost(dims: ParallelDims, pl: dict[DimName, Placement], topo: Topolog
                    "embedding crosses once, as for table-wise and row-wise sequence tables)")
 
 
-def _replica_sync_cost(dims: ParallelDims, pl: dict[DimName, Placement], topo: Topology, w: Workload,
+def _replica_sync_cost(dims: ParallelDims, pl: dict[str, Placement], topo: Topology, w: Workload,
                        table_bytes: float) -> DimCost:
     r = dims.sparse_replicas
     # the ranks holding the same shard: ``sparse`` apart for contiguous groups, neighbours for strided ones

@@ -1,8 +1,10 @@
 """``fsdp``: the dense part in FSDP2 (HSDP with ``dp_replicate``), TP or CP in the HSTU blocks, the
 tables replicated or sharded by torchrec.
 
-The layout is a named ``DeviceMesh`` over ``dp_replicate x dp_shard x cp x tp``
-(:mod:`gem_parallel.mesh`). :meth:`FSDPPlanner.apply` composes, in this order (TorchTitan's):
+The degrees are the core's :class:`~gem_model.parallel_dims.ParallelDims` (``FSDPConfig`` embeds its
+fields), checked before any process starts; the layout is a named ``DeviceMesh`` over
+``dp_replicate x dp_shard x cp x tp`` in their mesh order (:mod:`gem_model.mesh`).
+:meth:`FSDPPlanner.apply` composes, in this order (TorchTitan's):
 
 1. ``tp > 1``: tensor parallelism in every HSTU block with DTensor ``parallelize_module``
    (:mod:`gem_parallel.tensor_parallel`); ``cp > 1``: each sequence's rows split over the cp ranks
@@ -18,7 +20,7 @@ The layout is a named ``DeviceMesh`` over ``dp_replicate x dp_shard x cp x tp``
    coalesced all-reduce) before it steps, as DDP would. ``tables: sharded``: torchrec's planner
    and DMP shard them over all ranks, as ``torchrec_ddp`` does, with a data-parallel wrapper that
    wraps nothing (FSDP2 owns the dense part); with ``sparse`` below the world size, within sparse
-   groups of that many ranks, the replicas averaged across the groups after every step
+   groups of that many ranks (contiguous or strided), the replicas averaged across the groups after every step
    (:mod:`gem_parallel.sparse_groups`: torchrec's 2-D sparse parallelism).
 """
 
@@ -29,51 +31,81 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 from pydantic import Field
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-from gem_model.components import CommStrategy, ComponentConfig, ParallelPlanner, PreparedModel, SparseOptimizerSpec
-from gem_model.distributed import DistEnv
-from gem_model.layout import DATA_DIMS, Layout
-from gem_model.plan import DensePlacement, Plan, TablePlacement
-from gem_model.precision import PrecisionPolicy
-from gem_model.protocols import ShardableModel
+from gem_model.api import (
+    DATA_DIMS,
+    ComponentConfig,
+    ConfigError,
+    DensePlacement,
+    DistEnv,
+    Layout,
+    ParallelDims,
+    ParallelPlanner,
+    Plan,
+    PlannerContext,
+    PrecisionPolicy,
+    PreparedModel,
+    ShardableModel,
+    TablePlacement,
+    dims_of,
+)
 from gem_parallel.context_parallel import apply_context_parallel
-from gem_parallel.dims import ParallelDims
-from gem_parallel.mesh import build_layout, fsdp_mesh
 from gem_parallel.sharded import ShardingTypeName, plan_tables, shard_tables
 from gem_parallel.single import dense_modules, table_parameters
-from gem_parallel.sparse_groups import REPLICA_GROUP, SHARDING_GROUP, ReplicaSync, make_sparse_groups, plan_for_group
+from gem_parallel.sparse_groups import ReplicaSync, plan_for_group
 from gem_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 _WHERE = "parallel.planner.options"
 _INSIDE_BLOCKS = {"tp": "tensor_parallel", "cp": "context_parallel"}
 
 
-class FSDPConfig(ComponentConfig):
-    dp_replicate: int = Field(1, ge=1, description="HSDP replica groups (gradients all-reduced across them)")
-    dp_shard: int = Field(0, ge=0, description="FSDP2 shards of the dense part; 0: the world size / (dp_replicate x tp x cp)")
-    tp: int = Field(1, ge=1, description="tensor-parallel ranks in the HSTU blocks (must divide model.num_heads)")
-    cp: int = Field(1, ge=1, description="context-parallel ranks: each sequence's rows split over them (head-tail)")
+class FSDPConfig(ParallelDims, ComponentConfig):
+    """The degrees (:class:`~gem_model.parallel_dims.ParallelDims`'s fields: ``dp_replicate``,
+    ``dp_shard``, ``cp``, ``tp``, ``sparse``, ``mesh_order``, ``sparse_groups``) and how FSDP2 and
+    torchrec apply them."""
+
     reshard_after_forward: bool = Field(True, description="FSDP2: free the gathered parameters after forward")
     tables: Literal["replicated", "sharded"] = Field(
         "replicated",
         description="replicated: every rank holds every table, gradients averaged over the data ranks; sharded: "
-        "torchrec's planner shards them over all ranks (DMP, the fused table optimizer), as torchrec_ddp does",
-    )
-    sparse: int = Field(
-        0,
-        ge=0,
-        description="with tables: sharded, the ranks of one sparse group (0: all ranks); the tables are sharded "
-        "within each group and replicated across the world / sparse groups, averaged after every step",
+        "torchrec's planner shards them over the ranks of each sparse group (DMP, the fused table optimizer), as "
+        "torchrec_ddp does over all ranks",
     )
     sharding_types: list[ShardingTypeName] = Field(
         default_factory=lambda: ["table_wise", "row_wise", "column_wise"],
         description="with tables: sharded, the sharding types torchrec's planner may choose from",
     )
+
+
+def hsdp_order(dims: ParallelDims) -> bool:
+    """Whether FSDP2 can shard in this mesh order: ``dp_replicate`` outside ``dp_shard`` (kept in the
+    mesh at degree 1 beside it) and outside ``cp`` when there is one (HSDP's 2-D mesh is
+    ``dp_replicate x (dp_shard x cp)``)."""
+    order = dims.mesh_order
+    inner = ("dp_shard", "cp") if dims.cp > 1 else ("dp_shard",)
+    return all(order.index("dp_replicate") < order.index(d) for d in inner)
+
+
+def fsdp_problems(config: FSDPConfig, where: str = _WHERE) -> list[tuple[str, object, str]]:
+    """What ``fsdp``'s apply cannot do with these options, whatever the world size."""
+    out: list[tuple[str, object, str]] = []
+    if config.tp > 1 and config.cp > 1:
+        out.append((f"{where}.tp", config.tp, f"tp = {config.tp} and cp = {config.cp} together are not supported yet; use one of them"))
+    order = list(config.mesh_order)
+    if not hsdp_order(dims_of(config)):
+        out.append((
+            f"{where}.mesh_order", order,
+            "dp_replicate must come before dp_shard and cp (HSDP: FSDP2 replicates over the outer dim of its 2-D mesh)",
+        ))  # fmt: skip
+    if config.tables == "replicated" and config.sparse:
+        out.append((f"{where}.sparse", config.sparse, f"shards the tables within groups of ranks; it needs {where}.tables = sharded"))
+    return out
 
 
 class FSDPPlanner(ParallelPlanner):
@@ -82,54 +114,35 @@ class FSDPPlanner(ParallelPlanner):
     config: FSDPConfig
 
     def dims(self, world_size: int) -> ParallelDims:
-        """The degrees for ``world_size`` ranks; a ValueError names the option that does not fit."""
-        c = self.config
-        if c.tp > 1 and c.cp > 1:
-            raise ValueError(f"{_WHERE}: tp = {c.tp} and cp = {c.cp} together are not supported yet; use one of them")
-        rest, left = divmod(world_size, c.dp_replicate * c.tp * c.cp)
-        if left:
-            raise ValueError(
-                f"{_WHERE}.dp_replicate x tp x cp = {c.dp_replicate} x {c.tp} x {c.cp} does not divide the world size {world_size}"
-            )
-        dp_shard = c.dp_shard or rest
-        if c.dp_replicate * dp_shard * c.tp * c.cp != world_size:
-            raise ValueError(
-                f"{_WHERE}.dp_replicate x dp_shard x tp x cp = {c.dp_replicate} x {dp_shard} x {c.tp} x {c.cp} = "
-                f"{c.dp_replicate * dp_shard * c.tp * c.cp}, but the world size is {world_size}"
-            )
-        if c.tables == "replicated":
-            if c.sparse:
-                raise ValueError(
-                    f"{_WHERE}.sparse = {c.sparse} shards the tables within groups of ranks; it needs {_WHERE}.tables = sharded"
-                )
-            sparse = 1  # every rank holds every table: sparse groups of one rank
-        else:
-            sparse = c.sparse or world_size
-            if world_size % sparse:
-                raise ValueError(f"{_WHERE}.sparse = {c.sparse} must divide the world size {world_size} (groups of sparse ranks)")
-        return ParallelDims(dp_replicate=c.dp_replicate, dp_shard=dp_shard, tp=c.tp, cp=c.cp, sparse=sparse)
+        problems = fsdp_problems(self.config)
+        request = dims_of(self.config)
+        if self.config.tables == "replicated":
+            request = request.model_copy(update={"sparse": 1})  # every rank holds every table
+        try:
+            dims = request.resolve(world_size, where=_WHERE)
+        except ConfigError as exc:
+            problems += exc.problems
+        if problems:
+            raise ConfigError(problems)
+        return dims
 
     def layout(self, env: DistEnv) -> Layout:
         dims = self.dims(env.world_size)
-        layout = build_layout(dims, env)
-        if self.config.tables == "replicated" or dims.sparse == env.world_size or layout.mesh is None:
-            return layout
-        groups = make_sparse_groups(world_size=env.world_size, sparse=dims.sparse, device_type=env.device.type)
-        return Layout(layout.degrees, layout.coords, {**layout.groups, **groups}, layout.mesh)
+        # FSDP2 replicates only over the first dim of a 2-D mesh: dp_shard stays beside dp_replicate
+        keep = ("dp_shard",) if dims.dp_replicate > 1 or not dims.enabled_dims else ()
+        return Layout.build(dims, env, mesh_dims=dims.mesh_dims(keep))
 
-    def plan(
-        self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
-    ) -> Plan:
-        dims = self.dims(layout.world_size)
+    def plan(self, model: ShardableModel, ctx: PlannerContext) -> Plan:
+        layout, dims = ctx.layout, ctx.layout.dims
         if dims.tp > 1:
             check_tensor_parallel(model, dims.tp, where=f"{_WHERE}.tp")
-        data = [d for d in DATA_DIMS if layout.enabled(d)]
+        data = [d for d in layout.mesh_dims if d in DATA_DIMS and layout.enabled(d)]
         native = None
         if self.config.tables == "sharded":
             # every sparse group gets the same plan, for a topology of its own size (rank 0 plans)
             native, tables = plan_tables(
-                self.name, model, env=env, world_size=dims.sparse, group=_world(env), comm=comm,
-                sparse_optimizer=sparse_optimizer, sharding_types=self.config.sharding_types,
+                self.name, model, env=ctx.env, world_size=dims.sparse, group=_world(ctx.env), comm=ctx.comm,
+                sparse_optimizer=ctx.sparse_optimizer, sharding_types=self.config.sharding_types,
             )  # fmt: skip
             notes = [
                 f"tables sharded by torchrec over all {layout.world_size} ranks" if dims.sparse == layout.world_size
@@ -152,19 +165,11 @@ class FSDPPlanner(ParallelPlanner):
             dense[name] = DensePlacement(strategy, [*sharded, *(["tp"] if "tp" in inner else [])], n)
         return Plan(self.name, layout.describe(), tables, dense, notes, native=native)
 
-    def apply(
-        self,
-        model: ShardableModel,
-        plan: Plan,
-        *,
-        env: DistEnv,
-        layout: Layout,
-        comm: CommStrategy,
-        sparse_optimizer: SparseOptimizerSpec,
-    ) -> PreparedModel:
+    def apply(self, model: ShardableModel, plan: Plan, ctx: PlannerContext) -> PreparedModel:
+        env, layout, dims = ctx.env, ctx.layout, ctx.layout.dims
         if layout.mesh is None:
             raise ValueError(
-                "parallel.planner 'fsdp' needs a process group and its device mesh: launch with torchrun "
+                f"parallel.planner {self.name!r} needs a process group and its device mesh: launch with torchrun "
                 "(or gem-train run --nproc N), or use parallel.planner=single"
             )
         if model.tables_on_meta:  # model.table_init: device
@@ -185,26 +190,25 @@ class FSDPPlanner(ParallelPlanner):
         after_step = None
         if sharded:  # 3: torchrec's DMP over all ranks or a sparse group, before FSDP2 wraps the model
             if plan.native is None:
-                raise ValueError("parallel.planner 'fsdp' with tables: sharded applies only a plan it made in this process")
-            group_size = self.dims(layout.world_size).sparse
-            native = plan_for_group(plan.native, first_rank=layout.rank // group_size * group_size)
+                raise ValueError(f"parallel.planner {self.name!r} with tables: sharded applies only a plan it made in this process")
+            group_size = dims.sparse
+            native = plan_for_group(plan.native, ranks=dims.sparse_group_ranks(layout.rank))
             dmp, where = shard_tables(
-                model, native, env=env, group=layout.groups.get(SHARDING_GROUP, _world(env)), degree=group_size,
-                comm=comm, sparse_optimizer=sparse_optimizer, data_parallel_wrapper=_NoDenseWrapper(),
+                model, native, env=env, group=layout.sparse_group or _world(env), degree=group_size,
+                comm=ctx.comm, sparse_optimizer=ctx.sparse_optimizer, data_parallel_wrapper=_NoDenseWrapper(),
             )  # fmt: skip
             outer, sparse, tables_note = dmp, dmp.fused_optimizer, f"tables sharded over {group_size} ranks ({where})"
             if group_size < layout.world_size:
-                after_step = ReplicaSync.of(dmp, layout.groups[REPLICA_GROUP])
+                after_step = ReplicaSync.of(dmp, layout.sparse_replica_group)
                 tables_note += f" in each of {layout.world_size // group_size} sparse groups, averaged across them"
         tables = table_parameters(model)
         if dp_mesh is not None:
             root = MixedPrecisionPolicy(**{**policy, "output_dtype": None})  # the loss sums stay float32
             fully_shard(module, mp_policy=root, ignored_params=set(tables.values()), **kw)
         if not sharded:
+            spec = ctx.sparse_optimizer
             outer, tables_note = module, f"{len(tables)} table tensors replicated"
-            sparse = _DataParallelTables(
-                tables, lambda ps: sparse_optimizer.cls(ps, **sparse_optimizer.kwargs), group=layout.group(*DATA_DIMS)
-            )
+            sparse = _DataParallelTables(tables, lambda ps: spec.cls(ps, **spec.kwargs), group=layout.group(*DATA_DIMS))
         names = dp_mesh.mesh_dim_names if dp_mesh is not None else ()
         how = f"HSDP over {' x '.join(names)}" if len(names) > 1 else f"FSDP2 over {names[0]}" if names else "no FSDP"
         inside = [what for dim, what in (("tp", "TP"), ("cp", "CP")) if layout.enabled(dim)]
@@ -218,6 +222,16 @@ class FSDPPlanner(ParallelPlanner):
             + (f", {'+'.join(inside)} in the HSTU blocks" if inside else "")
             + f"; {tables_note}",
         )
+
+
+def fsdp_mesh(layout: Layout) -> DeviceMesh | None:
+    """The mesh FSDP2 shards the dense part over: ``dp_shard x cp`` (flattened; a cp rank holds other
+    rows of the same samples, so its gradients average with the data shards'), 2-D with
+    ``dp_replicate`` in front for HSDP; None when the layout has no data or context dim."""
+    shard = layout.flat_name("dp_shard", "cp") or ("dp_shard" if "dp_shard" in layout.mesh_dims else "")
+    if not shard:
+        return layout.mesh["dp_replicate"] if "dp_replicate" in layout.mesh_dims else None
+    return layout.mesh[("dp_replicate", shard)] if "dp_replicate" in layout.mesh_dims else layout.mesh[shard]
 
 
 def _world(env: DistEnv) -> Any:

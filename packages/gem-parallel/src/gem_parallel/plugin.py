@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from gem_model import hookimpl
+from gem_model.api import hookimpl
 
 
 @hookimpl
 def gem_register_parallel_planners():
+    from gem_parallel.auto import AutoPlanner
     from gem_parallel.fsdp import FSDPPlanner
     from gem_parallel.sharded import TorchrecDDPPlanner
     from gem_parallel.single import SinglePlanner
 
-    return [SinglePlanner, TorchrecDDPPlanner, FSDPPlanner]
+    return [SinglePlanner, TorchrecDDPPlanner, FSDPPlanner, AutoPlanner]
 
 
 @hookimpl

@@ -17,10 +17,8 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import torch
-import torch.distributed as dist
 from pydantic import Field
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -32,11 +30,21 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from gem_model.components import CommStrategy, ComponentConfig, ParallelPlanner, PreparedModel, SparseOptimizerSpec
-from gem_model.distributed import DistEnv
-from gem_model.layout import Layout
-from gem_model.plan import DensePlacement, Plan, TablePlacement
-from gem_model.protocols import ShardableModel
+from gem_model.api import (
+    CommStrategy,
+    ComponentConfig,
+    DensePlacement,
+    DistEnv,
+    Layout,
+    ParallelDims,
+    ParallelPlanner,
+    Plan,
+    PlannerContext,
+    PreparedModel,
+    ShardableModel,
+    SparseOptimizerSpec,
+    TablePlacement,
+)
 from gem_parallel.single import dense_modules
 from gem_parallel.state import copy_full_into_shards
 
@@ -79,33 +87,25 @@ class TorchrecDDPPlanner(ParallelPlanner):
     Config = TorchrecDDPConfig
     config: TorchrecDDPConfig
 
-    def layout(self, env: DistEnv) -> Layout:
-        """Every rank a data-parallel replica; its one dim's group is the default group's mesh."""
-        if not (env.distributed and dist.is_initialized()):  # gem-train plan: degrees only
-            return Layout.data_parallel(rank=env.rank, world_size=env.world_size)
-        mesh = init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp_replicate",))
-        return Layout.data_parallel(rank=env.rank, world_size=env.world_size, group=mesh.get_group(), mesh=mesh)
+    def dims(self, world_size: int) -> ParallelDims:
+        """Every rank a data-parallel replica of the dense part; the tables sharded over all ranks."""
+        return ParallelDims(dp_replicate=world_size, dp_shard=1, sparse=world_size)
 
-    def plan(
-        self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
-    ) -> Plan:
+    def layout(self, env: DistEnv) -> Layout:
+        """One mesh dim ``dp_replicate`` (its group: the mesh's, also over one rank)."""
+        return Layout.build(self.dims(env.world_size), env, mesh_dims=("dp_replicate",))
+
+    def plan(self, model: ShardableModel, ctx: PlannerContext) -> Plan:
+        layout = ctx.layout
         native, tables = plan_tables(
-            self.name, model, env=env, world_size=layout.world_size, group=layout.group("dp_replicate"), comm=comm,
-            sparse_optimizer=sparse_optimizer, sharding_types=self.config.sharding_types,
+            self.name, model, env=ctx.env, world_size=layout.world_size, group=layout.group("dp_replicate"),
+            comm=ctx.comm, sparse_optimizer=ctx.sparse_optimizer, sharding_types=self.config.sharding_types,
         )  # fmt: skip
         dense = {name: DensePlacement("replicated", ["dp_replicate"], n) for name, n in dense_modules(model).items()}
         return Plan(self.name, layout.describe(), tables, dense, native=native)
 
-    def apply(
-        self,
-        model: ShardableModel,
-        plan: Plan,
-        *,
-        env: DistEnv,
-        layout: Layout,
-        comm: CommStrategy,
-        sparse_optimizer: SparseOptimizerSpec,
-    ) -> PreparedModel:
+    def apply(self, model: ShardableModel, plan: Plan, ctx: PlannerContext) -> PreparedModel:
+        env, layout = ctx.env, ctx.layout
         if not env.distributed:
             raise ValueError(
                 "parallel.planner 'torchrec_ddp' needs a process group: launch with torchrun "
@@ -114,8 +114,8 @@ class TorchrecDDPPlanner(ParallelPlanner):
         if plan.native is None:
             raise ValueError("parallel.planner 'torchrec_ddp' applies only a plan it made in this process (plan.native)")
         dmp, where = shard_tables(
-            model, plan.native, env=env, group=layout.group("dp_replicate"), degree=layout.dp_degree, comm=comm,
-            sparse_optimizer=sparse_optimizer, data_parallel_wrapper=_CommAwareDDP(comm, self.config),
+            model, plan.native, env=env, group=layout.group("dp_replicate"), degree=layout.dp_degree, comm=ctx.comm,
+            sparse_optimizer=ctx.sparse_optimizer, data_parallel_wrapper=_CommAwareDDP(ctx.comm, self.config),
         )  # fmt: skip
         dense = list(in_backward_optimizer_filter(dmp.named_parameters()))
         return PreparedModel(

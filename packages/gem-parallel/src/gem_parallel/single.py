@@ -11,11 +11,16 @@ from typing import ClassVar
 from torch import nn
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
-from gem_model.components import CommStrategy, ParallelPlanner, PreparedModel, SparseOptimizerSpec
-from gem_model.distributed import DistEnv
-from gem_model.layout import Layout
-from gem_model.plan import DensePlacement, Plan, TablePlacement
-from gem_model.protocols import ShardableModel
+from gem_model.api import (
+    DensePlacement,
+    ParallelDims,
+    ParallelPlanner,
+    Plan,
+    PlannerContext,
+    PreparedModel,
+    ShardableModel,
+    TablePlacement,
+)
 
 
 def dense_modules(model: ShardableModel) -> dict[str, int]:
@@ -31,40 +36,30 @@ class SinglePlanner(ParallelPlanner):
     name: ClassVar[str] = "single"
     max_world_size: ClassVar[int | None] = 1
 
-    def layout(self, env: DistEnv) -> Layout:
-        if env.world_size != 1:
+    def dims(self, world_size: int) -> ParallelDims:
+        if world_size != 1:
             raise ValueError(
-                f"parallel.planner 'single' runs one process, but this run has {env.world_size}; "
+                f"parallel.planner 'single' runs one process, but this run has {world_size}; "
                 "use parallel.planner=torchrec_ddp"
             )
-        return Layout.data_parallel(rank=0, world_size=1)
+        return ParallelDims(dp_shard=1, sparse=1)
 
-    def plan(
-        self, model: ShardableModel, *, env: DistEnv, layout: Layout, comm: CommStrategy, sparse_optimizer: SparseOptimizerSpec
-    ) -> Plan:
+    def plan(self, model: ShardableModel, ctx: PlannerContext) -> Plan:
         tables = {
             c.name: TablePlacement("unsharded", [0], rows=c.num_embeddings, dim=c.embedding_dim)
             for c in model.table_configs()
         }
         dense = {name: DensePlacement("local", parameters=n) for name, n in dense_modules(model).items()}
-        return Plan(self.name, layout.describe(), tables, dense)
+        return Plan(self.name, ctx.layout.describe(), tables, dense)
 
-    def apply(
-        self,
-        model: ShardableModel,
-        plan: Plan,
-        *,
-        env: DistEnv,
-        layout: Layout,
-        comm: CommStrategy,
-        sparse_optimizer: SparseOptimizerSpec,
-    ) -> PreparedModel:
+    def apply(self, model: ShardableModel, plan: Plan, ctx: PlannerContext) -> PreparedModel:
+        env, spec = ctx.env, ctx.sparse_optimizer
         if model.tables_on_meta:  # model.table_init: device
             model.materialize_tables(env.device)
         model.to(env.device)  # type: ignore[attr-defined]
         tables = table_parameters(model)
         dense = model.dense_named_parameters()
-        optimizer = KeyedOptimizerWrapper(tables, lambda params: sparse_optimizer.cls(params, **sparse_optimizer.kwargs))
+        optimizer = KeyedOptimizerWrapper(tables, lambda params: spec.cls(params, **spec.kwargs))
         summary = f"single process on {env.device}: {len(tables)} tables unsharded, {len(dense)} dense tensors"
         return PreparedModel(
             module=model,  # type: ignore[arg-type]

@@ -1,10 +1,11 @@
 """torchrec's 2-D sparse parallelism on any backend: tables sharded within sparse groups, replicated across them.
 
-``fsdp``'s option ``sparse`` cuts the world into ``world / sparse`` groups of ``sparse`` consecutive
-ranks (:class:`~gem_parallel.dims.MeshOrder`'s ``contiguous`` groups: the replicas of a shard are
-``sparse`` ranks apart). Every group gets the same torchrec plan, made for a ``Topology`` of
-``sparse`` ranks, and its own ``DistributedModelParallel`` whose ``ShardingEnv`` is the group's
-process group. After every optimizer step, the ranks that hold the same shard (one per group: the
+``fsdp``'s option ``sparse`` cuts the world into ``world / sparse`` groups of ``sparse`` ranks,
+consecutive ones (``sparse_groups: contiguous``: the replicas of a shard are ``sparse`` ranks
+apart) or every ``world / sparse``-th (``strided``: the replicas are neighbours); the core's layout
+makes the groups (:mod:`gem_model.mesh`). Every group gets the same torchrec plan, made for a
+``Topology`` of ``sparse`` ranks, and its own ``DistributedModelParallel`` whose ``ShardingEnv`` is
+the group's process group. After every optimizer step, the ranks that hold the same shard (one per group: the
 replica group) average its weights and its optimizer state in one all-reduce.
 
 That is what torchrec's ``DMPCollection(sharding_group_size=sparse, use_inter_host_allreduce=True)``
@@ -27,32 +28,20 @@ import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 from torch import nn
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.remote_device import _remote_device
 from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.types import ShardingPlan
 
-SHARDING_GROUP = "sparse"
-REPLICA_GROUP = "sparse_replica"
-"""The keys of the two groups in :attr:`gem_model.layout.Layout.groups`."""
 
-
-def make_sparse_groups(*, world_size: int, sparse: int, device_type: str) -> dict[str, dist.ProcessGroup]:
-    """The sharding group of ``sparse`` consecutive ranks this rank belongs to, and its replica
-    group (the ranks ``sparse`` apart that hold the same shards), from a 2-D ``DeviceMesh``
-    (``world / sparse`` x ``sparse``, row-major: the sharding groups are its rows)."""
-    mesh = init_device_mesh(device_type, (world_size // sparse, sparse), mesh_dim_names=(REPLICA_GROUP, SHARDING_GROUP))
-    return {SHARDING_GROUP: mesh.get_group(SHARDING_GROUP), REPLICA_GROUP: mesh.get_group(REPLICA_GROUP)}
-
-
-def plan_for_group(plan: ShardingPlan, *, first_rank: int, local_size: int | None = None) -> ShardingPlan:
-    """A copy of the sparse group's plan for the group whose ranks start at global rank ``first_rank``.
+def plan_for_group(plan: ShardingPlan, *, ranks: list[int], local_size: int | None = None) -> ShardingPlan:
+    """A copy of the sparse group's plan for the group of global ``ranks`` (in group order:
+    :meth:`ParallelDims.sparse_group_ranks <gem_model.parallel_dims.ParallelDims.sparse_group_ranks>`).
 
     torchrec reads a parameter's ``ranks`` as ranks within the ``ShardingEnv``'s group (they stay),
     but the shards' placements as global ranks (ShardedTensor checks them against the group's
-    global ranks): those move by ``first_rank``, as ``DMPCollection`` remaps its plan, and an
-    accelerator placement names the global rank's device on its node (``local_size`` ranks a node;
-    default: torchrun's ``LOCAL_WORLD_SIZE``)."""
+    global ranks): group rank ``i`` moves to ``ranks[i]``, as ``DMPCollection`` remaps its plan, and
+    an accelerator placement names the global rank's device on its node (``local_size`` ranks a
+    node; default: torchrun's ``LOCAL_WORLD_SIZE``)."""
     out = copy.deepcopy(plan)
     for module_plan in out.plan.values():
         for sharding in module_plan.values():  # type: ignore[attr-defined]
@@ -60,7 +49,7 @@ def plan_for_group(plan: ShardingPlan, *, first_rank: int, local_size: int | Non
             if not isinstance(spec, EnumerableShardingSpec):
                 continue
             for shard in spec.shards:
-                rank, device = shard.placement.rank() + first_rank, shard.placement.device()  # type: ignore[union-attr]
+                rank, device = ranks[shard.placement.rank()], shard.placement.device()  # type: ignore[union-attr]
                 if device.type != "cpu":
                     device = torch.device(device.type, rank % (local_size or get_local_size()))
                 shard.placement = _remote_device(f"rank:{rank}/{device}")

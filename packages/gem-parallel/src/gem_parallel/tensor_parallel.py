@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from gem_model.protocols import ShardableModel
+from gem_model.api import ShardableModel
 
 _BLOCK_PARTS = ("uvqk", "out", "num_heads", "value_dim", "attention_dim", "attention", "norm_gate")
 

@@ -2,7 +2,7 @@
 
 Bandwidths are per GPU and one direction, in bytes per second; latencies are per message, in
 seconds. ``h200`` gives an H200 HGX node: NVLink 4 (450 GB/s per direction), one 400 Gb/s NIC per
-GPU (50 GB/s), 141 GB of HBM.
+GPU (50 GB/s), 141 GB of HBM. The ``auto`` planner takes them as options (:mod:`gem_parallel.auto`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gem_parallel.dims import DIM_NAMES, DimName, MeshOrder, ParallelDims
+from gem_model.api import MESH_DIMS, ParallelDims
 
+DIM_NAMES: tuple[str, ...] = (*MESH_DIMS, "sparse")
 LinkKind = Literal["none", "nvlink", "network", "mixed"]
 
 
@@ -64,7 +65,7 @@ class Placement:
     over the network.
     """
 
-    dim: DimName
+    dim: str
     degree: int
     stride: int
     members_per_node: int
@@ -82,19 +83,20 @@ class Placement:
         return -(-self.degree // self.members_per_node)
 
 
-def place(dims: ParallelDims, order: MeshOrder, topology: Topology) -> dict[DimName, Placement]:
-    """The placement of every dimension when the mesh is laid over the global ranks in ``order``.
+def place(dims: ParallelDims, topology: Topology) -> dict[str, Placement]:
+    """The placement of every dimension when the mesh is laid over the global ranks in the dims'
+    mesh order (and their sparse groups cut as they say).
 
     Global rank ``r`` sits on node ``r // gpus_per_node`` (torchrun's rank order).
     """
     if dims.world_size != topology.world_size:
         raise ValueError(
-            f"the degrees ({dims.describe()}) make {dims.world_size} ranks, the topology "
+            f"the degrees ({dims}) make {dims.world_size} ranks, the topology "
             f"{topology.describe()} has {topology.world_size}"
         )
-    strides = order.strides(dims)
+    strides = dims.strides()
     g = topology.gpus_per_node
-    out: dict[DimName, Placement] = {}
+    out: dict[str, Placement] = {}
     for name in DIM_NAMES:
         n, s = dims.degree(name), strides[name]
         # members r, r+s, ..., r+(n-1)s: those within one node of g GPUs

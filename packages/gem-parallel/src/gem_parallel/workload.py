@@ -1,15 +1,18 @@
 """What the planner plans: the model's sizes, its tables, the data's lengths and the batch.
 
 Plain numbers, so a planner can be run for a model that no machine here could build (a dense part
-of billions of parameters, tables of a trillion).
+of billions of parameters, tables of a trillion); :func:`workload_of` reads them off a real run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from gem_model.api import RunShape
 
 
 class Strict(BaseModel):
@@ -143,4 +146,47 @@ def gem_sized(*, global_batch_size: int, pooled_tables: int = 24, max_len: int =
         ),
         lengths=LengthProfile.zipf(1.2, max_len),
         global_batch_size=global_batch_size,
+    )
+
+
+def workload_of(run: RunShape, *, activation_bytes: int, table_sync_every: int = 1, batches: int = 8) -> Workload:
+    """The workload of a real run: its model's sizes (built on the meta device), its tables, the
+    lengths of its data's first ``batches`` global batches, its global batch.
+
+    ``activation_bytes``: 2 for a bfloat16 run, 4 for float32. ``table_sync_every``: ``fsdp``
+    averages the table replicas of its sparse groups after every step (1)."""
+    model = run.model()
+    blocks = model.activation_blocks()
+    dense = sum(p.numel() for _, p in model.dense_named_parameters())
+    per_block = sum(p.numel() for p in model.get_submodule(blocks[0]).parameters()) if blocks else 0  # type: ignore[attr-defined]
+    lengths = run.history_lengths(batches)
+    profile = LengthProfile.of([max(int(n), 1) for n in lengths.tolist()])
+    spec = run.feature_spec
+    negatives = 0.0
+    if spec is not None:
+        per_position = spec.negatives_per_position
+        negatives = spec.num_negatives * (max(profile.mean - 1.0, 0.0) if per_position else 1.0)
+    tables = []
+    for cfg in model.table_configs():
+        sequence = "Bag" not in type(cfg).__name__
+        ids = None
+        if sequence:
+            ids = profile.mean + (1.0 + negatives if cfg.name == "item" else 0.0)  # history, candidate, negatives
+        tables.append(TableSpec(name=cfg.name, num_rows=cfg.num_embeddings, dim=cfg.embedding_dim,
+                                kind="sequence" if sequence else "pooled", ids_per_sample=ids))  # fmt: skip
+    mc = run.config.model
+    return Workload(
+        num_layers=max(len(blocks), 1),
+        dense_params_per_layer=max(per_block, 1),
+        other_dense_params=max(dense - len(blocks) * per_block, 0),
+        embedding_dim=mc.embedding_dim,
+        num_heads=mc.num_heads,
+        attention_dim=mc.attention_dim,
+        value_dim=mc.value_dim,
+        tables=tuple(tables),
+        lengths=profile,
+        global_batch_size=run.global_batch_size,
+        activation_bytes=activation_bytes,
+        comm_param_bytes=4,  # FSDP2 all-gathers the float32 masters (MixedPrecisionPolicy(param_dtype=None))
+        table_sync_every=table_sync_every,
     )

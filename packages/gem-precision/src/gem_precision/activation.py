@@ -32,7 +32,7 @@ from pydantic import Field, field_validator
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from gem_model.components import ActivationPolicy, ComponentConfig
+from gem_model.api import ActivationPolicy, ComponentConfig
 from gem_precision.saved_tensors import Fp8SavedTensors, SavedTensorStats
 
 POLICY_ATTR = "_gem_activation_policy"

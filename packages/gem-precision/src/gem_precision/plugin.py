@@ -6,8 +6,7 @@ Hook implementations only; importing this module imports neither Triton nor anyt
 
 from __future__ import annotations
 
-from gem_model import hookimpl
-from gem_model.api import ActivationPolicy, PrecisionScheme, ProfileCommand, ProfileContext, ProfileSection
+from gem_model.api import ActivationPolicy, PrecisionScheme, ProfileCommand, ProfileContext, ProfileSection, hookimpl
 
 
 @hookimpl

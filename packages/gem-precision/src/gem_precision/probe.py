@@ -26,8 +26,8 @@ import copy
 import math
 import re
 import time
-from collections.abc import Callable
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,17 +35,23 @@ import torch
 import yaml
 from torch import nn
 
-from gem_model.components import PrecisionScheme
-from gem_model.config import ComponentRef, PrecisionConfig, RunConfig
-from gem_model.data.batch import Batch
-from gem_model.data.loader import ShardedLoader
-from gem_model.distributed import pick_device
-from gem_model.errors import ConfigError, KernelUnavailableError
-from gem_model.model.gem import GemModel
-from gem_model.plugins import GemPluginManager
-from gem_model.precision import precision_plan, set_submodule
-from gem_model.profiling.memory import step_loss
-from gem_model.resolve import resolve_components
+from gem_model.api import (
+    Batch,
+    ComponentRef,
+    ConfigError,
+    GemModel,
+    GemPluginManager,
+    KernelUnavailableError,
+    PrecisionConfig,
+    PrecisionScheme,
+    RunConfig,
+    ShardedLoader,
+    pick_device,
+    precision_plan,
+    resolve_components,
+    set_submodule,
+    step_loss,
+)
 
 # cheapest first; schemes missing from the order are tried after these, in registry order
 DEFAULT_ORDER: tuple[str, ...] = ("mxfp8", "fp8_rowwise", "fp8_tensorwise", "bf16", "fp32")

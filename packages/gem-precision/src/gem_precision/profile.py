@@ -10,8 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gem_model.api import GEMM_BITS, ProfileCommand, ProfileContext, ProfileSection, ProfileTable, Recommendation
-from gem_model.plugins import GemPluginManager
+from gem_model.api import (
+    GEMM_BITS,
+    GemPluginManager,
+    ProfileCommand,
+    ProfileContext,
+    ProfileSection,
+    ProfileTable,
+    Recommendation,
+)
 from gem_precision.probe import DEFAULT_ORDER, ProbeOptions, ProbeResult, probe_precision
 
 SECTION_BATCHES = 1  # the probe keeps one batch's linear inputs and outputs: GBs at d=1024
@@ -39,7 +46,7 @@ def add_arguments(prec: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, pm: GemPluginManager) -> int:
     """Print the per-module table and the recommended ``precision:`` block."""
-    from gem_model.config_io import load_config
+    from gem_model.api import load_config
 
     config = load_config(args.config, args.overrides)
     order = _names(args.order)

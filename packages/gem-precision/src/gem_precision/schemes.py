@@ -33,7 +33,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from gem_model.components import ComponentConfig, PrecisionScheme
+from gem_model.api import ComponentConfig, PrecisionScheme
 from gem_precision.device import (
     FP8_MIN_CAPABILITY,
     MX_NATIVE_MIN_CAPABILITY,

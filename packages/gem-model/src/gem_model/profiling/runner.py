@@ -29,7 +29,7 @@ from typing import Any
 
 from gem_model.config import RunConfig
 from gem_model.data.loader import ShardedLoader
-from gem_model.distributed import DistEnv, launched_by_torchrun, pick_device
+from gem_model.distributed import launched_by_torchrun, pick_device
 from gem_model.errors import ConfigError, PluginError
 from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
@@ -46,6 +46,7 @@ from gem_model.profiling.sequences import read_history, sequences_section
 from gem_model.profiling.shared_model import initial_model
 from gem_model.profiling.step_time import measure_steps, step_time_section
 from gem_model.resolve import Components, resolve_components
+from gem_model.run_shape import RunShape
 from gem_model.train.prepare import offline_plan
 from gem_model.train.progress import task_progress
 
@@ -147,8 +148,8 @@ def run_profile(config: RunConfig, pm: GemPluginManager, options: ProfileOptions
         return None
     _release_memory()  # the measured run's model and tables, before the sections build theirs
     device = pick_device(config.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
-    layout = components.planner.layout(DistEnv(0, world, 0, device, None))
-    ctx = ProfileContext(config, pm, device, world, layout.dp_degree, options.batches, options.out,
+    components.planner.bind_run(RunShape.of(config, components))
+    ctx = ProfileContext(config, pm, device, world, components.planner.dims(world).dp_degree, options.batches, options.out,
                          None if probe is None else probe.measured(), selected=selected,
                          build_model=functools.partial(initial_model, config, pm, device))  # fmt: skip
     made = _Sections(ctx, options, device)

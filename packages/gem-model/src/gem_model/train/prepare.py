@@ -14,6 +14,7 @@ linears, and both come before the planner so that sharding/DDP wrap the final mo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 import torch
@@ -22,6 +23,7 @@ from gem_model.components import (
     ActivationPolicy,
     CommStrategy,
     ParallelPlanner,
+    PlannerContext,
     PrecisionScheme,
     PreparedModel,
     SparseOptimizerSpec,
@@ -32,11 +34,34 @@ from gem_model.distributed import DistEnv, pick_device
 from gem_model.layout import Layout
 from gem_model.model.gem import GemModel
 from gem_model.plan import Plan
-from gem_model.precision import apply_precision, precision_plan, set_submodule
+from gem_model.precision import PrecisionPolicy, apply_precision, precision_plan, set_submodule
 from gem_model.resolve import Components
+from gem_model.run_shape import RunShape
 from gem_model.train.optim import sparse_optimizer_spec
 
-__all__ = ["apply_activation", "apply_precision", "initial_model", "offline_plan", "precision_plan", "prepare_model"]
+__all__ = [
+    "Preparation",
+    "apply_activation",
+    "apply_precision",
+    "initial_model",
+    "offline_plan",
+    "precision_plan",
+    "prepare_model",
+]
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """What :func:`prepare_model` did, step by step."""
+
+    precision: PrecisionPolicy
+    """1: the activation dtype and the scheme of every dense linear (``precision.plan``)."""
+    activation: dict[str, str]
+    """2: block name -> the activation policy that wrapped it."""
+    plan: Plan
+    """4: where the planner put every table and dense module."""
+    prepared: PreparedModel
+    """4: the planner's wrapped model and the tables' optimizer."""
 
 
 def initial_model(config: RunConfig, components: Components, spec: FeatureSpec) -> GemModel:
@@ -76,29 +101,29 @@ def prepare_model(
     env: DistEnv,
     comm: CommStrategy,
     sparse_optimizer: SparseOptimizerSpec,
-) -> tuple[PreparedModel, dict[str, object]]:
+) -> Preparation:
     policy = apply_precision(model, precision_config, schemes, env.device)  # 1
     activation = apply_activation(model, activation_config, policies)  # 2
     if compile_blocks:  # 3
         for fqn in model.activation_blocks():
             model.get_submodule(fqn).compile()
-    plan = planner.plan(model, env=env, layout=layout, comm=comm, sparse_optimizer=sparse_optimizer)  # 4
-    prepared = planner.apply(model, plan, env=env, layout=layout, comm=comm, sparse_optimizer=sparse_optimizer)
-    return prepared, {"precision": policy.plan, "activation": activation, "policy": policy, "parallel": plan}
+    ctx = PlannerContext(env, layout, comm, sparse_optimizer)
+    plan = planner.plan(model, ctx)  # 4
+    return Preparation(policy, activation, plan, planner.apply(model, plan, ctx))
 
 
-def offline_plan(config: RunConfig, components: Components, *, world_size: int) -> Plan:
+def offline_plan(config: RunConfig, components: Components, *, world_size: int, ranks_per_node: int | None = None) -> Plan:
     """The plan a run of ``config`` on ``world_size`` processes would get, made in this process
     without a process group (``gem-train plan``). The tables are built on the meta device, so a
     plan of tens of GB of tables takes no memory; layout groups are None."""
     device = pick_device(config.trainer.device, 0)
     env = DistEnv(0, world_size, 0, device, None)
+    components.planner.bind_run(RunShape.of(config, components, ranks_per_node=ranks_per_node))
     layout = components.planner.layout(env)
     model_config = config.model.model_copy(update={"table_init": "device"})
     spec = components.source.feature_spec()
     model = GemModel(
         model_config, spec, attention=components.attention, norm_gate=components.norm_gate, seed=config.trainer.seed
     )
-    return components.planner.plan(
-        model, env=env, layout=layout, comm=components.comm, sparse_optimizer=sparse_optimizer_spec(config.trainer)
-    )
+    ctx = PlannerContext(env, layout, components.comm, sparse_optimizer_spec(config.trainer))
+    return components.planner.plan(model, ctx)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from gem_model.plan import Plan
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
 from gem_model.results import ReportSection, RunSummary, StepResult
+from gem_model.run_shape import RunShape
 from gem_model.train import checkpoint as ckpt
 from gem_model.train import compat, lock, outputs, peers, resume
 from gem_model.train import state as run_state
@@ -59,6 +61,8 @@ class Run:
         torch.manual_seed(tc.seed * 1_000 + env.rank)
         components.comm.setup(env)
         self.comm = components.comm
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        components.planner.bind_run(RunShape.of(config, components, ranks_per_node=ranks_per_node))
         self.layout = components.planner.layout(env)  # before the loader: it shards by the dp rank
         if self.layout.world_size != env.world_size:
             raise ValueError(
@@ -88,8 +92,7 @@ class Run:
         self.model = initial_model(config, components, self.spec)  # every rank from rank 0's stream
         if env.rank:  # then ranks > 0 go on with their own stream (dropout)
             torch.manual_seed(tc.seed * 1_000 + env.rank)
-        self.prepared: PreparedModel
-        self.prepared, self.plans = prepare_model(
+        self.preparation = prepare_model(
             self.model,
             precision_config=config.precision,
             schemes=components.precision,
@@ -102,7 +105,8 @@ class Run:
             comm=components.comm,
             sparse_optimizer=sparse_optimizer_spec(tc),
         )
-        self.plan: Plan = self.plans["parallel"]  # type: ignore[assignment]
+        self.prepared: PreparedModel = self.preparation.prepared
+        self.plan: Plan = self.preparation.plan
         dense_optimizer = torch.optim.AdamW(
             [p for _, p in self.prepared.dense_parameters], lr=tc.dense_lr, betas=tc.betas, weight_decay=tc.weight_decay
         )
