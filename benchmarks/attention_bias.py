@@ -30,6 +30,7 @@ import torch
 
 from gem_kernels import attention_torch
 from gem_kernels.attention_torch import LayoutCache, jagged_attention_torch
+from gem_model.api import AttentionExtras
 from gem_model import jagged
 
 
@@ -69,7 +70,8 @@ def main() -> None:
     def step(kw: dict, calls: int = 1, cache: LayoutCache | None = None) -> list[torch.Tensor]:
         leaves = [q, k, v, *(t for t in kw.values() if t.requires_grad)]
         out = sum(
-            jagged_attention_torch(q, k, v, offsets, max_seq_len=args.max_len, alpha=1.0, cache=cache, **kw)
+            jagged_attention_torch(q, k, v, offsets, max_seq_len=args.max_len, alpha=1.0, cache=cache,
+                                   extras=AttentionExtras(**kw))
             for _ in range(calls)
         )
         return list(torch.autograd.grad(out, leaves, grad_out))

@@ -52,6 +52,7 @@ from gem_kernels.attention_triton_autograd import (
 )
 from gem_kernels.attention_triton_bias import bucket_edges, time_buckets_triton
 from gem_kernels.testing import relative_error
+from gem_model.api import AttentionExtras
 from gem_model.jagged import time_buckets
 
 NUM_BUCKETS = 128
@@ -127,7 +128,7 @@ def run(kernel: Callable[..., torch.Tensor], case: Case, inputs: dict[str, Any],
     tables = {n: inputs[n].detach().to(dtype or inputs[n].dtype).requires_grad_()
               for n, b in (("position_bias", "position"), ("time_bias", "time")) if b in biases}
     out = kernel(*leaves, offsets, max_seq_len=case.max_seq_len, alpha=1.0 / case.dim,
-                 **call_kwargs(inputs, biases, tables, count))
+                 extras=AttentionExtras(**call_kwargs(inputs, biases, tables, count)))
     grads = torch.autograd.grad(out, [*leaves, *tables.values()], inputs["grad_out"][:rows].to(out.dtype))
     return [out.detach(), *grads]
 
@@ -194,11 +195,11 @@ def time_variant(kernel: Callable[..., torch.Tensor], case: Case, inputs: dict[s
     run(kernel, case, inputs, biases)  # tunes the Triton kernels on this variant first
     with torch.no_grad():
         fwd = bench(lambda: kernel(inputs["q"], inputs["k"], inputs["v"], inputs["offsets"], **options,
-                                   **call_kwargs(inputs, biases)), device, iters)
+                                   extras=AttentionExtras(**call_kwargs(inputs, biases))), device, iters)
     leaves = [inputs[n].detach().requires_grad_() for n in ("q", "k", "v")]
     tables = {n: inputs[n].detach().requires_grad_()
               for n, b in (("position_bias", "position"), ("time_bias", "time")) if b in biases}
-    out = kernel(*leaves, inputs["offsets"], **options, **call_kwargs(inputs, biases, tables))
+    out = kernel(*leaves, inputs["offsets"], **options, extras=AttentionExtras(**call_kwargs(inputs, biases, tables)))
     targets = [*leaves, *tables.values()]
     bwd = bench(lambda: torch.autograd.grad(out, targets, inputs["grad_out"], retain_graph=True), device, iters)
     return fwd, bwd

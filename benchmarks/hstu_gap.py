@@ -25,6 +25,7 @@ from gem_kernels.attention_triton_autograd import jagged_attention_triton
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.norm_gate_triton import norm_gate_triton
 from gem_kernels.testing import relative_error
+from gem_model.api import AttentionExtras
 
 B, H, D, N = 384, 8, 128, 4096
 
@@ -48,14 +49,14 @@ def inputs(device: torch.device) -> dict:
 
 def fused(x: dict, pre: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return hstu_gap_triton(pre, weight, bias, x["offsets"], num_heads=H, attention_dim=D, value_dim=D, max_seq_len=N,
-                           alpha=1 / D**0.5, eps=1e-6, num_targets=x["targets"])  # fmt: skip
+                           alpha=1 / D**0.5, eps=1e-6, extras=AttentionExtras(num_targets=x["targets"]))  # fmt: skip
 
 
 def composed(x: dict, pre: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     n = pre.shape[0]
     u, v, q, k = torch.split(F.silu(pre), [H * D] * 4, dim=-1)
     a = jagged_attention_triton(q.reshape(n, H, D), k.reshape(n, H, D), v.reshape(n, H, D), x["offsets"],
-                                max_seq_len=N, alpha=1 / D**0.5, num_targets=x["targets"])  # fmt: skip
+                                max_seq_len=N, alpha=1 / D**0.5, extras=AttentionExtras(num_targets=x["targets"]))  # fmt: skip
     return norm_gate_triton(a.reshape(n, H * D), u, weight, bias, 1e-6)
 
 

@@ -47,6 +47,7 @@ from gem_kernels.attention_triton_autograd import (
 )
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import attention_errors
+from gem_model.api import AttentionExtras
 
 SEED = 1001
 REP_MS = 300  # do_bench's budget per measurement: a few repetitions even of the 80 ms cases
@@ -155,7 +156,7 @@ def check(case: Case, inputs: dict[str, Any], mode: str) -> dict[str, float]:
     count = max(1, min(case.batch, 64, int(16e9 // per_seq)))
     rows = int(inputs["offsets"][count])
     sub = {name: inputs[name][:rows] for name in ("q", "k", "v", "grad_out")}
-    options = dict(max_seq_len=case.max_seq_len, alpha=1.0 / case.dim, max_attn_len=0)
+    options = dict(max_seq_len=case.max_seq_len, alpha=1.0 / case.dim)
     kernel = functools.partial(jagged_attention_triton, dq_mode=mode)
     errors = attention_errors(
         kernel, sub["q"], sub["k"], sub["v"], inputs["offsets"][: count + 1], sub["grad_out"],
@@ -163,10 +164,11 @@ def check(case: Case, inputs: dict[str, Any], mode: str) -> dict[str, float]:
     )
     with torch.no_grad():
         full = kernel(
-            inputs["q"], inputs["k"], inputs["v"], inputs["offsets"], num_targets=inputs["targets"], **options
+            inputs["q"], inputs["k"], inputs["v"], inputs["offsets"],
+            extras=AttentionExtras(num_targets=inputs["targets"]), **options,
         )
         part = kernel(sub["q"], sub["k"], sub["v"], inputs["offsets"][: count + 1],
-                      num_targets=inputs["targets"][:count], **options)
+                      extras=AttentionExtras(num_targets=inputs["targets"][:count]), **options)
         errors["full_vs_subset_max_abs"] = (full[:rows].float() - part.float()).abs().max().item()
         errors["full_finite"] = float(torch.isfinite(full).all().item())
     errors["checked_sequences"] = count
@@ -200,7 +202,8 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
     fwd_flops, bwd_flops = flops(case, inputs["squares"])
     row.update(rows=int(inputs["offsets"][-1]), squares=inputs["squares"], fwd_flops=fwd_flops, bwd_flops=bwd_flops)
     row["dq_auto"] = resolve_dq_mode("auto", row["rows"], case.batch, case.heads)
-    options = dict(max_seq_len=case.max_seq_len, alpha=1.0 / case.dim, num_targets=inputs["targets"])
+    options = dict(max_seq_len=case.max_seq_len, alpha=1.0 / case.dim,
+                   extras=AttentionExtras(num_targets=inputs["targets"]))
     offsets = inputs["offsets"]
     for mode in DQ_MODES if args.dq == "both" else (args.dq,):
 

@@ -9,6 +9,7 @@ from gem_kernels.attention import TorchJaggedAttention
 from gem_kernels.attention_torch import BUCKET_GROWTH, SMALL_BUCKET, plan_buckets
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
+from gem_model.api import AttentionExtras
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -63,7 +64,8 @@ def test_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match="v must be"):
         TorchJaggedAttention()(q, q, torch.zeros(4, 3, 8), torch.tensor([0, 4]), max_seq_len=4, alpha=1.0)
     with pytest.raises(ValueError, match="num_targets"):
-        TorchJaggedAttention()(q, q, q, torch.tensor([0, 4]), max_seq_len=4, alpha=1.0, num_targets=torch.ones(2))
+        TorchJaggedAttention()(q, q, q, torch.tensor([0, 4]), max_seq_len=4, alpha=1.0,
+                               extras=AttentionExtras(num_targets=torch.ones(2)))
 
 
 def test_relative_position_bias_matches_the_reference_and_a_direct_loop(gen: torch.Generator) -> None:
@@ -79,7 +81,8 @@ def test_relative_position_bias_matches_the_reference_and_a_direct_loop(gen: tor
     got, want = [], []
     for fn, out in ((TorchJaggedAttention(), got), (jagged_attention_reference, want)):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
-        y = fn(*leaves[:3], offsets, max_seq_len=n_max, alpha=0.3, num_targets=targets, position_bias=leaves[3])
+        y = fn(*leaves[:3], offsets, max_seq_len=n_max, alpha=0.3,
+               extras=AttentionExtras(num_targets=targets, position_bias=leaves[3]))
         y.backward(grad_out)
         out.extend([y.detach(), *(t.grad for t in leaves)])
     for a, b in zip(got, want, strict=True):
@@ -98,7 +101,8 @@ def test_relative_position_bias_matches_the_reference_and_a_direct_loop(gen: tor
 def test_relative_position_bias_shape_is_checked(gen: torch.Generator) -> None:
     q, k, v = random_qkv(10, 1, 4, 4, torch.float32, gen)
     with pytest.raises(ValueError, match=r"position_bias must be \[2 \* max_seq_len - 1\] = \[19\]"):
-        TorchJaggedAttention()(q, k, v, torch.tensor([0, 10]), max_seq_len=10, alpha=1.0, position_bias=torch.zeros(10))
+        TorchJaggedAttention()(q, k, v, torch.tensor([0, 10]), max_seq_len=10, alpha=1.0,
+                               extras=AttentionExtras(position_bias=torch.zeros(10)))
     assert TorchJaggedAttention.supports_position_bias  # triton's: test_attention_triton_bias.py
 
 
@@ -123,8 +127,9 @@ def test_time_bias_matches_the_reference_the_loop_kernel_and_the_formula(gen: to
     results = []
     for fn in (jagged_attention_reference, TorchJaggedAttention(), LoopAttention()):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, position_bias, time_bias)]
-        y = fn(*leaves[:3], offsets, max_seq_len=n_max, alpha=0.3, num_targets=targets,
-               position_bias=leaves[3], time_bias=leaves[4], timestamps=times, query_timestamps=query_times)
+        y = fn(*leaves[:3], offsets, max_seq_len=n_max, alpha=0.3, extras=AttentionExtras(
+               num_targets=targets, position_bias=leaves[3], time_bias=leaves[4], timestamps=times,
+               query_timestamps=query_times))
         y.backward(grad_out)
         results.append([y.detach(), *(t.grad for t in leaves)])
     for other in results[1:]:
@@ -160,13 +165,16 @@ def test_time_bias_inputs_are_checked(gen: torch.Generator) -> None:
     attn = TorchJaggedAttention()
     call = {"max_seq_len": 10, "alpha": 1.0}
     with pytest.raises(ValueError, match="time_bias, timestamps and query_timestamps come together"):
-        attn(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts)
+        attn(q, k, v, offsets, **call, extras=AttentionExtras(time_bias=torch.zeros(8), timestamps=ts))
     with pytest.raises(ValueError, match=r"query_timestamps must be integer \[L\] = \[10\], got torch.float32"):
-        attn(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts, query_timestamps=ts.float())
+        attn(q, k, v, offsets, **call, extras=AttentionExtras(time_bias=torch.zeros(8), timestamps=ts,
+                                                              query_timestamps=ts.float()))
     with pytest.raises(ValueError, match=r"timestamps must be integer \[L\] = \[10\], got torch.int64 \(9,\)"):
-        attn(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=ts[:9], query_timestamps=ts)
+        attn(q, k, v, offsets, **call, extras=AttentionExtras(time_bias=torch.zeros(8), timestamps=ts[:9],
+                                                              query_timestamps=ts))
     with pytest.raises(ValueError, match="time_bias must be a non-empty"):
-        attn(q, k, v, offsets, **call, time_bias=torch.zeros(2, 4), timestamps=ts, query_timestamps=ts)
+        attn(q, k, v, offsets, **call, extras=AttentionExtras(time_bias=torch.zeros(2, 4), timestamps=ts,
+                                                              query_timestamps=ts))
     assert TorchJaggedAttention.supports_time_bias
 
 
@@ -190,8 +198,8 @@ def test_layout_cache_reuses_a_layout_only_for_the_same_unmodified_inputs(gen: t
             "query_timestamps": stamps + 7}
 
     def check(offsets: torch.Tensor, **kw) -> None:
-        got = attn(q, k, v, offsets, max_seq_len=16, alpha=0.5, **kw)
-        want = jagged_attention_reference(q, k, v, offsets, max_seq_len=16, alpha=0.5, **kw)
+        got = attn(q, k, v, offsets, max_seq_len=16, alpha=0.5, extras=AttentionExtras(**kw))
+        want = jagged_attention_reference(q, k, v, offsets, max_seq_len=16, alpha=0.5, extras=AttentionExtras(**kw))
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
     for _ in range(3):  # three "blocks"

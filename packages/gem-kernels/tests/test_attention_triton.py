@@ -14,6 +14,7 @@ import torch
 from gem_kernels import attention_triton, attention_triton_bwd
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
+from gem_model.api import AttentionExtras
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -166,7 +167,7 @@ def test_forward_without_autograd_matches(gen: torch.Generator) -> None:
     offsets = offsets_from_lengths(lengths)
     q, k, v = random_qkv(int(offsets[-1]), 2, 16, 16, torch.bfloat16, gen)
     targets = random_targets(gen, lengths)
-    options = dict(max_seq_len=32, alpha=0.25, num_targets=targets, max_attn_len=5)
+    options = dict(max_seq_len=32, alpha=0.25, extras=AttentionExtras(num_targets=targets, max_attn_len=5))
     with torch.no_grad():
         direct = jagged_attention_triton(q, k, v, offsets, **options)
     tracked = jagged_attention_triton(q.requires_grad_(), k, v, offsets, **options)

@@ -19,6 +19,7 @@ from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.attention_torch import jagged_attention_torch
 from gem_kernels.attention_triton_bias import bucket_edges, time_buckets_triton
 from gem_kernels.testing import offsets_from_lengths, random_qkv, relative_error
+from gem_model.api import AttentionExtras
 from gem_model.jagged import time_buckets
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -78,16 +79,17 @@ def check(
     if "time" in biases:
         tables["time_bias"] = (0.5 * torch.randn(num_buckets, generator=gen)).to(bias_dtype)
         stamps["timestamps"], stamps["query_timestamps"] = random_times(gen, num_rows, times)
-    options = dict(max_seq_len=max_seq_len, alpha=1.0 / math.sqrt(dims[0]), max_attn_len=window,
-                   num_targets=targets)
+    options = dict(max_seq_len=max_seq_len, alpha=1.0 / math.sqrt(dims[0]))
+    masks = dict(max_attn_len=window, num_targets=targets)
 
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, *tables.values())]
     named = dict(zip(tables, leaves[3:], strict=True))
-    out = TritonJaggedAttention(config)(*leaves[:3], offsets, **options, **named, **stamps)
+    out = TritonJaggedAttention(config)(*leaves[:3], offsets, **options,
+                                        extras=AttentionExtras(**masks, **named, **stamps))
     grads = torch.autograd.grad(out, leaves, grad_out)
     exact = [t.detach().double().requires_grad_() for t in leaves]
-    expected = jagged_attention_torch(*exact[:3], offsets, **options, **dict(zip(tables, exact[3:], strict=True)),
-                                      **stamps)
+    expected = jagged_attention_torch(*exact[:3], offsets, **options, extras=AttentionExtras(
+        **masks, **dict(zip(tables, exact[3:], strict=True)), **stamps))
     expected_grads = [g if g is not None else torch.zeros_like(t) for g, t in  # no rows: no graph
                       zip(torch.autograd.grad(expected, exact, grad_out.double(), allow_unused=True), exact)]
 
@@ -200,18 +202,19 @@ def test_gradients_only_for_tables_that_want_them(gen: torch.Generator) -> None:
     time_bias = torch.randn(16, generator=gen, requires_grad=True)
     times, query_times = random_times(gen, rows, "sorted")
     kernel = TritonJaggedAttention()
-    options = dict(max_seq_len=n, alpha=0.25, num_targets=torch.tensor([1, 3, 2]), position_bias=position_bias,
+    options = dict(num_targets=torch.tensor([1, 3, 2]), position_bias=position_bias,
                    time_bias=time_bias, timestamps=times.to(torch.int32) - 1_700_000_000,  # int32 times too
                    query_timestamps=query_times - 1_700_000_000)
-    out = kernel(q, k, v, offsets, **options)
+    out = kernel(q, k, v, offsets, max_seq_len=n, alpha=0.25, extras=AttentionExtras(**options))
     (d_time,) = torch.autograd.grad(out, [time_bias], torch.ones_like(out))
     exact = {**options, "time_bias": time_bias.detach().double().requires_grad_(),
              "position_bias": position_bias.double()}
-    expected = jagged_attention_torch(q.double(), k.double(), v.double(), offsets, **exact)
+    expected = jagged_attention_torch(q.double(), k.double(), v.double(), offsets, max_seq_len=n, alpha=0.25,
+                                      extras=AttentionExtras(**exact))
     (want,) = torch.autograd.grad(expected, [exact["time_bias"]], torch.ones_like(expected))
     assert relative_error(out, expected) < 1e-5 and relative_error(d_time, want) < 1e-5
     with torch.no_grad():
-        direct = kernel(q, k, v, offsets, **options)
+        direct = kernel(q, k, v, offsets, max_seq_len=n, alpha=0.25, extras=AttentionExtras(**options))
     assert torch.equal(direct, out.detach())
     labels = [key[5] for key, _ in (attention_triton.FORWARD.last, attention_triton_bwd.DKDV_ATOMIC.last)]
     assert labels == ["position+time", "position+time'"], labels  # the frozen table's gradient is not computed
@@ -224,11 +227,12 @@ def test_inputs_are_checked(gen: torch.Generator) -> None:
     call = {"max_seq_len": 10, "alpha": 1.0}
     assert TritonJaggedAttention.supports_position_bias and TritonJaggedAttention.supports_time_bias
     with pytest.raises(ValueError, match=r"position_bias must be \[2 \* max_seq_len - 1\] = \[19\]"):
-        kernel(q, k, v, offsets, **call, position_bias=torch.zeros(10))
+        kernel(q, k, v, offsets, **call, extras=AttentionExtras(position_bias=torch.zeros(10)))
     with pytest.raises(ValueError, match="time_bias, timestamps and query_timestamps come together"):
-        kernel(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=times)
+        kernel(q, k, v, offsets, **call, extras=AttentionExtras(time_bias=torch.zeros(8), timestamps=times))
     with pytest.raises(ValueError, match=r"timestamps must be integer \[L\] = \[10\], got torch.float32"):
-        kernel(q, k, v, offsets, **call, time_bias=torch.zeros(8), timestamps=times.float(), query_timestamps=times)
+        kernel(q, k, v, offsets, **call,
+               extras=AttentionExtras(time_bias=torch.zeros(8), timestamps=times.float(), query_timestamps=times))
     with pytest.raises(ValueError, match="time_bias must be floating point"):
-        kernel(q, k, v, offsets, **call, time_bias=torch.zeros(8, dtype=torch.int64), timestamps=times,
-               query_timestamps=times)
+        kernel(q, k, v, offsets, **call, extras=AttentionExtras(time_bias=torch.zeros(8, dtype=torch.int64),
+                                                                timestamps=times, query_timestamps=times))

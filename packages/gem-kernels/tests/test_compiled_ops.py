@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.norm_gate import TritonNormGate
 from gem_kernels.testing import offsets_from_lengths, relative_error
+from gem_model.api import AttentionExtras
 
 pytest.importorskip("triton")
 
@@ -23,8 +24,8 @@ def block(x, w, offsets, targets, position, time, ts, qts, gate_w, gate_b, atten
     u, v, q, k = torch.split(uvqk, [HEADS * DV, HEADS * DV, HEADS * DQK, HEADS * DQK], dim=-1)
     a = attention(
         q.reshape(n, HEADS, DQK), k.reshape(n, HEADS, DQK), v.reshape(n, HEADS, DV), offsets,
-        max_seq_len=MAX_LEN, alpha=0.5, num_targets=targets, position_bias=position, time_bias=time,
-        timestamps=ts, query_timestamps=qts,
+        max_seq_len=MAX_LEN, alpha=0.5, extras=AttentionExtras(num_targets=targets, position_bias=position,
+                                                               time_bias=time, timestamps=ts, query_timestamps=qts),
     )
     return x + norm_gate(a.reshape(n, HEADS * DV), u, gate_w, gate_b, 1e-6)
 

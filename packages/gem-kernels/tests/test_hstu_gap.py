@@ -18,6 +18,7 @@ from gem_kernels.hstu_gap_triton import hstu_gap_triton, silu_columns
 from gem_kernels.layer_norm_triton import norm_fork
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import offsets_from_lengths, relative_error
+from gem_model.api import AttentionExtras
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -25,13 +26,13 @@ HEADS, DQK, DV = 2, 16, 16
 EPS = 1e-6
 
 
-def composed(pre, weight, bias, offsets, *, position_bias=None, **options):
+def composed(pre, weight, bias, offsets, *, extras, **options):
     """The unfused gap on float64 references: what ``HSTUBlock`` computes without the fused path."""
     hv, hq = HEADS * DV, HEADS * DQK
     u, v, q, k = torch.split(F.silu(pre), [hv, hv, hq, hq], dim=-1)
     n = pre.shape[0]
     attn = jagged_attention_reference(q.reshape(n, HEADS, DQK), k.reshape(n, HEADS, DQK), v.reshape(n, HEADS, DV),
-                                      offsets, position_bias=position_bias, **options)  # fmt: skip
+                                      offsets, extras=extras, **options)  # fmt: skip
     return F.layer_norm(attn.reshape(n, hv), (hv,), weight, bias, EPS) * u
 
 
@@ -46,15 +47,18 @@ def check(gen: torch.Generator, lengths: list[int], *, dtype: torch.dtype, dq_mo
     pos = 0.1 * torch.randn(2 * (max(lengths) + 2) - 1, generator=gen) if position else None
     num_targets = torch.minimum(torch.randint(1, 4, (len(lengths),), generator=gen), torch.tensor(lengths)) if targets else None
     dy = torch.randn(n, HEADS * DV, generator=gen).to(dtype)
-    options = dict(max_seq_len=max(lengths) + 2, alpha=1 / math.sqrt(DQK), num_targets=num_targets, max_attn_len=window)
+    options = dict(max_seq_len=max(lengths) + 2, alpha=1 / math.sqrt(DQK))
 
     leaves = [t.detach().clone().requires_grad_() for t in (pre, weight, bias)] + (
         [pos.clone().requires_grad_()] if pos is not None else [])  # fmt: skip
+    extras = AttentionExtras(num_targets=num_targets, max_attn_len=window, position_bias=leaves[3] if position else None)
     y = hstu_gap_triton(leaves[0], leaves[1], leaves[2], offsets, num_heads=HEADS, attention_dim=DQK, value_dim=DV,
-                        eps=EPS, dq_mode=dq_mode, position_bias=leaves[3] if position else None, **options)  # fmt: skip
+                        eps=EPS, dq_mode=dq_mode, extras=extras, **options)  # fmt: skip
     got = torch.autograd.grad(y, leaves, dy)
     exact = [t.detach().double().requires_grad_() for t in leaves]
-    want_y = composed(exact[0], exact[1], exact[2], offsets, position_bias=exact[3] if position else None, **options)
+    exact_extras = AttentionExtras(num_targets=num_targets, max_attn_len=window,
+                                   position_bias=exact[3] if position else None)
+    want_y = composed(exact[0], exact[1], exact[2], offsets, extras=exact_extras, **options)
     want = torch.autograd.grad(want_y, exact, dy.double())
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     context = f"lengths={lengths} dtype={dtype} dq={dq_mode} targets={targets} window={window}"

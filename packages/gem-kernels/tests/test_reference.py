@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from gem_kernels.reference import attention_mask, jagged_attention_reference
 from gem_kernels.testing import offsets_from_lengths, random_qkv
+from gem_model.api import AttentionExtras
 
 
 def allowed_pairs(n: int, t: int, window: int) -> set[tuple[int, int]]:
@@ -48,7 +49,8 @@ def test_reference_matches_a_per_sequence_loop(gen: torch.Generator) -> None:
     targets = torch.tensor([1, 0, 3, 1])
     offsets = offsets_from_lengths(lengths)
     q, k, v = random_qkv(int(offsets[-1]), 2, 8, 5, torch.float64, gen)
-    out = jagged_attention_reference(q, k, v, offsets, max_seq_len=11, alpha=0.7, num_targets=targets, max_attn_len=2)
+    out = jagged_attention_reference(q, k, v, offsets, max_seq_len=11, alpha=0.7,
+                                     extras=AttentionExtras(num_targets=targets, max_attn_len=2))
     for b, n in enumerate(lengths):
         s = int(offsets[b])
         for i in range(n):

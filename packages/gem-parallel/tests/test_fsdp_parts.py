@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from gem_model import testing
-from gem_model.api import PlannerContext
+from gem_model.api import AttentionExtras, PlannerContext
 from gem_model.components import SparseOptimizerSpec
 from gem_model.config import ModelConfig
 from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
@@ -126,8 +126,9 @@ def test_context_parallel_attention_matches_the_reference_kernel(one_rank_group)
     time_bias = torch.randn(8, generator=g, requires_grad=True)
     times = torch.randint(0, 10_000, (n,), generator=g)
     query_times = times + torch.randint(0, 100, (n,), generator=g)
-    kw = dict(max_seq_len=max_len, alpha=0.5, num_targets=torch.tensor([1, 0, 2, 1]), max_attn_len=4,
-              position_bias=pos_bias, time_bias=time_bias, timestamps=times, query_timestamps=query_times)  # fmt: skip
+    extras = AttentionExtras(num_targets=torch.tensor([1, 0, 2, 1]), max_attn_len=4, position_bias=pos_bias,
+                             time_bias=time_bias, timestamps=times, query_timestamps=query_times)
+    kw = dict(max_seq_len=max_len, alpha=0.5, extras=extras)
     attention = ContextParallelAttention(testing.LoopAttention(), one_rank_group, cp=1, rank=0)
     attention.rows_of = [head_tail_rows(offsets, 1, 0)]
     out = attention(q, k, v, offsets, **kw)

@@ -13,21 +13,24 @@ from pydantic import model_validator
 
 from gem_kernels.attention_torch import LayoutCache, jagged_attention_torch
 from gem_kernels.availability import require_triton
-from gem_model.api import ComponentConfig, JaggedAttentionKernel, KernelUnavailableError, NormGateKernel
+from gem_model.api import (
+    NO_EXTRAS,
+    AttentionExtras,
+    ComponentConfig,
+    JaggedAttentionKernel,
+    KernelUnavailableError,
+    NormGateKernel,
+)
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_attention_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seq_offsets: torch.Tensor,
-    num_targets: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor, extras: AttentionExtras,
     max_seq_len: int,
-    max_attn_len: int,
 ) -> None:
     """Raise ValueError naming the argument whose shape, dtype or value is wrong."""
+    num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
     problem = None
     if q.dim() != 3 or k.shape != q.shape:
         problem = f"q and k must both be [L, H, Dqk], got {tuple(q.shape)} and {tuple(k.shape)}"
@@ -47,13 +50,9 @@ def check_attention_inputs(
         raise ValueError(f"jagged_attention: {problem}")
 
 
-def check_time_inputs(
-    q: torch.Tensor,
-    time_bias: torch.Tensor | None,
-    timestamps: torch.Tensor | None,
-    query_timestamps: torch.Tensor | None,
-) -> None:
+def check_time_inputs(q: torch.Tensor, extras: AttentionExtras) -> None:
     """The time bias comes with both timestamp vectors, integer ``[L]``, or none of the three comes."""
+    time_bias, timestamps, query_timestamps = extras.time_bias, extras.timestamps, extras.query_timestamps
     given = [t is not None for t in (time_bias, timestamps, query_timestamps)]
     if not any(given):
         return
@@ -93,20 +92,12 @@ class TorchJaggedAttention(JaggedAttentionKernel):
         *,
         max_seq_len: int,
         alpha: float,
-        num_targets: torch.Tensor | None = None,
-        max_attn_len: int = 0,
-        position_bias: torch.Tensor | None = None,
-        time_bias: torch.Tensor | None = None,
-        timestamps: torch.Tensor | None = None,
-        query_timestamps: torch.Tensor | None = None,
+        extras: AttentionExtras = NO_EXTRAS,
     ) -> torch.Tensor:
-        check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
-        check_time_inputs(q, time_bias, timestamps, query_timestamps)
-        return jagged_attention_torch(
-            q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
-            max_attn_len=max_attn_len, position_bias=position_bias, time_bias=time_bias,
-            timestamps=timestamps, query_timestamps=query_timestamps, cache=self.cache,
-        )
+        check_attention_inputs(q, k, v, seq_offsets, extras, max_seq_len)
+        check_time_inputs(q, extras)
+        return jagged_attention_torch(q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, extras=extras,
+                                      cache=self.cache)  # fmt: skip
 
 
 class TritonJaggedAttention(JaggedAttentionKernel):
@@ -165,9 +156,9 @@ class TritonJaggedAttention(JaggedAttentionKernel):
 
     def _block(self, x: torch.Tensor, uvqk: Callable[[torch.Tensor], torch.Tensor],
                out: Callable[[torch.Tensor], torch.Tensor], gate_weight: torch.Tensor, gate_bias: torch.Tensor,
-               seq_offsets: torch.Tensor, **options: Any) -> torch.Tensor:  # fmt: skip
-        num_targets = options.get("num_targets")
-        check_time_inputs(x, options.get("time_bias"), options.get("timestamps"), options.get("query_timestamps"))
+               seq_offsets: torch.Tensor, *, extras: AttentionExtras = NO_EXTRAS, **options: Any) -> torch.Tensor:  # fmt: skip
+        num_targets = extras.num_targets
+        check_time_inputs(x, extras)
         require_triton(x.device, op=self.op, name=self.name, in_call=True)
         from gem_kernels.hstu_block import hstu_block_triton
 
@@ -178,8 +169,8 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         blocks = None
         if self.config.block_m is not None and self.config.block_n is not None:
             blocks = (self.config.block_m, self.config.block_n)
-        return hstu_block_triton(x, uvqk, out, gate_weight, gate_bias, seq_offsets, dq_mode=self.config.dq,
-                                 blocks=blocks, **options)  # fmt: skip
+        return hstu_block_triton(x, uvqk, out, gate_weight, gate_bias, seq_offsets, extras=extras,
+                                 dq_mode=self.config.dq, blocks=blocks, **options)  # fmt: skip
 
     def __call__(
         self,
@@ -190,15 +181,13 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         *,
         max_seq_len: int,
         alpha: float,
-        num_targets: torch.Tensor | None = None,
-        max_attn_len: int = 0,
-        position_bias: torch.Tensor | None = None,
-        time_bias: torch.Tensor | None = None,
-        timestamps: torch.Tensor | None = None,
-        query_timestamps: torch.Tensor | None = None,
+        extras: AttentionExtras = NO_EXTRAS,
     ) -> torch.Tensor:
-        check_attention_inputs(q, k, v, seq_offsets, num_targets, max_seq_len, max_attn_len)
-        check_time_inputs(q, time_bias, timestamps, query_timestamps)
+        check_attention_inputs(q, k, v, seq_offsets, extras, max_seq_len)
+        check_time_inputs(q, extras)
+        num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
+        position_bias, time_bias = extras.position_bias, extras.time_bias
+        timestamps, query_timestamps = extras.timestamps, extras.query_timestamps
         for name, table in (("position_bias", position_bias), ("time_bias", time_bias)):
             if table is not None and not table.is_floating_point():
                 raise ValueError(f"jagged_attention: {name} must be floating point, got {table.dtype}")
@@ -225,8 +214,5 @@ class TritonJaggedAttention(JaggedAttentionKernel):
             )
         from gem_kernels.attention_triton_autograd import jagged_attention_triton
 
-        return jagged_attention_triton(
-            q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets,
-            max_attn_len=max_attn_len, position_bias=position_bias, time_bias=time_bias, timestamps=timestamps,
-            query_timestamps=query_timestamps, dq_mode=self.config.dq, blocks=blocks,
-        )
+        return jagged_attention_triton(q, k, v, seq_offsets, max_seq_len=max_seq_len, alpha=alpha, extras=extras,
+                                       dq_mode=self.config.dq, blocks=blocks)  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_kernels.reference import attention_mask
-from gem_model.api import gather_bias, relative_bias_matrix, time_bucket_matrix
+from gem_model.api import NO_EXTRAS, AttentionExtras, gather_bias, relative_bias_matrix, time_bucket_matrix
 
 BUCKET_GROWTH = 1.25
 """A bucket holds lengths in ``[size / BUCKET_GROWTH, size]``: at most ~1.56x the work of no padding,
@@ -148,12 +148,7 @@ def jagged_attention_torch(
     *,
     max_seq_len: int,
     alpha: float,
-    num_targets: torch.Tensor | None = None,
-    max_attn_len: int = 0,
-    position_bias: torch.Tensor | None = None,
-    time_bias: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
     cache: LayoutCache | None = None,
 ) -> torch.Tensor:
     """Same result as :func:`gem_kernels.reference.jagged_attention_reference`, bucketed by length.
@@ -161,6 +156,9 @@ def jagged_attention_torch(
     Differentiable through autograd. Reads ``seq_offsets`` on the host (a sync on GPU inputs),
     unless ``cache`` holds the layout of the same ``seq_offsets`` already.
     """
+    num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
+    position_bias, time_bias = extras.position_bias, extras.time_bias
+    timestamps, query_timestamps = extras.timestamps, extras.query_timestamps
     num_heads = q.shape[1]
     device = q.device
     # 16-bit inputs are computed in float32: CPUs without bf16 matmul units are no slower for it,

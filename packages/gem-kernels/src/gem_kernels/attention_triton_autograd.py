@@ -11,6 +11,7 @@ from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias, prepare_bias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.launcher import config_str, key_label
+from gem_model.api import NO_EXTRAS, AttentionExtras
 
 DqMode = Literal["auto", "atomic", "separate"]
 
@@ -121,19 +122,13 @@ def jagged_attention_triton(
     *,
     max_seq_len: int,
     alpha: float,
-    num_targets: torch.Tensor | None = None,
-    max_attn_len: int = 0,
-    position_bias: torch.Tensor | None = None,
-    time_bias: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
     dq_mode: DqMode = "auto",
     blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Differentiable jagged HSTU attention (see :mod:`gem_kernels.attention_triton`), in ``q``, ``k``,
-    ``v`` and the relative biases ``position_bias`` ``[2 max_seq_len - 1]`` and ``time_bias``
-    ``[num_buckets]`` (with int ``[L]`` ``timestamps`` and ``query_timestamps``; semantics of
-    :class:`gem_model.components.JaggedAttentionKernel`).
+    ``v`` and the relative biases of ``extras`` (semantics of :class:`gem_model.api.JaggedAttentionKernel`
+    and :class:`gem_model.api.AttentionExtras`).
 
     ``dq_mode``: how the backward gets ``dq`` (``auto``: see :data:`ATOMIC_DQ_BELOW_PAIRS`).
     ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of tuning them. Without autograd
@@ -143,11 +138,13 @@ def jagged_attention_triton(
     :func:`gem_kernels.compiled_ops.jagged_attention_op` instead, which dynamo does not trace into
     (the registered ``triton`` kernel does so).
     """
+    num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
+    position_bias, time_bias = extras.position_bias, extras.time_bias
     if not seq_offsets.is_contiguous():
         seq_offsets = seq_offsets.contiguous()
     if num_targets is not None and not num_targets.is_contiguous():
         num_targets = num_targets.contiguous()
-    bias = prepare_bias(position_bias, time_bias, timestamps, query_timestamps, max_seq_len)
+    bias = prepare_bias(position_bias, time_bias, extras.timestamps, extras.query_timestamps, max_seq_len)
     leaves = (q, k, v, position_bias, time_bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
         return query_major(

@@ -44,6 +44,7 @@ from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
+from gem_model.api import NO_EXTRAS, AttentionExtras
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 
@@ -164,17 +165,14 @@ def hstu_gap_triton(
     max_seq_len: int,
     alpha: float,
     eps: float,
-    num_targets: torch.Tensor | None = None,
-    max_attn_len: int = 0,
-    position_bias: torch.Tensor | None = None,
-    time_bias: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
     dq_mode: DqMode = "auto",
     blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The fused gap ``pre -> y`` (``[L, H (2 Dv + 2 Dqk)] -> [L, H Dv]``); attention arguments as in
     :func:`gem_kernels.attention_triton_autograd.jagged_attention_triton`, ``eps`` the norm-gate's."""
+    num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
+    position_bias, time_bias = extras.position_bias, extras.time_bias
     from gem_kernels.attention_triton_bias import prepare_bias
 
     width = num_heads * (2 * value_dim + 2 * attention_dim)
@@ -184,7 +182,7 @@ def hstu_gap_triton(
         pre = pre.contiguous()
     seq_offsets = seq_offsets.contiguous()
     num_targets = num_targets.contiguous() if num_targets is not None else None
-    bias = prepare_bias(position_bias, time_bias, timestamps, query_timestamps, max_seq_len)
+    bias = prepare_bias(position_bias, time_bias, extras.timestamps, extras.query_timestamps, max_seq_len)
     options = dict(max_seq_len=max_seq_len, alpha=float(alpha), max_attn_len=max_attn_len, blocks=blocks,
                    dq_mode=dq_mode, eps=eps)  # fmt: skip
     return HSTUGapFunction.apply(pre, gate_weight, gate_bias, position_bias, time_bias, seq_offsets, num_targets,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gem_model.api import relative_bias_matrix, time_bias_matrix
+from gem_model.api import NO_EXTRAS, AttentionExtras, relative_bias_matrix, time_bias_matrix
 
 
 def effective_positions(lengths: torch.Tensor, num_targets: torch.Tensor | None, size: int) -> torch.Tensor:
@@ -46,12 +46,7 @@ def jagged_attention_reference(
     *,
     max_seq_len: int,
     alpha: float,
-    num_targets: torch.Tensor | None = None,
-    max_attn_len: int = 0,
-    position_bias: torch.Tensor | None = None,
-    time_bias: torch.Tensor | None = None,
-    timestamps: torch.Tensor | None = None,
-    query_timestamps: torch.Tensor | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """``out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j> + r(i, j)) / max_seq_len * v_j`` per sequence.
 
@@ -59,6 +54,9 @@ def jagged_attention_reference(
     (each term 0 when its bias is None). Differentiable in ``q``, ``k``, ``v`` and both biases. Pads to
     the longest sequence of the batch.
     """
+    num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
+    position_bias, time_bias = extras.position_bias, extras.time_bias
+    timestamps, query_timestamps = extras.timestamps, extras.query_timestamps
     compute = torch.promote_types(v.dtype, torch.float32)
     num_rows, num_heads, _ = q.shape
     offsets = seq_offsets.to(torch.int64)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gem_kernels.reference import jagged_attention_reference
+from gem_model.api import AttentionExtras
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -59,7 +60,8 @@ def attention_errors(
     An element the kernel never wrote (NaN from poisoned memory) makes its error NaN, which fails
     any ``error < tolerance`` check.
     """
-    options = dict(max_seq_len=max_seq_len, alpha=alpha, num_targets=num_targets, max_attn_len=max_attn_len)
+    extras = AttentionExtras(num_targets=num_targets, max_attn_len=max_attn_len)
+    options = dict(max_seq_len=max_seq_len, alpha=alpha, extras=extras)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = kernel(*leaves, seq_offsets, **options)
     grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)

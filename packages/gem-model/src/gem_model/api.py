@@ -17,7 +17,7 @@ from gem_model.markers import hookimpl
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # the component interfaces, and what planners and kernels hand back
     "gem_model.components": (
-        "GEMM_BITS", "ActivationPolicy", "CommStrategy", "Component", "ComponentConfig", "DataSource",
+        "GEMM_BITS", "NO_EXTRAS", "ActivationPolicy", "AttentionExtras", "CommStrategy", "Component", "ComponentConfig", "DataSource",
         "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NormGateKernel", "ParallelPlanner", "PlannerContext",
         "PrecisionScheme", "PreparedModel", "SparseOptimizerSpec",
     ),
@@ -64,10 +64,12 @@ __all__ = [
     "GEMM_BITS",
     "LOSS_DIMS",
     "MESH_DIMS",
+    "NO_EXTRAS",
     "SPARSE_GROUP",
     "SPARSE_REPLICA_GROUP",
     "TIME_BUCKET_STEP",
     "ActivationPolicy",
+    "AttentionExtras",
     "Batch",
     "Callback",
     "CommStrategy",
@@ -152,7 +154,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from gem_model.components import (
         GEMM_BITS,
+        NO_EXTRAS,
         ActivationPolicy,
+        AttentionExtras,
         CommStrategy,
         Component,
         ComponentConfig,

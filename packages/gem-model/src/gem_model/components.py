@@ -75,6 +75,30 @@ class Kernel(Component):
         """
 
 
+@dataclass(frozen=True)
+class AttentionExtras:
+    """The optional parts of a jagged attention call, as one value (what HSTU adds to plain causal
+    attention; see :class:`JaggedAttentionKernel` for the math).
+
+    ``num_targets`` int ``[B]``: the last ``t`` positions of each sequence are targets (``None``: none);
+    ``max_attn_len``: the window ``W`` (0: no window); ``position_bias`` ``[2 * max_seq_len - 1]`` and
+    ``time_bias`` ``[num_buckets]``: the relative biases (differentiable), the time bias with
+    ``timestamps`` and ``query_timestamps`` int ``[L]`` (each row's time as a key, and the time its
+    query is asked at).
+    """
+
+    num_targets: torch.Tensor | None = None
+    max_attn_len: int = 0
+    position_bias: torch.Tensor | None = None
+    time_bias: torch.Tensor | None = None
+    timestamps: torch.Tensor | None = None
+    query_timestamps: torch.Tensor | None = None
+
+
+NO_EXTRAS = AttentionExtras()
+"""Plain causal jagged attention: no targets, no window, no biases."""
+
+
 class JaggedAttentionKernel(Kernel):
     """HSTU pointwise attention over jagged sequences.
 
@@ -92,12 +116,10 @@ class JaggedAttentionKernel(Kernel):
     ``time_bias[bucket(query_timestamps[i] - timestamps[j])]``
     (:func:`gem_model.jagged.time_buckets`); 0 when both are None. Only kernels with
     ``supports_position_bias`` / ``supports_time_bias`` take them; the model checks that before training.
+    ``num_targets``, ``W`` and the biases travel together as one :class:`AttentionExtras`.
 
-    Shapes: ``q, k`` ``[L, H, Dqk]``, ``v`` ``[L, H, Dv]``, ``seq_offsets`` int ``[B + 1]``,
-    ``num_targets`` int ``[B]``, ``position_bias`` ``[2 * max_seq_len - 1]``, ``time_bias``
-    ``[num_buckets]`` (both differentiable), ``timestamps`` and ``query_timestamps`` int ``[L]`` (the
-    time of each row as a key, and the time its query is asked at); returns ``[L, H, Dv]`` in the
-    dtype of ``v``.
+    Shapes: ``q, k`` ``[L, H, Dqk]``, ``v`` ``[L, H, Dv]``, ``seq_offsets`` int ``[B + 1]``; returns
+    ``[L, H, Dv]`` in the dtype of ``v``.
     """
 
     op: ClassVar[str] = "jagged_attention"
@@ -114,12 +136,7 @@ class JaggedAttentionKernel(Kernel):
         *,
         max_seq_len: int,
         alpha: float,
-        num_targets: torch.Tensor | None = None,
-        max_attn_len: int = 0,
-        position_bias: torch.Tensor | None = None,
-        time_bias: torch.Tensor | None = None,
-        timestamps: torch.Tensor | None = None,
-        query_timestamps: torch.Tensor | None = None,
+        extras: AttentionExtras = NO_EXTRAS,
     ) -> torch.Tensor: ...
 
     def fused_block(self, norm_gate: NormGateKernel) -> Callable[..., torch.Tensor] | None:
@@ -131,8 +148,7 @@ class JaggedAttentionKernel(Kernel):
         ``u, v, q, k = split(silu(uvqk(layer_norm(x))))``::
 
             block(x, uvqk, out, gate_weight, gate_bias, seq_offsets, *, num_heads, attention_dim,
-                  value_dim, max_seq_len, alpha, eps, num_targets, max_attn_len, position_bias,
-                  time_bias, timestamps, query_timestamps)
+                  value_dim, max_seq_len, alpha, eps, extras)
 
         ``uvqk`` and ``out`` are the block's linears as callables (the precision scheme's modules,
         ``out`` with the block's dropout), so the GEMMs stay the scheme's; ``eps`` is the norm-gate's;

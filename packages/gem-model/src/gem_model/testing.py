@@ -32,6 +32,7 @@ from torch import nn
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 
 from gem_model.components import (
+    NO_EXTRAS,
     ActivationPolicy,
     CommStrategy,
     ComponentConfig,
@@ -71,10 +72,10 @@ class LoopAttention(JaggedAttentionKernel):
     supports_position_bias: ClassVar[bool] = True
     supports_time_bias: ClassVar[bool] = True
 
-    def __call__(
-        self, q, k, v, seq_offsets, *, max_seq_len, alpha, num_targets=None, max_attn_len=0, position_bias=None,
-        time_bias=None, timestamps=None, query_timestamps=None,
-    ):
+    def __call__(self, q, k, v, seq_offsets, *, max_seq_len, alpha, extras=NO_EXTRAS):
+        num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
+        position_bias, time_bias = extras.position_bias, extras.time_bias
+        timestamps, query_timestamps = extras.timestamps, extras.query_timestamps
         outs = []
         for b in range(seq_offsets.numel() - 1):
             s, e = int(seq_offsets[b]), int(seq_offsets[b + 1])

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gem_model.api import gather_bias, sequence_ids, time_buckets
+from gem_model.api import NO_EXTRAS, gather_bias, sequence_ids, time_buckets
 
 
 def head_tail_rows(offsets: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
@@ -131,10 +131,10 @@ class ContextParallelAttention:
         self.name = f"context_parallel({kernel.name})"
         self.rows_of: list[torch.Tensor] = []  # set by the block's pre-hook for each forward
 
-    def __call__(
-        self, q, k, v, seq_offsets, *, max_seq_len, alpha, num_targets=None, max_attn_len=0, position_bias=None,
-        time_bias=None, timestamps=None, query_timestamps=None,
-    ):  # type: ignore[no-untyped-def]  # fmt: skip
+    def __call__(self, q, k, v, seq_offsets, *, max_seq_len, alpha, extras=NO_EXTRAS):  # type: ignore[no-untyped-def]
+        num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
+        position_bias, time_bias = extras.position_bias, extras.time_bias
+        timestamps, query_timestamps = extras.timestamps, extras.query_timestamps
         rows, n = self.rows_of[self.rank], int(seq_offsets[-1])
         k_all = _gather_rows(k, self.rows_of, n, self.group)
         v_all = _gather_rows(v, self.rows_of, n, self.group)
@@ -169,6 +169,9 @@ def apply_context_parallel(blocks: list[nn.Module], group: Any) -> None:
     for block in blocks:
         attention = ContextParallelAttention(block.attention, group, cp=cp, rank=rank)
         block.attention = attention
+        # a fused block (JaggedAttentionKernel.fused_block) calls its kernel's own attention on all
+        # rows: context parallelism needs the op-by-op path through this wrapper
+        block.fused = None
 
         def enter(module: nn.Module, args: tuple, attention: ContextParallelAttention = attention) -> tuple:
             x, offsets, *rest = args

@@ -22,6 +22,7 @@ Every rank of a ``tp`` group reads the same samples (the layout's data-parallel 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from gem_model.api import ShardableModel
+from gem_model.api import NO_EXTRAS, ShardableModel
 
 _BLOCK_PARTS = ("uvqk", "out", "num_heads", "value_dim", "attention_dim", "attention", "norm_gate")
 
@@ -73,6 +74,10 @@ def apply_tensor_parallel(model: ShardableModel, tp_mesh: DeviceMesh) -> None:
         block.num_heads = h // tp
         block.attention = _SharedBiasAttention(block.attention, group)
         block.norm_gate = _GroupNormGate(block.norm_gate, group, rank=rank, width=(h // tp) * dv)
+        # the norm-gate's layer norm spans the tp group and the bias gradients are summed over it
+        # (the two wrappers above): a fused block (JaggedAttentionKernel.fused_block) would do
+        # neither, so the split blocks run op by op
+        block.fused = None
 
 
 def _head_major_rows(h: int, dv: int, dqk: int, tp: int) -> torch.Tensor:
@@ -121,10 +126,12 @@ class _SharedBiasAttention:
         self.kernel, self.group = kernel, group
         self.name = kernel.name
 
-    def __call__(self, q, k, v, seq_offsets, *, position_bias=None, time_bias=None, **kw):  # type: ignore[no-untyped-def]
-        return self.kernel(
-            q, k, v, seq_offsets, position_bias=_shared(position_bias, self.group), time_bias=_shared(time_bias, self.group), **kw
+    def __call__(self, q, k, v, seq_offsets, *, extras=NO_EXTRAS, **kw):  # type: ignore[no-untyped-def]
+        shared = dataclasses.replace(
+            extras, position_bias=_shared(extras.position_bias, self.group),
+            time_bias=_shared(extras.time_bias, self.group),
         )
+        return self.kernel(q, k, v, seq_offsets, extras=shared, **kw)
 
 
 class _GroupNormGate:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_model.components import JaggedAttentionKernel, NormGateKernel
+from gem_model.components import AttentionExtras, JaggedAttentionKernel, NormGateKernel
 
 GATE_EPS = 1e-6
 """The ``eps`` of the norm-gate's layer norm."""
@@ -68,29 +68,26 @@ class HSTUBlock(nn.Module):
         """``times``: ``(key, query)`` integer timestamps per row, needed when the block has a time bias."""
         n, h = x.shape[0], self.num_heads
         dv, dqk = self.value_dim, self.attention_dim
-        bias: dict[str, torch.Tensor] = {} if self.position_bias is None else {"position_bias": self.position_bias}
+        key_times = query_times = None
         if self.time_bias is not None:
             if times is None:
                 raise ValueError("an HSTU block with a time bias needs the rows' (key, query) timestamps")
-            bias.update(time_bias=self.time_bias, timestamps=times[0], query_timestamps=times[1])
+            key_times, query_times = times
+        extras = AttentionExtras(
+            num_targets=num_targets, max_attn_len=self.max_attn_len, position_bias=self.position_bias,
+            time_bias=self.time_bias, timestamps=key_times, query_timestamps=query_times,
+        )
         if self.fused is not None and not torch.compiler.is_compiling():
             return self.fused(
                 x, self.uvqk, lambda y: self.out(self.dropout(y)).to(x.dtype), self.gate_weight, self.gate_bias,
                 offsets, num_heads=h, attention_dim=dqk, value_dim=dv, max_seq_len=self.max_seq_len,
-                alpha=self.alpha, eps=GATE_EPS, num_targets=num_targets, max_attn_len=self.max_attn_len, **bias,
+                alpha=self.alpha, eps=GATE_EPS, extras=extras,
             )
         pre = self.uvqk(F.layer_norm(x, x.shape[-1:]))
         u, v, q, k = torch.split(F.silu(pre), [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
         attn = self.attention(
-            q.reshape(n, h, dqk),
-            k.reshape(n, h, dqk),
-            v.reshape(n, h, dv),
-            offsets,
-            max_seq_len=self.max_seq_len,
-            alpha=self.alpha,
-            num_targets=num_targets,
-            max_attn_len=self.max_attn_len,
-            **bias,
+            q.reshape(n, h, dqk), k.reshape(n, h, dqk), v.reshape(n, h, dv), offsets,
+            max_seq_len=self.max_seq_len, alpha=self.alpha, extras=extras,
         )
         y = self.norm_gate(attn.reshape(n, h * dv), u, self.gate_weight, self.gate_bias, GATE_EPS)
         return x + self.out(self.dropout(y)).to(x.dtype)
