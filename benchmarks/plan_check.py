@@ -99,9 +99,11 @@ def measured_step(metrics: Path, warmup: int) -> dict:
 def stage_measure(args: argparse.Namespace, state: dict) -> None:
     state["measured"] = {}
     runs = {"auto": auto(args), "config_planner": []}
+    own = dict(x.split("=", 1) for x in args.steps_for)
     for name, extra in runs.items():
         out = args.out / f"run-{name}"
-        rc, secs = sh(gem("run", *base(args), *extra, f"trainer.steps={args.steps}", "trainer.log_every=1",
+        steps = int(own.get(name, args.steps))
+        rc, secs = sh(gem("run", *base(args), *extra, f"trainer.steps={steps}", "trainer.log_every=1",
                           f"trainer.output_dir={out}", "trainer.resume=false", "trainer.checkpoint_at_end=false",
                           "trainer.eval_at_end=false", "trainer.progress=false", torchrun=True),
                       args.out / f"run-{name}.log", 560)  # fmt: skip
@@ -137,6 +139,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--stage", choices=["all", "profile", "plan", "measure", "report"], default="all")
     p.add_argument("--steps", type=int, default=40, help="steps of each measured run")
+    p.add_argument("--steps-for", action="append", default=[], metavar="RUN=N",
+                   help="steps of one measured run (auto or config_planner), e.g. config_planner=300 to make it "
+                   "the config's stability run too")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the measured median (and the profile's warm-up)")
     p.add_argument("--scale", type=lambda s: [int(x) for x in s.split(",") if x], default=[8, 64],
                    help="world sizes to predict besides 1 (no measurement)")  # fmt: skip
