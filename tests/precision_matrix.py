@@ -76,6 +76,18 @@ def record_dtypes(model: torch.nn.Module) -> dict[str, set[str]]:
             return _inner(q, *args, **kwargs)
 
         block.attention = spy
+        if getattr(block, "fused", None) is not None:
+            # the fused block (JaggedAttentionKernel.fused_block) runs its own attention on silu of the
+            # uvqk projection's output, in that output's dtype: record it as what attention sees
+            def spy_fused(x, uvqk, *args, _inner=block.fused, **kwargs):
+                def projected(t, _uvqk=uvqk):
+                    pre = _uvqk(t)
+                    seen.setdefault("attention_in", set()).add(str(pre.dtype)[6:])
+                    return pre
+
+                return _inner(x, projected, *args, **kwargs)
+
+            block.fused = spy_fused
     return seen
 
 

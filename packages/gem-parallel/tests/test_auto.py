@@ -21,9 +21,9 @@ from gem_model.api import (
     GemModel,
     GemPluginManager,
     PlannerContext,
-    RunShape,
     load_config,
     resolve_components,
+    run_shape,
 )
 from gem_model.cli import main
 from gem_model.train.optim import sparse_optimizer_spec
@@ -38,7 +38,7 @@ def bound(world_per_node: int, *overrides: str) -> tuple[AutoPlanner, object, ob
     components = resolve_components(config, GemPluginManager(autoload=False, plugins=[testing, gem_parallel.plugin]))
     planner = components.planner
     assert isinstance(planner, AutoPlanner)
-    planner.bind_run(RunShape.of(config, components, ranks_per_node=world_per_node))
+    planner.bind_run(run_shape(config, components, ranks_per_node=world_per_node))
     return planner, config, components
 
 

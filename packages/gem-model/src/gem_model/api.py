@@ -39,7 +39,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.config_io": ("load_config",),
     "gem_model.errors": ("ConfigError", "KernelUnavailableError"),
     "gem_model.plugins": ("GemPluginManager",),
-    "gem_model.resolve": ("resolve_components",),
+    "gem_model.resolve": ("resolve_components", "run_shape"),
     # the data a step sees
     "gem_model.data.batch": ("Batch", "FeatureSpec"),
     "gem_model.data.loader": ("ShardedLoader",),
@@ -128,6 +128,7 @@ __all__ = [
     "precision_plan",
     "relative_bias_matrix",
     "resolve_components",
+    "run_shape",
     "sequence_ids",
     "set_submodule",
     "step_loss",
@@ -208,6 +209,6 @@ if TYPE_CHECKING:
     from gem_model.profiling.memory import step_loss
     from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
     from gem_model.protocols import ShardableModel, Stateful
-    from gem_model.resolve import resolve_components
+    from gem_model.resolve import resolve_components, run_shape
     from gem_model.results import ReportSection, RunSummary, StepResult
     from gem_model.run_shape import RunShape

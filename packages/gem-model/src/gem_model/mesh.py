@@ -10,20 +10,34 @@ groups as the dims cut them, contiguous or strided).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from gem_model.parallel_dims import DATA_DIMS, LOSS_DIMS, SPARSE_GROUP, SPARSE_REPLICA_GROUP
+from gem_model.parallel_dims import DATA_DIMS, LOSS_DIMS, SPARSE_GROUP, SPARSE_REPLICA_GROUP, ParallelDims
 
-if TYPE_CHECKING:
-    from gem_model.layout import Layout
+
+class MeshSpec(Protocol):
+    """What the mesh is built from: a :class:`~gem_model.layout.Layout` (which builds its mesh here,
+    so this module names only the fields it reads)."""
+
+    dims: ParallelDims
+    rank: int
+
+    @property
+    def degrees(self) -> dict[str, int]: ...
+
+    @property
+    def coords(self) -> dict[str, int]: ...
+
+    @property
+    def world_size(self) -> int: ...
 
 FLAT_GROUPS = (("dp_shard", "cp"), DATA_DIMS, LOSS_DIMS)
 
 
-def build_groups(layout: Layout, device_type: str) -> tuple[DeviceMesh, dict[str, Any]]:
+def build_groups(layout: MeshSpec, device_type: str) -> tuple[DeviceMesh, dict[str, Any]]:
     """(the mesh, every group by its key in :attr:`Layout.groups`) for this rank of ``layout``."""
     if not dist.is_initialized():
         raise RuntimeError("a device mesh needs the process group: torch.distributed is not initialized")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from gem_model.errors import ConfigError
 from gem_model.parallel_dims import Problem
-from gem_model.run_shape import RunShape
+from gem_model.resolve import run_shape
 
 if TYPE_CHECKING:
     from gem_model.config import RunConfig
@@ -30,7 +30,7 @@ def parallel_problems(
 ) -> list[Problem]:
     """The problems of the degrees the run's planner chooses for ``world_size`` processes."""
     planner = components.planner
-    planner.bind_run(RunShape.of(config, components, ranks_per_node=ranks_per_node))
+    planner.bind_run(run_shape(config, components, ranks_per_node=ranks_per_node))
     try:
         dims = planner.dims(world_size)
     except ConfigError as exc:

@@ -29,7 +29,10 @@ from gem_model.protocols import Stateful
 from gem_model.registry import Registry
 
 if TYPE_CHECKING:
+    import torch
+
     from gem_model.data.batch import FeatureSpec
+    from gem_model.protocols import ShardableModel
 
 
 @dataclass
@@ -136,3 +139,31 @@ def build_balancer(config: RunConfig, pm: GemPluginManager, name: str, spec: Fea
     balancer: LoadBalancer = entry.cls(entry.cls.Config.model_validate(configured.options if configured.name == name else {}))
     balancer.bind_model(config.model, spec)
     return balancer
+
+
+def run_shape(config: RunConfig, components: Components, *, ranks_per_node: int | None = None) -> RunShape:
+    """The :class:`~gem_model.run_shape.RunShape` of a run of ``config`` with its resolved ``components``:
+    the model built on the meta device and the data's lengths read, each on first use."""
+    from gem_model.run_shape import RunShape
+
+    def build_model() -> ShardableModel:
+        import torch
+
+        from gem_model.model.gem import GemModel
+
+        with torch.device("meta"):
+            return GemModel(
+                config.model.model_copy(update={"table_init": "device"}), components.source.feature_spec(),
+                attention=components.attention, norm_gate=components.norm_gate, seed=config.trainer.seed,
+            )  # fmt: skip
+
+    def read_lengths(batches: int) -> torch.Tensor:
+        import torch
+
+        batch = config.data.global_batch_size
+        return torch.cat([components.source.lengths(step, batch) for step in range(batches)])
+
+    from gem_model.precision import activation_dtype_of
+
+    dtype = activation_dtype_of(config.precision, components.precision)
+    return RunShape(config, ranks_per_node, build_model, read_lengths, components.source.feature_spec(), dtype)

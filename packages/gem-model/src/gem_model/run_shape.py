@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from gem_model.config import RunConfig
     from gem_model.data.batch import FeatureSpec
     from gem_model.protocols import ShardableModel
-    from gem_model.resolve import Components
 
 
 @dataclass
@@ -39,32 +38,6 @@ class RunShape:
     """The dtype activations flow in (``precision.activation_dtype``, ``auto`` resolved through the scheme)."""
     _model: ShardableModel | None = field(default=None, init=False, repr=False)
 
-    @classmethod
-    def of(cls, config: RunConfig, components: Components, *, ranks_per_node: int | None = None) -> RunShape:
-        """The shape of a run of ``config`` with its resolved ``components``."""
-
-        def build_model() -> ShardableModel:
-            import torch
-
-            from gem_model.model.gem import GemModel
-
-            with torch.device("meta"):
-                return GemModel(
-                    config.model.model_copy(update={"table_init": "device"}), components.source.feature_spec(),
-                    attention=components.attention, norm_gate=components.norm_gate, seed=config.trainer.seed,
-                )  # fmt: skip
-
-        def read_lengths(batches: int) -> torch.Tensor:
-            import torch
-
-            batch = config.data.global_batch_size
-            return torch.cat([components.source.lengths(step, batch) for step in range(batches)])
-
-        from gem_model.precision import activation_dtype_of
-
-        dtype = activation_dtype_of(config.precision, components.precision)
-        return cls(config, ranks_per_node, build_model, read_lengths, components.source.feature_spec(), dtype)
-
     @property
     def num_heads(self) -> int:
         return self.config.model.num_heads
@@ -82,12 +55,12 @@ class RunShape:
         blocks and dense parameters, with no memory behind them. Built once."""
         if self._model is None:
             if self.build_model is None:
-                raise ValueError("this RunShape was made without a model (RunShape.of builds one)")
+                raise ValueError("this RunShape was made without a model (gem_model.resolve.run_shape builds one)")
             self._model = self.build_model()
         return self._model
 
     def history_lengths(self, batches: int = 8) -> torch.Tensor:
         """The history lengths of the data source's first ``batches`` global batches (int64)."""
         if self.read_lengths is None:
-            raise ValueError("this RunShape was made without a data source (RunShape.of reads one)")
+            raise ValueError("this RunShape was made without a data source (gem_model.resolve.run_shape reads one)")
         return self.read_lengths(batches)

@@ -46,7 +46,7 @@ from gem_model.profiling.sequences import read_history, sequences_section
 from gem_model.profiling.shared_model import initial_model
 from gem_model.profiling.step_time import measure_steps, step_time_section
 from gem_model.resolve import Components, resolve_components
-from gem_model.run_shape import RunShape
+from gem_model.resolve import run_shape
 from gem_model.train.prepare import offline_plan
 from gem_model.train.progress import task_progress
 
@@ -148,7 +148,7 @@ def run_profile(config: RunConfig, pm: GemPluginManager, options: ProfileOptions
         return None
     _release_memory()  # the measured run's model and tables, before the sections build theirs
     device = pick_device(config.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
-    components.planner.bind_run(RunShape.of(config, components))
+    components.planner.bind_run(run_shape(config, components))
     ctx = ProfileContext(config, pm, device, world, components.planner.dims(world).dp_degree, options.batches, options.out,
                          None if probe is None else probe.measured(), selected=selected,
                          build_model=functools.partial(initial_model, config, pm, device))  # fmt: skip

@@ -36,7 +36,7 @@ from gem_model.model.gem import GemModel
 from gem_model.plan import Plan
 from gem_model.precision import PrecisionPolicy, apply_precision, precision_plan, set_submodule
 from gem_model.resolve import Components
-from gem_model.run_shape import RunShape
+from gem_model.resolve import run_shape
 from gem_model.train.optim import sparse_optimizer_spec
 
 __all__ = [
@@ -118,7 +118,7 @@ def offline_plan(config: RunConfig, components: Components, *, world_size: int, 
     plan of tens of GB of tables takes no memory; layout groups are None."""
     device = pick_device(config.trainer.device, 0)
     env = DistEnv(0, world_size, 0, device, None)
-    components.planner.bind_run(RunShape.of(config, components, ranks_per_node=ranks_per_node))
+    components.planner.bind_run(run_shape(config, components, ranks_per_node=ranks_per_node))
     layout = components.planner.layout(env)
     model_config = config.model.model_copy(update={"table_init": "device"})
     spec = components.source.feature_spec()

@@ -30,7 +30,7 @@ from gem_model.plan import Plan
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components
 from gem_model.results import ReportSection, RunSummary, StepResult
-from gem_model.run_shape import RunShape
+from gem_model.resolve import run_shape
 from gem_model.train import checkpoint as ckpt
 from gem_model.train import compat, lock, outputs, peers, resume
 from gem_model.train import state as run_state
@@ -62,7 +62,7 @@ class Run:
         components.comm.setup(env)
         self.comm = components.comm
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
-        components.planner.bind_run(RunShape.of(config, components, ranks_per_node=ranks_per_node))
+        components.planner.bind_run(run_shape(config, components, ranks_per_node=ranks_per_node))
         self.layout = components.planner.layout(env)  # before the loader: it shards by the dp rank
         if self.layout.world_size != env.world_size:
             raise ValueError(
