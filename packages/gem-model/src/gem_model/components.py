@@ -36,7 +36,7 @@ NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 class ComponentConfig(BaseModel):
     """Base of every component's options. Unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Component(ABC):
@@ -286,6 +286,9 @@ class ParallelPlanner(Component):
 
     max_world_size: ClassVar[int | None] = None
     """The most processes this planner can drive (None: any); checked before processes start."""
+    needs_process_group: ClassVar[bool] = False
+    """Whether :meth:`apply` needs a process group even at one process (torchrec's sharded tables do):
+    ``gem-train run`` then starts torchrun itself, and a run built in a plain process is refused first."""
 
     def layout(self, env: DistEnv) -> Layout:
         """The run's layout. The default: every rank a data-parallel replica over the default group

@@ -13,6 +13,7 @@ every node runs the same command with its own ``--node-rank``, and they meet at 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gem_model.errors import ConfigError
@@ -33,7 +34,8 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_launch_args(args: argparse.Namespace) -> None:
+def launch_problems(args: argparse.Namespace) -> list[tuple[str, object, str]]:
+    """Every problem of the launch options (reported with the config's, in one round)."""
     problems: list[tuple[str, object, str]] = []
     if args.nproc < 1:
         problems.append(("--nproc", args.nproc, "must be at least 1"))
@@ -47,8 +49,22 @@ def check_launch_args(args: argparse.Namespace) -> None:
         problems.append(("--max-restarts", args.max_restarts, "must be at least 0"))
     if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
         problems.append(("--rdzv-endpoint", args.rdzv_endpoint, "must be host:port"))
+    return problems
+
+
+def check_launch_args(args: argparse.Namespace) -> None:
+    problems = launch_problems(args)
     if problems:
         raise ConfigError(problems)
+
+
+def torchrun_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment torchrun starts with. torchrun sets ``OMP_NUM_THREADS=1`` for each of several
+    processes when it is unset, with a banner on every launch; the same value is set here without it."""
+    env = dict(os.environ)
+    if args.nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def world_size(args: argparse.Namespace) -> int:

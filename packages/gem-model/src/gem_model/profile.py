@@ -73,6 +73,34 @@ def profile_parser(commands: dict[str, object]) -> argparse.ArgumentParser:
     return parser
 
 
+def profile_help() -> int:
+    """``gem-train profile --help`` without loading the plugins (that would import torch): the core's
+    subcommands, those our packages add (installed or not, from the package metadata), and a pointer
+    to the others."""
+    from importlib import metadata
+
+    installed = {}
+    for name, dist in KNOWN_COMMANDS.items():
+        try:
+            metadata.distribution(dist)
+            installed[name] = dist
+        except metadata.PackageNotFoundError:
+            pass
+    parser = profile_parser({})
+    parser.epilog = (
+        "Installed plugins add subcommands of their own"
+        + (f" ({', '.join(f'{n} from {d}' for n, d in installed.items())})" if installed else "")
+        + ": `gem-train plugins` lists them, `gem-train profile NAME --help` shows one's options."
+    )
+    kinds = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, dist in installed.items():
+        kinds.choices.pop(name, None)
+        kinds._choices_actions = [a for a in kinds._choices_actions if a.dest != name]
+        kinds.add_parser(name, help=f"from {dist}: `gem-train profile {name} --help`", add_help=False)
+    parser.print_help()
+    return 0
+
+
 def profile_main(args: argparse.Namespace) -> int:
     from gem_model.plugins import GemPluginManager
 

@@ -7,7 +7,7 @@ all problems are reported together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gem_model.components import (
     ActivationPolicy,
@@ -97,6 +97,35 @@ class _Resolver:
 
 def resolve_components(config: RunConfig, pm: GemPluginManager) -> Components:
     """Instantiate every component the config names; raise one error listing every problem."""
+    built, r = _resolve(config, pm)
+    if r.unknown:
+        raise UnknownNameError("\n".join(r.unknown))
+    if r.bad:
+        raise ConfigError(r.bad)
+    return Components(**built)
+
+
+@dataclass
+class Resolution:
+    """What :func:`resolve_partially` could build: each component by its ``Components`` field, None
+    where its name is unknown or its options are refused, and those problems."""
+
+    built: dict[str, Any]
+    unknown: list[str]
+    bad: list[tuple[str, object, str]]
+
+    def components(self) -> Components | None:
+        """The whole :class:`Components`, or None when one of them could not be built."""
+        return None if self.unknown or self.bad else Components(**self.built)
+
+
+def resolve_partially(config: RunConfig, pm: GemPluginManager) -> Resolution:
+    """Build what can be built and collect the rest's problems (for a check that reports all at once)."""
+    built, r = _resolve(config, pm)
+    return Resolution(built, r.unknown, r.bad)
+
+
+def _resolve(config: RunConfig, pm: GemPluginManager) -> tuple[dict[str, Any], _Resolver]:
     r = _Resolver()
     precision = {config.precision.scheme.name: r.build(pm.precision_schemes, config.precision.scheme, "precision.scheme")}
     for pattern, name in config.precision.overrides.items():
@@ -120,11 +149,7 @@ def resolve_components(config: RunConfig, pm: GemPluginManager) -> Components:
         "pipeline": r.build(pm.train_pipelines, config.trainer.pipeline, "trainer.pipeline"),
     }
     callbacks = {ref.name: r.build(pm.callbacks, ref, f"callbacks.{i}") for i, ref in enumerate(config.callbacks)}
-    if r.unknown:
-        raise UnknownNameError("\n".join(r.unknown))
-    if r.bad:
-        raise ConfigError(r.bad)
-    return Components(precision=precision, activation=activation, callbacks=callbacks, **built)  # type: ignore[arg-type]
+    return {"precision": precision, "activation": activation, "callbacks": callbacks, **built}, r
 
 
 def build_balancer(config: RunConfig, pm: GemPluginManager, name: str, spec: FeatureSpec) -> LoadBalancer:

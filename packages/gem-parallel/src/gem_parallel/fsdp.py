@@ -78,6 +78,7 @@ class FSDPConfig(ComponentConfig):
 
 class FSDPPlanner(ParallelPlanner):
     name: ClassVar[str] = "fsdp"
+    needs_process_group: ClassVar[bool] = True  # FSDP2 and the device mesh need a process group, also of one
     Config = FSDPConfig
     config: FSDPConfig
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
 
 from gem_model.data.parquet_schema import ParquetDataError
+
+if TYPE_CHECKING:
+    import torch
 
 SOURCE_FILE = "source.yaml"
 DATA_FILE = "train.parquet"
@@ -22,6 +24,7 @@ DATA_FILE = "train.parquet"
 
 def _arrow_list(values: torch.Tensor, lengths: torch.Tensor, value_type: Any) -> Any:
     import pyarrow as pa
+    import torch
 
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     torch.cumsum(lengths, 0, out=offsets[1:])
@@ -38,6 +41,8 @@ def convert_movielens_1m(
     (the time of the item that follows the history) and, with ``side_features``, the user attributes
     and the genre bag. Returns the path of ``source.yaml``.
     """
+    import torch
+
     from gem_model.data.movielens import USER_FEATURES, MovieLensConfig, MovieLensSource
     from gem_model.data.parquet import import_pyarrow
 

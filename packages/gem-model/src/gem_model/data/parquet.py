@@ -124,6 +124,8 @@ class ParquetSource(DataSource):
             num_negatives=c.num_negatives,
             max_history=c.max_len,
             negatives_per_position=c.negatives_per == "position",
+            candidates=c.columns.candidate is not None,
+            timestamps=c.columns.history_time is not None,
         )
 
     def steps_per_epoch(self, global_batch_size: int) -> int:

@@ -13,9 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from gem_model.errors import ConfigError
 
 TUNE_SECTIONS = ("memory", "numerics")
@@ -75,6 +72,9 @@ def tune_main(args: argparse.Namespace) -> int:
                   max_loss_increase=args.max_loss_increase, profile=profile, only=only,
                   on_candidate=lambda so_far: write_result(so_far, out),  # tune.json after every candidate
                   warmup=args.warmup, repeats=args.repeats)  # fmt: skip
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=f"gem-train tune: {len(result.candidates)} candidate(s) in {result.seconds:.0f} s")
     for col in ("dimension", "change", "tokens/s", "peak GB", "last loss", "s", "chosen / error"):
         table.add_column(col, overflow="fold")
@@ -119,6 +119,9 @@ def _compare(config: Any, other: Any, args: argparse.Namespace, out: Path) -> in
     names = {str(args.config or "(the default config)"): config, str(args.compare): other}
     if len(names) < 2:
         raise ConfigError([("--compare", str(args.compare), "is the config itself; name another config")])
+    from rich.console import Console
+    from rich.table import Table
+
     measured = compare(names, GemPluginManager(), args.steps)
     table = Table(title=f"gem-train tune --compare: {args.steps} steps a run, in the order A, B, B, A")
     for col in ("dimension", "config", "tokens/s", "peak GB", "last loss", "s", ""):
