@@ -33,7 +33,7 @@ def step_record(result: StepResult, mean_loss: float, peak_flops_all: float) -> 
 
 def run_summary(
     c: RunConfig, *, steps: int, first: float, last: float, wall: float, rates: dict[str, float], peak: float,
-    peak_source: str, world_size: int, device: str, extra: dict[str, Any],
+    peak_source: str, world_size: int, device: str, extra: dict[str, Any], trained: int | None = None,
 ) -> RunSummary:
     """The end-of-run summary; MFU per GPU (the FLOPs of all ranks over ``world_size`` peaks)."""
     return RunSummary(
@@ -56,8 +56,11 @@ def run_summary(
             "planner": c.parallel.planner.name,
             "comm": c.comm.strategy.name,
             "data": f"{c.data.source.name}, global batch {c.data.global_batch_size}",
+            "pipeline": c.trainer.pipeline.name,
+            "callbacks": ", ".join(ref.name for ref in c.callbacks) or "none",
         },
         extra=extra,
+        trained_steps=trained,
     )
 
 

@@ -362,4 +362,5 @@ class Run:
             self.config, steps=self.steps_done, first=first, last=last, wall=wall, rates=meter.rates(),
             peak=self.peak, peak_source=self.peak_source, world_size=self.env.world_size, device=str(self.env.device),
             extra={"plan": self.prepared.plan_summary, "layout": str(self.layout), "output_dir": str(self.output_dir)},
+            trained=self.steps_done - self.start_step,
         )
