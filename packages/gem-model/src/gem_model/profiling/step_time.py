@@ -292,6 +292,7 @@ def _registered(pm: GemPluginManager, plugin: object) -> Iterator[None]:
 def measure_steps(config: RunConfig, pm: GemPluginManager, *, warmup: int, steps: int) -> StepProbe:
     """Train ``warmup + steps`` steps of ``config`` (in a scratch output directory) under a probe."""
     from gem_model.distributed import pick_device
+    from gem_model.train.report import summaries_printed
     from gem_model.trainer import train
 
     scratch = tempfile.mkdtemp(prefix="gem-profile-steps-")
@@ -303,7 +304,7 @@ def measure_steps(config: RunConfig, pm: GemPluginManager, *, warmup: int, steps
         })})  # fmt: skip
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         probe = StepProbe(warmup, pick_device(config.trainer.device, local_rank))
-        with _registered(pm, probe):
+        with _registered(pm, probe), summaries_printed(False):  # the profile reports the steps itself
             train(run_config, pm)
         return probe
     finally:
