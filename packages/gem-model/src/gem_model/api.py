@@ -33,8 +33,45 @@ from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendat
 from gem_model.protocols import ShardableModel, Stateful  # what the core needs of models, components
 from gem_model.results import ReportSection, RunSummary, StepResult  # what a run hands back
 
+# --- the plugin author's door (ux, issue 33 req. 8): what a plugin and its tests reach for beyond
+# the interfaces: the plugin manager and its registries, the errors a plugin raises or expects, the
+# data types a source or a kernel test builds, and the jagged helpers of the attention contract.
+from gem_model.data.batch import Batch, FeatureSpec, PooledFeature  # what a data source returns
+from gem_model.distributed import DistEnv  # the process a planner or comm strategy runs in
+from gem_model.errors import (  # raised by plugins and the core: exit 2 for ConfigError, UnknownNameError
+    ConfigError,
+    DuplicateNameError,
+    GemError,
+    KernelUnavailableError,
+    PluginError,
+    UnknownNameError,
+)
+from gem_model.jagged import offsets_of, relative_bias_matrix, time_bias_matrix, time_buckets  # kernel references
+from gem_model.plugins import GemPluginManager  # the registries: pm.precision_schemes, pm.kernel_registry(op)
+from gem_model.registry import Entry, Provider, Registry  # a registry's names, classes and providers
+
 __all__ = [
     "GEMM_BITS",
+    # the plugin author's door (ux)
+    "Batch",
+    "ConfigError",
+    "DistEnv",
+    "DuplicateNameError",
+    "Entry",
+    "FeatureSpec",
+    "GemError",
+    "GemPluginManager",
+    "KernelUnavailableError",
+    "PluginError",
+    "PooledFeature",
+    "Provider",
+    "Registry",
+    "UnknownNameError",
+    "offsets_of",
+    "relative_bias_matrix",
+    "time_bias_matrix",
+    "time_buckets",
+    # the interfaces, the run context, layout, plan and results
     "ActivationPolicy",
     "Callback",
     "CommStrategy",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from gem_model.config import RunConfig
 from gem_model.errors import ConfigError
+from gem_model.footprint import RunShape, memory_problems
 
 if TYPE_CHECKING:
     from gem_model.data.batch import FeatureSpec
@@ -170,9 +171,21 @@ def device_is_there(ctx: CheckContext) -> list[Problem]:
 
 
 def memory_fits(ctx: CheckContext) -> list[Problem]:
-    from gem_model.footprint import memory_problems
-
-    return [] if ctx.offline else memory_problems(ctx)
+    """Tables, dense state and the first batch's activations against the device's memory (:mod:`gem_model.footprint`)."""
+    if ctx.offline or ctx.spec is None:
+        return []
+    config = ctx.config
+    try:
+        first = ctx.components.source.lengths(0, config.data.global_batch_size)
+    except Exception:  # noqa: BLE001 - a source that cannot say yet: its data errors come when the run reads it
+        first = None
+    layout = ctx.layout
+    dp = layout.dp_degree if layout is not None and not isinstance(layout, str) else ctx.world_size
+    wanted = config.precision.activation_dtype
+    scheme = (ctx.components.precision or {}).get(config.precision.scheme.name)
+    bf16 = wanted == "bfloat16" or (wanted == "auto" and scheme is not None and scheme.activation_dtype == "bfloat16")
+    shape = RunShape(ctx.spec, ctx.world_size, dp, ctx.local_processes, first, bf16)
+    return memory_problems(config, shape)
 
 
 CHECKS: list[Check] = [

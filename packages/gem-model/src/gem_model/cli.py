@@ -147,12 +147,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     from gem_model.checks import preflight
     from gem_model.config import RunConfig
-    from gem_model.config_io import dump
     from gem_model.plugins import GemPluginManager
+    from gem_model.resolve import dump_resolved
 
     if args.only != "schema":
         config, components = preflight(args.config, args.overrides, GemPluginManager(), offline=True)
-        print(dump(config, components), end="")
+        print(dump_resolved(config, components), end="")
     if args.only is None:
         print("# --- JSON schema ---")
     if args.only != "config":

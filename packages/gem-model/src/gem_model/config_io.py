@@ -15,17 +15,13 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from gem_model.config import RunConfig
 from gem_model.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gem_model.components import Component
-    from gem_model.resolve import Components
 
 Problem = tuple[str, object, str]
 
@@ -234,31 +230,5 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return validate(apply_overrides(data, overrides))
 
 
-def dump(config: BaseModel, components: Components | None = None) -> str:
-    """The config as YAML; with ``components``, each component's options as its ``Config`` filled them
-    (every option, defaults included)."""
-    data = config.model_dump(mode="json")
-    if components is not None and isinstance(config, RunConfig):
-        for path, component in component_paths(config, components):
-            node = data
-            for part in path[:-1]:
-                node = node[part]
-            node[path[-1]] = {"name": component.name, "options": component.config.model_dump(mode="json")}
-    return yaml.safe_dump(data, sort_keys=False)
-
-
-def component_paths(config: RunConfig, components: Components) -> list[tuple[list[str | int], Component]]:
-    """(path in the config's data, the component built from it) of every component reference."""
-    out: list[tuple[list[str | int], Component]] = [
-        (["kernels", "jagged_attention"], components.attention),
-        (["kernels", "norm_gate"], components.norm_gate),
-        (["precision", "scheme"], components.precision[config.precision.scheme.name]),
-        (["activation", "policy"], components.activation[config.activation.policy.name]),
-        (["parallel", "planner"], components.planner),
-        (["comm", "strategy"], components.comm),
-        (["data", "source"], components.source),
-        (["data", "balancer"], components.balancer),
-        (["trainer", "pipeline"], components.pipeline),
-    ]
-    out += [(["callbacks", i], components.callbacks[ref.name]) for i, ref in enumerate(config.callbacks)]
-    return out
+def dump(config: BaseModel) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gem_model.checks import CheckContext, Problem
+    import torch
+
     from gem_model.config import RunConfig
     from gem_model.data.batch import FeatureSpec
+
+Problem = tuple[str, object, str]
 
 GB = 1e9
 FP32 = 4
@@ -76,10 +79,23 @@ def activation_bytes_per_token(config: RunConfig, dtype_bytes: int) -> int:
     return mc.num_blocks * dtype_bytes * (2 * mc.embedding_dim + 2 * uvqk + 3 * mc.num_heads * mc.value_dim)
 
 
-def estimate(ctx: CheckContext) -> list[Part]:
+@dataclass(frozen=True)
+class RunShape:
+    """What the estimate needs to know of a run besides its config."""
+
+    spec: FeatureSpec
+    world_size: int
+    dp_degree: int
+    local_processes: int
+    """The run's processes on this host, which share its memory."""
+    first_lengths: torch.Tensor | None
+    """The history lengths of the first global batch (None: the source could not say yet)."""
+    bf16_activations: bool
+
+
+def estimate(config: RunConfig, shape: RunShape) -> list[Part]:
     """The per-process parts of the run's memory (see the module doc)."""
-    config, spec, world = ctx.config, ctx.spec, max(ctx.world_size, 1)
-    assert spec is not None
+    spec, world = shape.spec, max(shape.world_size, 1)
     d = config.model.embedding_dim
     rows = table_rows(spec)
     biggest = max(rows, key=lambda t: rows[t])
@@ -91,24 +107,16 @@ def estimate(ctx: CheckContext) -> list[Part]:
         parts.append(Part("trainer.sparse_optimizer", f"the tables' {config.trainer.sparse_optimizer} state",
                           sum(rows.values()) * per_row / world))  # fmt: skip
     parts.append(Part("model", "dense parameters, gradients and AdamW state", 16.0 * dense_parameters(config, spec)))
-    acts = _activations(ctx)
-    if acts is not None:
-        parts.append(acts)
+    if shape.first_lengths is not None:
+        parts.append(_activations(config, shape, shape.first_lengths))
     return parts
 
 
-def _activations(ctx: CheckContext) -> Part | None:
-    config, spec, source = ctx.config, ctx.spec, ctx.components.source
-    assert spec is not None
-    layout = ctx.layout
-    dp = layout.dp_degree if layout is not None and not isinstance(layout, str) else max(ctx.world_size, 1)
-    try:
-        lengths = source.lengths(0, config.data.global_batch_size).clamp(max=spec.max_history)
-    except Exception:  # noqa: BLE001 - a source that cannot say yet: its data errors come when the run reads it
-        return None
-    mc = config.model
+def _activations(config: RunConfig, shape: RunShape, first_lengths: torch.Tensor) -> Part:
+    spec, mc, dp = shape.spec, config.model, max(shape.dp_degree, 1)
+    lengths = first_lengths.clamp(max=spec.max_history)
     tokens = float(lengths.sum()) + lengths.numel() * (int(mc.use_candidate) + int(mc.context_token))
-    dtype_bytes = 2 if _bf16_activations(ctx) else 4
+    dtype_bytes = 2 if shape.bf16_activations else 4
     per_rank = tokens / dp
     negatives = float((lengths - 1).clamp(min=0).sum()) if spec.negatives_per_position else float(lengths.numel())
     negative_bytes = negatives * spec.num_negatives * (mc.embedding_dim * dtype_bytes + FP32) / dp
@@ -117,19 +125,11 @@ def _activations(ctx: CheckContext) -> Part | None:
                 f"rank, {mc.num_blocks} blocks, the next-item loss's negatives)", total)  # fmt: skip
 
 
-def _bf16_activations(ctx: CheckContext) -> bool:
-    wanted = ctx.config.precision.activation_dtype
-    if wanted != "auto":
-        return wanted == "bfloat16"
-    scheme = (ctx.components.precision or {}).get(ctx.config.precision.scheme.name)
-    return scheme is not None and scheme.activation_dtype == "bfloat16"
-
-
-def device_memory(ctx: CheckContext) -> tuple[float, str] | None:
+def device_memory(config: RunConfig, local_processes: int) -> tuple[float, str] | None:
     """(bytes one process may use, what they are) on the run's device; None where it cannot be told."""
     import torch
 
-    want = ctx.config.trainer.device
+    want = config.trainer.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             return None  # the device check reports it
@@ -139,8 +139,8 @@ def device_memory(ctx: CheckContext) -> tuple[float, str] | None:
     host = host_memory()
     if host is None:
         return None
-    share = host / max(ctx.local_processes, 1)
-    who = f"{ctx.local_processes} processes' share, {share / GB:.3g} GB" if ctx.local_processes > 1 else f"{host / GB:.3g} GB"
+    share = host / max(local_processes, 1)
+    who = f"{local_processes} processes' share, {share / GB:.3g} GB" if local_processes > 1 else f"{host / GB:.3g} GB"
     return share, f"this host's available memory ({who})"
 
 
@@ -159,12 +159,11 @@ def host_memory() -> float | None:
         return None
 
 
-def memory_problems(ctx: CheckContext) -> list[Problem]:
-    if ctx.spec is None:
-        return []
+def memory_problems(config: RunConfig, shape: RunShape) -> list[Problem]:
+    """The run's memory against the device's: a problem naming the largest part and every part's share."""
     problems: list[Problem] = []
-    parts = estimate(ctx)
-    budget = device_memory(ctx)
+    parts = estimate(config, shape)
+    budget = device_memory(config, shape.local_processes)
     need = sum(p.bytes for p in parts)
     if budget is not None and need > budget[0]:
         top = max(parts, key=lambda p: p.bytes)
@@ -172,23 +171,22 @@ def memory_problems(ctx: CheckContext) -> list[Problem]:
         problems.append((top.path, f"{need / GB:.3g} GB", f"the run needs at least {need / GB:.3g} GB per process, "
                          f"more than {budget[1]}: {each}. Shrink the largest, or spread the run over more "
                          "processes (the tables and the batch divide over them)"))  # fmt: skip
-    problems += _host_draw_problems(ctx)
+    problems += _host_draw_problems(config, shape)
     return problems
 
 
-def _host_draw_problems(ctx: CheckContext) -> list[Problem]:
+def _host_draw_problems(config: RunConfig, shape: RunShape) -> list[Problem]:
     """``table_init: host`` draws the whole tables in every process's host memory before they are placed."""
     import torch
 
-    config, spec = ctx.config, ctx.spec
-    assert spec is not None
     on_gpu = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
     if config.model.table_init != "host" or not on_gpu:
         return []  # on the CPU the tables' share above is already host memory
     host = host_memory()
-    tables = sum(table_rows(spec).values()) * config.model.embedding_dim * FP32 * max(ctx.local_processes, 1)
+    local = max(shape.local_processes, 1)
+    tables = sum(table_rows(shape.spec).values()) * config.model.embedding_dim * FP32 * local
     if host is None or tables <= host:
         return []
     return [("model.table_init", "host", f"every process draws the whole tables in host memory first: "
-             f"{tables / GB:.3g} GB for {ctx.local_processes} process(es) on this host, which has {host / GB:.3g} GB "
+             f"{tables / GB:.3g} GB for {local} process(es) on this host, which has {host / GB:.3g} GB "
              "available; set model.table_init=device (the tables are then drawn on the GPU)")]  # fmt: skip

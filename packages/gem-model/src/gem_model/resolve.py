@@ -161,3 +161,34 @@ def build_balancer(config: RunConfig, pm: GemPluginManager, name: str, spec: Fea
     balancer: LoadBalancer = entry.cls(entry.cls.Config.model_validate(configured.options if configured.name == name else {}))
     balancer.bind_model(config.model, spec)
     return balancer
+
+
+def dump_resolved(config: RunConfig, components: Components) -> str:
+    """The config as YAML with each component's options as its ``Config`` filled them (every
+    option, defaults included): what ``gem-train config`` prints."""
+    import yaml
+
+    data = config.model_dump(mode="json")
+    for path, component in component_paths(config, components):
+        node = data
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = {"name": component.name, "options": component.config.model_dump(mode="json")}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def component_paths(config: RunConfig, components: Components) -> list[tuple[list[str | int], Component]]:
+    """(path in the config's data, the component built from it) of every component reference."""
+    out: list[tuple[list[str | int], Component]] = [
+        (["kernels", "jagged_attention"], components.attention),
+        (["kernels", "norm_gate"], components.norm_gate),
+        (["precision", "scheme"], components.precision[config.precision.scheme.name]),
+        (["activation", "policy"], components.activation[config.activation.policy.name]),
+        (["parallel", "planner"], components.planner),
+        (["comm", "strategy"], components.comm),
+        (["data", "source"], components.source),
+        (["data", "balancer"], components.balancer),
+        (["trainer", "pipeline"], components.pipeline),
+    ]
+    out += [(["callbacks", i], components.callbacks[ref.name]) for i, ref in enumerate(config.callbacks)]
+    return out

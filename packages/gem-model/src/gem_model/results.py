@@ -15,9 +15,14 @@ class StepResult:
     """One step, reduced over the layout's loss group (the data x context ranks)."""
 
     step: int
+    """0-based: the ``step`` the hook got. ``metrics.jsonl``, the progress line and error messages
+    count from 1 (``step + 1``): the line of step 0 says ``"step": 1``."""
     loss: float
+    """The normalised global loss (``task_weight`` x the task loss + ``next_item_weight`` x the next-item loss)."""
     task_loss: float
+    """The tasks' BCE, mean over the global batch's samples (0.0 without tasks)."""
     next_item_loss: float
+    """The sampled-softmax loss, mean over the predicted positions of the global batch."""
     samples: int
     """Samples of the global batch (each counted once, whatever the layout)."""
     tokens: int

@@ -11,7 +11,8 @@ evaluates as ``movielens_1m`` does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -21,8 +22,15 @@ from gem_model.data.batch import build_batch
 from gem_model.data.holdout import EvalChunk, evaluate_chunks, padded_items
 from gem_model.data.parquet_schema import ParquetConfig, ParquetDataError
 
-if TYPE_CHECKING:
-    from gem_model.data.parquet import ParquetSource
+
+class SplitReader(dec.RowGroupSource, Protocol):
+    """What the evaluation reads of a split's :class:`~gem_model.data.parquet.ParquetSource`."""
+
+    files: list[Path]
+    _handles: list[Any]
+    num_rows: int
+
+    def _locate(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 SPLITS = ("valid", "test")
 
@@ -31,7 +39,7 @@ class ParquetHoldout:
     """The configured splits, each read by a :class:`ParquetSource` of its own (built now: a missing
     file or column fails before training)."""
 
-    def __init__(self, config: ParquetConfig, source_of: Callable[[ParquetConfig], ParquetSource]):
+    def __init__(self, config: ParquetConfig, source_of: Callable[[ParquetConfig], SplitReader]):
         ev = config.evaluation
         assert ev is not None
         self.config, self.evaluation = config, ev
@@ -57,7 +65,7 @@ class ParquetHoldout:
             self._chunks[key] = [self._chunk(source, rows, device) for rows in batches]
         return self._chunks[key]
 
-    def _chunk(self, source: ParquetSource, rows: torch.Tensor, device: torch.device) -> EvalChunk:
+    def _chunk(self, source: SplitReader, rows: torch.Tensor, device: torch.device) -> EvalChunk:
         c = self.config
         group, local = source._locate(rows)
         parts = dec.take_rows(source, group, local, c.max_len)
