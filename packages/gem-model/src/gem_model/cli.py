@@ -104,6 +104,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     launched = launched_by_torchrun()
     if launched:
         world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        notice = launch.node_notice()
+        if notice is not None:
+            print(notice, file=sys.stderr, flush=True)
     else:
         world, local = max(launch.world_size(args), 1), max(args.nproc, 1)
     # every name, option and constraint, all together, before any process starts
