@@ -33,6 +33,7 @@ from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendat
 from gem_model.protocols import ShardableModel, Stateful  # what the core needs of models, components
 from gem_model.results import ReportSection, RunSummary, StepResult  # what a run hands back
 
+# isort: split
 # --- the plugin author's door (ux, issue 33 req. 8): what a plugin and its tests reach for beyond
 # the interfaces: the plugin manager and its registries, the errors a plugin raises or expects, the
 # data types a source or a kernel test builds, and the jagged helpers of the attention contract.
@@ -50,7 +51,7 @@ from gem_model.jagged import offsets_of, relative_bias_matrix, time_bias_matrix,
 from gem_model.plugins import GemPluginManager  # the registries: pm.precision_schemes, pm.kernel_registry(op)
 from gem_model.registry import Entry, Provider, Registry  # a registry's names, classes and providers
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - grouped: the door's names apart, for merges
     "GEMM_BITS",
     # the plugin author's door (ux)
     "Batch",

@@ -177,7 +177,7 @@ def memory_fits(ctx: CheckContext) -> list[Problem]:
     config = ctx.config
     try:
         first = ctx.components.source.lengths(0, config.data.global_batch_size)
-    except Exception:  # noqa: BLE001 - a source that cannot say yet: its data errors come when the run reads it
+    except Exception:  # a source that cannot say yet: its data errors come when the run reads it
         first = None
     layout = ctx.layout
     dp = layout.dp_degree if layout is not None and not isinstance(layout, str) else ctx.world_size

@@ -65,7 +65,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
         if p.suffix == ".toml":
             data = tomllib.loads(text)  # TOML itself refuses a key defined twice
         else:
-            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # a SafeLoader subclass
     except ConfigError as exc:
         raise ConfigError([(str(path), v, m) for _, v, m in exc.problems]) from None
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
