@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -126,3 +128,19 @@ def test_tables_larger_than_the_memory(capsys, inline_env, tiny_overrides, tmp_p
               "model.attention_dim=256", "model.value_dim=256")  # fmt: skip
     assert "model: the run needs at least" in err and "dense parameters, gradients and AdamW state" in err
     assert main(["run", *tiny_overrides, "trainer.device=cpu", "trainer.steps=1"]) == 0  # the tiny run fits in 2 GB
+
+
+def test_the_estimate_stays_below_what_the_h200_measured():
+    """The memory check is a lower bound: on configs/h200-large.yaml it must stay under the 77.9 GB
+    peak the H200 profile measured (benchmarks/results/profile.md), or it would refuse a run that fits."""
+    from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
+
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "h200-large.yaml")
+    source = SyntheticSource(SyntheticConfig(**config.data.source.options))
+    first = source.lengths(0, config.data.global_batch_size)
+    shape = footprint.RunShape(source.feature_spec(), 1, 1, 1, first, bf16_activations=True)
+    parts = {p.path: p.bytes / 1e9 for p in footprint.estimate(config, shape)}
+    assert 24 < parts["data.source"] < 25  # 24.6 GB of tables, as the profile reports
+    assert sum(parts.values()) < 77.9
+    recompute = footprint.estimate(config, dataclasses.replace(shape, plain_activations=False))
+    assert recompute[-1].bytes < parts["data.global_batch_size"] * 1e9 / 10  # checkpointing keeps the inputs only

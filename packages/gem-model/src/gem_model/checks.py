@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gem_model.config import RunConfig
+from gem_model.config import ActivationConfig, RunConfig
 from gem_model.errors import ConfigError
 from gem_model.footprint import RunShape, memory_problems
 
@@ -184,7 +184,8 @@ def memory_fits(ctx: CheckContext) -> list[Problem]:
     wanted = config.precision.activation_dtype
     scheme = (ctx.components.precision or {}).get(config.precision.scheme.name)
     bf16 = wanted == "bfloat16" or (wanted == "auto" and scheme is not None and scheme.activation_dtype == "bfloat16")
-    shape = RunShape(ctx.spec, ctx.world_size, dp, ctx.local_processes, first, bf16)
+    plain = config.activation.policy.name == ActivationConfig().policy.name and not config.activation.overrides
+    shape = RunShape(ctx.spec, ctx.world_size, dp, ctx.local_processes, first, bf16, plain)
     return memory_problems(config, shape)
 
 

@@ -11,8 +11,12 @@ is a lower bound per process, so that it never refuses a run that would fit:
   from the model's sizes;
 - activations of the first global batch (its real lengths, as the source gives them), shared over
   the data-parallel ranks: what each HSTU block keeps for backward per token, and the next-item loss's
-  negatives, in the run's activation dtype. A kernel's own workspace (e.g. a dense attention's
-  ``n x n`` scores) is not counted.
+  negatives, in the run's activation dtype. Under an activation policy other than the default (one
+  that recomputes or compresses), only the blocks' inputs at one byte a value: what no policy can
+  drop. A kernel's own workspace (e.g. a dense attention's ``n x n`` scores) is not counted.
+
+On ``configs/h200-large.yaml`` the estimate is 74.9 GB (tables 24.6, dense state 1.2, activations
+49.0), where the H200 profile of 2026-12-01 measured a 77.9 GB peak (``benchmarks/results/profile.md``).
 
 With ``model.table_init: host`` every process also draws the whole tables in host memory first;
 that is checked against the host's memory too.
@@ -91,6 +95,8 @@ class RunShape:
     first_lengths: torch.Tensor | None
     """The history lengths of the first global batch (None: the source could not say yet)."""
     bf16_activations: bool
+    plain_activations: bool = True
+    """Whether the activation policy keeps what each block saves (the default policy, no overrides)."""
 
 
 def estimate(config: RunConfig, shape: RunShape) -> list[Part]:
@@ -120,9 +126,13 @@ def _activations(config: RunConfig, shape: RunShape, first_lengths: torch.Tensor
     per_rank = tokens / dp
     negatives = float((lengths - 1).clamp(min=0).sum()) if spec.negatives_per_position else float(lengths.numel())
     negative_bytes = negatives * spec.num_negatives * (mc.embedding_dim * dtype_bytes + FP32) / dp
-    total = per_rank * activation_bytes_per_token(config, dtype_bytes) + negative_bytes
+    if shape.plain_activations:
+        per_token, kept = activation_bytes_per_token(config, dtype_bytes), "what each block saves"
+    else:  # a policy recomputes or compresses: the blocks' inputs, one byte a value, stay
+        per_token, kept = mc.num_blocks * mc.embedding_dim, "the blocks' inputs under the activation policy"
+    total = per_rank * per_token + negative_bytes
     return Part("data.global_batch_size", f"activations of the first batch ({per_rank:,.0f} tokens per data-parallel "
-                f"rank, {mc.num_blocks} blocks, the next-item loss's negatives)", total)  # fmt: skip
+                f"rank, {mc.num_blocks} blocks: {kept}; the next-item loss's negatives)", total)  # fmt: skip
 
 
 def device_memory(config: RunConfig, local_processes: int) -> tuple[float, str] | None:

@@ -125,11 +125,13 @@ def profile_main(args: argparse.Namespace) -> int:
 
 
 def profile_all(args: argparse.Namespace, pm: object) -> int:
-    from gem_model.config_io import load_config
+    from gem_model.checks import preflight
     from gem_model.profiling.render import print_report, write_outputs
     from gem_model.profiling.runner import ProfileOptions, run_profile, unfinished
 
-    config = load_config(args.config, args.overrides)
+    # every problem of the command line at once, before anything is profiled (no device or memory
+    # check: the profile measures those)
+    config, _ = preflight(args.config, args.overrides, pm, offline=True)  # type: ignore[arg-type]
     out = args.out or Path(config.trainer.output_dir.format(name=config.name))
     sections = None if args.sections is None else tuple(n.strip() for n in args.sections.split(",") if n.strip())
     options = ProfileOptions(out=out, batches=args.batches, warmup=args.warmup, steps=args.steps, world=args.world,

@@ -63,7 +63,9 @@ SILENCED: tuple[Silenced, ...] = (
     ),
     Silenced(
         category=FutureWarning,
-        module=r"torch(rec)?\.",
+        # attributed to whichever code calls a ShardedTensor method: torchrec's, torch's, or ours
+        # reading a checkpoint's tensor sizes (gem_model.train.compat)
+        module=r"(torch|torchrec|gem_model|gem_parallel)\.",
         message=r"Please use DTensor instead and we are deprecating ShardedTensor",
         why="torchrec's sharded tables are ShardedTensors; a deprecation inside torchrec",
     ),

@@ -55,7 +55,9 @@ def tune_main(args: argparse.Namespace) -> int:
         raise ConfigError([("WORLD_SIZE", os.environ["WORLD_SIZE"], "gem-train tune measures candidates on "
                             "one device: run it in one process (torchrun --nproc-per-node 1 where the "
                             "planner needs a process group)")])  # fmt: skip
-    config = load_config(args.config, args.overrides)
+    from gem_model.checks import preflight
+
+    config, _ = preflight(args.config, args.overrides, GemPluginManager(), offline=True)  # every problem at once
     out = args.out or Path(config.trainer.output_dir.format(name=config.name)) / "tune"
     if args.compare is not None:
         return _compare(config, load_config(args.compare, []), args, out)
