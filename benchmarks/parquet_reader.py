@@ -18,6 +18,10 @@ table shows the figures per process and for all of them, and the margin against 
 consumption on one H200 (``e2e.md``: 801,205 tokens/s for h200-large, 2026-12-01).
 
     .venv/bin/python benchmarks/parquet_reader.py --workers 1,2,4 --out benchmarks/results/raw/parquet_reader-DATE.json
+
+``--checks-cost`` reads the file once more in one process with the value checks turned off (ids in
+their tables, the stored lengths, each event's time against its request time) and reports what they
+cost a global batch, against the training step (as ``id_check.py`` does for the loader's id check).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 H200_TOKENS_PER_S = 801_205.0  # benchmarks/results/e2e.md, overlapped_input row, 2026-12-01
+STEP_MS = 275.0  # the bf16 step of h200-large in benchmarks/results/e2e.md (what id_check.py compares with)
 BATCH = 384
 SYNTHETIC = {"num_items": 5_000_000, "num_users": 1_000_000, "max_len": 4095, "num_negatives": 128, "length_exponent": 0.95}
 
@@ -107,11 +112,24 @@ def source_options(path: Path, facts: dict[str, Any], shuffle: str) -> dict[str,
     }
 
 
-def read_steps(options: dict[str, Any], worker: int, workers: int, steps: int, start: Any, out: Any) -> None:
+CHECKS = ("_check_range", "check_length_column", "check_times_before_requests")
+"""The reader's value checks (ids in their tables, stored lengths, times before the request), which
+``--checks-cost`` turns off in a second pass to measure what they cost."""
+
+
+def read_steps(
+    options: dict[str, Any], worker: int, workers: int, steps: int, start: Any, out: Any, checks: bool = True
+) -> None:
     """One reader process: ``steps`` global batches, steps ``worker + k * workers``."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import pyarrow as pa
     import torch
+
+    if not checks:
+        from gem_model.data import parquet_decode
+
+        for name in CHECKS:
+            setattr(parquet_decode, name, lambda *args, **kwargs: None)
 
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
@@ -134,10 +152,10 @@ def read_steps(options: dict[str, Any], worker: int, workers: int, steps: int, s
     out.put({"worker": worker, "seconds": seconds, "cpu_seconds": cpu, "rows": rows, "tokens": tokens})
 
 
-def measure(options: dict[str, Any], workers: int, steps: int) -> dict[str, Any]:
+def measure(options: dict[str, Any], workers: int, steps: int, checks: bool = True) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(workers + 1), ctx.Queue()
-    procs = [ctx.Process(target=read_steps, args=(options, w, workers, steps, start, out)) for w in range(workers)]
+    procs = [ctx.Process(target=read_steps, args=(options, w, workers, steps, start, out, checks)) for w in range(workers)]
     for p in procs:
         p.start()
     start.wait()
@@ -186,6 +204,10 @@ def main() -> int:
     parser.add_argument("--shuffle-too", default="row_groups,rows", help="shuffle orders also measured, one process each")
     parser.add_argument("--data", type=Path, default=Path("/tmp/gem-parquet-reader/h200-large.parquet"))
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--checks-cost", action="store_true",
+                        help="also read the file with the value checks off (one process, file order): their cost a step")
+    parser.add_argument("--step-ms", type=float, default=STEP_MS,
+                        help=f"the training step the checks' cost is set against (default {STEP_MS}: e2e.md's bf16 step)")  # fmt: skip
     args = parser.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     if BATCH > 3 * args.row_group_size:
@@ -205,8 +227,22 @@ def main() -> int:
         r = measure(source_options(args.data, facts, shuffle=shuffle), 1, args.steps)
         rows.append({"order": shuffle, **r})
         print(table(rows[-1:]).splitlines()[-1], flush=True)
+    checks_cost = None
+    if args.checks_cost:
+        on = next(r for r in rows if r["order"].startswith("none") and r["workers"] == 1)
+        off = measure(source_options(args.data, facts, shuffle="none"), 1, args.steps, checks=False)
+        per_step = [1e3 * r["per_process"][0]["seconds"] / r["steps_per_worker"] for r in (on, off)]
+        checks_cost = {"ms_per_step_with": per_step[0], "ms_per_step_without": per_step[1],
+                       "ms_per_step": per_step[0] - per_step[1], "step_ms": args.step_ms,
+                       "share_of_step": (per_step[0] - per_step[1]) / args.step_ms, "checks": list(CHECKS)}  # fmt: skip
     print()
     print(table(rows))
+    if checks_cost is not None:
+        c = checks_cost
+        print(f"\nthe value checks ({', '.join(CHECKS)}): {c['ms_per_step']:.2f} ms a global batch of {BATCH} "
+              f"({c['ms_per_step_with']:.1f} ms read with them, {c['ms_per_step_without']:.1f} ms without), "
+              f"{100 * c['share_of_step']:.2f} % of the {c['step_ms']:.0f} ms training step; in the prefetch "
+              "thread, off the step's critical path")  # fmt: skip
     if args.out is not None:
         import pyarrow
 
@@ -220,6 +256,7 @@ def main() -> int:
             "h200_tokens_per_s": H200_TOKENS_PER_S,
             "load_average_before_after": [load_before, os.getloadavg()],
             "rows": rows,
+            "checks_cost": checks_cost,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1))

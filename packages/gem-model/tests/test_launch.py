@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from gem_model.cli import build_parser, main
-from gem_model.launch import torchrun_argv
+from gem_model.launch import NODE_RANK_ENV, node_notice, torchrun_argv, torchrun_env
 
 
 def run_args(*argv: str):
@@ -25,11 +25,25 @@ def test_one_node_is_standalone():
 def test_several_nodes_meet_through_c10d_rendezvous():
     args = run_args("--nnodes", "2", "--node-rank", "1", "--nproc", "8", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job7")
     argv = torchrun_argv(args, ["a.b=1"])
-    assert argv[3:9] == [
-        "--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=job7",
-        "--nproc-per-node=8",
+    # c10d numbers the nodes as they join: torchrun ignores --node-rank (and warns), so the node's
+    # number travels to its processes for the line each node prints instead
+    assert argv[3:8] == [
+        "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", "--rdzv-id=job7", "--nproc-per-node=8",
     ]  # fmt: skip
-    assert "--standalone" not in argv and argv[-1] == "a.b=1"
+    assert "--standalone" not in argv and argv[-1] == "a.b=1" and not any("node-rank" in a for a in argv)
+    assert torchrun_env(args)[NODE_RANK_ENV] == "1"
+
+
+def test_each_node_says_which_global_ranks_it_got_and_where_the_progress_shows():
+    worker = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "LOCAL_RANK": "0", "RANK": "8", "GROUP_RANK": "1",
+              NODE_RANK_ENV: "0"}  # fmt: skip
+    notice = node_notice(worker)
+    assert notice is not None and "node --node-rank 0" in notice and "as node 1 of 2" in notice
+    assert "global ranks 8-15" in notice and "on the node that holds global rank 0" in notice
+    first = node_notice({**worker, "RANK": "0", "GROUP_RANK": "0", NODE_RANK_ENV: "1"})
+    assert first is not None and "progress and the run summary show here (global rank 0)" in first
+    assert node_notice({**worker, "LOCAL_RANK": "3"}) is None  # once per node
+    assert node_notice({**worker, "WORLD_SIZE": "8"}) is None  # one node: nothing to say
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,8 @@ def converted(tmp_path, capsys) -> tuple[Path, Path]:
     out = tmp_path / "ml-parquet"
     args = ["data", "convert", "movielens_1m", str(out), f"data_dir={folder}", *OPTIONS, "--row-group-size", "2"]
     assert main(args) == 0
-    assert "wrote 3 rows" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote 9 rows" in printed and "gem-train run -c" in printed  # 3 users: training, validation, test
     return folder, out
 
 

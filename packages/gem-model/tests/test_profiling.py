@@ -254,9 +254,22 @@ def test_outputs_json_plots_and_html(profiled: Path):
     html = (profiled / "profile.html").read_text()
     assert "<h2>sequences</h2>" in html and report.config_name in html
     pytest.importorskip("matplotlib", reason="the plots need the gem-model[report] extra (matplotlib)")
-    for name in ("lengths.png", "rank_load.png", "step_time.png", "memory.png"):
+    for name in ("lengths.png", "step_time.png", "memory.png"):
         assert png_size(profiled / name) == (WIDTH, HEIGHT)
-    assert html.count('src="data:image/png;base64,') == 4
+    assert not (profiled / "rank_load.png").exists()  # one rank: nothing to balance, no plot of it
+    assert html.count('src="data:image/png;base64,') == 3
+
+
+def test_the_balance_plot_is_drawn_for_two_ranks_or_more(profiled: Path, tmp_path: Path):
+    pytest.importorskip("matplotlib", reason="the plots need the gem-model[report] extra (matplotlib)")
+    from gem_model.profiling.plots import write_plots
+
+    report = ProfileReport.from_json((profiled / "profile.json").read_text())
+    loads = report.section("balance").series["rank_load"]
+    assert all(len(v) == 1 for v in loads.values())
+    for name in loads:
+        loads[name] = [loads[name][0] / 2] * 2
+    assert png_size(write_plots(report, tmp_path)["balance"]) == (WIDTH, HEIGHT)
 
 
 def test_report_re_renders_from_the_json(profiled: Path, tmp_path: Path, capsys):

@@ -44,7 +44,8 @@ def test_tune_tries_every_dimension_and_its_config_trains(monkeypatch, tmp_path:
     poison = next(c for c in result["candidates"] if c["dimension"] == "attention kernel")
     assert "NonFinite" in poison["error"] and not poison["chosen"]  # a NaN run is recorded, never chosen
     assert not result["stopped_by_budget"] and result["seconds"] <= 5 * 60 and result["complete"]
-    assert "gem-train tune:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "gem-train tune:" in out and "== summary" not in out  # one table row a candidate, no run summaries
     chosen = load_config(tmp_path / "tune" / "tuned.yaml", ["trainer.steps=2", f"trainer.output_dir={tmp_path}/run"])
     assert chosen.kernels.jagged_attention.name == "loop"
     summary = train(chosen, pm)
@@ -217,3 +218,23 @@ def test_compile_is_a_dimension_on_a_gpu_only(pm, monkeypatch):
     gpu = dict(dimensions(config.model_copy(update={"trainer": config.trainer.model_copy(update={"device": "cpu"})}),
                           pm, None))  # fmt: skip
     assert gpu["compile"] == [{"trainer.compile": True}]  # the other setting than the config's
+
+
+def test_a_planner_that_needs_a_process_group_is_not_tried_in_a_plain_process(pm):
+    from typing import ClassVar
+
+    from gem_model import hookimpl
+
+    class Grouped(testing.Replicated):
+        name: ClassVar[str] = "inline_grouped"
+        needs_process_group: ClassVar[bool] = True
+
+    class Plugin:
+        @hookimpl
+        def gem_register_parallel_planners(self):
+            return [Grouped]
+
+    pm.register(Plugin())
+    planners = dict(dimensions(load_config(None, TINY), pm, None))["planner"]
+    assert {"parallel.planner": "inline_replicated"} in planners
+    assert {"parallel.planner": "inline_grouped"} not in planners  # it would only record an error

@@ -31,7 +31,7 @@ def gem_train(args: list[str]) -> subprocess.Popen[str]:
 def finish(proc: subprocess.Popen[str]) -> str:
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
-    return out
+    return out + err
 
 
 def step_losses(path: Path) -> list[float]:
@@ -56,7 +56,13 @@ def test_two_nodes_match_one_node_of_the_same_world_size(reference_overrides, tm
             if proc.poll() is None:  # a launch failed: end the others it left waiting at the rendezvous
                 proc.kill()
                 proc.wait()
-    assert any(re.search(r"processes\s+2 on cpu", out) for out in outputs)  # rank 0 prints the summary
+    # global rank 0 prints the summary, on whichever node the rendezvous gave it; each node says which
+    summaries = [bool(re.search(r"processes\s+2 on cpu", out)) for out in outputs]
+    assert sorted(summaries) == [False, True]
+    here = summaries.index(True)
+    assert "progress and the run summary show here (global rank 0)" in outputs[here]
+    assert "on the node that holds global rank 0" in outputs[1 - here]
+    assert not any("node_rank is only used" in out or "Warning" in out for out in outputs)
     one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
     assert len(one) == len(two) == 3
     for a, b in zip(one, two, strict=True):

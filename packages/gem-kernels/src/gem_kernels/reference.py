@@ -29,10 +29,11 @@ def attention_mask(
     columns inside the sequence.
     """
     p = effective_positions(lengths, num_targets, size)
-    gap = p[:, :, None] - p[:, None, :]
-    allowed = gap > 0
+    # compared without materialising the int64 [B, size, size] difference (8 bytes per pair: 14 GB at
+    # size 30,000 for two sequences); each comparison below is one bool per pair
+    allowed = p[:, :, None] > p[:, None, :]
     if max_attn_len > 0:
-        allowed &= gap <= max_attn_len
+        allowed &= p[:, None, :] >= (p - max_attn_len)[:, :, None]
     allowed |= torch.eye(size, dtype=torch.bool, device=lengths.device)
     inside = torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
     return allowed & inside[:, :, None] & inside[:, None, :]

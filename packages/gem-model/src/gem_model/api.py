@@ -37,16 +37,19 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # the config, and the errors a plugin raises or expects
     "gem_model.config": ("ComponentRef", "ModelConfig", "PrecisionConfig", "RunConfig"),
     "gem_model.config_io": ("load_config",),
-    "gem_model.errors": ("ConfigError", "KernelUnavailableError"),
-    "gem_model.plugins": ("GemPluginManager",),
+    "gem_model.errors": (
+        "ConfigError", "DuplicateNameError", "GemError", "KernelUnavailableError", "PluginError", "UnknownNameError",
+    ),
+    "gem_model.plugins": ("GemPluginManager",),  # the registries: pm.precision_schemes, pm.kernel_registry(op)
+    "gem_model.registry": ("Entry", "Provider", "Registry"),  # a registry's names, classes and providers
     "gem_model.resolve": ("resolve_components", "run_shape"),
     # the data a step sees
-    "gem_model.data.batch": ("Batch", "FeatureSpec"),
+    "gem_model.data.batch": ("Batch", "FeatureSpec", "PooledFeature"),
     "gem_model.data.loader": ("ShardedLoader",),
     "gem_model.data.prefetch": ("StagedBatch", "batch_tensors"),
     # jagged sequences and the attention biases' reference math (kernels share them)
     "gem_model.jagged": (
-        "TIME_BUCKET_STEP", "gather_bias", "relative_bias_matrix", "sequence_ids", "time_bias_matrix",
+        "TIME_BUCKET_STEP", "gather_bias", "offsets_of", "relative_bias_matrix", "sequence_ids", "time_bias_matrix",
         "time_bucket_matrix", "time_buckets",
     ),
     # the model and its cost
@@ -80,7 +83,10 @@ __all__ = [
     "DataSource",
     "DensePlacement",
     "DistEnv",
+    "DuplicateNameError",
+    "Entry",
     "FeatureSpec",
+    "GemError",
     "GemModel",
     "GemPluginManager",
     "JaggedAttentionKernel",
@@ -96,6 +102,8 @@ __all__ = [
     "ParallelPlanner",
     "Plan",
     "PlannerContext",
+    "PluginError",
+    "PooledFeature",
     "PrecisionConfig",
     "PrecisionPolicy",
     "PrecisionScheme",
@@ -104,7 +112,9 @@ __all__ = [
     "ProfileContext",
     "ProfileSection",
     "ProfileTable",
+    "Provider",
     "Recommendation",
+    "Registry",
     "ReportSection",
     "RunConfig",
     "RunContext",
@@ -118,12 +128,14 @@ __all__ = [
     "StepResult",
     "TablePlacement",
     "TrainPipeline",
+    "UnknownNameError",
     "batch_tensors",
     "count_flops",
     "dims_of",
     "gather_bias",
     "hookimpl",
     "load_config",
+    "offsets_of",
     "pick_device",
     "precision_plan",
     "relative_bias_matrix",
@@ -175,14 +187,22 @@ if TYPE_CHECKING:
     from gem_model.config import ComponentRef, ModelConfig, PrecisionConfig, RunConfig
     from gem_model.config_io import load_config
     from gem_model.context import Optimizers, RunContext
-    from gem_model.data.batch import Batch, FeatureSpec
+    from gem_model.data.batch import Batch, FeatureSpec, PooledFeature
     from gem_model.data.loader import ShardedLoader
     from gem_model.data.prefetch import StagedBatch, batch_tensors
     from gem_model.distributed import DistEnv, pick_device
-    from gem_model.errors import ConfigError, KernelUnavailableError
+    from gem_model.errors import (
+        ConfigError,
+        DuplicateNameError,
+        GemError,
+        KernelUnavailableError,
+        PluginError,
+        UnknownNameError,
+    )
     from gem_model.jagged import (
         TIME_BUCKET_STEP,
         gather_bias,
+        offsets_of,
         relative_bias_matrix,
         sequence_ids,
         time_bias_matrix,
@@ -209,6 +229,7 @@ if TYPE_CHECKING:
     from gem_model.profiling.memory import step_loss
     from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
     from gem_model.protocols import ShardableModel, Stateful
+    from gem_model.registry import Entry, Provider, Registry
     from gem_model.resolve import resolve_components, run_shape
     from gem_model.results import ReportSection, RunSummary, StepResult
     from gem_model.run_shape import RunShape

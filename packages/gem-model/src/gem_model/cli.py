@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from gem_model._deps import TorchrecImportError, import_torchrec
-from gem_model.config_io import dump, load_config
 from gem_model.errors import (
     ConfigError,
     GemError,
@@ -38,23 +36,33 @@ from gem_model.errors import (
     UnknownNameError,
 )
 
+# Nothing heavy is imported at module level (torch, torchrec, pydantic models, the plugins): `--help`
+# and a bad command line answer at once; each command imports what it needs when it runs.
+
 EXIT_FAILURE, EXIT_USAGE, EXIT_NON_FINITE = 1, 2, 3
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="a .yaml/.yml/.toml run config (default: the tiny CPU run)")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="config overrides (before, between or after the options)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gem_model.data.convert import add_data_parser
+    from gem_model.launch import add_launch_args
+    from gem_model.profile import add_profile_parser
+    from gem_model.tune.cli import add_tune_parser
+
     parser = argparse.ArgumentParser(prog="gem-train", description="Train GEM-style recommendation models.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train a model")
     _add_config_args(run)
-    from gem_model.launch import add_launch_args
-
     add_launch_args(run)
-    sub.add_parser("plugins", help="list installed plugins, the hooks they implement and the names they register")
+    plugins = sub.add_parser("plugins", help="list installed plugins, the hooks they implement and the names they register")
+    plugins.add_argument("--options", action="store_true",
+                         help="also each component's options: type, default and description")  # fmt: skip
     plan = sub.add_parser(
         "plan", help="print the parallel plan a run would get (layout, tables, dense modules; a planner's prediction)"
     )
@@ -68,18 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
         "the world size up to 8)",
     )  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print the plan as JSON (as saved beside checkpoints)")
-    cfg = sub.add_parser("config", help="print the resolved config and its JSON schema")
+    cfg = sub.add_parser("config", help="print the resolved config (each component's options filled in) and its JSON schema")
     _add_config_args(cfg)
     cfg.add_argument("--only", choices=["config", "schema"], help="print just one of the two")
-    from gem_model.data.convert import add_data_parser
-    from gem_model.profile import add_profile_parser
-
     add_profile_parser(sub)
-    from gem_model.tune.cli import add_tune_parser
-
     add_tune_parser(sub)
     add_data_parser(sub)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser``'s arguments, with ``key=value`` items allowed before, between and after the options."""
+    args, extra = parser.parse_known_args(argv)
+    # argparse gives a `nargs="*"` positional only its first run of values; the later ones come back
+    # here, in command-line order, after those it took
+    field = next((f for f in ("overrides", "options") if isinstance(getattr(args, f, None), list)), None)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and field is None):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        setattr(args, field, [*getattr(args, field), *extra])
+    return args
 
 
 def _fail(message: str, code: int) -> int:
@@ -89,74 +106,72 @@ def _fail(message: str, code: int) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gem_model import launch
-    from gem_model.checks import check_run
+    from gem_model.checks import preflight
     from gem_model.distributed import launched_by_torchrun
     from gem_model.plugins import GemPluginManager
-    from gem_model.resolve import resolve_components
     from gem_model.train import resume
 
-    config = load_config(args.config, args.overrides)
     pm = GemPluginManager()
-    components = resolve_components(config, pm)  # every name and option checked before any process starts
-    launch.check_launch_args(args)
-    world = launch.world_size(args) if not launched_by_torchrun() else int(os.environ.get("WORLD_SIZE", "1"))
-    limit = components.planner.max_world_size
-    if limit is not None and world > limit:
-        raise ConfigError(
-            [("parallel.planner", config.parallel.planner.name,
-              f"drives at most {limit} process(es) but {world} were asked for; pick a distributed planner "
-              "such as torchrec_ddp")]
-        )
-    per_node = args.nproc if not launched_by_torchrun() else int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
-    check_run(config, components, world, ranks_per_node=per_node)
+    launched = launched_by_torchrun()
+    if launched:
+        world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        notice = launch.node_notice()
+        if notice is not None:
+            print(notice, file=sys.stderr, flush=True)
+    else:
+        world, local = max(launch.world_size(args), 1), max(args.nproc, 1)
+    # every name, option and constraint, all together, before any process starts
+    config, components = preflight(args.config, args.overrides, pm, world_size=world, local_processes=local,
+                                   before=launch.launch_problems(args))  # fmt: skip
     resume.check_before_build(config, world, pm)  # writable, not locked, resume and metrics as asked
-    if launch.needs_torchrun(args) and not launched_by_torchrun():
+    if not launched and (launch.needs_torchrun(args) or components.planner.needs_process_group):
+        if not launch.needs_torchrun(args):
+            print(f"gem-train: parallel.planner {components.planner.name!r} needs a process group: starting torchrun "
+                  "with one process", file=sys.stderr)  # fmt: skip
         argv = launch.torchrun_argv(args, (["-c", args.config] if args.config else []) + list(args.overrides))
         sys.stdout.flush()
-        os.execv(sys.executable, argv)
+        os.execve(sys.executable, argv, launch.torchrun_env(args))
     from gem_model.trainer import train
 
-    train(config, pm)
+    train(config, pm, components=components)
     return 0
 
 
-def cmd_plugins(_: argparse.Namespace) -> int:
+def cmd_plugins(args: argparse.Namespace) -> int:
     from gem_model.plugin_report import plugins_report
     from gem_model.plugins import GemPluginManager
 
-    print(plugins_report(GemPluginManager()))
+    print(plugins_report(GemPluginManager(), options=args.options))
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from gem_model.checks import check_run
+    from gem_model.checks import preflight
     from gem_model.plugins import GemPluginManager
-    from gem_model.resolve import resolve_components
     from gem_model.train.prepare import offline_plan
 
-    config = load_config(args.config, args.overrides)
-    components = resolve_components(config, GemPluginManager())
-    limit = components.planner.max_world_size
-    if args.world_size < 1 or (limit is not None and args.world_size > limit):
-        raise ConfigError([("--world-size (--nproc)", args.world_size, f"must be in [1, {limit or 'any'}] for parallel.planner {components.planner.name!r}")])
-    per_node = args.gpus_per_node or min(args.world_size, 8)
+    before = [] if args.world_size >= 1 else [("--world-size (--nproc)", args.world_size, "must be at least 1")]
+    per_node = args.gpus_per_node or min(max(args.world_size, 1), 8)
     if per_node < 1:
-        raise ConfigError([("--gpus-per-node", args.gpus_per_node, "must be at least 1")])
-    check_run(config, components, args.world_size, ranks_per_node=per_node)  # the checks gem-train run makes
+        before.append(("--gpus-per-node", args.gpus_per_node, "must be at least 1"))
+        per_node = 1
+    # the checks gem-train run makes, for the world asked for
+    config, components = preflight(args.config, args.overrides, GemPluginManager(), world_size=max(args.world_size, 1),
+                                   local_processes=per_node, offline=True, before=before)  # fmt: skip
     plan = offline_plan(config, components, world_size=args.world_size, ranks_per_node=per_node)
     print(plan.to_json() if args.json else plan.format())
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from gem_model.checks import preflight
     from gem_model.config import RunConfig
     from gem_model.plugins import GemPluginManager
-    from gem_model.resolve import resolve_components
+    from gem_model.resolve import dump_resolved
 
-    config = load_config(args.config, args.overrides)
     if args.only != "schema":
-        resolve_components(config, GemPluginManager())
-        print(dump(config), end="")
+        config, components = preflight(args.config, args.overrides, GemPluginManager(), offline=True)
+        print(dump_resolved(config, components), end="")
     if args.only is None:
         print("# --- JSON schema ---")
     if args.only != "config":
@@ -164,24 +179,19 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-class _DropFxTracingNotice(logging.Filter):
-    """torch.fx logs "is_fx_tracing will return true for both fx.symbolic_trace and torch.export ..."
-    once per process when torchrec's code calls ``torch.fx._symbolic_trace.is_fx_tracing()``: advice
-    to torchrec's authors, nothing a user of gem-train can act on. Only that message is dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("is_fx_tracing will return true")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropFxTracingNotice())
+    from gem_model import quiet
+
+    quiet.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["profile"]:  # its subcommands come from plugins: parsed once they are loaded
-        from gem_model.profile import profile_main
+        from gem_model.profile import profile_help, profile_main
 
+        if argv[1:] in (["-h"], ["--help"]):  # answered without loading the plugins (and torch)
+            return profile_help()
         args = argparse.Namespace(command="profile", profile_handler=profile_main, profile_argv=argv[1:])
     else:
-        args = build_parser().parse_args(argv)
+        args = parse_args(build_parser(), argv)
     handlers = {"run": cmd_run, "plugins": cmd_plugins, "plan": cmd_plan, "config": cmd_config, "profile": None}
     try:
         # before any plugin loads: a plugin module (e.g. gem_parallel.sharded) may import torchrec

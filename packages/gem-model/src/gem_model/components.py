@@ -38,7 +38,7 @@ NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 class ComponentConfig(BaseModel):
     """Base of every component's options. Unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Component(ABC):
@@ -354,6 +354,9 @@ class ParallelPlanner(Component):
 
     max_world_size: ClassVar[int | None] = None
     """The most processes this planner can drive (None: any); checked before processes start."""
+    needs_process_group: ClassVar[bool] = False
+    """Whether :meth:`apply` needs a process group even at one process (torchrec's sharded tables do):
+    ``gem-train run`` then starts torchrun itself, and a run built in a plain process is refused first."""
 
     dims_path: ClassVar[str] = "parallel.planner.options"
     """Where the user sets this planner's degrees: the prefix of the config paths that the core's

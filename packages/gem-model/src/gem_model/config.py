@@ -9,11 +9,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+OUTPUT_DIR_PLACEHOLDERS = ("name",)
+"""What ``trainer.output_dir`` may name in braces: ``{name}`` is the run's ``name``."""
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # no NaN or infinity in any float: `trainer.dense_lr=.inf` is a typo, not a learning rate
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _placeholder_problem(exc: Exception) -> str:
+    if isinstance(exc, KeyError):
+        return f"unknown placeholder {{{exc.args[0]}}}"
+    if isinstance(exc, IndexError):
+        return "a positional placeholder {} (name one)"
+    return f"malformed braces ({exc})"
 
 
 class ComponentRef(Strict):
@@ -158,7 +170,7 @@ class TrainerConfig(Strict):
         "and copied to the device on a stream of their own; gem_model.data.prefetch); 0: built inside the step",
     )
     log_every: int = Field(10, gt=0)
-    output_dir: str = "runs/{name}"
+    output_dir: str = Field("runs/{name}", description="where metrics and checkpoints go; {name}: the run's name")
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
     checkpoint_at_end: bool = True
     resume: bool | None = Field(
@@ -213,6 +225,17 @@ class TrainerConfig(Strict):
         "many seconds exits at once (128 + signum) without a checkpoint, so a stalled rank does not outlive its "
         "peers; None: wait however long the step and the checkpoint take",
     )
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_placeholders(cls, value: str) -> str:
+        try:
+            value.format(**{k: "x" for k in OUTPUT_DIR_PLACEHOLDERS})
+        except (KeyError, IndexError, ValueError) as exc:
+            valid = ", ".join("{" + k + "}" for k in OUTPUT_DIR_PLACEHOLDERS)
+            raise ValueError(f"{_placeholder_problem(exc)}; the placeholders are {valid} (write {{{{ and }}}} for a "
+                             "literal brace)") from None  # fmt: skip
+        return value
+
     resume_partial: bool = Field(
         False,
         description="resume from a checkpoint whose tensors do not all fit: load those that do, keep the "
@@ -243,10 +266,12 @@ class RunConfig(Strict):
         "{name, options}; an installed callback not listed here does nothing",
     )
 
-    @model_validator(mode="after")
-    def _callbacks_once(self) -> RunConfig:
-        names = [c.name for c in self.callbacks]
+    @field_validator("callbacks")
+    @classmethod
+    def _callbacks_once(cls, callbacks: list[ComponentRef]) -> list[ComponentRef]:
+        names = [c.name for c in callbacks]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"callbacks: {twice} listed more than once; list each callback once, with all its options")
-        return self
+        return callbacks
+

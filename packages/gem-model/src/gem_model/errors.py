@@ -13,9 +13,12 @@ class GemError(Exception):
 class ConfigError(GemError):
     """The run config is malformed: carries the dotted field path and the bad value."""
 
-    def __init__(self, problems: list[tuple[str, object, str]]):
+    def __init__(self, problems: list[tuple[str, object, str]], notes: list[str] | None = None):
         self.problems = problems
+        self.notes = list(notes or [])
+        """Problems that carry a message of their own (an unknown name and what is available)."""
         lines = [f"{path}: {msg} (got {value!r})" for path, value, msg in problems]
+        lines += [note.replace("\n", "\n  ") for note in self.notes]
         super().__init__("invalid run config:\n  " + "\n  ".join(lines))
 
 

@@ -7,12 +7,19 @@ every node runs the same command with its own ``--node-rank``, and they meet at 
     gem-train run -c run.yaml --nnodes 2 --node-rank 0 --nproc 8 --rdzv-endpoint node0:29500
     gem-train run -c run.yaml --nnodes 2 --node-rank 1 --nproc 8 --rdzv-endpoint node0:29500
 
+torchrun's c10d rendezvous ignores a node rank (it is for its ``static`` backend only): it numbers the
+nodes as they join, and the global ranks follow. So ``--node-rank`` is not passed to torchrun (which
+would only warn that it ignores it); it names the node in the line each node prints when its
+processes start (:func:`node_notice`), beside the rendezvous's own number and the global ranks the
+node got. Global rank 0, wherever it landed, prints the progress and the run summary.
+
 ``examples/slurm/gem-multinode.sbatch`` does this under Slurm.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gem_model.errors import ConfigError
@@ -33,7 +40,8 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_launch_args(args: argparse.Namespace) -> None:
+def launch_problems(args: argparse.Namespace) -> list[tuple[str, object, str]]:
+    """Every problem of the launch options (reported with the config's, in one round)."""
     problems: list[tuple[str, object, str]] = []
     if args.nproc < 1:
         problems.append(("--nproc", args.nproc, "must be at least 1"))
@@ -47,8 +55,49 @@ def check_launch_args(args: argparse.Namespace) -> None:
         problems.append(("--max-restarts", args.max_restarts, "must be at least 0"))
     if args.rdzv_endpoint and ":" not in args.rdzv_endpoint:
         problems.append(("--rdzv-endpoint", args.rdzv_endpoint, "must be host:port"))
+    return problems
+
+
+def check_launch_args(args: argparse.Namespace) -> None:
+    problems = launch_problems(args)
     if problems:
         raise ConfigError(problems)
+
+
+def torchrun_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment torchrun starts with. torchrun sets ``OMP_NUM_THREADS=1`` for each of several
+    processes when it is unset, with a banner on every launch; the same value is set here without it."""
+    env = dict(os.environ)
+    if args.nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if args.nnodes > 1:
+        env[NODE_RANK_ENV] = str(args.node_rank)
+    return env
+
+
+NODE_RANK_ENV = "GEM_NODE_RANK"
+"""The ``--node-rank`` a node was started with, for :func:`node_notice` (torchrun does not use it)."""
+
+
+def node_notice(env: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
+    """On the first process of each node of a several-node run: which node this is, which global
+    ranks it got from the rendezvous, and where the progress and the summary show. None elsewhere."""
+    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", "1"))
+    if world <= local or env.get("LOCAL_RANK", "0") != "0":
+        return None
+    import socket
+
+    first = int(env.get("RANK", "0"))
+    where = (
+        "progress and the run summary show here (global rank 0)"
+        if first == 0
+        else "progress and the run summary show on the node that holds global rank 0"
+    )
+    return (
+        f"gem-train: node --node-rank {env.get(NODE_RANK_ENV, '?')} ({socket.gethostname()}) joined the rendezvous "
+        f"as node {env.get('GROUP_RANK', '?')} of {world // local} and runs global ranks {first}-{first + local - 1}; "
+        f"{where} (torchrun's c10d rendezvous numbers the nodes as they join, not by --node-rank)"
+    )
 
 
 def world_size(args: argparse.Namespace) -> int:
@@ -65,9 +114,8 @@ def torchrun_argv(args: argparse.Namespace, run_args: list[str]) -> list[str]:
     if args.nnodes == 1:
         argv += ["--standalone"]
     else:
-        argv += [
+        argv += [  # no --node-rank: the c10d rendezvous ignores it (see the module doc)
             f"--nnodes={args.nnodes}",
-            f"--node-rank={args.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",

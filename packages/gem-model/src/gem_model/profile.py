@@ -73,6 +73,34 @@ def profile_parser(commands: dict[str, object]) -> argparse.ArgumentParser:
     return parser
 
 
+def profile_help() -> int:
+    """``gem-train profile --help`` without loading the plugins (that would import torch): the core's
+    subcommands, those our packages add (installed or not, from the package metadata), and a pointer
+    to the others."""
+    from importlib import metadata
+
+    installed = {}
+    for name, dist in KNOWN_COMMANDS.items():
+        try:
+            metadata.distribution(dist)
+            installed[name] = dist
+        except metadata.PackageNotFoundError:
+            pass
+    parser = profile_parser({})
+    parser.epilog = (
+        "Installed plugins add subcommands of their own"
+        + (f" ({', '.join(f'{n} from {d}' for n, d in installed.items())})" if installed else "")
+        + ": `gem-train plugins` lists them, `gem-train profile NAME --help` shows one's options."
+    )
+    kinds = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, dist in installed.items():
+        kinds.choices.pop(name, None)
+        kinds._choices_actions = [a for a in kinds._choices_actions if a.dest != name]
+        kinds.add_parser(name, help=f"from {dist}: `gem-train profile {name} --help`", add_help=False)
+    parser.print_help()
+    return 0
+
+
 def profile_main(args: argparse.Namespace) -> int:
     from gem_model.plugins import GemPluginManager
 
@@ -97,11 +125,13 @@ def profile_main(args: argparse.Namespace) -> int:
 
 
 def profile_all(args: argparse.Namespace, pm: object) -> int:
-    from gem_model.config_io import load_config
+    from gem_model.checks import preflight
     from gem_model.profiling.render import print_report, write_outputs
     from gem_model.profiling.runner import ProfileOptions, run_profile, unfinished
 
-    config = load_config(args.config, args.overrides)
+    # every problem of the command line at once, before anything is profiled (no device or memory
+    # check: the profile measures those)
+    config, _ = preflight(args.config, args.overrides, pm, offline=True)  # type: ignore[arg-type]
     out = args.out or Path(config.trainer.output_dir.format(name=config.name))
     sections = None if args.sections is None else tuple(n.strip() for n in args.sections.split(",") if n.strip())
     options = ProfileOptions(out=out, batches=args.batches, warmup=args.warmup, steps=args.steps, world=args.world,

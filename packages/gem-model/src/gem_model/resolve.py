@@ -7,7 +7,7 @@ all problems are reported together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gem_model.components import (
     ActivationPolicy,
@@ -100,6 +100,35 @@ class _Resolver:
 
 def resolve_components(config: RunConfig, pm: GemPluginManager) -> Components:
     """Instantiate every component the config names; raise one error listing every problem."""
+    built, r = _resolve(config, pm)
+    if r.unknown:
+        raise UnknownNameError("\n".join(r.unknown))
+    if r.bad:
+        raise ConfigError(r.bad)
+    return Components(**built)
+
+
+@dataclass
+class Resolution:
+    """What :func:`resolve_partially` could build: each component by its ``Components`` field, None
+    where its name is unknown or its options are refused, and those problems."""
+
+    built: dict[str, Any]
+    unknown: list[str]
+    bad: list[tuple[str, object, str]]
+
+    def components(self) -> Components | None:
+        """The whole :class:`Components`, or None when one of them could not be built."""
+        return None if self.unknown or self.bad else Components(**self.built)
+
+
+def resolve_partially(config: RunConfig, pm: GemPluginManager) -> Resolution:
+    """Build what can be built and collect the rest's problems (for a check that reports all at once)."""
+    built, r = _resolve(config, pm)
+    return Resolution(built, r.unknown, r.bad)
+
+
+def _resolve(config: RunConfig, pm: GemPluginManager) -> tuple[dict[str, Any], _Resolver]:
     r = _Resolver()
     precision = {config.precision.scheme.name: r.build(pm.precision_schemes, config.precision.scheme, "precision.scheme")}
     for pattern, name in config.precision.overrides.items():
@@ -123,11 +152,7 @@ def resolve_components(config: RunConfig, pm: GemPluginManager) -> Components:
         "pipeline": r.build(pm.train_pipelines, config.trainer.pipeline, "trainer.pipeline"),
     }
     callbacks = {ref.name: r.build(pm.callbacks, ref, f"callbacks.{i}") for i, ref in enumerate(config.callbacks)}
-    if r.unknown:
-        raise UnknownNameError("\n".join(r.unknown))
-    if r.bad:
-        raise ConfigError(r.bad)
-    return Components(precision=precision, activation=activation, callbacks=callbacks, **built)  # type: ignore[arg-type]
+    return {"precision": precision, "activation": activation, "callbacks": callbacks, **built}, r
 
 
 def build_balancer(config: RunConfig, pm: GemPluginManager, name: str, spec: FeatureSpec) -> LoadBalancer:
@@ -167,3 +192,34 @@ def run_shape(config: RunConfig, components: Components, *, ranks_per_node: int 
 
     dtype = activation_dtype_of(config.precision, components.precision)
     return RunShape(config, ranks_per_node, build_model, read_lengths, components.source.feature_spec(), dtype)
+
+
+def dump_resolved(config: RunConfig, components: Components) -> str:
+    """The config as YAML with each component's options as its ``Config`` filled them (every
+    option, defaults included): what ``gem-train config`` prints."""
+    import yaml
+
+    data = config.model_dump(mode="json")
+    for path, component in component_paths(config, components):
+        node = data
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = {"name": component.name, "options": component.config.model_dump(mode="json")}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def component_paths(config: RunConfig, components: Components) -> list[tuple[list[str | int], Component]]:
+    """(path in the config's data, the component built from it) of every component reference."""
+    out: list[tuple[list[str | int], Component]] = [
+        (["kernels", "jagged_attention"], components.attention),
+        (["kernels", "norm_gate"], components.norm_gate),
+        (["precision", "scheme"], components.precision[config.precision.scheme.name]),
+        (["activation", "policy"], components.activation[config.activation.policy.name]),
+        (["parallel", "planner"], components.planner),
+        (["comm", "strategy"], components.comm),
+        (["data", "source"], components.source),
+        (["data", "balancer"], components.balancer),
+        (["trainer", "pipeline"], components.pipeline),
+    ]
+    out += [(["callbacks", i], components.callbacks[ref.name]) for i, ref in enumerate(config.callbacks)]
+    return out

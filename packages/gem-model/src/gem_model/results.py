@@ -15,9 +15,14 @@ class StepResult:
     """One step, reduced over the layout's loss group (the data x context ranks)."""
 
     step: int
+    """0-based: the ``step`` the hook got. ``metrics.jsonl``, the progress line and error messages
+    count from 1 (``step + 1``): the line of step 0 says ``"step": 1``."""
     loss: float
+    """The normalised global loss (``task_weight`` x the task loss + ``next_item_weight`` x the next-item loss)."""
     task_loss: float
+    """The tasks' BCE, mean over the global batch's samples (0.0 without tasks)."""
     next_item_loss: float
+    """The sampled-softmax loss, mean over the predicted positions of the global batch."""
     samples: int
     """Samples of the global batch (each counted once, whatever the layout)."""
     tokens: int
@@ -58,18 +63,24 @@ class RunSummary:
     device: str
     components: dict[str, str]
     extra: dict[str, Any] = field(default_factory=dict)
+    trained_steps: int | None = None
+    """Steps this invocation trained (``steps`` minus the step it resumed from); None: not known."""
 
     def section(self) -> ReportSection:
-        rows = [
-            ("run", self.name),
-            ("steps", str(self.steps)),
-            ("loss (first -> last)", f"{self.first_loss:.4f} -> {self.last_loss:.4f}"),
-            ("wall time", f"{self.wall_seconds:.1f} s"),
-            ("samples / s", f"{self.samples_per_s:,.0f}"),
-            ("tokens / s", f"{self.tokens_per_s:,.0f}"),
-            ("MFU", f"{100 * self.mfu:.2f} % per GPU of {self.peak_flops / 1e12:.3g} TFLOP/s ({self.peak_source})"),
-            ("processes", f"{self.world_size} on {self.device}"),
-        ]
+        rows = [("run", self.name), ("steps", str(self.steps))]
+        if self.trained_steps == 0:  # a resume at trainer.steps: no loss or rate to show
+            rows.append(("trained", f"nothing: the run was at step {self.steps} already (raise trainer.steps to train on)"))
+        else:
+            if self.trained_steps is not None and self.trained_steps != self.steps:
+                rows.append(("trained", f"steps {self.steps - self.trained_steps + 1}-{self.steps} in this invocation"))
+            rows += [
+                ("loss (first -> last)", _losses(self.first_loss, self.last_loss)),
+                ("wall time", f"{self.wall_seconds:.1f} s"),
+                ("samples / s", f"{self.samples_per_s:,.0f}"),
+                ("tokens / s", f"{self.tokens_per_s:,.0f}"),
+                ("MFU", f"{100 * self.mfu:.2f} % per GPU of {self.peak_flops / 1e12:.3g} TFLOP/s ({self.peak_source})"),
+            ]
+        rows.append(("processes", f"{self.world_size} on {self.device}"))
         if self.extra.get("layout"):
             rows.append(("layout", str(self.extra["layout"])))
         rows += [(k, v) for k, v in self.components.items()]
@@ -79,3 +90,9 @@ class RunSummary:
         if plan:
             rows.append(("placement", plan[0]))
         return ReportSection("summary", rows)
+
+
+def _losses(first: float, last: float) -> str:
+    if first != first:  # NaN: every step of this invocation was skipped (trainer.non_finite: skip)
+        return "none: no step had a finite loss"
+    return f"{first:.4f} -> {last:.4f}"

@@ -11,7 +11,7 @@ from gem_model.config import RunConfig
 from gem_model.distributed import init_distributed, launched_by_torchrun, teardown
 from gem_model.errors import RunInterrupted
 from gem_model.plugins import GemPluginManager
-from gem_model.resolve import resolve_components
+from gem_model.resolve import Components, resolve_components
 from gem_model.results import RunSummary
 from gem_model.train import resume
 from gem_model.train.lock import OutputLock
@@ -20,16 +20,21 @@ from gem_model.train.run import Run
 
 
 @contextmanager
-def started_run(config: RunConfig, pm: GemPluginManager | None = None) -> Iterator[Run]:
+def started_run(
+    config: RunConfig, pm: GemPluginManager | None = None, components: Components | None = None
+) -> Iterator[Run]:
     """The run of ``config``, built but not trained: every component resolved and every constraint
-    checked before any process group, then the group joined, the output directory locked by rank 0
-    for the whole run (:mod:`gem_model.train.lock`) and the :class:`Run` made. The group is left and
-    the lock let go on exit; the group cleanly when the block ended or stopped with
-    :class:`RunInterrupted` (every rank stopped after the same step)."""
+    checked before any process group (``components``: resolved and checked already, by ``gem-train
+    run``), then the group joined, the output directory locked by rank 0 for the whole run
+    (:mod:`gem_model.train.lock`) and the :class:`Run` made. The group is left and the lock let go on
+    exit; the group cleanly when the block ended or stopped with :class:`RunInterrupted` (every rank
+    stopped after the same step)."""
     pm = pm if pm is not None else GemPluginManager()
-    components = resolve_components(config, pm)
-    world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
-    check_run(config, components, world, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
+    launched = launched_by_torchrun()
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
+    if components is None:
+        components = resolve_components(config, pm)
+        check_run(config, components, world, process_group=launched)
     resume.check_before_build(config, world, pm)
     env = init_distributed(config.trainer.device, timeout_s=config.trainer.collective_timeout_s)
     held = OutputLock(output_dir(config))
@@ -53,7 +58,7 @@ def started_run(config: RunConfig, pm: GemPluginManager | None = None) -> Iterat
             held.release()
 
 
-def train(config: RunConfig, pm: GemPluginManager | None = None) -> RunSummary:
+def train(config: RunConfig, pm: GemPluginManager | None = None, components: Components | None = None) -> RunSummary:
     """Resolve every component (before any process group), join the group, train, leave cleanly."""
-    with started_run(config, pm) as run:
+    with started_run(config, pm, components) as run:
         return run.fit()

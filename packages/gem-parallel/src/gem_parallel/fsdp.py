@@ -110,6 +110,7 @@ def fsdp_problems(config: FSDPConfig, where: str = _WHERE) -> list[tuple[str, ob
 
 class FSDPPlanner(ParallelPlanner):
     name: ClassVar[str] = "fsdp"
+    needs_process_group: ClassVar[bool] = True  # FSDP2 and the device mesh need a process group, also of one
     Config = FSDPConfig
     config: FSDPConfig
 

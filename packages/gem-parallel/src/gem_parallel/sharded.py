@@ -84,6 +84,7 @@ class _CommAwareDDP(DefaultDataParallelWrapper):
 
 class TorchrecDDPPlanner(ParallelPlanner):
     name: ClassVar[str] = "torchrec_ddp"
+    needs_process_group: ClassVar[bool] = True  # torchrec shards its tables over a process group, also of one
     Config = TorchrecDDPConfig
     config: TorchrecDDPConfig
 

@@ -75,13 +75,32 @@ COMMAND = ProfileCommand(
 )
 
 
-def lower_bit_share(result: ProbeResult, pm: GemPluginManager, configured: str) -> tuple[float, float]:
+def pays_on(pm: GemPluginManager, name: str, device: Any) -> bool:
+    """Whether scheme ``name``'s fewer GEMM bits can be faster on ``device``: only a GPU's tensor cores
+    run them faster, and only a scheme whose GEMMs run natively there (not emulated: an MX scheme on a
+    device without MX GEMMs quantizes and then multiplies in bfloat16, which is slower)."""
+    if device is None or device.type != "cuda":
+        return False
+    cls = pm.precision_schemes.get(name).cls
+    scheme = cls(cls.Config())
+    resolve = getattr(scheme, "resolved_backend", None)
+    try:
+        return resolve is None or resolve(device) == "native"
+    except (RuntimeError, ValueError):
+        return False
+
+
+def lower_bit_share(
+    result: ProbeResult, pm: GemPluginManager, configured: str, device: Any = None
+) -> tuple[float, float]:
     """(share of the probed linears' weights whose recommendation runs GEMMs in fewer bits than the
-    configured scheme, the mean fraction of their GEMM time that saves at the datasheet rates)."""
+    configured scheme and pays on ``device`` (:func:`pays_on`), the mean fraction of their GEMM time
+    that saves at the datasheet rates)."""
     bits = {n: GEMM_BITS[pm.precision_schemes.get(n).cls.gemm_dtype] for n in result.schemes}
     now = GEMM_BITS[pm.precision_schemes.get(configured).cls.gemm_dtype]
     total = sum(m.in_features * m.out_features for m in result.modules) or 1
-    faster = [m for m in result.modules if m.recommended is not None and bits[m.recommended] < now]
+    paying = {n for n in result.schemes if pays_on(pm, n, device)}
+    faster = [m for m in result.modules if m.recommended in paying and bits[m.recommended] < now]
     share = sum(m.in_features * m.out_features for m in faster) / total
     saving = [1.0 - bits[m.recommended] / now for m in faster]  # type: ignore[index]
     return share, (sum(saving) / len(saving) if saving else 0.0)
@@ -99,7 +118,7 @@ def numerics_section(ctx: ProfileContext) -> ProfileSection:
         errs = [None if m.measures[s].error else m.measures[s].rel_err for s in result.schemes]
         rows.append([m.fqn, f"{m.in_features}x{m.out_features}", *errs, m.recommended or "fp32 (exclude)"])
     configured = ctx.config.precision.scheme.name
-    share, saving = lower_bit_share(result, ctx.plugins, configured)
+    share, saving = lower_bit_share(result, ctx.plugins, configured, ctx.device)
     recs = []
     if share > 0:
         recs.append(Recommendation(
@@ -119,6 +138,8 @@ def numerics_section(ctx: ProfileContext) -> ProfileSection:
                       rows)],
         recommendations=recs,
         notes=["forward numerics of the freshly initialised model; the backward and training dynamics are not seen",
+               f"a map is recommended for speed only where its fewer GEMM bits run natively on {ctx.device.type} "
+               "(tensor cores; not emulated)",
                "the loss change is measured where it decides: per linear, the cheapest schemes within the relative "
                "error up to the first that passes (`gem-train profile precision` measures every one)"],
     )

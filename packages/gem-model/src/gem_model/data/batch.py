@@ -55,6 +55,10 @@ class FeatureSpec:
     negatives_per_position: bool = False
     """False: ``num_negatives`` per sample, shared by its positions; True: ``num_negatives`` for each
     predicted position (each history position but the last), laid out position by position."""
+    candidates: bool = True
+    """Whether every sample carries one ``cand_item`` (``model.use_candidate`` needs it)."""
+    timestamps: bool = True
+    """Whether batches carry ``timestamps`` and ``request_times`` (``model.relative_time_bias`` needs them)."""
 
     def negatives_of(self, history_lengths: torch.Tensor) -> torch.Tensor:
         """How many negatives each sample carries, given its history lengths."""

@@ -273,6 +273,7 @@ class MovieLensSource(DataSource):
             num_negatives=c.num_negatives,
             max_history=c.max_len,
             negatives_per_position=c.negatives_per == "position",
+            candidates=False,
         )
 
     # ----------------------------------------------------------------------------------- histories

@@ -3,7 +3,7 @@
 The source (:class:`gem_model.data.movielens.MovieLensSource`) knows each user's histories; this
 module turns them into what the model reads for a split, the split's targets and, with
 ``exclude_seen``, the items of the user's input history, which are not candidates (the HSTU authors'
-``filter_invalid_ids``). The ranking itself is :mod:`gem_model.data.ranking`.
+``filter_invalid_ids``). The ranking itself is :mod:`gem_model.data.holdout`.
 
 Those inputs depend on the split and the source's options only, never on the model, so they are
 built once per split and device and reused by every later evaluation of the run (the trainer
@@ -13,15 +13,13 @@ evaluates ``valid`` every ``trainer.eval_every`` steps).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from gem_model.data.batch import Batch
-from gem_model.data.ranking import DEFAULT_KS, catalogue_ranks_each, ranking_metrics
-from gem_model.jagged import gather_rows, positions_in_sequence, sequence_ids
-from gem_model.train.progress import task_progress
+from gem_model.data.holdout import EvalChunk, evaluate_chunks, padded_items
+from gem_model.jagged import gather_rows
 
 SPLITS = ("valid", "test")
 # (users, split) -> (starts, lengths) of what the model reads in the flat sequences
@@ -29,14 +27,7 @@ HistoryFn = Callable[[torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]]
 # (users, split, negatives, sample_ids) -> the batch of those users' histories
 BatchFn = Callable[[torch.Tensor, str, torch.Tensor, torch.Tensor], Batch]
 
-
-@dataclass(frozen=True)
-class EvalChunk:
-    """One batch of users of a split, ready on the evaluation device."""
-
-    batch: Batch
-    targets: torch.Tensor  # int64 [B]
-    seen: torch.Tensor | None  # int64 [B, M], -1 pads; None without exclude_seen
+__all__ = ["SPLITS", "EvalChunk", "MovieLensEvaluation"]
 
 
 class MovieLensEvaluation:
@@ -78,10 +69,7 @@ class MovieLensEvaluation:
     def seen_items(self, users: torch.Tensor, split: str) -> torch.Tensor:
         """``[B, M]`` ids of the items the model reads for ``split`` (its input history), ``-1`` pads."""
         starts, lengths = self.history(users, split)
-        out = torch.full((users.numel(), max(int(lengths.max()), 1) if lengths.numel() else 1), -1, dtype=torch.long)
-        rows = gather_rows(starts, lengths, torch.arange(users.numel()))
-        out[sequence_ids(lengths), positions_in_sequence(lengths)] = self.items[rows]
-        return out
+        return padded_items(self.items[gather_rows(starts, lengths, torch.arange(users.numel()))], lengths)
 
     def chunks(self, split: str, device: torch.device) -> list[EvalChunk]:
         """The split's batches on ``device``, built at the first call and kept for the later ones."""
@@ -97,29 +85,7 @@ class MovieLensEvaluation:
             ]
         return self._chunks[key]
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, *, device: torch.device, split: str) -> dict[str, float]:
-        """The metrics of ``split`` (needs an unsharded item table).
-
-        With ``exclude_seen`` (the HSTU authors' evaluation) the items of the user's input history are
-        not candidates; the same metrics with every item a candidate come as ``<metric>_unfiltered``.
-        """
-        items = model.item_embeddings().to(device)
-        if items.shape[0] != self.num_items:
-            raise ValueError(f"the model's item table has {items.shape[0]} rows, the catalogue {self.num_items}")
-        chunks = self.chunks(split, device)
-        # ranks[0]: every item a candidate; ranks[1] (with exclude_seen): without the user's input items
-        ranks: list[list[torch.Tensor]] = [[] for _ in range(2 if self.exclude_seen else 1)]
-        with task_progress(len(chunks), f"evaluate {split}", unit="batch") as advance:
-            for chunk in chunks:
-                queries = model.user_embeddings(chunk.batch).float()
-                excludes = [None] if chunk.seen is None else [None, chunk.seen]
-                for acc, r in zip(ranks, catalogue_ranks_each(queries, items, chunk.targets, excludes), strict=True):
-                    acc.append(r.cpu())
-                advance(1)
-        unfiltered = ranking_metrics(torch.cat(ranks[0]), DEFAULT_KS)
-        if not self.exclude_seen:
-            return unfiltered
-        out = ranking_metrics(torch.cat(ranks[1]), DEFAULT_KS)
-        out.update({f"{k}_unfiltered": v for k, v in unfiltered.items()})
-        return out
+        """The metrics of ``split`` (needs an unsharded item table; :func:`evaluate_chunks`)."""
+        return evaluate_chunks(model, self.chunks(split, device), num_items=self.num_items,
+                               exclude_seen=self.exclude_seen, device=device, split=split)  # fmt: skip

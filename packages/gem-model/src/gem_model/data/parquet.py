@@ -23,10 +23,15 @@ column chunk of a row group, so a rank whose rows are spread over the batch (the
 balancer) reads the batch's row groups; a balancer that hands out contiguous ranges reads its own.
 
 Checks, while a row group is decoded: nulls, lists of one row whose lengths disagree, ids outside
-their table, labels outside [0, 1], dense values that are not finite. Each error names the file, the
-row group, the column and the row (within the row group and within the whole data). An unreadable
-row group (truncated, corrupt: pages written with checksums are verified) raises the same error type
-with pyarrow's message, never a crash.
+their table, labels outside [0, 1], dense values that are not finite, an event time after its row's
+request time. Each error names the file, the row group, the column and the row (within the row
+group and within the whole data). An unreadable row group (truncated, corrupt: pages written with
+checksums are verified) raises the same error type with pyarrow's message, never a crash. A page
+written without a checksum (pyarrow's default) cannot be verified: damage there is caught only
+where it breaks one of the checks above, which is why ``gem-train data convert`` writes checksums.
+
+Evaluation: with ``evaluation``, held-out ``valid`` and ``test`` files are ranked over the whole
+catalogue (:mod:`gem_model.data.parquet_eval`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from gem_model.components import DataSource
 from gem_model.data import parquet_decode as dec
 from gem_model.data.batch import Batch, FeatureSpec, PooledFeature, build_batch
 from gem_model.data.parquet_decode import Decoded
+from gem_model.data.parquet_eval import ParquetHoldout
 from gem_model.data.parquet_schema import INSTALL_HINT, ParquetConfig, ParquetDataError, check_schema
 from gem_model.jagged import gather_rows, offsets_of
 
@@ -112,6 +118,8 @@ class ParquetSource(DataSource):
         self._step: tuple[tuple[int, int], dict[str, torch.Tensor]] | None = None
         self.row_groups_read = 0
         """How many row groups were decoded (every configured column), for tests and benchmarks."""
+        self.holdout = None if self.config.evaluation is None else ParquetHoldout(self.config, ParquetSource)
+        """The held-out splits (``evaluation``), their files checked now."""
 
     def feature_spec(self) -> FeatureSpec:
         c = self.config
@@ -124,6 +132,8 @@ class ParquetSource(DataSource):
             num_negatives=c.num_negatives,
             max_history=c.max_len,
             negatives_per_position=c.negatives_per == "position",
+            candidates=c.columns.candidate is not None,
+            timestamps=c.columns.history_time is not None,
         )
 
     def steps_per_epoch(self, global_batch_size: int) -> int:
@@ -211,12 +221,15 @@ class ParquetSource(DataSource):
             dec.check_length_column(self, g, cols.history_length, self._stored_lengths(g), lengths)
         pooled = {p.feature: dec.ids_or_bag(self, g, p.column, p.num_embeddings) for p in c.pooled}
         n = self.groups[g].num_rows
+        requests = None if cols.request_time is None else dec.scalar_ints(self, g, cols.request_time, None)
+        if per_event["times"] is not None and requests is not None:
+            dec.check_times_before_requests(self, g, per_event["times"], lengths, requests)
         return Decoded(
             lengths=lengths,
             items=items,
             actions=per_event["actions"],
             times=per_event["times"],
-            request_times=None if cols.request_time is None else dec.scalar_ints(self, g, cols.request_time, None),
+            request_times=requests,
             candidates=None if cols.candidate is None else dec.scalar_ints(self, g, cols.candidate, c.num_items),
             pooled=pooled,
             dense=dec.float_matrix(self, g, c.dense, n, finite=True),
@@ -272,6 +285,11 @@ class ParquetSource(DataSource):
             sample_ids=indices + step * global_batch_size,
             times=times,
         )
+
+
+    def evaluate(self, model: torch.nn.Module, *, device: torch.device, split: str) -> dict[str, float] | None:
+        """HR@K and NDCG@K of the ``evaluation`` split (:mod:`gem_model.data.parquet_eval`); None without one."""
+        return None if self.holdout is None else self.holdout.evaluate(model, device=device, split=split)
 
 
 __all__ = ["ParquetDataError", "ParquetSource", "resolve_files"]

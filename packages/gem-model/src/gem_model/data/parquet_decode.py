@@ -120,6 +120,24 @@ def check_length_column(src: RowGroupSource, g: int, column: str, stored: torch.
         )
 
 
+def check_times_before_requests(
+    src: RowGroupSource, g: int, times: torch.Tensor, lengths: torch.Tensor, requests: torch.Tensor
+) -> None:
+    """Every event's time is at most its row's request time: an event after the request the row
+    predicts from is a leak or a corrupt value (e.g. 6.5e18)."""
+    if times.numel() == 0:
+        return
+    late = times > torch.repeat_interleave(requests, lengths, output_size=times.numel())
+    if bool(late.any()):
+        at = int(torch.nonzero(late)[0, 0])
+        row = int(torch.searchsorted(offsets_of(lengths), torch.tensor(at), right=True)) - 1
+        cols = src.config.columns
+        raise ParquetDataError(
+            f"{src.where(g, cols.history_time, row)}: time {int(times[at])} is after the row's request time "
+            f"{int(requests[row])} (column {cols.request_time!r}): an event after the request it predicts from"
+        )
+
+
 def scalar_ints(src: RowGroupSource, g: int, column: str, bound: int | None) -> torch.Tensor:
     array = src.read_column(g, column)
     _no_nulls(src, g, column, array)

@@ -15,9 +15,11 @@ pooled feature         integer or list     one id, or a bag of ids, of a non-seq
 dense feature          floating            one float per column
 label                  integer/float/bool  0 or 1 per task
 ``history_length``     integer             the length of ``history_item`` (optional; read first)
+``target``             integer             (evaluation files only) the held-out item to rank
 =====================  ==================  ==================================================
 
-Any other column is ignored. Nulls are errors.
+Any other column is ignored. Nulls are errors. Every event's time must be at most its row's
+request time (an event after the request it predicts from is leaked or corrupt).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ParquetDataError(GemError, ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ParquetColumns(_Strict):
@@ -80,6 +82,19 @@ class LabelColumn(_Strict):
     column: str
 
 
+class ParquetEvaluation(_Strict):
+    """Held-out splits: files with the training data's columns plus ``target``, one row per user."""
+
+    valid: str | None = Field(None, description="the validation split: a file, a folder of them or a glob; None: none")
+    test: str | None = Field(None, description="the test split, as valid")
+    target: str = Field("target", description="the integer column of the held-out item each row's history ranks")
+    exclude_seen: bool = Field(
+        True, description="the items of the row's history are not candidates (HSTU's and SASRec's evaluation); "
+        "the unfiltered metrics are reported as well",
+    )  # fmt: skip
+    batch_size: int = Field(1024, ge=1, description="rows ranked at once")
+
+
 class ParquetConfig(ComponentConfig):
     path: str = Field(description="a .parquet file, a folder of them (read in name order), or a glob")
     num_items: int = Field(ge=2, description="rows of the item table: item ids lie in [0, num_items)")
@@ -106,6 +121,9 @@ class ParquetConfig(ComponentConfig):
     )
     cache_row_groups: int = Field(
         64, ge=1, description="decoded row groups kept in memory (a row group is decoded once while it is cached)"
+    )
+    evaluation: ParquetEvaluation | None = Field(
+        None, description="held-out validation and test splits, ranked over the whole catalogue (HR@K, NDCG@K)"
     )
 
     @model_validator(mode="after")

@@ -72,6 +72,7 @@ class SyntheticSource(DataSource):
             tasks=("click", "conversion"),
             num_negatives=c.num_negatives,
             max_history=c.max_len,
+            timestamps=False,
         )
 
     # ------------------------------------------------------------------------------------ sampling

@@ -35,6 +35,12 @@ class MeasuredSteps:
     (``<kind>.bytes``, ``<kind>.calls``, ``<kind>.seconds``); empty when the strategy measures nothing."""
     peak_memory_bytes: int | None = None
     """The device allocator's peak over the measured steps; None where the device reports none (CPU)."""
+    unprofiled_step_seconds: list[float] = field(default_factory=list)
+    """Wall time of the warm-up steps after the first, which ran without the profiler (the first
+    compiles and warms up): step time and MFU come from these where there are any, since the
+    profiler's own host cost is in the measured steps' time (on a CPU it is most of it)."""
+    unprofiled_tokens: list[int] = field(default_factory=list)
+    unprofiled_flops: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -68,7 +68,13 @@ def mfu_section(ctx: ProfileContext, *, baseline_tokens_per_s: float | None = No
     if ctx.measured is None or not ctx.measured.step_seconds:
         return ProfileSection("mfu", "MFU", notes=["no measured steps: run the step-time section"])
     m = ctx.measured
-    seconds, flops, tokens = sum(m.step_seconds), sum(m.flops), sum(m.tokens)
+    # the profiler's own host cost is in the measured steps' time (on a CPU most of it): the rates
+    # come from the unprofiled warm-up steps where there are any
+    unprofiled = bool(m.unprofiled_step_seconds)
+    if unprofiled:
+        seconds, flops, tokens = sum(m.unprofiled_step_seconds), sum(m.unprofiled_flops), sum(m.unprofiled_tokens)
+    else:
+        seconds, flops, tokens = sum(m.step_seconds), sum(m.flops), sum(m.tokens)
     scheme = ctx.plugins.precision_schemes.get(ctx.config.precision.scheme.name).cls
     gemm = scheme.gemm_dtype
     sheet = datasheet_peak(ctx.device, gemm)
@@ -85,6 +91,14 @@ def mfu_section(ctx: ProfileContext, *, baseline_tokens_per_s: float | None = No
         "scaling_efficiency": None,
     }  # fmt: skip
     notes = ["FLOPs: real tokens, causal attention pairs, backward = 2 x forward (docs/profiling.md)"]
+    if unprofiled:
+        notes.insert(0, f"from {len(m.unprofiled_step_seconds)} unprofiled warm-up step(s) (after the first): "
+                     f"{1e3 * seconds / len(m.unprofiled_step_seconds):.1f} ms a step, against "
+                     f"{1e3 * sum(m.step_seconds) / max(len(m.step_seconds), 1):.1f} ms under torch.profiler")  # fmt: skip
+    else:
+        notes.insert(0, "from the profiled steps: torch.profiler's own host cost is in their time, so these rates "
+                     "are low (--warmup 2 or more gives an unprofiled step to measure)")  # fmt: skip
+    summary["unprofiled"] = unprofiled
     if sheet is None:
         notes.append(f"no datasheet peak for {ctx.device.type} ({gemm} GEMMs)")
     if world == 1:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table as RichTable
 
 from gem_model.profiling.report import ProfileReport, ProfileSection
+from gem_model.terminal import console_for
 
 JSON_NAME, HTML_NAME = "profile.json", "profile.html"
 
@@ -28,19 +29,21 @@ def cell(value: Any) -> str:
 
 
 def print_report(report: ProfileReport, console: Console | None = None) -> None:
-    console = console or Console()
-    console.print(f"[bold]profile of {report.config_name}[/bold] on {report.device}, {report.created}")
+    """The report's tables; ``console``: where (default: stdout, each table at a width that fits it
+    where stdout is not a terminal: :mod:`gem_model.terminal`)."""
+    text = console or Console()
+    text.print(f"[bold]profile of {report.config_name}[/bold] on {report.device}, {report.created}")
     for section in report.sections:
-        console.rule(section.title)
+        text.rule(section.title)
         for t in section.tables:
             table = RichTable(title=t.title, title_justify="left")
             for c in t.columns:
                 table.add_column(c, overflow="fold")
             for row in t.rows:
                 table.add_row(*(cell(v) for v in row))
-            console.print(table)
+            (console or console_for(table)).print(table)
         for note in section.notes:
-            console.print(f"  [dim]{note}[/dim]")
+            text.print(f"  [dim]{note}[/dim]")
 
 
 def _html_section(section: ProfileSection, plot: Path | None) -> str:

@@ -88,26 +88,42 @@ class ProfileReport:
 
     @classmethod
     def from_json(cls, text: str) -> ProfileReport:
+        """The report of a ``profile.json``; a missing or mistyped field raises ``ValueError`` naming it."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("profile.json: the top level must be an object")
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(f"profile.json has schema_version {version!r}; this gem-model reads {SCHEMA_VERSION}")
-        sections = [
-            ProfileSection(
-                name=s["name"],
-                title=s["title"],
-                summary=s["summary"],
-                tables=[ProfileTable(**t) for t in s["tables"]],
-                series=s["series"],
-                recommendations=[Recommendation(**r) for r in s["recommendations"]],
-                notes=s["notes"],
-            )
-            for s in data["sections"]
-        ]
+        sections = []
+        for i, s in enumerate(_field(data, "sections", "profile.json", list)):
+            where = f"profile.json: sections[{i}]" + (f" ({s.get('name')!r})" if isinstance(s, dict) and "name" in s else "")
+            if not isinstance(s, dict):
+                raise ValueError(f"{where} is not an object")
+            try:
+                sections.append(ProfileSection(
+                    name=_field(s, "name", where, str), title=_field(s, "title", where, str),
+                    summary=_field(s, "summary", where, dict),
+                    tables=[ProfileTable(**t) for t in _field(s, "tables", where, list)],
+                    series=_field(s, "series", where, dict),
+                    recommendations=[Recommendation(**r) for r in _field(s, "recommendations", where, list)],
+                    notes=_field(s, "notes", where, list),
+                ))  # fmt: skip
+            except TypeError as exc:  # a table or recommendation with a field missing or unknown
+                raise ValueError(f"{where}: {exc}") from None
         return cls(
-            config_name=data["config_name"], device=data["device"], created=data["created"],
-            command=data["command"], sections=sections, config=data.get("config", {}),
+            config_name=_field(data, "config_name", "profile.json", str), device=_field(data, "device", "profile.json", str),
+            created=_field(data, "created", "profile.json", str), command=_field(data, "command", "profile.json", str),
+            sections=sections, config=data.get("config", {}),
         )  # fmt: skip
+
+
+def _field(data: dict[str, Any], key: str, where: str, kind: type) -> Any:
+    if key not in data:
+        raise ValueError(f"{where} has no field {key!r}")
+    if not isinstance(data[key], kind):
+        raise ValueError(f"{where}: field {key!r} is a {type(data[key]).__name__}, not a {kind.__name__}")
+    return data[key]
 
 
 def _finite(value: Any) -> Any:

@@ -186,8 +186,8 @@ class StepProbe:
     def __init__(self, warmup: int, device: torch.device):
         self.warmup, self.device = warmup, device
         self.results: list[StepResult] = []
-        self.warmup_seconds: list[float] = []
-        """Wall time of the unprofiled warm-up steps: the profiler's own host cost is not in them."""
+        self.warmup_results: list[StepResult] = []
+        """The unprofiled warm-up steps: the profiler's own host cost is not in their time."""
         self.comm: list[dict[str, float]] = []
         self.comm_name = ""
         self.world_size = 1
@@ -210,7 +210,7 @@ class StepProbe:
         before = run.comm.measurements()
         result = yield
         if measured < 0:
-            self.warmup_seconds.append(result.seconds)
+            self.warmup_results.append(result)
         if measured >= 0:
             after = run.comm.measurements()
             self.results.append(result)
@@ -237,13 +237,20 @@ class StepProbe:
         if self.profiler is not None:
             self.profiler.__exit__(None, None, None)
 
+    @property
+    def warmup_seconds(self) -> list[float]:
+        return [r.seconds for r in self.warmup_results]
+
     def measured(self) -> MeasuredSteps:
         n = max(len(self.comm), 1)
         keys = sorted({k for c in self.comm for k in c})
+        plain = self.warmup_results[1:]  # the first warm-up step compiles and warms up
         return MeasuredSteps(
             step_seconds=[r.seconds for r in self.results], tokens=[r.tokens for r in self.results],
             flops=[r.flops for r in self.results], comm_strategy=self.comm_name, world_size=self.world_size,
             comm_per_step={k: sum(c.get(k, 0.0) for c in self.comm) / n for k in keys}, peak_memory_bytes=self.peak,
+            unprofiled_step_seconds=[r.seconds for r in plain], unprofiled_tokens=[r.tokens for r in plain],
+            unprofiled_flops=[r.flops for r in plain],
         )  # fmt: skip
 
     def breakdown(self) -> dict[str, float]:
@@ -285,6 +292,7 @@ def _registered(pm: GemPluginManager, plugin: object) -> Iterator[None]:
 def measure_steps(config: RunConfig, pm: GemPluginManager, *, warmup: int, steps: int) -> StepProbe:
     """Train ``warmup + steps`` steps of ``config`` (in a scratch output directory) under a probe."""
     from gem_model.distributed import pick_device
+    from gem_model.train.report import summaries_printed
     from gem_model.trainer import train
 
     scratch = tempfile.mkdtemp(prefix="gem-profile-steps-")
@@ -296,7 +304,7 @@ def measure_steps(config: RunConfig, pm: GemPluginManager, *, warmup: int, steps
         })})  # fmt: skip
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         probe = StepProbe(warmup, pick_device(config.trainer.device, local_rank))
-        with _registered(pm, probe):
+        with _registered(pm, probe), summaries_printed(False):  # the profile reports the steps itself
             train(run_config, pm)
         return probe
     finally:
@@ -314,6 +322,16 @@ def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
     summary: dict[str, Any] = {"seconds": parts, "share": share, "steps": n, "step_seconds": measured.step_seconds}
     notes = ["CUDA: device time per kernel (copies and memsets as pointwise), idle = the steps' wall time less "
              "the union of the kernels' intervals; CPU: host self time per op, idle = wall time less op time"]  # fmt: skip
+    profiled_ms = 1e3 * sum(measured.step_seconds) / max(n, 1)
+    if measured.unprofiled_step_seconds:
+        plain_ms = 1e3 * min(measured.unprofiled_step_seconds)
+        summary["unprofiled_step_ms"] = plain_ms
+        notes.insert(0, f"these times are under torch.profiler, whose own host cost is in them: a step took "
+                     f"{profiled_ms:.1f} ms under it and {plain_ms:.1f} ms without it (a warm-up step); read the "
+                     "shares, and the MFU section's figures, which come from the unprofiled steps")  # fmt: skip
+    else:
+        notes.insert(0, f"these times are under torch.profiler, whose own host cost is in them ({profiled_ms:.1f} ms "
+                     "a step); no unprofiled step to compare with (--warmup 2 or more gives one)")  # fmt: skip
     if ctx.device.type == "cuda" and probe.warmup_seconds and n:
         # the profiler's host cost slows the host, so the device waits more under it than without it
         busy = sum(v for k, v in parts.items() if k != "idle") / n
@@ -325,7 +343,8 @@ def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
                      f"steps, another batch): idle ~{1e3 * idle_plain:.1f} ms ({100 * idle_share:.1f} %) against "
                      f"{1e3 * parts['idle'] / n:.1f} ms under the profiler, whose own host cost the rest is")  # fmt: skip
     recs = []
-    if share["pointwise"] > 0.2 and not ctx.config.trainer.compile:
+    # compile fuses pointwise work into GPU kernels; on a CPU it pays little and costs minutes
+    if share["pointwise"] > 0.2 and not ctx.config.trainer.compile and ctx.device.type == "cuda":
         recs.append(Recommendation(
             action="trainer.compile=true (fuses the blocks' pointwise work)", expected_gain=share["pointwise"] / 2,
             metric="step time", evidence=f"pointwise ops take {100 * share['pointwise']:.1f} % of the step; "
@@ -339,12 +358,13 @@ def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
         ))  # fmt: skip
     return ProfileSection(
         name="step_time",
-        title=f"step time over {n} measured step(s) on {ctx.device.type}",
+        title=f"step time over {n} measured step(s) on {ctx.device.type}, under torch.profiler",
         summary=summary,
         tables=[ProfileTable("torch.profiler breakdown", ["category", "ms / step", "% of step"], rows)] + ([
             ProfileTable("device kernels with the most time", ["kernel", "category", "ms / step", "calls / step"],
                          top_kernels(probe.kernels, n))] if probe.kernels else []),  # fmt: skip
-        series={"breakdown_ms_per_step": {k: parts[k] / max(n, 1) * 1e3 for k in ORDER}},
+        series={"breakdown_ms_per_step": {k: parts[k] / max(n, 1) * 1e3 for k in ORDER},
+                "unprofiled_step_ms": summary.get("unprofiled_step_ms")},
         recommendations=recs,
         notes=notes,
     )

@@ -40,25 +40,31 @@ def _fixed() -> Column:
     return Column(no_wrap=True)
 
 
+WIDE = 130
+"""Columns from which the display shows the bar and the elapsed time too."""
+
+
 def live_display(console: Console | None = None) -> RichProgress:
     """The rich display every kind of long work uses (``console``: stderr by default).
 
-    The columns before the last keep their width; the last (the current loss and throughput) is cut
-    on a narrow terminal.
+    The columns before the last keep their width; the last (the current loss and throughput, the
+    most telling first) is cut on a narrow terminal. Below :data:`WIDE` columns the bar and the
+    elapsed time make room for it, so that an 80-column terminal still shows tokens/s and MFU.
     """
-    return RichProgress(
-        TextColumn("[bold]{task.description}", table_column=_fixed()),
-        BarColumn(bar_width=16, table_column=_fixed()),
-        MofNCompleteColumn(table_column=_fixed()),
-        RateColumn(table_column=_fixed()),
-        TimeElapsedColumn(table_column=_fixed()),
+    console = console if console is not None else Console(file=sys.stderr)
+    wide = console.width >= WIDE
+    columns: list[ProgressColumn] = [TextColumn("[bold]{task.description}", table_column=_fixed())]
+    if wide:
+        columns.append(BarColumn(bar_width=16, table_column=_fixed()))
+    columns += [MofNCompleteColumn(table_column=_fixed()), RateColumn(table_column=_fixed())]
+    if wide:
+        columns.append(TimeElapsedColumn(table_column=_fixed()))
+    columns += [
         TextColumn("ETA", table_column=_fixed()),
         TimeRemainingColumn(compact=True, table_column=_fixed()),
         TextColumn("{task.fields[info]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
-        console=console if console is not None else Console(file=sys.stderr),
-        refresh_per_second=4,
-        expand=True,
-    )
+    ]
+    return RichProgress(*columns, console=console, refresh_per_second=4, expand=True)
 
 
 _SHOWN: ContextVar[bool] = ContextVar("gem_live_progress", default=True)
@@ -117,11 +123,17 @@ class Progress:
             "MFU": f"{100 * metrics['mfu']:.2f}%",
         }
 
+    @classmethod
+    def _live_info(cls, metrics: dict[str, float]) -> str:
+        """The live display's last column: what tells most first, as a narrow terminal cuts its end."""
+        fields = cls._fields(metrics)
+        return "  ".join(f"{k} {fields[k]}" for k in ("loss", "tokens/s", "MFU", "samples/s"))
+
     def update(self, step: int, metrics: dict[str, float] | None) -> None:
         if not self.enabled:
             return
         if self._display is not None:
-            info = None if metrics is None else "  ".join(f"{k} {v}" for k, v in self._fields(metrics).items())
+            info = None if metrics is None else self._live_info(metrics)
             self._display.update(self._task, advance=1, **({} if info is None else {"info": info}))
         elif metrics is not None:
             fields = "  ".join(f"{k} {v}" for k, v in self._fields(metrics).items())

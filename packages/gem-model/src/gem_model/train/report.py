@@ -6,12 +6,32 @@ The types live in the leaf module :mod:`gem_model.results`; they are re-exported
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from gem_model.config import RunConfig
 from gem_model.results import ReportSection, RunSummary, StepResult
 
-__all__ = ["ReportSection", "RunSummary", "format_sections", "run_summary", "step_record"]
+__all__ = ["ReportSection", "RunSummary", "format_sections", "run_summary", "step_record", "summaries_printed"]
+
+_PRINTED: ContextVar[bool] = ContextVar("gem_summaries_printed", default=True)
+
+
+@contextmanager
+def summaries_printed(printed: bool) -> Iterator[None]:
+    """Within it, runs print their end-of-run summary only if ``printed``: ``tune`` and ``profile``
+    train many short runs and report on them themselves (the summary is still returned)."""
+    token = _PRINTED.set(printed)
+    try:
+        yield
+    finally:
+        _PRINTED.reset(token)
+
+
+def summary_printed() -> bool:
+    return _PRINTED.get()
 
 
 def step_record(result: StepResult, mean_loss: float, peak_flops_all: float) -> dict[str, float]:
@@ -33,7 +53,7 @@ def step_record(result: StepResult, mean_loss: float, peak_flops_all: float) -> 
 
 def run_summary(
     c: RunConfig, *, steps: int, first: float, last: float, wall: float, rates: dict[str, float], peak: float,
-    peak_source: str, world_size: int, device: str, extra: dict[str, Any],
+    peak_source: str, world_size: int, device: str, extra: dict[str, Any], trained: int | None = None,
 ) -> RunSummary:
     """The end-of-run summary; MFU per GPU (the FLOPs of all ranks over ``world_size`` peaks)."""
     return RunSummary(
@@ -56,8 +76,11 @@ def run_summary(
             "planner": c.parallel.planner.name,
             "comm": c.comm.strategy.name,
             "data": f"{c.data.source.name}, global batch {c.data.global_batch_size}",
+            "pipeline": c.trainer.pipeline.name,
+            "callbacks": ", ".join(ref.name for ref in c.callbacks) or "none",
         },
         extra=extra,
+        trained_steps=trained,
     )
 
 

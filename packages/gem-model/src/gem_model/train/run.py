@@ -39,7 +39,7 @@ from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
 from gem_model.train.optim import sparse_optimizer_spec
 from gem_model.train.prepare import initial_model, prepare_model
 from gem_model.train.progress import Progress, live_progress
-from gem_model.train.report import format_sections, run_summary, step_record
+from gem_model.train.report import format_sections, run_summary, step_record, summary_printed
 from gem_model.train.signals import StopRequest, stop_on_signals
 from gem_model.train.soundness import Soundness
 from gem_model.train.spikes import LossSpikes, warn
@@ -277,7 +277,7 @@ class Run:
         ctx.step = self.steps_done
         self.pm.call("gem_run_finished", run=ctx, summary=summary)
         extra: list[ReportSection] = [s for group in self.pm.call("gem_report_sections", run=ctx, summary=summary) for s in group]
-        if self.env.is_main:
+        if self.env.is_main and summary_printed():
             print(format_sections([summary.section(), *extra]), flush=True)
         return summary
 
@@ -376,4 +376,5 @@ class Run:
             self.config, steps=self.steps_done, first=first, last=last, wall=wall, rates=meter.rates(),
             peak=self.peak, peak_source=self.peak_source, world_size=self.env.world_size, device=str(self.env.device),
             extra={"plan": self.prepared.plan_summary, "layout": str(self.layout), "output_dir": str(self.output_dir)},
+            trained=self.steps_done - self.start_step,
         )

@@ -13,9 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from gem_model.errors import ConfigError
 
 TUNE_SECTIONS = ("memory", "numerics")
@@ -58,7 +55,9 @@ def tune_main(args: argparse.Namespace) -> int:
         raise ConfigError([("WORLD_SIZE", os.environ["WORLD_SIZE"], "gem-train tune measures candidates on "
                             "one device: run it in one process (torchrun --nproc-per-node 1 where the "
                             "planner needs a process group)")])  # fmt: skip
-    config = load_config(args.config, args.overrides)
+    from gem_model.checks import preflight
+
+    config, _ = preflight(args.config, args.overrides, GemPluginManager(), offline=True)  # every problem at once
     out = args.out or Path(config.trainer.output_dir.format(name=config.name)) / "tune"
     if args.compare is not None:
         return _compare(config, load_config(args.compare, []), args, out)
@@ -75,12 +74,16 @@ def tune_main(args: argparse.Namespace) -> int:
                   max_loss_increase=args.max_loss_increase, profile=profile, only=only,
                   on_candidate=lambda so_far: write_result(so_far, out),  # tune.json after every candidate
                   warmup=args.warmup, repeats=args.repeats)  # fmt: skip
+    from rich.table import Table
+
+    from gem_model.terminal import print_table
+
     table = Table(title=f"gem-train tune: {len(result.candidates)} candidate(s) in {result.seconds:.0f} s")
     for col in ("dimension", "change", "tokens/s", "peak GB", "last loss", "s", "chosen / error"):
         table.add_column(col, overflow="fold")
     for c in [result.baseline, *result.candidates]:
         table.add_row(*_row(c))
-    Console().print(table)
+    print_table(table)
     for what, path in write_result(result, out).items():
         print(f"wrote {what}: {path}")
     if result.stopped_by_budget:
@@ -119,13 +122,17 @@ def _compare(config: Any, other: Any, args: argparse.Namespace, out: Path) -> in
     names = {str(args.config or "(the default config)"): config, str(args.compare): other}
     if len(names) < 2:
         raise ConfigError([("--compare", str(args.compare), "is the config itself; name another config")])
+    from rich.table import Table
+
+    from gem_model.terminal import print_table
+
     measured = compare(names, GemPluginManager(), args.steps)
     table = Table(title=f"gem-train tune --compare: {args.steps} steps a run, in the order A, B, B, A")
     for col in ("dimension", "config", "tokens/s", "peak GB", "last loss", "s", ""):
         table.add_column(col, overflow="fold")
     for c in measured:
         table.add_row(*_row(c))
-    Console().print(table)
+    print_table(table)
     means = compare_means(measured)
     (first, a), (second, b) = means.items()
     if a["tokens_per_s"] and b["tokens_per_s"]:

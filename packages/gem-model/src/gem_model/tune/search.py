@@ -59,6 +59,7 @@ from gem_model.errors import ConfigError, GemError
 from gem_model.plugins import GemPluginManager
 from gem_model.profiling.report import ProfileReport
 from gem_model.train.progress import task_progress
+from gem_model.train.report import summaries_printed
 
 DIMENSIONS = {"kernel": "attention kernel", "precision": "precision", "activation": "activation policy",
               "balancer": "balancer", "planner": "planner", "compile": "compile"}  # fmt: skip
@@ -143,7 +144,8 @@ def measure_once(
         if device.type == "cuda":
             torch.cuda.init()  # the allocator's statistics exist only once CUDA is initialised
             torch.cuda.reset_peak_memory_stats(device)
-        summary = train(config.model_copy(update={"trainer": trainer}), pm)
+        with summaries_printed(False):  # tune's table reports each candidate
+            summary = train(config.model_copy(update={"trainer": trainer}), pm)
         if summary.steps < steps:
             raise CutOff(f"stopped by its time limit ({time_limit_s:.0f} s, what was left of the budget) after "
                          f"{summary.steps} of {steps} steps")  # fmt: skip
@@ -173,8 +175,11 @@ def dimensions(config: RunConfig, pm: GemPluginManager, profile: ProfileReport |
         precision = []
     precision += [{"precision.scheme": n} for n in pm.precision_schemes.names()]
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    # only planners that can drive this process's world: one that needs a process group cannot run
+    # in a process torchrun did not start
     planners = [{"parallel.planner": n} for n in pm.parallel_planners.names()
-                if (pm.parallel_planners.get(n).cls.max_world_size or world) >= world]  # fmt: skip
+                if (pm.parallel_planners.get(n).cls.max_world_size or world) >= world
+                and (launched_by_torchrun() or not pm.parallel_planners.get(n).cls.needs_process_group)]  # fmt: skip
     entry = pm.parallel_planners.get(config.parallel.planner.name)
     dp = entry.cls(entry.cls.Config.model_validate(config.parallel.planner.options)).layout(
         DistEnv(0, world, 0, device, None)).dp_degree  # fmt: skip
