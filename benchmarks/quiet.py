@@ -54,7 +54,8 @@ def main() -> int:
     import torch
 
     gpus = torch.cuda.device_count()
-    env = {k: v for k, v in os.environ.items() if k not in ("GEM_DISABLE_PLUGIN_AUTOLOAD", "GEM_PLUGINS")}
+    # GEM_PLUGINS stays: where the packages come on PYTHONPATH (the lent H200) it is how the plugins load
+    env = {k: v for k, v in os.environ.items() if k != "GEM_DISABLE_PLUGIN_AUTOLOAD"}
     rows, found = [], {}
     with tempfile.TemporaryDirectory(prefix="gem-quiet-") as scratch:
         for what, argv in commands(Path(scratch), args.steps, gpus).items():
