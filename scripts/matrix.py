@@ -16,7 +16,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import threading
 import time
 import xml.etree.ElementTree as ET

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: comm_runs beside this file
-from comm_runs import PINNED, SKIPPED_PINNED, run_all, step_losses  # noqa: E402
+from comm_runs import PINNED, SKIPPED_PINNED, run_all, step_losses
 
 pytestmark = pytest.mark.multiprocess
 
