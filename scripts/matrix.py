@@ -172,13 +172,14 @@ def run_env(name: str, pytest_args: list[str], out: IO[str]) -> dict[str, object
     }  # fmt: skip
 
 
-def in_parallel(names: list[str], job, jobs: int) -> list[dict[str, object]]:
-    """``job(name, out)`` for every name, ``jobs`` at a time; each one's output printed whole when it ends."""
+def in_parallel(names: list[str], job, jobs: int, prefix: str = "") -> list[dict[str, object]]:
+    """``job(name, out)`` for every name, ``jobs`` at a time; each one's output, kept in
+    ``.venvs/logs/<prefix><name>.log``, printed whole when it ends."""
     LOGS.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
 
     def one(name: str) -> dict[str, object]:
-        path = LOGS / f"{name}.log"
+        path = LOGS / f"{prefix}{name}.log"
         with path.open("w") as out:
             try:
                 result = job(name, out)
@@ -194,18 +195,17 @@ def in_parallel(names: list[str], job, jobs: int) -> list[dict[str, object]]:
         return list(pool.map(one, names))
 
 
-def report(results: list[dict[str, object]], wall: float) -> None:
+def report(results: list[dict[str, object]], wall: float, what: str) -> None:
     log(f"{'environment':<16} {'result':<7} {'install s':>10} {'tests s':>9} {'passed':>7} {'skipped':>8} {'failed':>7}")
     for r in results:
-        cells = [r.get(k) for k in ("install_s", "test_s", "passed", "skipped", "failed")]
-        log(f"{r['env']:<16} {'pass' if r['ok'] else 'FAIL':<7} {cells[0]!s:>10} {cells[1]!s:>9} "
-            f"{cells[2]!s:>7} {cells[3]!s:>8} {cells[4]!s:>7}")  # fmt: skip
+        cells = [str(r.get(k, "-")) for k in ("install_s", "test_s", "passed", "skipped", "failed")]
+        log(f"{r['env']:<16} {'pass' if r['ok'] else 'FAIL':<7} {cells[0]:>10} {cells[1]:>9} {cells[2]:>7} {cells[3]:>8} {cells[4]:>7}")
     slowest = sorted(((t, f"{r['env']}: {test}") for r in results for t, test in r.get("slowest", [])), reverse=True)
     if slowest:
-        log("the 20 slowest tests of the matrix (setup + call + teardown):")
+        log("the 20 slowest tests (setup + call + teardown):")
         for t, test in slowest[:20]:
             log(f"  {t:7.1f} s  {test}")
-    log(f"whole matrix: {wall:.0f} s")
+    log(f"{what}: {wall:.0f} s")
 
 
 def matrix(only: list[str] | None, pytest_args: list[str], jobs: int = 2) -> int:
@@ -217,7 +217,7 @@ def matrix(only: list[str] | None, pytest_args: list[str], jobs: int = 2) -> int
         owner(folder)  # every test folder has its environment before anything is installed
     start = time.time()
     results = in_parallel(names, lambda name, out: run_env(name, pytest_args, out), jobs)
-    report(results, time.time() - start)
+    report(results, time.time() - start, "whole matrix")
     (ROOT / ".venvs" / "matrix.json").write_text(json.dumps(results, indent=1))
     return 0 if all(r["ok"] for r in results) else 1
 
@@ -237,6 +237,6 @@ def quick(env_dir: Path, pytest_args: list[str], jobs: int = 2) -> int:
         }  # fmt: skip
 
     start = time.time()
-    results = in_parallel(list(MATRIX), job, jobs)
-    report(results, time.time() - start)
+    results = in_parallel(list(MATRIX), job, jobs, prefix="quick-")
+    report(results, time.time() - start, f"fast tests of every environment in {env_dir}")
     return 0 if all(r["ok"] for r in results) else 1

@@ -28,7 +28,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: comm_runs beside this file
 from comm_runs import PINNED, SKIPPED_PINNED, run_all, step_losses
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # three 2-process runs: ~50 s of CPU
 
 TABLES = ["sparse.ebc", "sparse.ec"]
 

@@ -19,7 +19,7 @@ import pytest
 
 from gem_model import testing
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # one 4-process start: ~80 s of CPU
 
 WORLD = 4
 # 4 heads, so that tp can take all 4 ranks; the rest is gem_model.testing's tiny run
