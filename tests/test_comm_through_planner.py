@@ -1,6 +1,5 @@
 """gem-comm's strategies and its ``sparse_dist`` pipeline in whole 2-process runs through gem-parallel's
-``torchrec_ddp`` planner (both packages: the ``all`` environment). The runs of comm_runs.RUNS start
-together, once for the module.
+``torchrec_ddp`` planner (both packages: the ``all`` environment), the runs of comm_runs.RUNS.
 
 ``overlap`` must reproduce the 2-process losses that gem-parallel's test_loss_pin.py pins bit for
 bit (DDP's own arithmetic, with the strategy's bucketing passed through ``ddp_kwargs``); ``quantized``
@@ -28,21 +27,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: comm_runs beside this file
 from comm_runs import PINNED, SKIPPED_PINNED, run_all, step_losses
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # three 2-process runs: ~50 s of CPU
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # 2-process runs: ~12 s of CPU each
 
 TABLES = ["sparse.ebc", "sparse.ec"]
 
 
-@pytest.fixture(scope="module")
-def planner_runs(tmp_path_factory):
-    """comm_runs.RUNS, started together and shared by the tests that check them."""
-    return run_all(tmp_path_factory.mktemp("planner_runs"))
-
-
-def test_overlap_and_quantized_through_the_planner(planner_runs):
+def test_overlap_and_quantized_through_the_planner(tmp_path):
+    runs = run_all(tmp_path, ["overlap", "quantized"])
     out = {}
     for name in ("overlap", "quantized"):
-        run = planner_runs[name]
+        run = runs[name]
         assert run.returncode == 0, run.stderr[-4000:]
         out[name] = (step_losses(run.out), run.stdout)
     assert [x.hex() for x in out["overlap"][0]] == PINNED
@@ -55,8 +49,8 @@ def test_overlap_and_quantized_through_the_planner(planner_runs):
     assert "dense.all_to_all.bytes" in report and "dense.all_gather.bytes" in report
 
 
-def test_sparse_dist_gives_the_sequential_losses_and_runs_the_input_dist_ahead(planner_runs):
-    run = planner_runs["sparse_dist"]
+def test_sparse_dist_gives_the_sequential_losses_and_runs_the_input_dist_ahead(tmp_path):
+    run = run_all(tmp_path, ["sparse_dist"])["sparse_dist"]
     assert run.returncode == 0, run.stderr[-4000:]
     assert [x.hex() for x in step_losses(run.out)] == SKIPPED_PINNED
     for rank in (0, 1):
