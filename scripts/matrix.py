@@ -98,11 +98,13 @@ class Outcome:
         if not junit.exists():
             return out
         for case in ET.parse(junit).getroot().iter("testcase"):
-            test = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            module = case.get("classname", "").replace(".", "/")
+            test = f"{module}.py::{case.get('name')}" if module else f"{case.get('name')} (the whole module)"
             out.durations.append((float(case.get("time") or 0), test))
             skip = case.find("skipped")
-            if skip is not None:
-                out.skipped.append(f"{test}: {skip.get('message', '')}")
+            if skip is not None:  # a module skipped at collection has its reason in the text
+                reason = skip.get("message", "")
+                out.skipped.append(f"{test}: {(skip.text or reason) if reason == 'collection skipped' else reason}")
             elif case.find("failure") is not None or case.find("error") is not None:
                 out.failed += 1
             else:

@@ -59,6 +59,7 @@ def test_the_selection_command_prints_what_the_matrix_runs(name):
 
 
 def test_a_skip_is_read_with_its_reason(tmp_path):
+    (tmp_path / "test_b.py").write_text("import pytest\n\npytest.importorskip('no_such_module_here')\n")
     (tmp_path / "test_a.py").write_text(
         "import pytest\n\ndef test_runs():\n    pass\n\n"
         "def test_needs_x():\n    pytest.skip('x is not installed')\n\n"
@@ -69,4 +70,7 @@ def test_a_skip_is_read_with_its_reason(tmp_path):
                    cwd=tmp_path, capture_output=True)  # fmt: skip
     outcome = matrix.Outcome.read(junit)
     assert (outcome.passed, outcome.failed) == (1, 1)
-    assert len(outcome.skipped) == 1 and "test_needs_x" in outcome.skipped[0] and "x is not installed" in outcome.skipped[0]
+    skipped = sorted(outcome.skipped, key=lambda s: "test_needs_x" not in s)
+    assert len(skipped) == 2, skipped
+    assert "test_needs_x" in skipped[0] and "x is not installed" in skipped[0]
+    assert "test_b (the whole module)" in skipped[1] and "no_such_module_here" in skipped[1]
