@@ -6,8 +6,8 @@ gem-model itself), and every other test folder (``tests/``, ``examples/*/tests``
 needs two plugin packages, or a package and the example, lives in the root ``tests/``. The owner of a
 test installs everything it needs: no test is skipped where it runs, and a skip fails its environment.
 
-Two environments run at a time (one core each: a single-process pytest uses one, and the next
-environment's install overlaps the current one's tests); each one's output is printed whole when it ends.
+Two environments run at a time on the 2-core CI machine: a single-process pytest uses one core, and
+one environment's install overlaps another's tests. Each one's output is printed whole when it ends.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Outcome:
 
 def pytest_command(python: Path, name: str, junit: Path, args: list[str]) -> list[str]:
     return [
-        str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--durations=20",
+        str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=20",
         f"--junitxml={junit}", *args, *selection(name),
     ]  # fmt: skip
 
