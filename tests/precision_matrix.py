@@ -1,10 +1,11 @@
 """Walks precision scheme x overrides x min_dim x activation policy for one attention kernel on a
 tiny model, two CPU training steps each, and prints one JSON line per combination.
 
-Run by ``test_precision_matrix.py`` in a subprocess per kernel (the Triton half needs
-``TRITON_INTERPRET=1`` set before triton is imported, which must not leak into other tests):
+Run by ``test_precision_matrix.py`` in a subprocess per kernel, and for Triton per scheme (the
+Triton half needs ``TRITON_INTERPRET=1`` set before triton is imported, which must not leak into
+other tests; its interpreter takes about 0.4 s of CPU per combination, so each scheme is a test):
 
-    python tests/precision_matrix.py torch
+    python tests/precision_matrix.py torch [SCHEME ...]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ POLICIES = ["none", "checkpoint_full", "checkpoint_selective", "fp8_saved"]
 TINY = [
     "model.embedding_dim=32",
     "model.num_blocks=1",
-    "model.num_heads=2",
+    "model.num_heads=1",  # the interpreted Triton kernels' time grows with heads x sequences
     "model.attention_dim=16",
     "model.value_dim=16",
     "model.max_seq_len=8",
@@ -38,7 +39,7 @@ TINY = [
     "data.source.options.max_len=7",
     "data.source.options.num_negatives=4",
     "data.source.options.num_dense=8",
-    "data.global_batch_size=4",
+    "data.global_batch_size=2",
     "trainer.steps=2",
     "trainer.log_every=1",
     "trainer.progress=false",
@@ -127,12 +128,12 @@ def run_one(kernel: str, scheme: str, overrides: str, min_dim: int, policy: str,
     }
 
 
-def main(kernel: str) -> None:
+def main(kernel: str, schemes: list[str]) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as out_dir:
-        for scheme, overrides, min_dim, policy in itertools.product(SCHEMES, OVERRIDES, MIN_DIMS, POLICIES):
+        for scheme, overrides, min_dim, policy in itertools.product(schemes, OVERRIDES, MIN_DIMS, POLICIES):
             print("MATRIX", json.dumps(run_one(kernel, scheme, overrides, min_dim, policy, out_dir)), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] or SCHEMES)

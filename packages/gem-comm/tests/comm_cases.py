@@ -12,6 +12,7 @@ import comm_slowdown_cases
 def run_all(rank: int, world: int) -> dict[str, Any]:
     out = {"train": comm_dense_cases.train(rank, world), "exact": comm_dense_cases.exact_gradients(rank, world)}
     if world == 2:
+        out["default"] = comm_dense_cases.default_reductions(rank, world)
         out["embedding"] = comm_embedding_cases.run(rank, world)
         out["slowdown"] = comm_slowdown_cases.run(rank, world)
     return out

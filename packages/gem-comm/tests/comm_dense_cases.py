@@ -77,3 +77,18 @@ def exact_gradients(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
 
 def numel(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def default_reductions(rank: int, world: int) -> tuple[list[float], list[float], torch.Tensor]:
+    """``default`` alone: its sum and mean of per-rank values, and a gradient DDP reduced itself."""
+    comm = DefaultComm()
+    comm.setup(DistEnv(rank, world, rank, torch.device("cpu"), "gloo"))
+    values = torch.tensor([float(rank + 1), 10.0 * rank])
+    summed = comm.all_reduce_sum(values)
+    mean = comm.all_reduce_mean(values)
+    assert torch.equal(values, torch.tensor([float(rank + 1), 10.0 * rank])), "input must not change"
+    model = DistributedDataParallel(nn.Linear(2, 1))
+    comm.configure_ddp(model)
+    torch.manual_seed(rank)
+    model(torch.randn(4, 2)).sum().backward()
+    return summed.tolist(), mean.tolist(), model.module.weight.grad.clone()

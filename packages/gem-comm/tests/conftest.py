@@ -26,13 +26,3 @@ def spawned(tmp_path_factory):
         return cache[world]
 
     return get
-
-
-@pytest.fixture(scope="session")
-def planner_runs(tmp_path_factory):
-    """comm_runs.RUNS: whole 2-process runs through gem-parallel's ``torchrec_ddp``, started
-    together and shared by the tests that check them."""
-    pytest.importorskip("gem_parallel")
-    from comm_runs import run_all
-
-    return run_all(tmp_path_factory.mktemp("planner_runs"))

@@ -14,6 +14,7 @@ from gem_kernels.testing import offsets_from_lengths, relative_error
 from gem_model.api import AttentionExtras
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # torch.compile of the block, forward and backward: ~20 s of CPU
 
 HEADS, DQK, DV, DIM, MAX_LEN, BUCKETS = 2, 16, 16, 32, 24, 8
 

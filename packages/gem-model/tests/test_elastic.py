@@ -61,6 +61,7 @@ def test_max_restarts_goes_to_torchrun_and_must_not_be_negative():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # two torchrun attempts and an uninterrupted run: ~20 s of CPU
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_like_an_uninterrupted_run(tmp_path):
     # the uninterrupted reference in this process: inline_replicated's ranks each compute the whole
     # step with no reduction, so one process is what every rank of the launch computes, bit for bit

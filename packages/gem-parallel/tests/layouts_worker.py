@@ -1,8 +1,8 @@
 """One torchrun start of N gloo processes that trains every layout it is given, in turn.
 
 ``python -m torch.distributed.run --nproc-per-node N layouts_worker.py OUT NAME=OVERRIDES...``:
-for each layout, 5 steps of the tiny run under ``parallel.planner=fsdp`` with a checkpoint after
-step 3, then a second run in the same processes that resumes that checkpoint and trains steps 4-5.
+for each layout, 4 steps of the tiny run under ``parallel.planner=fsdp`` with a checkpoint after
+step 2, then a second run in the same processes that resumes that checkpoint and trains steps 3-4.
 Rank 0 writes ``OUT/results.json``: per layout, the step losses of both runs and the layout and
 placement each run reported, and every rank's digest of its dense weights before the first step
 (whole tensors: DTensors gathered) and of its table shards after the last. (One start for all layouts: a process group costs seconds to make.)
@@ -30,7 +30,8 @@ from gem_model.results import RunSummary
 from gem_model.testing_faults import tensor_digest
 from gem_model.train.run import Run
 
-STEPS = 5
+STEPS = 4
+CHECKPOINT_AT = 2
 
 
 def losses(out: Path) -> list[float]:
@@ -81,13 +82,13 @@ def main(out: Path, layouts: list[str], common: list[str]) -> None:
         where = out / name
         overrides = [*common, "parallel.planner=fsdp", *options.split(","), f"trainer.output_dir={where}"]
         overrides = [o for o in overrides if o]
-        first, summary, digests = train([*overrides, f"trainer.steps={STEPS}", "trainer.checkpoint_every=3"])
+        first, summary, digests = train([*overrides, f"trainer.steps={STEPS}", f"trainer.checkpoint_every={CHECKPOINT_AT}"])
         env = first.env
         trained = losses(where)
         resumed, _, _ = train([*overrides, f"trainer.steps={STEPS}", "trainer.resume=true"])
         results[name] = {
             "losses": trained,
-            "resumed": losses(where)[3:],
+            "resumed": losses(where)[CHECKPOINT_AT:],
             "start_step": resumed.start_step,
             "layout": summary.extra["layout"],
             "placement": summary.extra["plan"],

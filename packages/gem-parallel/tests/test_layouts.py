@@ -1,10 +1,12 @@
 """Every layout of the ``fsdp`` planner on 4 gloo processes trains like one process and resumes exactly.
 
-One torchrun start trains them all in turn (``layouts_worker.py``): each dimension alone (FSDP2
-``dp_shard``, HSDP's replicas ``dp_replicate``, ``tp`` and ``cp`` in the HSTU blocks) and the combinations
-``dp_replicate x dp_shard``, ``dp_shard x tp`` and ``dp_shard x cp``, 5 steps each, checkpointed after step 3 and
-resumed from there; and the tables sharded by torchrec's DMP (over all ranks) beside FSDP2 and TP,
-and within two sparse groups of 2 ranks, replicated across them (2-D sparse parallelism, SGD tables).
+Two torchrun starts train them in turn (``layouts_worker.py``), one start for the dense layouts:
+each dimension alone (FSDP2 ``dp_shard``, HSDP's replicas ``dp_replicate``, ``tp`` and ``cp`` in the
+HSTU blocks) and the combinations ``dp_replicate x dp_shard``, ``dp_shard x tp`` and ``dp_shard x cp``;
+one for the tables sharded by torchrec's DMP (over all ranks) beside FSDP2 and TP, and within two
+sparse groups of 2 ranks, replicated across them (2-D sparse parallelism, SGD tables). 4 steps each,
+checkpointed after step 2 and resumed from there. (Two starts: one would be a single test of ~80 s
+of CPU on 4 processes; a start costs ~20 s of CPU, most of it importing torch and torchrec.)
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from layouts_worker import CHECKPOINT_AT, STEPS
 
 from gem_model import testing
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # two 4-process starts: ~50 s of CPU each
 
 WORLD = 4
 # 4 heads, so that tp can take all 4 ranks; the rest is gem_model.testing's tiny run
@@ -67,17 +70,33 @@ REFERENCE = {"sparse2_x_dp_shard": "sgd"}  # the one-process run each layout is 
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("layouts")
+SPARSE = [name for name in LAYOUTS if name.startswith("sparse")]  # the second start
+
+
+def start(out: Path, names: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GEM_DISABLE_PLUGIN_AUTOLOAD": "1"}
     worker = Path(__file__).with_name("layouts_worker.py")
-    layouts = [f"{name}={opts}" for name, opts in LAYOUTS.items()]
+    layouts = [f"{name}={LAYOUTS[name]}" for name in names]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(worker),
            str(out), *layouts, "--", *COMMON]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> dict:
+    return start(tmp_path_factory.mktemp("dense"), [name for name in LAYOUTS if name not in SPARSE])
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory) -> dict:
+    return start(tmp_path_factory.mktemp("sparse"), SPARSE)
+
+
+@pytest.fixture(scope="module")
+def results(dense, sparse) -> dict:
+    return {**dense, **sparse}
 
 
 @pytest.fixture(scope="module")
@@ -87,22 +106,23 @@ def one_process(tmp_path_factory) -> dict[str, list[float]]:
     def run(name: str, *overrides: str) -> list[float]:
         out = tmp_path_factory.mktemp(name)
         return testing.tiny_run(
-            *COMMON, "parallel.planner=single", *overrides, output_dir=out, steps=5, plugins=[gem_parallel.plugin]
+            *COMMON, "parallel.planner=single", *overrides, output_dir=out, steps=STEPS, plugins=[gem_parallel.plugin]
         ).losses
 
     return {"adagrad": run("one"), "sgd": run("one_sgd", *SGD_TABLES.split(","))}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_trains_like_one_process_and_resumes_exactly(name, results, one_process):
-    r, reference = results[name], one_process[REFERENCE.get(name, "adagrad")]
+def test_layout_trains_like_one_process_and_resumes_exactly(name, request, one_process):
+    r = request.getfixturevalue("sparse" if name in SPARSE else "dense")[name]
+    reference = one_process[REFERENCE.get(name, "adagrad")]
     assert r["layout"].startswith(EXPECTED[name]), r["layout"]
-    assert len(r["losses"]) == len(reference) == 5
+    assert len(r["losses"]) == len(reference) == STEPS
     for a, b in zip(reference, r["losses"], strict=True):
         assert abs(a - b) <= RTOL * abs(a), (name, reference, r["losses"])
-    # resumed from the step-3 checkpoint: steps 4 and 5 repeat bit for bit
-    assert r["start_step"] == 3
-    assert r["resumed"] == r["losses"][3:], (name, r["losses"], r["resumed"])
+    # resumed from the step-2 checkpoint: steps 3 and 4 repeat bit for bit
+    assert r["start_step"] == CHECKPOINT_AT
+    assert r["resumed"] == r["losses"][CHECKPOINT_AT:], (name, r["losses"], r["resumed"])
 
 
 def test_plans_say_where_each_part_went(results):

@@ -1,17 +1,16 @@
 """Two "nodes" on 127.0.0.1 (two torchrun launches with --nnodes 2, c10d rendezvous) train like one node
-with the same world size."""
+with the same world size (the two-process run of conftest's ``ddp_run``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from parallel_runs import step_losses
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -34,26 +33,20 @@ def finish(proc: subprocess.Popen[str]) -> str:
     return out + err
 
 
-def step_losses(path: Path) -> list[float]:
-    return [json.loads(x)["step_loss"] for x in (path / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_two_nodes_match_one_node_of_the_same_world_size(reference_overrides, tmp_path):
-    common = [*reference_overrides, "trainer.steps=3", "trainer.checkpoint_at_end=false", "parallel.planner=torchrec_ddp"]
+def test_two_nodes_match_one_node_of_the_same_world_size(ddp_run, tmp_path):
+    # the first 3 of the one-node run's 6 steps (no schedule depends on trainer.steps)
+    common = [*ddp_run.args, "trainer.steps=3", f"trainer.output_dir={tmp_path}/two"]
     endpoint = f"127.0.0.1:{free_port()}"
-    # all three launches at once: most of their time is starting Python and importing torch
-    one_node = gem_train(["--nproc", "2", *common, f"trainer.output_dir={tmp_path}/one"])
+    # both launches at once: they meet at the rendezvous
     nodes = [
-        gem_train(["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
-                   *common, f"trainer.output_dir={tmp_path}/two"])
+        gem_train(["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", *common])
         for rank in range(2)
     ]  # fmt: skip
     try:
-        finish(one_node)
         outputs = [finish(p) for p in nodes]
     finally:
-        for proc in (one_node, *nodes):
-            if proc.poll() is None:  # a launch failed: end the others it left waiting at the rendezvous
+        for proc in nodes:
+            if proc.poll() is None:  # a launch failed: end the other it left waiting at the rendezvous
                 proc.kill()
                 proc.wait()
     # global rank 0 prints the summary, on whichever node the rendezvous gave it; each node says which
@@ -63,7 +56,7 @@ def test_two_nodes_match_one_node_of_the_same_world_size(reference_overrides, tm
     assert "progress and the run summary show here (global rank 0)" in outputs[here]
     assert "on the node that holds global rank 0" in outputs[1 - here]
     assert not any("node_rank is only used" in out or "Warning" in out for out in outputs)
-    one, two = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    one, two = ddp_run.losses[:3], step_losses(tmp_path / "two")
     assert len(one) == len(two) == 3
     for a, b in zip(one, two, strict=True):
         assert abs(a - b) <= 1e-6 * abs(a), (one, two)

@@ -72,17 +72,13 @@ def test_torchrec_ddp_plans_offline_for_any_world_size_and_places_every_table():
 
 
 @pytest.mark.multiprocess
-def test_the_plan_beside_a_checkpoint_is_the_one_gem_train_plan_prints(reference_overrides, tmp_path):
+def test_the_plan_beside_a_checkpoint_is_the_one_gem_train_plan_prints(ddp_run):
     # torchrec's planner breaks ties between equally costed sharding types (table_wise and a one-shard
-    # column_wise, here) in set order, which follows Python's hash seed: same seed, same plan
+    # column_wise, here) in set order, which follows Python's hash seed: the run had seed 0 too
     env_vars = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    args = [*reference_overrides, "parallel.planner=torchrec_ddp", f"trainer.output_dir={tmp_path}/run"]
-    run = [sys.executable, "-m", "gem_model", "run", "--nproc", "2", *args, "trainer.steps=2", "trainer.eval_at_end=false"]
-    proc = subprocess.run(run, capture_output=True, text=True, env=env_vars, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "plan.json").read_text())
+    saved = json.loads((ddp_run.out / "checkpoints" / "step_00000003" / "plan.json").read_text())
     printed = subprocess.run(
-        [sys.executable, "-m", "gem_model", "plan", "--nproc", "2", "--json", *args], capture_output=True, text=True, env=env_vars
+        [sys.executable, "-m", "gem_model", "plan", "--nproc", "2", "--json", *ddp_run.args], capture_output=True, text=True, env=env_vars
     )
     assert printed.returncode == 0, printed.stderr[-4000:]
     assert json.loads(printed.stdout) == saved

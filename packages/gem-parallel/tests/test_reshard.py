@@ -1,5 +1,6 @@
-"""Reshard on load: a torchrec_ddp checkpoint saved by 2 processes loads at 1 and at 4; the sharded
-tables, their fused optimizer state, the dense parameters and AdamW's state are those saved.
+"""Reshard on load: a torchrec_ddp checkpoint saved by 2 processes (the step-3 checkpoint of conftest's
+``ddp_run``) loads at 1 and at 4; the sharded tables, their fused optimizer state, the dense
+parameters and AdamW's state are those saved.
 
 Each load runs ``trainer.steps`` equal to the checkpoint's step (nothing to train), and the
 ``inline_state_dump`` callback writes what the run loaded (DCP, collectively) before step 1.
@@ -49,11 +50,10 @@ def assert_equal(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tens
     assert not different, different
 
 
-def test_a_two_process_checkpoint_loads_resharded_at_four_and_at_one(reference_overrides, tmp_path):
-    common = [*reference_overrides, "trainer.steps=2", "model.num_blocks=1", "trainer.eval_at_end=false"]
+def test_a_two_process_checkpoint_loads_resharded_at_four_and_at_one(ddp_run, tmp_path):
+    common = [*ddp_run.args, "trainer.steps=3"]
     ddp = [*common, "parallel.planner=torchrec_ddp"]
-    gem_train(2, [*ddp, f"trainer.output_dir={tmp_path}/two"])
-    saved = tmp_path / "two" / "checkpoints" / "step_00000002"
+    saved = ddp_run.out / "checkpoints" / "step_00000003"
     expected = testing.checkpoint_tensors(saved)
 
     loaded, proc, path = load_at(4, saved, tmp_path, ddp)

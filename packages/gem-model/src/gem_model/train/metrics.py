@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -28,8 +29,11 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 PEAK_COLUMN = {"float32": "fp32", "bfloat16": "bf16", "float16": "bf16", "float8": "fp8"}
 
 
+@functools.cache
 def measure_cpu_peak(seconds: float = 0.3) -> float:
-    """FLOP/s of a square fp32 matmul on this CPU: the MFU denominator where no table entry applies."""
+    """FLOP/s of a square fp32 matmul on this CPU: the MFU denominator where no table entry applies.
+    Measured once per process: the CPU does not change between the runs one process builds (tune's
+    candidates, a test session), and each measurement spends ``seconds`` of it."""
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up

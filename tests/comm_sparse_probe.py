@@ -1,6 +1,7 @@
-"""A GEM_PLUGINS module for the sparse-dist test: gem-comm's ``sparse_dist`` pipeline, unchanged,
-plus a record of where torchrec's input distribution stands around each stage, written after
-every step to ``$SPARSE_PROBE_DIR/rank<r>.json``. Registered as ``sparse_dist_probe``.
+"""A GEM_PLUGINS module for the sparse-dist run of test_comm_through_planner.py: gem-comm's
+``sparse_dist`` pipeline, unchanged, plus a record of where torchrec's input distribution stands
+around each stage, written after every step to ``$SPARSE_PROBE_DIR/rank<r>.json``. Registered as
+``sparse_dist_probe``.
 """
 
 from __future__ import annotations
