@@ -232,5 +232,10 @@ def test_13_movielens_as_parquet(walk):
     assert "valid/hr@10" in (walk.root / "runs" / "ml1m-parquet" / "metrics.jsonl").read_text()
 
 
-def test_14_nothing_is_left_unwalked(walk):
+def test_14_the_test_commands(walk):
+    check(walk.until("bash scripts/test.sh --quick"))
+    check(walk.until("bash scripts/test.sh"))
+
+
+def test_15_nothing_is_left_unwalked(walk):
     assert walk.done == len(walk.items), [s for s in walk.items[walk.done :]]
