@@ -93,13 +93,12 @@ def _attention_option(**options: object) -> Switch:
 def switch_unfused(run: object) -> Callable[[], None]:
     """The HSTU blocks op by op (layer norm, residual add, silu, split, attention, norm-gate) instead of fused."""
     blocks = _blocks(run)
-    saved = [getattr(b, "fused", None) for b in blocks]
     for b in blocks:
-        b.fused = None
+        b.fuse = False
 
     def undo() -> None:
-        for b, m in zip(blocks, saved):
-            b.fused = m
+        for b in blocks:
+            b.fuse = True
 
     return undo
 

@@ -70,26 +70,36 @@ def record_dtypes(model: torch.nn.Module) -> dict[str, set[str]]:
         elif isinstance(module, torch.nn.LayerNorm):
             module.register_forward_pre_hook(note("norm_in"))
     for block in getattr(model, "blocks", []):
-        attention = block.attention
-
-        def spy(q, *args, _inner=attention, **kwargs):
-            seen.setdefault("attention_in", set()).add(str(q.dtype)[6:])
-            return _inner(q, *args, **kwargs)
-
-        block.attention = spy
-        if getattr(block, "fused", None) is not None:
-            # the fused block (JaggedAttentionKernel.fused_block) runs its own attention on silu of the
-            # uvqk projection's output, in that output's dtype: record it as what attention sees
-            def spy_fused(x, uvqk, *args, _inner=block.fused, **kwargs):
-                def projected(t, _uvqk=uvqk):
-                    pre = _uvqk(t)
-                    seen.setdefault("attention_in", set()).add(str(pre.dtype)[6:])
-                    return pre
-
-                return _inner(x, projected, *args, **kwargs)
-
-            block.fused = spy_fused
+        block.attention = _Spy(block.attention, seen)
     return seen
+
+
+class _Spy:
+    """The block's attention kernel, recording the dtype of what it sees; its fused block (when it offers
+    one) records the dtype of the uvqk projection's output, silu of which is what its attention sees."""
+
+    def __init__(self, inner, seen):
+        self.inner, self.seen = inner, seen
+
+    def __call__(self, q, *args, **kwargs):
+        self.seen.setdefault("attention_in", set()).add(str(q.dtype)[6:])
+        return self.inner(q, *args, **kwargs)
+
+    def fused_block(self, norm_gate):
+        make = getattr(self.inner, "fused_block", None)
+        block = make(norm_gate) if make is not None else None
+        if block is None:
+            return None
+
+        def spied(x, uvqk, *args, **kwargs):
+            def projected(t):
+                pre = uvqk(t)
+                self.seen.setdefault("attention_in", set()).add(str(pre.dtype)[6:])
+                return pre
+
+            return block(x, projected, *args, **kwargs)
+
+        return spied
 
 
 def run_one(kernel: str, scheme: str, overrides: str, min_dim: int, policy: str, out_dir: str) -> dict:

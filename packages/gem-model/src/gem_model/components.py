@@ -155,8 +155,9 @@ class JaggedAttentionKernel(Kernel):
         the rest has the semantics of :meth:`__call__` and :class:`NormGateKernel`. A kernel offers it
         when it fuses the pointwise work around the GEMMs (gem-kernels' ``triton``);
         ``norm_gate`` is the run's configured norm-gate kernel, so a fused block can refuse kernels
-        it does not implement. The block calls it in eager mode only; under ``torch.compile`` it
-        composes the ops.
+        it does not implement (when the block is built). The block asks its current kernels for it
+        at every forward, so a wrapper that replaces its attention and offers none (tensor and context
+        parallelism) makes it compose the ops; so does ``torch.compile``.
         """
         return None
 

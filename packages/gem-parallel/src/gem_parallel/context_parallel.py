@@ -168,10 +168,7 @@ def apply_context_parallel(blocks: list[nn.Module], group: Any) -> None:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     for block in blocks:
         attention = ContextParallelAttention(block.attention, group, cp=cp, rank=rank)
-        block.attention = attention
-        # a fused block (JaggedAttentionKernel.fused_block) calls its kernel's own attention on all
-        # rows: context parallelism needs the op-by-op path through this wrapper
-        block.fused = None
+        block.attention = attention  # offers no fused block: the block runs op by op through it
 
         def enter(module: nn.Module, args: tuple, attention: ContextParallelAttention = attention) -> tuple:
             x, offsets, *rest = args

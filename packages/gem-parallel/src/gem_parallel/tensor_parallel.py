@@ -74,10 +74,8 @@ def apply_tensor_parallel(model: ShardableModel, tp_mesh: DeviceMesh) -> None:
         block.num_heads = h // tp
         block.attention = _SharedBiasAttention(block.attention, group)
         block.norm_gate = _GroupNormGate(block.norm_gate, group, rank=rank, width=(h // tp) * dv)
-        # the norm-gate's layer norm spans the tp group and the bias gradients are summed over it
-        # (the two wrappers above): a fused block (JaggedAttentionKernel.fused_block) would do
-        # neither, so the split blocks run op by op
-        block.fused = None
+        # the wrappers offer no fused block (JaggedAttentionKernel.fused_block), so the split blocks
+        # run op by op: the norm-gate's layer norm spans the tp group and the bias gradients sum over it
 
 
 def _head_major_rows(h: int, dv: int, dqk: int, tp: int) -> torch.Tensor:

@@ -14,6 +14,8 @@ the linears, and gets the block's output back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,9 +47,8 @@ class HSTUBlock(nn.Module):
         self.num_heads, self.attention_dim, self.value_dim = num_heads, attention_dim, value_dim
         self.max_seq_len, self.max_attn_len, self.alpha = max_seq_len, max_attn_len, alpha
         self.attention, self.norm_gate = attention, norm_gate
-        # the whole block as one fused function around the linears, when the attention kernel offers
-        # one (JaggedAttentionKernel.fused_block); None composes the ops below
-        self.fused = attention.fused_block(norm_gate)
+        self.fuse = True  # use the attention kernel's fused block when it offers one (False: op by op)
+        attention.fused_block(norm_gate)  # a kernel refuses a norm-gate it cannot fuse: when built
         self.uvqk = nn.Linear(dim, num_heads * (2 * value_dim + 2 * attention_dim))
         self.gate_weight = nn.Parameter(torch.ones(num_heads * value_dim))
         self.gate_bias = nn.Parameter(torch.zeros(num_heads * value_dim))
@@ -57,6 +58,15 @@ class HSTUBlock(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(2 * max_seq_len - 1)) if position_bias else None
         # r(bucket of t_query(i) - t_key(j)), shared by the heads (HSTU's relative time bias)
         self.time_bias = nn.Parameter(torch.zeros(time_buckets)) if time_buckets else None
+
+    @property
+    def fused(self) -> Callable[..., torch.Tensor] | None:
+        """The whole block as one function around the linears, from the block's kernels as they are
+        now (JaggedAttentionKernel.fused_block): a wrapper that replaces ``attention`` or
+        ``norm_gate`` (tensor and context parallelism do) and offers none makes the block compose the
+        ops; None also when ``fuse`` is off."""
+        make = getattr(self.attention, "fused_block", None) if self.fuse else None
+        return make(self.norm_gate) if make is not None else None
 
     def forward(
         self,
@@ -77,8 +87,9 @@ class HSTUBlock(nn.Module):
             num_targets=num_targets, max_attn_len=self.max_attn_len, position_bias=self.position_bias,
             time_bias=self.time_bias, timestamps=key_times, query_timestamps=query_times,
         )
-        if self.fused is not None and not torch.compiler.is_compiling():
-            return self.fused(
+        fused = None if torch.compiler.is_compiling() else self.fused
+        if fused is not None:
+            return fused(
                 x, self.uvqk, lambda y: self.out(self.dropout(y)).to(x.dtype), self.gate_weight, self.gate_bias,
                 offsets, num_heads=h, attention_dim=dqk, value_dim=dv, max_seq_len=self.max_seq_len,
                 alpha=self.alpha, eps=GATE_EPS, extras=extras,
