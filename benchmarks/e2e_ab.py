@@ -118,6 +118,40 @@ def switch_host_syncs(run: object) -> Callable[[], None]:
     return undo
 
 
+def _precision(scheme_name: str) -> Switch:
+    """The model's bf16 linears swapped for ``scheme_name``'s modules (``fp8_rowwise``, ...), built by the
+    registered scheme from the same Parameters, so the optimizer and the weights are shared; the swap
+    is undone by putting the bf16 modules back. The converted modules are kept across toggles."""
+
+    def apply(run: object) -> Callable[[], None]:
+        from gem_model.plugins import GemPluginManager
+
+        cache = run.__dict__.setdefault("_ab_precision", {})  # type: ignore[attr-defined]
+        if scheme_name not in cache:
+            entry = GemPluginManager().precision_schemes.get(scheme_name)
+            scheme = entry.cls(entry.cls.Config())
+            swaps = []
+            for parent_name, parent in run.model.named_modules():  # type: ignore[attr-defined]
+                for child_name, child in parent.named_children():
+                    if type(child).__name__ == "Bf16Linear":
+                        fqn = f"{parent_name}.{child_name}".lstrip(".")
+                        swaps.append((parent, child_name, child, scheme.convert_linear(child, fqn)))
+            if not swaps:
+                raise SystemExit(f"--variants {scheme_name}: the run has no bf16 linears to convert (precision.scheme bf16)")
+            cache[scheme_name] = swaps
+        swaps = cache[scheme_name]
+        for parent, name, _, new in swaps:
+            setattr(parent, name, new)
+
+        def undo() -> None:
+            for parent, name, old, _ in swaps:
+                setattr(parent, name, old)
+
+        return undo
+
+    return apply
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -125,6 +159,8 @@ VARIANTS: dict[str, Switch] = {
     "dq_separate": _attention_option(dq="separate"),
     "unfused": switch_unfused,
     "host_syncs": switch_host_syncs,
+    "fp8_rowwise": _precision("fp8_rowwise"),
+    "fp8_tensorwise": _precision("fp8_tensorwise"),
 }
 
 
