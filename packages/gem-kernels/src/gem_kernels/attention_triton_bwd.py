@@ -96,11 +96,10 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 
 
 @triton.jit
-def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, dq_desc, dq_row0, dq_col0, start, stride_qm, stride_dom,
-                    stride_dqm,
+def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
                     PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
-                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                     CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr,
@@ -138,14 +137,8 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, dq_desc, dq_row0, dq
     if ATOMIC_DQ:
         # Scaled here so that the buffer only needs a cast afterwards, not another full read and write.
         dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP) * (alpha / max_seq_len)
-        if DQ_TMA:
-            # one bulk reduction of the whole tile (TMA, cp.reduce.async.bulk) instead of an fp32
-            # atomic per element. Rows past the sequence hold exact zeros (their ``do`` rows load as
-            # zero and masked pairs are zeroed), so adding them into the next sequence's rows is a no-op.
-            dq_desc.atomic_add([dq_row0 + start, dq_col0], dq)
-        else:
-            tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=queries_ok[:, None] & d_qk_ok[None, :],
-                          sem="relaxed")
+        tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=queries_ok[:, None] & d_qk_ok[None, :],
+                      sem="relaxed")
     return dk, dv
 
 
@@ -157,7 +150,7 @@ def key_major_kernel(
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     num_seqs, num_heads, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
@@ -178,10 +171,6 @@ def key_major_kernel(
         DPB = DPB + (tl.program_id(0) % POS_STRIPES) * (2 * pos_offset + 1)
     if TIME_GRAD:
         DTB = DTB + (tl.program_id(0) % TIME_STRIPES) * num_buckets
-    dq_desc = DQ
-    if DQ_TMA:  # dq is a contiguous [rows, heads * DQK] fp32 buffer
-        dq_desc = tl.make_tensor_descriptor(DQ, shape=[tl.load(SEQ_OFFSETS + num_seqs).to(tl.int32), num_heads * DQK],
-                                            strides=[stride_dqm, 1], block_shape=[BLOCK_M, BLOCK_DQK])
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
@@ -219,20 +208,18 @@ def key_major_kernel(
             dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
             for start in range(full_lo, full_hi, BLOCK_M):
                 dk, dv = _key_block_step(
-                    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, dq_desc, seq_start.to(tl.int32), head * DQK, start,
-                    stride_qm, stride_dom, stride_dqm, offs_m,
+                    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, False, ATOMIC_DQ, DQ_TMA, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, False, ATOMIC_DQ, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
             for i in range(0, n_diag + n_tail):
                 start = tl.where(i < n_diag, diag_lo + i * BLOCK_M, full_hi + (i - n_diag) * BLOCK_M)
                 dk, dv = _key_block_step(
-                    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, dq_desc, seq_start.to(tl.int32), head * DQK, start,
-                    stride_qm, stride_dom, stride_dqm, offs_m,
+                    dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, True, ATOMIC_DQ, DQ_TMA, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, True, ATOMIC_DQ, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -253,35 +240,6 @@ DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha"
 DKDV_ATOMIC = TunedKernel(
     "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES
 )
-
-
-DQ_TMA = True
-"""Atomic ``dq`` through TMA bulk reductions where the device and buffer allow (:func:`dq_tma_possible`);
-False: one fp32 atomic per element (benchmarks flip it to compare)."""
-
-
-def dq_tma_possible(dq_accum: torch.Tensor, dim_qk: int) -> bool:
-    """TMA needs Hopper or later, a contiguous buffer whose rows are 16-byte aligned, a power-of-two
-    head dim that fills its tile (no column mask), and a compiled kernel (not the interpreter, which
-    has no bulk reductions: there the per-element atomics compute the same sums)."""
-    return (
-        DQ_TMA and not INTERPRET and dq_accum.is_cuda and torch.cuda.get_device_capability(dq_accum.device)[0] >= 9
-        and dq_accum.is_contiguous() and dim_block(dim_qk) == dim_qk and dim_qk <= 256
-        and hasattr(tl, "make_tensor_descriptor")
-    )
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_allocator() -> None:
-    """Device-side tensor descriptors need Triton's global scratch allocator (a few bytes per program)."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get() if hasattr(_allocation._allocator, "get") else _allocation._allocator,
-                  _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
 
 
 def key_major(
@@ -316,7 +274,6 @@ def key_major(
         return dk, dv
     device = q.device
     atomic = dq_accum is not None
-    tma = atomic and dq_tma_possible(dq_accum, dim_qk)
     dq = dq_accum if dq_accum is not None else dk  # unused without ATOMIC_DQ: any tensor of the row layout
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
@@ -324,11 +281,11 @@ def key_major(
     grad_flags = (grads.position is not None, grads.time is not None)
     chunk = CHUNK  # read at call time: tests shrink it
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
-               "auto" if blocks is None else blocks, tma)
+               "auto" if blocks is None else blocks)
 
     def constexprs() -> dict:
         return dict(
-            DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic, DQ_TMA=tma,
+            DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
             HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
@@ -344,8 +301,6 @@ def key_major(
         return num_seqs * num_heads * -(-max(max_seq_len, 1) // config[1])
 
     with device_guard(device):
-        if tma:
-            ensure_allocator()
         counter = queue_counter(device)
         args = (
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
