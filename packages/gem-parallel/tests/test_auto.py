@@ -114,3 +114,21 @@ def test_options_that_cannot_plan_are_named():
     planner.bind_run(bound(0)[0]._run)
     with pytest.raises(ConfigError, match=r"options\.gpus_per_node: must divide the world size 4"):
         planner.dims(4)
+
+
+def test_one_rank_needs_no_node_size_and_plans_as_torchrec_ddp():
+    """One process, not launched by torchrun (no ranks per node known): one GPU is the whole node, and
+    the plan is torchrec_ddp's (the same layout; torchrec's fused table update instead of FSDP2 hooks
+    with nothing to shard), under the name ``auto``; auto asks for a process group, so a plain
+    ``gem-train run`` starts one instead of failing in fsdp's apply."""
+    assert AutoPlanner.needs_process_group
+    planner, config, components = bound(0)
+    env = DistEnv(0, 1, 0, torch.device("cpu"), None)
+    layout = planner.layout(env)
+    assert layout.world_size == 1 and layout.mesh_dims == ("dp_replicate",)
+    model = GemModel(config.model, components.source.feature_spec(), attention=components.attention,
+                     norm_gate=components.norm_gate)  # fmt: skip
+    plan = planner.plan(model, PlannerContext(env, layout, components.comm, sparse_optimizer_spec(config.trainer)))
+    assert plan.planner == "auto" and plan.notes[0].startswith("chosen for 1x1 GPUs: ")
+    assert {p.strategy for p in plan.dense.values()} == {"replicated"}
+    assert all(t.ranks == [0] for t in plan.tables.values()) and plan.native is not None

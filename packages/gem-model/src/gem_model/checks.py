@@ -99,7 +99,7 @@ def planner_drives_the_world(ctx: CheckContext) -> list[Problem]:
     if planner.needs_process_group and not ctx.process_group:
         problems.append(("parallel.planner", name, "needs a process group, and this process has none: run it with "
                          "`gem-train run` (it starts torchrun for such a planner, also for one process), or "
-                         "`torchrun --standalone --nproc-per-node N -m gem_model run ...`"))  # fmt: skip
+                         "`torchrun --standalone --nproc-per-node N -m gem_model run ...` (`... -m gem_model tune ...` for a search)"))  # fmt: skip
     return problems
 
 

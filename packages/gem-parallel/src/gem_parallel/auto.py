@@ -1,5 +1,7 @@
 """``auto``: the topology-aware planner of real runs. It chooses the degrees and the mesh order for
-the world size and the cluster given, and ``fsdp`` applies them.
+the world size and the cluster given, and ``fsdp`` applies them (on one GPU, ``torchrec_ddp``: the
+same layout, torchrec's DMP with its fused table update, 5 % faster on the H200 than FSDP2 with
+nothing to shard, ``benchmarks/results/plan_check.md``).
 
 For the run it is bound to (:meth:`AutoPlanner.bind_run`: the model's sizes on the meta device, the
 data's lengths, the batch), :func:`gem_parallel.topology_planner.plan_topology` searches every layout
@@ -35,6 +37,7 @@ from gem_model.api import (
     ShardableModel,
 )
 from gem_parallel.fsdp import FSDPConfig, FSDPPlanner
+from gem_parallel.sharded import TorchrecDDPConfig, TorchrecDDPPlanner
 from gem_parallel.sparse_plan import PlanDoesNotFitError
 from gem_parallel.step_model import StepModel
 from gem_parallel.topology import Topology
@@ -72,6 +75,7 @@ class AutoConfig(ComponentConfig):
 
 class AutoPlanner(ParallelPlanner):
     name: ClassVar[str] = "auto"
+    needs_process_group: ClassVar[bool] = True  # both appliers do (fsdp's mesh, torchrec's sharding), also of one
     Config = AutoConfig
     config: AutoConfig
 
@@ -90,7 +94,8 @@ class AutoPlanner(ParallelPlanner):
 
     def topology(self, world_size: int) -> Topology:
         c = self.config
-        per_node = c.gpus_per_node or (self._run.ranks_per_node if self._run else None) or 0
+        launched = self._run.ranks_per_node if self._run else None
+        per_node = c.gpus_per_node or launched or (1 if world_size == 1 else 0)
         if not per_node:
             raise ConfigError([(f"{_WHERE}.gpus_per_node", 0, "nobody said how many GPUs a node has: set it (or launch with --nproc)")])
         per_node = min(per_node, world_size)
@@ -125,31 +130,35 @@ class AutoPlanner(ParallelPlanner):
         self._chosen[world_size] = chosen
         return chosen
 
-    def _fsdp(self, world_size: int) -> FSDPPlanner:
+    def _applier(self, world_size: int) -> FSDPPlanner | TorchrecDDPPlanner:
+        """What applies the choice: ``fsdp`` with the chosen degrees; on one rank ``torchrec_ddp``, whose
+        layout is the same (every degree 1, the tables on the one rank)."""
         dims = self.choose(world_size).dims
         c = self.config
+        if world_size == 1:
+            return TorchrecDDPPlanner(TorchrecDDPConfig(sharding_types=list(c.sharding_types)))
         return FSDPPlanner(FSDPConfig(
             **dims.model_dump(), tables="sharded", sharding_types=list(c.sharding_types),
             reshard_after_forward=c.reshard_after_forward,
         ))  # fmt: skip
 
-    # ------------------------------------------------------------------ fsdp applies the choice
+    # ------------------------------------------------- fsdp (torchrec_ddp on one rank) applies the choice
 
     def dims(self, world_size: int) -> ParallelDims:
-        return self._fsdp(world_size).dims(world_size)
+        return self._applier(world_size).dims(world_size)
 
     def layout(self, env: DistEnv) -> Layout:
-        return self._fsdp(env.world_size).layout(env)
+        return self._applier(env.world_size).layout(env)
 
     def plan(self, model: ShardableModel, ctx: PlannerContext) -> Plan:
         chosen = self.choose(ctx.layout.world_size)
-        plan = self._fsdp(ctx.layout.world_size).plan(model, ctx)
+        plan = self._applier(ctx.layout.world_size).plan(model, ctx)
         notes = [f"chosen for {chosen.topology.describe()} GPUs: {chosen.dims}, {chosen.dims.sparse_groups} sparse groups"]
         notes += choice_notes(chosen)
         return dataclasses.replace(plan, planner=self.name, notes=[*notes, *plan.notes], prediction=_prediction(chosen))
 
     def apply(self, model: ShardableModel, plan: Plan, ctx: PlannerContext) -> PreparedModel:
-        return self._fsdp(ctx.layout.world_size).apply(model, plan, ctx)
+        return self._applier(ctx.layout.world_size).apply(model, plan, ctx)
 
 
 def choice_notes(chosen: TopologyPlan) -> list[str]:
