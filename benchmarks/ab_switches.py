@@ -1,0 +1,125 @@
+"""The switches of ``benchmarks/e2e_ab.py``: each is applied to a live run between two steps and returns
+the function that undoes it, so that every variant of an A/B trains the same model on the same batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Switch = Callable[[object], Callable[[], None]]
+"""Applied to a live run; returns the function that undoes it."""
+
+
+def _blocks(run: object) -> list[torch.nn.Module]:
+    return list(run.model.blocks)  # type: ignore[attr-defined]
+
+
+def switch_base(run: object) -> Callable[[], None]:
+    return lambda: None
+
+
+def switch_compile(run: object) -> Callable[[], None]:
+    """``torch.compile`` of each HSTU block, as ``trainer.compile`` does (``nn.Module.compile``); the
+    compiled callable is kept and swapped in and out, so the variant compiles once."""
+    blocks = _blocks(run)
+    for b in blocks:
+        if getattr(b, "_ab_compiled", None) is None:
+            b.compile()
+            b._ab_compiled = b._compiled_call_impl
+        b._compiled_call_impl = b._ab_compiled
+
+    def undo() -> None:
+        for b in blocks:
+            b._compiled_call_impl = None
+
+    return undo
+
+
+def _attention_option(**options: object) -> Switch:
+    def apply(run: object) -> Callable[[], None]:
+        kernel = run.components.attention  # type: ignore[attr-defined]
+        before = kernel.config
+        kernel.config = before.model_copy(update=options)
+
+        def undo() -> None:
+            kernel.config = before
+
+        return undo
+
+    return apply
+
+
+def switch_unfused(run: object) -> Callable[[], None]:
+    """The HSTU blocks op by op (layer norm, residual add, silu, split, attention, norm-gate) instead of fused."""
+    blocks = _blocks(run)
+    for b in blocks:
+        b.fuse = False
+
+    def undo() -> None:
+        for b in blocks:
+            b.fuse = True
+
+    return undo
+
+
+def switch_host_syncs(run: object) -> Callable[[], None]:
+    """The batches without their host-side lengths: the model then reads lengths back from the device
+    (the candidate check, the next-item plan), as before ``Batch.host_lengths`` existed."""
+    batches = run._ab_batches  # type: ignore[attr-defined]
+    saved = [b.host_lengths for b in batches]
+    for b in batches:
+        b.host_lengths = None
+
+    def undo() -> None:
+        for b, h in zip(batches, saved):
+            b.host_lengths = h
+
+    return undo
+
+
+def _precision(scheme_name: str) -> Switch:
+    """The model's bf16 linears swapped for ``scheme_name``'s modules (``fp8_rowwise``, ...), built by the
+    registered scheme from the same Parameters, so the optimizer and the weights are shared; the swap
+    is undone by putting the bf16 modules back. The converted modules are kept across toggles."""
+
+    def apply(run: object) -> Callable[[], None]:
+        from gem_model.plugins import GemPluginManager
+
+        cache = run.__dict__.setdefault("_ab_precision", {})  # type: ignore[attr-defined]
+        if scheme_name not in cache:
+            entry = GemPluginManager().precision_schemes.get(scheme_name)
+            scheme = entry.cls(entry.cls.Config())
+            swaps = []
+            for parent_name, parent in run.model.named_modules():  # type: ignore[attr-defined]
+                for child_name, child in parent.named_children():
+                    if type(child).__name__ == "Bf16Linear":
+                        fqn = f"{parent_name}.{child_name}".lstrip(".")
+                        swaps.append((parent, child_name, child, scheme.convert_linear(child, fqn)))
+            if not swaps:
+                raise SystemExit(f"--variants {scheme_name}: the run has no bf16 linears to convert (precision.scheme bf16)")
+            cache[scheme_name] = swaps
+        swaps = cache[scheme_name]
+        for parent, name, _, new in swaps:
+            setattr(parent, name, new)
+
+        def undo() -> None:
+            for parent, name, old, _ in swaps:
+                setattr(parent, name, old)
+
+        return undo
+
+    return apply
+
+
+VARIANTS: dict[str, Switch] = {
+    "base": switch_base,
+    "compile": switch_compile,
+    "dq_atomic": _attention_option(dq="atomic"),
+    "dq_separate": _attention_option(dq="separate"),
+    "unfused": switch_unfused,
+    "host_syncs": switch_host_syncs,
+    "fp8_rowwise": _precision("fp8_rowwise"),
+    "fp8_tensorwise": _precision("fp8_tensorwise"),
+}
