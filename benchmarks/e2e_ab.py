@@ -47,7 +47,6 @@ import torch
 from ab_switches import VARIANTS  # beside this script
 
 
-
 @dataclass
 class Row:
     name: str
