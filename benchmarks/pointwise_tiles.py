@@ -1,0 +1,187 @@
+"""Tile sizes of the fused HSTU block's pointwise kernels on the big config's shapes: each candidate's
+outputs are checked equal to the shipped launch's, then every candidate is timed in interleaved rounds
+(CUDA events, median and IQR) beside the shipped one.
+
+    python benchmarks/pointwise_tiles.py --rows 200000 --rounds 15 --out tiles.json
+
+Shapes of ``configs/h200-large.yaml`` (d = 1024, 8 heads of 128): the norm-gate backward over
+``[L, 1024]`` with its gate read from, and its gradient written into, the ``u`` columns of the
+``[L, 4096]`` uvqk output; the layer norm backward with the residual's gradient; the silu pass of the
+``v, q, k`` columns, forward (``post = silu(pre)``) and backward (in place, ``* silu'(pre)``).
+Reports GB/s by the bytes each kernel must move, so the distance to the ~3.3 TB/s copy rate shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+from gem_kernels import hstu_gap_triton as gap
+from gem_kernels import layer_norm_triton as ln
+from gem_kernels import norm_gate_triton as ng
+from gem_kernels.attention_triton_common import INTERPRET, num_programs
+
+D, WIDTH = 1024, 4096
+
+
+def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int) -> Callable[[], tuple]:
+    num_rows = t["x"].shape[0]
+    tiles = triton.cdiv(num_rows, rows_per_tile)
+    programs = num_programs(t["x"].device, per_sm, tiles)
+    per = triton.cdiv(tiles, programs)
+    dx = torch.empty_like(t["x"])
+    du = t["d_pre"][:, :D]
+    dw = torch.empty((programs, D), dtype=torch.float32, device=dx.device)
+    db = torch.empty_like(dw)
+
+    def run() -> tuple:
+        ng._norm_gate_bwd[(programs,)](
+            t["x"], t["u"], t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, t["x"].stride(0),
+            t["u"].stride(0), t["dy"].stride(0), dx.stride(0), du.stride(0), num_rows, per,
+            D=D, BLOCK_D=D, ROWS=rows_per_tile, INTERP=INTERPRET, num_warps=warps, SILU_GATE=True,
+        )
+        return dx, du, dw.sum(0), db.sum(0)
+
+    return run
+
+
+def norm_bwd(t: dict, rows: int, warps: int, _: int) -> Callable[[], tuple]:
+    num_rows = t["x"].shape[0]
+    dx = torch.empty_like(t["x"])
+
+    def run() -> tuple:
+        ln._norm_bwd[(triton.cdiv(num_rows, rows),)](
+            t["x"], t["dy"], t["skip"], dx, t["mean"], t["rstd"], t["x"].stride(0), t["dy"].stride(0),
+            t["skip"].stride(0), dx.stride(0), num_rows, D=D, BLOCK_D=D, ROWS=rows, HAS_SKIP=True, INTERP=INTERPRET,
+            num_warps=warps,
+        )
+        return (dx,)
+
+    return run
+
+
+def silu(t: dict, rows: int, cols: int, warps: int, grad: bool) -> Callable[[], tuple]:
+    pre = t["pre"][:, D:]
+    out = t["d_pre"][:, D:] if grad else torch.empty((pre.shape[0], WIDTH - D), dtype=pre.dtype, device=pre.device)
+    x = t["g_vqk"] if grad else pre
+    num_rows, num_cols = pre.shape
+
+    def run() -> tuple:
+        gap._silu_columns[(triton.cdiv(num_rows, rows), triton.cdiv(num_cols, cols))](
+            x, pre, out, x.stride(0), pre.stride(0), out.stride(0), num_rows, num_cols,
+            GRAD=grad, ROWS=rows, COLS=cols, INTERP=INTERPRET, num_warps=warps,
+        )
+        return (out,)
+
+    return run
+
+
+KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
+    # name: (launch, shipped params, candidates, bytes per row moved)
+    "norm_gate_bwd": (norm_gate_bwd, (4, 4, 4), list(itertools.product((2, 4, 8), (4, 8), (2, 4, 8))), 10 * D),
+    "norm_bwd": (norm_bwd, (8, 4, 0), list(itertools.product((2, 4, 8, 16), (4, 8), (0,))), 8 * D),
+    "silu_fwd": (lambda t, r, c, w: silu(t, r, c, w, False), (16, 256, 4),
+                 list(itertools.product((16, 32), (256, 512, 1024), (4, 8))), 4 * (WIDTH - D)),
+    "silu_bwd": (lambda t, r, c, w: silu(t, r, c, w, True), (16, 256, 4),
+                 list(itertools.product((16, 32), (256, 512, 1024), (4, 8))), 6 * (WIDTH - D)),
+}
+
+
+def tensors(rows: int, device: torch.device) -> dict:
+    g = torch.Generator(device).manual_seed(7)
+
+    def r(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+    pre = r(rows, WIDTH)
+    x = r(rows, D)
+    _, mean, rstd = ng.NormGateFunction.run_forward(x, pre[:, :D], r(D, dtype=torch.float32), r(D, dtype=torch.float32),
+                                                    1e-5, silu_gate=True)  # fmt: skip
+    return {"pre": pre, "u": pre[:, :D], "x": x, "w": r(D, dtype=torch.float32), "b": r(D, dtype=torch.float32),
+            "dy": r(rows, D), "skip": r(rows, D), "mean": mean, "rstd": rstd,
+            "d_pre": torch.empty_like(pre), "g_vqk": r(rows, WIDTH - D)}  # fmt: skip
+
+
+def timed(fn: Callable[[], tuple]) -> float:
+    if not torch.cuda.is_available():  # a smoke run under TRITON_INTERPRET=1
+        import time
+
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--smoke", action="store_true", help="first candidate of each kernel only (TRITON_INTERPRET=1 on a CPU)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t = tensors(args.rows, device)
+    record = {"benchmark": "pointwise_tiles", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "command": " ".join(sys.argv), "rows": args.rows, "kernels": {}}  # fmt: skip
+    for name in args.kernels.split(","):
+        launch, shipped, candidates, row_bytes = KERNELS[name]
+        if args.smoke:
+            candidates = [shipped, candidates[0]]
+        reference = [o.clone() for o in launch(t, *shipped)()]
+        runs: dict[tuple, Callable[[], tuple]] = {}
+        bad = {}
+        for c in candidates:
+            fn = launch(t, *c)
+            out = fn()
+            # row sums (and dweight/dbias over rows) may run in another order with other tiles
+            err = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(out, reference))
+            if err <= 1e-3:
+                runs[c] = fn
+            else:
+                bad[str(c)] = err
+        names = list(runs)
+        times: dict[tuple, list[float]] = {c: [] for c in names}
+        for _ in range(2):
+            for c in names:
+                timed(runs[c])
+        for r in range(args.rounds):
+            for j in range(len(names)):
+                c = names[(r + j) % len(names)]
+                times[c].append(timed(runs[c]))
+        rows = []
+        for c in names:
+            q1, _, q3 = statistics.quantiles(times[c], n=4, method="inclusive")
+            med = statistics.median(times[c])
+            rows.append({"params": list(c), "shipped": c == shipped, "ms_median": med, "ms_q1": q1, "ms_q3": q3,
+                         "gb_s": args.rows * row_bytes / med / 1e6})  # fmt: skip
+        rows.sort(key=lambda r: r["ms_median"])
+        ship = next(r for r in rows if r["shipped"])
+        print(f"\n{name} (params {KERNELS[name][1]} shipped): {ship['ms_median']:.3f} ms, {ship['gb_s']:.0f} GB/s; best:")
+        for row in rows[:5]:
+            print(f"  {str(tuple(row['params'])):<16} {row['ms_q1']:.3f} / {row['ms_median']:.3f} / {row['ms_q3']:.3f} ms "
+                  f"{row['gb_s']:>6.0f} GB/s  {ship['ms_median'] / row['ms_median']:.3f}x shipped")  # fmt: skip
+        if bad:
+            print(f"  outputs differ from the shipped launch (max abs): {bad}")
+        record["kernels"][name] = {"shipped": list(shipped), "rows": rows, "mismatched": bad}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
