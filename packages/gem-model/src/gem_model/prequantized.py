@@ -27,6 +27,12 @@ holds a NaN or an infinity has every byte 0x7F and ``scale_inv`` NaN with bits 0
 GEMM output is NaN and the run's non-finite check stops it. The column maxima are ``|x|`` as int32
 bit patterns (non-negative floats order as their bits; a NaN sorts above infinity), maximised over
 the rows of each column.
+
+Forward only. The backward's gradients cannot ride this contract: autograd hands one plain tensor from
+a function's backward to the next, so the kernel that writes a gradient whole per row (the next
+block's layer norm backward, for this block's output linear) has no way to hand its quantized rows to
+the linear's backward, nor to know that the gradient it wrote is all the linear will get (autograd sums
+the gradients of every use of a tensor). That needs a channel set up in the forward across the blocks.
 """
 
 from __future__ import annotations
