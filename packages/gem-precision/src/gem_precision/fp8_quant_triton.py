@@ -17,7 +17,9 @@ passes whatever is asked for:
    operand ``[N, M_pad]`` (column or tensor scales, zero-padded to ``M_pad``), plus the
    dequantization factors, from the same registers.
 The second read mostly hits L2 only for small tensors; for the large ones the cost is ~2 reads +
-the fp8 writes, against ~8 passes unfused.
+the fp8 writes, against ~8 passes unfused. When the kernel that produced ``x`` already wrote its row
+operand and column amaxes (``gem_model.api.PrequantizedRows``, ``col_amax_bits``), only the cast of
+the transposed operand remains: one read.
 """
 
 from __future__ import annotations
