@@ -52,8 +52,8 @@ def check(gen: torch.Generator, lengths: list[int], *, dtype: torch.dtype, dq_mo
     leaves = [t.detach().clone().requires_grad_() for t in (pre, weight, bias)] + (
         [pos.clone().requires_grad_()] if pos is not None else [])  # fmt: skip
     extras = AttentionExtras(num_targets=num_targets, max_attn_len=window, position_bias=leaves[3] if position else None)
-    y = hstu_gap_triton(leaves[0], leaves[1], leaves[2], offsets, num_heads=HEADS, attention_dim=DQK, value_dim=DV,
-                        eps=EPS, dq_mode=dq_mode, extras=extras, **options)  # fmt: skip
+    y, _ = hstu_gap_triton(leaves[0], leaves[1], leaves[2], offsets, num_heads=HEADS, attention_dim=DQK,
+                           value_dim=DV, eps=EPS, dq_mode=dq_mode, extras=extras, **options)  # fmt: skip
     got = torch.autograd.grad(y, leaves, dy)
     exact = [t.detach().double().requires_grad_() for t in leaves]
     exact_extras = AttentionExtras(num_targets=num_targets, max_attn_len=window,
@@ -103,7 +103,7 @@ def test_norm_fork_sums_the_residual_gradient_into_the_layer_norms(gen, dtype):
     x = (torch.randn(7, 48, generator=gen) * 3 + 1).to(dtype)
     d_ln, d_skip = torch.randn(7, 48, generator=gen).to(dtype), torch.randn(7, 48, generator=gen).to(dtype)
     xi = x.clone().requires_grad_()
-    ln, skip = norm_fork(xi)
+    ln, skip, _ = norm_fork(xi)
     (got,) = torch.autograd.grad([ln, skip], xi, [d_ln, d_skip])
     exact = x.double().requires_grad_()
     want_ln = F.layer_norm(exact, (48,))

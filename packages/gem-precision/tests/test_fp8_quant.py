@@ -124,3 +124,39 @@ def test_tensor_scales_with_both_outputs_take_the_software_rounding_path():
     assert _cast_software_round(None, tensorwise=True, rows=True, cols_t=True) is True
     assert _cast_software_round(False, tensorwise=True, rows=True, cols_t=True) is False  # asked for
     assert _cast_software_round(True, tensorwise=False, rows=True, cols_t=True) is True
+
+
+def test_given_column_maxima_replace_the_stats_pass(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer's column maxima (gem_model.api.PrequantizedRows) give the transposed operand the bits of
+    computing them, with no stats pass; other maxima are used as given, not recomputed."""
+    from gem_precision import fp8_quant_triton
+
+    x = wide_range_randn(21, 40, generator=gen).bfloat16()
+    x[5, 7] = float("inf")
+    bits = (x.float().view(torch.int32) & 0x7FFFFFFF).amax(0)
+    kwargs = {"granularity": "row", "fmt": E4M3, "rows": False, "cols_t": True, "pad_to": 16}
+    want = quantize_fp8_reference(x, **kwargs).cols_t
+    monkeypatch.setattr(fp8_quant_triton, "_fp8_stats_kernel", None)  # launching it would fail
+    assert_same(quantize_fp8_triton(x, col_amax_bits=bits, **kwargs).cols_t, want)
+    assert_same(quantize_fp8_reference(x, col_amax_bits=bits, **kwargs).cols_t, want)
+    doubled = (bits.view(torch.float32) * 2).view(torch.int32)  # one more bit of headroom per finite column
+    got = quantize_fp8_triton(x, col_amax_bits=doubled, **kwargs).cols_t
+    assert_same(got, quantize_fp8_reference(x, col_amax_bits=doubled, **kwargs).cols_t)
+    assert got is not None and want is not None
+    finite = want.scale_inv.isfinite().flatten()
+    assert torch.equal(got.scale_inv[finite], want.scale_inv[finite] * 2)
+
+
+@pytest.mark.parametrize(
+    ("granularity", "bits", "message"),
+    [
+        ("tensor", torch.zeros(50, dtype=torch.int32), "granularity 'tensor' has none"),
+        ("row", torch.zeros(49, dtype=torch.int32), r"int32 \[50\] on cpu, got torch.int32 \(49,\)"),
+        ("row", torch.zeros(50), r"int32 \[50\] on cpu, got torch.float32 \(50,\)"),
+    ],
+)
+def test_given_column_maxima_are_checked(granularity: str, bits: torch.Tensor, message: str) -> None:
+    x = torch.randn(8, 50)
+    for quantize in (quantize_fp8_reference, quantize_fp8_triton):
+        with pytest.raises(ValueError, match=f"{quantize.__name__}: col_amax_bits .*{message}"):
+            quantize(x, granularity=granularity, fmt=E4M3, rows=False, cols_t=True, col_amax_bits=bits)

@@ -101,6 +101,32 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
             **_cubin_usage(compiled.asm["cubin"])}
 
 
+def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, dim: int = 1024, arch: int = 90) -> dict[str, Any]:
+    """Compile the layer norm (``norm``) or norm-gate (``norm_gate``) forward of the fused HSTU block for
+    ``[*, dim]`` bf16 rows, optionally writing their e4m3 rows (and column maxima), as the block launches it."""
+    from gem_kernels import layer_norm_triton, norm_gate_triton
+    from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS
+
+    block_d = triton.next_power_of_2(dim)
+    pointers = {"X": "*bf16", "Y": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32", "Q": "*u8", "Q_INV": "*fp32",
+                "COL_AMAX": "*i32" if column_amax else "*fp32"}  # fmt: skip
+    if kernel == "norm":
+        fn, rows, warps = layer_norm_triton._norm_fwd, *layer_norm_triton._launch_shape(dim)[1:]
+        constants: dict[str, Any] = {}
+    else:
+        fn, rows, warps = norm_gate_triton._norm_gate_fwd, norm_gate_triton._rows_per_tile(block_d), 8
+        pointers |= {"U": "*bf16", "W": "*fp32", "B": "*fp32"}
+        constants = {"SILU_GATE": True}
+    tiles = -(-ROWS_PER_PROGRAM_WITH_COLUMNS // rows) if column_amax else 1
+    constants |= dict(D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, QUANT=quantize, COLUMN_AMAX=column_amax,
+                      INTERP=False)  # fmt: skip
+    signature = _signature(fn, pointers, ("eps",)) | {name: "constexpr" for name in constants}
+    hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name].startswith("*")}
+    compiled = triton.compile(ASTSource(fn, signature, constants, hints), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps})  # fmt: skip
+    return {"kernel": kernel, "shared_bytes": compiled.metadata.shared, **_cubin_usage(compiled.asm["cubin"])}
+
+
 def _cubin_usage(cubin: bytes) -> dict[str, int | None]:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

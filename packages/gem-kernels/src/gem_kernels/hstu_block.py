@@ -1,13 +1,17 @@
 """The HSTU block fused around its two linears: what gem-kernels' ``triton`` attention kernel offers as
 :meth:`~gem_model.components.JaggedAttentionKernel.fused_block` (imports triton).
 
-    ln, skip = norm_fork(x)                      # layer norm + the residual branch (layer_norm_triton)
-    y = hstu_gap(uvqk(ln), gate_weight, ...)     # silu, split, attention, norm-gate (hstu_gap_triton)
+    ln, skip, _ = norm_fork(x)                   # layer norm + the residual branch (layer_norm_triton)
+    y, _ = hstu_gap(uvqk(ln), gate_weight, ...)  # silu, split, attention, norm-gate (hstu_gap_triton)
     return skip + out(y)
 
 The linears are the block's own modules (the precision scheme's GEMMs), called in between. What the
 fusion removes, per block: the silu passes and the concatenation of the four gradients around the
 attention, the ``silu(u)`` tensor, and the pass that adds the residual's gradient to the layer norm's.
+
+A linear that wants its input pre-quantized (``gem_model.api.wanted_quantization``: gem-precision's
+``fp8_rowwise``) gets the e4m3 rows of ``ln`` from the layer norm's pass and those of ``y`` from the
+norm-gate's, instead of quantizing them itself (one read of the activation, or two, fewer a linear).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
+from gem_model.api import call_linear, wanted_quantization
 
 
 def hstu_block_triton(
@@ -30,7 +35,10 @@ def hstu_block_triton(
     seq_offsets: torch.Tensor,
     **gap_options: Any,
 ) -> torch.Tensor:
-    """``x + out(gap(uvqk(layer_norm(x))))``; ``gap_options`` as :func:`hstu_gap_triton` takes them."""
-    ln, skip = norm_fork(x)
-    y = hstu_gap_triton(uvqk(ln), gate_weight, gate_bias, seq_offsets, **gap_options)
-    return skip + out(y)
+    """``x + out(gap(uvqk(layer_norm(x))))`` (``out``'s result in ``x``'s dtype); ``gap_options`` as
+    :func:`hstu_gap_triton` takes them."""
+    ln, skip, ln_rows = norm_fork(x, quantize=wanted_quantization(uvqk, x.device))
+    pre = call_linear(uvqk, ln, ln_rows)
+    y, y_rows = hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets,
+                                quantize=wanted_quantization(out, x.device), **gap_options)  # fmt: skip
+    return skip + call_linear(out, y, y_rows).to(x.dtype)

@@ -44,7 +44,8 @@ from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
-from gem_model.api import NO_EXTRAS, AttentionExtras
+from gem_kernels.quantized_rows_triton import RowsOut
+from gem_model.api import NO_EXTRAS, AttentionExtras, PrequantizedRows, RowQuantization
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 
@@ -105,15 +106,21 @@ class HSTUGapFunction(torch.autograd.Function):
         post = silu_columns(pre[:, hv:], torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device))
         v, q, k = (post[:, a:b].view(rows, heads, -1) for a, b in ((0, hv), (hv, hv + hq), (hv + hq, hv + 2 * hq)))
         attn = query_major(q, k, v, None, seq_offsets, num_targets, bias=bias, **_kernel_options(options))
+        quantize = options["quantize"]
+        rows_out = None if quantize is None else RowsOut.allocate(rows, hv, pre.device, quantize)
         y, mean, rstd = NormGateFunction.run_forward(attn.view(rows, hv), pre[:, :hv], gate_weight, gate_bias,
-                                                     options["eps"], silu_gate=True)  # fmt: skip
+                                                     options["eps"], silu_gate=True, rows_out=rows_out)  # fmt: skip
         ctx.save_for_backward(pre, post, attn, mean, rstd, gate_weight, gate_bias, seq_offsets, num_targets,
                               bias.position, bias.time, bias.timestamps, bias.query_timestamps)  # fmt: skip
         ctx.params = (shape, options, bias.edges)
-        return y
+        if rows_out is None:
+            return y
+        ctx.mark_non_differentiable(*rows_out.tensors())  # y's e4m3 rows, for the output projection
+        ctx.set_materialize_grads(False)  # no zero gradients made up for them
+        return y, rows_out.data, rows_out.scale_inv, rows_out.column_amax_bits
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor, *_rows: None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         pre, post, attn, mean, rstd, weight, gate_bias, seq_offsets, num_targets, *tables = ctx.saved_tensors
         (heads, dqk, dv), options, edges = ctx.params
         rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
@@ -168,9 +175,11 @@ def hstu_gap_triton(
     extras: AttentionExtras = NO_EXTRAS,
     dq_mode: DqMode = "auto",
     blocks: tuple[int, int] | None = None,
-) -> torch.Tensor:
+    quantize: RowQuantization | None = None,
+) -> tuple[torch.Tensor, PrequantizedRows | None]:
     """The fused gap ``pre -> y`` (``[L, H (2 Dv + 2 Dqk)] -> [L, H Dv]``); attention arguments as in
-    :func:`gem_kernels.attention_triton_autograd.jagged_attention_triton`, ``eps`` the norm-gate's."""
+    :func:`gem_kernels.attention_triton_autograd.jagged_attention_triton`, ``eps`` the norm-gate's.
+    Returns ``y`` and, with ``quantize``, its rows quantized so by the norm-gate's pass (else None)."""
     num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
     position_bias, time_bias = extras.position_bias, extras.time_bias
     from gem_kernels.attention_triton_bias import prepare_bias
@@ -184,6 +193,10 @@ def hstu_gap_triton(
     num_targets = num_targets.contiguous() if num_targets is not None else None
     bias = prepare_bias(position_bias, time_bias, extras.timestamps, extras.query_timestamps, max_seq_len)
     options = dict(max_seq_len=max_seq_len, alpha=float(alpha), max_attn_len=max_attn_len, blocks=blocks,
-                   dq_mode=dq_mode, eps=eps)  # fmt: skip
-    return HSTUGapFunction.apply(pre, gate_weight, gate_bias, position_bias, time_bias, seq_offsets, num_targets,
-                                 bias, (num_heads, attention_dim, value_dim), options)  # fmt: skip
+                   dq_mode=dq_mode, eps=eps, quantize=quantize)  # fmt: skip
+    out = HSTUGapFunction.apply(pre, gate_weight, gate_bias, position_bias, time_bias, seq_offsets, num_targets,
+                                bias, (num_heads, attention_dim, value_dim), options)  # fmt: skip
+    if quantize is None:
+        return out, None
+    y, data, scale_inv, column_amax = out
+    return y, RowsOut(data, scale_inv, column_amax).result()

@@ -5,7 +5,8 @@ A block computes ``x + f(layer_norm(x))``: ``x`` has two uses, so autograd adds 
 a pass of its own after the layer norm's backward (read two, write one). :class:`NormFork` returns
 ``(layer_norm(x), x)`` and the block adds ``f(...)`` to that second output: both gradients then reach
 one backward, whose kernel adds the residual's gradient while it writes the layer norm's. Forward: one
-pass writing the normalised rows plus each row's mean and 1/std (fp32); backward: one pass over ``x``
+pass writing the normalised rows plus each row's mean and 1/std (fp32), and when the linear that reads
+them asks for it, their e4m3 copy (``gem_model.api.RowQuantization``); backward: one pass over ``x``
 and both gradients. No affine parameters (the block's layer norm has none).
 """
 
@@ -18,6 +19,8 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
+from gem_kernels.quantized_rows_triton import RowsOut, tiles_per_program, write_e4m3_rows
+from gem_model.api import PrequantizedRows, RowQuantization
 
 MAX_DIM = 16384
 """Rows are held in registers whole."""
@@ -28,20 +31,28 @@ def _rows_per_program(block_d: int) -> int:
 
 
 @triton.jit
-def _norm_fwd(X, Y, MEAN, RSTD, stride_x, stride_y, num_rows, eps,
-              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr):
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+def _norm_fwd(X, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_y, num_rows, eps,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+              QUANT: tl.constexpr, COLUMN_AMAX: tl.constexpr, INTERP: tl.constexpr):
     cols = tl.arange(0, BLOCK_D)
-    rows_ok = rows < num_rows
-    inside = rows_ok[:, None] & (cols < D)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    mean = tl.sum(x, 1) / D
-    centered = tl.where(inside, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast(centered * rstd[:, None], Y.dtype.element_ty, INTERP),
-             mask=inside)
-    tl.store(MEAN + rows, mean, mask=rows_ok)
-    tl.store(RSTD + rows, rstd, mask=rows_ok)
+    cols_ok = cols < D
+    col_max = tl.zeros([BLOCK_D], dtype=tl.int32)
+    for tile in range(TILES):
+        rows = ((tl.program_id(0) * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        rows_ok = rows < num_rows
+        inside = rows_ok[:, None] & cols_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        mean = tl.sum(x, 1) / D
+        centered = tl.where(inside, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
+        y = cast(centered * rstd[:, None], Y.dtype.element_ty, INTERP)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=inside)
+        tl.store(MEAN + rows, mean, mask=rows_ok)
+        tl.store(RSTD + rows, rstd, mask=rows_ok)
+        if QUANT:  # the e4m3 rows of y as written, for the linear that reads it
+            col_max = tl.maximum(col_max, write_e4m3_rows(y.to(tl.float32), rows, cols, rows_ok, cols_ok, Q, Q_INV, D))
+    if COLUMN_AMAX:
+        tl.atomic_max(COL_AMAX + cols, col_max, mask=cols_ok, sem="relaxed")
 
 
 @triton.jit
@@ -69,10 +80,14 @@ def _launch_shape(dim: int) -> tuple[int, int, int]:
 
 
 class NormFork(torch.autograd.Function):
-    """``(layer_norm(x), x)`` over the last dim, no affine; the backward sums both outputs' gradients."""
+    """``(layer_norm(x), x)`` over the last dim, no affine; the backward sums both outputs' gradients.
+    With a ``RowQuantization``, also the e4m3 rows of ``layer_norm(x)``, its scales and column maxima
+    (None when not asked for), not differentiable."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, eps: float, quantize: RowQuantization | None
+    ) -> tuple[torch.Tensor | None, ...]:
         x2 = x.reshape(-1, x.shape[-1])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         rows, dim = x2.shape
@@ -80,24 +95,34 @@ class NormFork(torch.autograd.Function):
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block_d, per, warps = _launch_shape(dim)
+        q = RowsOut.allocate(rows, dim, x.device, quantize) if quantize is not None else None
+        tiles = tiles_per_program(per, q)
         if rows:
             with device_guard(x.device):
-                _norm_fwd[(triton.cdiv(rows, per),)](
-                    x2, y, mean, rstd, x2.stride(0), y.stride(0), rows, eps,
-                    D=dim, BLOCK_D=block_d, ROWS=per, INTERP=INTERPRET, num_warps=warps,
-                )
+                _norm_fwd[(triton.cdiv(rows, per * tiles),)](
+                    x2, y, mean, rstd, *(q.kernel_args() if q is not None else (y, mean, mean)),
+                    x2.stride(0), y.stride(0), rows, eps, D=dim, BLOCK_D=block_d, ROWS=per, TILES=tiles,
+                    QUANT=q is not None, COLUMN_AMAX=q is not None and q.column_amax_bits is not None,
+                    INTERP=INTERPRET, num_warps=warps,
+                )  # fmt: skip
         ctx.save_for_backward(x2, mean, rstd)
         ctx.shape = x.shape
         # the second output is x itself (a view): the block's residual branch, whose gradient
         # arrives here beside the layer norm's
-        return y.view(x.shape), x.view_as(x)
+        if q is None:
+            return y.view(x.shape), x.view_as(x)
+        ctx.mark_non_differentiable(*q.tensors())
+        ctx.set_materialize_grads(False)  # no zero gradients made up for the quantized rows
+        return y.view(x.shape), x.view_as(x), q.data, q.scale_inv, q.column_amax_bits
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor | None, dskip: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, dy: torch.Tensor | None, dskip: torch.Tensor | None, *_rows: None
+    ) -> tuple[torch.Tensor | None, None, None]:
         x2, mean, rstd = ctx.saved_tensors
         rows, dim = x2.shape
         if dy is None:
-            return dskip, None
+            return dskip, None, None
         dy2 = dy.reshape(rows, dim)
         dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
         skip = None
@@ -113,12 +138,19 @@ class NormFork(torch.autograd.Function):
                     (skip if skip is not None else dy2).stride(0), dx.stride(0), rows,
                     D=dim, BLOCK_D=block_d, ROWS=per, HAS_SKIP=skip is not None, INTERP=INTERPRET, num_warps=warps,
                 )
-        return dx.view(ctx.shape), None
+        return dx.view(ctx.shape), None, None
 
 
-def norm_fork(x: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(layer_norm(x), x)``, differentiable, with one fused backward for both (see the module docstring).
-    ``eps`` is ``F.layer_norm``'s default."""
+def norm_fork(
+    x: torch.Tensor, eps: float = 1e-5, *, quantize: RowQuantization | None = None
+) -> tuple[torch.Tensor, torch.Tensor, PrequantizedRows | None]:
+    """``(layer_norm(x), x, rows)``, differentiable, with one fused backward for both (see the module
+    docstring). ``eps`` is ``F.layer_norm``'s default. ``rows``: with ``quantize``, ``layer_norm(x)``
+    quantized as it says (:mod:`gem_kernels.quantized_rows_triton`), written by the same pass; else None."""
     if x.shape[-1] > MAX_DIM:
         raise ValueError(f"norm_fork: rows of at most {MAX_DIM} elements, got {x.shape[-1]}")
-    return NormFork.apply(x, eps)
+    if quantize is None:
+        ln, skip = NormFork.apply(x, eps, None)
+        return ln, skip, None
+    ln, skip, data, scale_inv, column_amax = NormFork.apply(x, eps, quantize)
+    return ln, skip, RowsOut(data, scale_inv, column_amax).result()

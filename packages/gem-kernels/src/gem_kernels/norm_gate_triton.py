@@ -1,8 +1,9 @@
 """Fused ``(layer_norm(x) * weight + bias) * u`` in Triton, forward and backward (imports triton).
 
 Forward: one pass over ``x`` and ``u``, writes ``y`` plus per-row mean and 1/std (8 bytes a row) so
-that the backward needs no second reduction over ``x``. Backward: one pass over ``x, u, dy`` writing
-``dx, du``; ``dweight``/``dbias`` are summed per program in fp32 and the few per-program partial rows
+that the backward needs no second reduction over ``x`` (and, when asked, the e4m3 rows of ``y`` for
+the linear that reads it: :mod:`gem_kernels.quantized_rows_triton`). Backward: one pass over ``x, u,
+dy`` writing ``dx, du``; ``dweight``/``dbias`` are summed per program in fp32 and the few per-program partial rows
 are added by torch at the end (no atomics, deterministic).
 
 With ``silu_gate`` the gate is ``silu(u)`` of a pre-activation ``u``, computed on the fly, and the
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, num_programs, silu_grad
+from gem_kernels.quantized_rows_triton import RowsOut, tiles_per_program, write_e4m3_rows
 
 MAX_DIM = 16384
 """Rows are held in registers whole; wider rows would spill."""
@@ -29,27 +31,33 @@ def _rows_per_tile(block_d: int) -> int:
 
 
 @triton.jit
-def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, stride_x, stride_u, stride_y, num_rows, eps,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
-                   SILU_GATE: tl.constexpr):
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_u, stride_y, num_rows, eps,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+                   INTERP: tl.constexpr, SILU_GATE: tl.constexpr, QUANT: tl.constexpr, COLUMN_AMAX: tl.constexpr):
     cols = tl.arange(0, BLOCK_D)
-    rows_ok = rows < num_rows
     cols_ok = cols < D
-    inside = rows_ok[:, None] & cols_ok[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    if SILU_GATE:
-        u = u * tl.sigmoid(u)
     w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cols_ok, other=0.0).to(tl.float32)
-    mean = tl.sum(x, 1) / D
-    centered = tl.where(inside, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
-    y = (centered * rstd[:, None] * w[None, :] + b[None, :]) * u
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], cast(y, Y.dtype.element_ty, INTERP), mask=inside)
-    tl.store(MEAN + rows, mean, mask=rows_ok)
-    tl.store(RSTD + rows, rstd, mask=rows_ok)
+    col_max = tl.zeros([BLOCK_D], dtype=tl.int32)
+    for tile in range(TILES):
+        rows = ((tl.program_id(0) * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        rows_ok = rows < num_rows
+        inside = rows_ok[:, None] & cols_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        if SILU_GATE:
+            u = u * tl.sigmoid(u)
+        mean = tl.sum(x, 1) / D
+        centered = tl.where(inside, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / D + eps)
+        y = cast((centered * rstd[:, None] * w[None, :] + b[None, :]) * u, Y.dtype.element_ty, INTERP)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y, mask=inside)
+        tl.store(MEAN + rows, mean, mask=rows_ok)
+        tl.store(RSTD + rows, rstd, mask=rows_ok)
+        if QUANT:  # the e4m3 rows of y as written, for the linear that reads it
+            col_max = tl.maximum(col_max, write_e4m3_rows(y.to(tl.float32), rows, cols, rows_ok, cols_ok, Q, Q_INV, D))
+    if COLUMN_AMAX:
+        tl.atomic_max(COL_AMAX + cols, col_max, mask=cols_ok, sem="relaxed")
 
 
 @triton.jit
@@ -98,25 +106,29 @@ class NormGateFunction(torch.autograd.Function):
     @staticmethod
     def run_forward(
         x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-        silu_gate: bool = False,
+        silu_gate: bool = False, rows_out: RowsOut | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``y`` in ``x``'s shape, and the float32 ``mean`` and ``rstd`` of each row (``silu_gate``:
-        the gate is ``silu(u)``)."""
+        the gate is ``silu(u)``). ``rows_out``: buffers for the e4m3 rows of ``y`` that the same pass
+        writes (:mod:`gem_kernels.quantized_rows_triton`)."""
         x2, u2 = _rows(x), _rows(u)
         num_rows, dim = x2.shape
         block_d = triton.next_power_of_2(dim)
         rows = _rows_per_tile(block_d)
+        tiles = tiles_per_program(rows, rows_out)
         y = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
         mean = torch.empty(num_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
         weight, bias = weight.contiguous(), bias.contiguous()
         if num_rows > 0:
             with device_guard(x.device):
-                _norm_gate_fwd[(triton.cdiv(num_rows, rows),)](
-                    x2, u2, weight, bias, y, mean, rstd, x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
-                    D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
-                    SILU_GATE=silu_gate,
-                )
+                _norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
+                    x2, u2, weight, bias, y, mean, rstd, *(rows_out.kernel_args() if rows_out is not None else (y, mean, mean)),
+                    x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
+                    D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, INTERP=INTERPRET,
+                    num_warps=4 if block_d < 2048 else 8, SILU_GATE=silu_gate, QUANT=rows_out is not None,
+                    COLUMN_AMAX=rows_out is not None and rows_out.column_amax_bits is not None,
+                )  # fmt: skip
         return y.view(x.shape), mean, rstd
 
     @staticmethod

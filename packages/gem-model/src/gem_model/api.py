@@ -24,6 +24,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.context": ("Optimizers", "RunContext"),  # what lifecycle hooks receive
     "gem_model.lifecycle": ("Callback", "TrainPipeline"),  # the step's stages; lifecycle plugins
     "gem_model.protocols": ("ShardableModel", "Stateful"),  # what the core needs of models, components
+    # a linear that takes its input pre-quantized by the kernel that produced it
+    "gem_model.prequantized": (
+        "PrequantizedInputLinear", "PrequantizedRows", "RowQuantization", "call_linear", "wanted_quantization",
+    ),
     "gem_model.results": ("ReportSection", "RunSummary", "StepResult"),  # what a run hands back
     # the parallel degrees, their runtime view, the run a planner lays out, a planner's decision
     "gem_model.parallel_dims": (
@@ -108,6 +112,8 @@ __all__ = [
     "PrecisionPolicy",
     "PrecisionScheme",
     "PreparedModel",
+    "PrequantizedInputLinear",
+    "PrequantizedRows",
     "ProfileCommand",
     "ProfileContext",
     "ProfileSection",
@@ -116,6 +122,7 @@ __all__ = [
     "Recommendation",
     "Registry",
     "ReportSection",
+    "RowQuantization",
     "RunConfig",
     "RunContext",
     "RunShape",
@@ -130,6 +137,7 @@ __all__ = [
     "TrainPipeline",
     "UnknownNameError",
     "batch_tensors",
+    "call_linear",
     "count_flops",
     "dims_of",
     "gather_bias",
@@ -147,6 +155,7 @@ __all__ = [
     "time_bias_matrix",
     "time_bucket_matrix",
     "time_buckets",
+    "wanted_quantization",
 ]
 """Every name above; a test checks the list against the table."""
 
@@ -225,6 +234,13 @@ if TYPE_CHECKING:
     from gem_model.plan import DensePlacement, Plan, TablePlacement
     from gem_model.plugins import GemPluginManager
     from gem_model.precision import PrecisionPolicy, precision_plan, set_submodule
+    from gem_model.prequantized import (
+        PrequantizedInputLinear,
+        PrequantizedRows,
+        RowQuantization,
+        call_linear,
+        wanted_quantization,
+    )
     from gem_model.profiling.context import MeasuredSteps, ProfileCommand, ProfileContext
     from gem_model.profiling.memory import step_loss
     from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation

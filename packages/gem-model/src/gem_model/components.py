@@ -151,7 +151,9 @@ class JaggedAttentionKernel(Kernel):
                   value_dim, max_seq_len, alpha, eps, extras)
 
         ``uvqk`` and ``out`` are the block's linears as callables (the precision scheme's modules,
-        ``out`` with the block's dropout), so the GEMMs stay the scheme's; ``eps`` is the norm-gate's;
+        ``out`` with the block's dropout when that is active; its result is cast to ``x``'s dtype), so
+        the GEMMs stay the scheme's, and a linear may take its input pre-quantized by the kernel that
+        produced it (:mod:`gem_model.prequantized`); ``eps`` is the norm-gate's;
         the rest has the semantics of :meth:`__call__` and :class:`NormGateKernel`. A kernel offers it
         when it fuses the pointwise work around the GEMMs (gem-kernels' ``triton``);
         ``norm_gate`` is the run's configured norm-gate kernel, so a fused block can refuse kernels

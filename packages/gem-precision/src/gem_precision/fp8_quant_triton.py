@@ -17,7 +17,9 @@ passes whatever is asked for:
    operand ``[N, M_pad]`` (column or tensor scales, zero-padded to ``M_pad``), plus the
    dequantization factors, from the same registers.
 The second read mostly hits L2 only for small tensors; for the large ones the cost is ~2 reads +
-the fp8 writes, against ~8 passes unfused.
+the fp8 writes, against ~8 passes unfused. When the kernel that produced ``x`` already wrote its row
+operand and column amaxes (``gem_model.api.PrequantizedRows``, ``col_amax_bits``), only the cast of
+the transposed operand remains: one read.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from gem_precision.formats import Fp8Format
-from gem_precision.fp8_reference import Fp8Operand, Fp8Pair, Granularity, round_up
+from gem_precision.fp8_reference import Fp8Operand, Fp8Pair, Granularity, check_col_amax_bits, round_up
 from gem_precision.triton_common import (
     abs_bits,
     cast_to_fp8_bits,
@@ -176,32 +178,41 @@ def quantize_fp8_triton(
     col_sum: bool = False,
     pad_to: int = 1,
     software_round: bool | None = None,
+    col_amax_bits: torch.Tensor | None = None,
 ) -> Fp8Pair:
-    """Same contract and bits as :func:`quantize_fp8_reference`, in two fused passes."""
+    """Same contract and bits as :func:`quantize_fp8_reference`, in two fused passes; with
+    ``col_amax_bits`` (the producer's column maxima) the stats pass drops them, and runs not at all
+    when nothing else is asked of it (``rows`` false, no ``col_sum``)."""
     check_triton_device(x, "quantize_fp8_triton")
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_fp8_triton: expected a 2-d tensor with contiguous rows, got {x.shape} {x.stride()}")
     if granularity not in ("tensor", "row"):
         raise ValueError(f"quantize_fp8_triton: granularity must be 'tensor' or 'row', got {granularity!r}")
+    check_col_amax_bits(col_amax_bits, x, granularity, "quantize_fp8_triton")
     m, n = x.shape
     m_pad = round_up(m, pad_to)
     dev = x.device
     tensorwise = granularity == "tensor"
     t = _tiles()
     int_zeros = {"dtype": torch.int32, "device": dev}
-    row_parts = triton.cdiv(n, t["stats_n"]) if rows and not tensorwise else 1
-    row_part = torch.empty((row_parts, m if rows and not tensorwise else 1), **int_zeros)
-    col_amax = torch.zeros(n if cols_t and not tensorwise else 1, **int_zeros)
+    row_stats = rows and not tensorwise
+    row_parts = triton.cdiv(n, t["stats_n"]) if row_stats else 1
+    row_part = torch.empty((row_parts, m if row_stats else 1), **int_zeros)
+    col_stats = cols_t and not tensorwise and col_amax_bits is None
+    if col_amax_bits is not None:
+        col_amax = col_amax_bits.contiguous()
+    else:
+        col_amax = torch.zeros(n if col_stats else 1, **int_zeros)
     tensor_amax = torch.zeros(1, **int_zeros)
     n_stat_progs = triton.cdiv(m, t["stats_rows"])
     sums = torch.empty((n_stat_progs, n) if col_sum else (1, 1), dtype=torch.float32, device=dev)
-    if m and n:
+    if m and n and (row_stats or col_stats or tensorwise or col_sum):
         _fp8_stats_kernel[(n_stat_progs, triton.cdiv(n, t["stats_n"]))](
             x, m, n, x.stride(0), row_part, col_amax, tensor_amax, sums,
-            ROW=rows and not tensorwise, COL=cols_t and not tensorwise, TENSOR=tensorwise, COL_SUM=col_sum,
+            ROW=row_stats, COL=col_stats, TENSOR=tensorwise, COL_SUM=col_sum,
             ROWS_PER_PROG=t["stats_rows"], BLOCK_M=t["stats_m"], BLOCK_N=t["stats_n"], num_warps=t["stats_warps"],
         )  # fmt: skip
-    row_amax = row_part.amax(dim=0) if rows and not tensorwise and m and n else row_part.new_zeros(1)
+    row_amax = row_part.amax(dim=0) if row_stats and m and n else row_part.new_zeros(1)
     scale_shape: tuple[int, ...] = () if tensorwise else (-1, 1)
     q = torch.empty((m, n) if rows else (1,), dtype=torch.uint8, device=dev)
     q_inv = torch.empty(m if rows and not tensorwise else 1, dtype=torch.float32, device=dev)

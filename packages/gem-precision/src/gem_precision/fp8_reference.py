@@ -88,6 +88,19 @@ def _quantize_groups(x: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format) -> Fp8
     return Fp8Operand(bits.view(fmt.dtype), scale_inv)
 
 
+def check_col_amax_bits(bits: torch.Tensor | None, x: torch.Tensor, granularity: Granularity, where: str) -> None:
+    """Column maxima handed to a quantizer must be int32 ``[N]`` bits on ``x``'s device, for row scales."""
+    if bits is None:
+        return
+    if granularity != "row":
+        raise ValueError(f"{where}: col_amax_bits are column scales' maxima; granularity {granularity!r} has none")
+    if bits.dtype != torch.int32 or bits.shape != (x.shape[1],) or bits.device != x.device:
+        raise ValueError(
+            f"{where}: col_amax_bits must be int32 [{x.shape[1]}] on {x.device}, got {bits.dtype} "
+            f"{tuple(bits.shape)} on {bits.device}"
+        )
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -101,12 +114,17 @@ def quantize_fp8_reference(
     cols_t: bool = False,
     col_sum: bool = False,
     pad_to: int = 1,
+    col_amax_bits: torch.Tensor | None = None,
 ) -> Fp8Pair:
-    """Quantize a 2-d tensor ``x [M, N]``; see :class:`Fp8Pair`. ``pad_to`` rounds ``M_pad`` up."""
+    """Quantize a 2-d tensor ``x [M, N]``; see :class:`Fp8Pair`. ``pad_to`` rounds ``M_pad`` up.
+    ``col_amax_bits``: the column maxima of ``|x|`` as int32 bits, computed elsewhere (by the kernel
+    that produced ``x``: ``gem_model.api.PrequantizedRows``); ``cols_t`` then takes its scales from
+    them instead of from ``x`` (row granularity only)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_fp8_reference: expected a 2-d tensor, got shape {tuple(x.shape)}")
     if granularity not in ("tensor", "row"):
         raise ValueError(f"quantize_fp8_reference: granularity must be 'tensor' or 'row', got {granularity!r}")
+    check_col_amax_bits(col_amax_bits, x, granularity, "quantize_fp8_reference")
     xf = x.float()
     m = xf.shape[0]
     tensor_amax = xf.abs().amax() if granularity == "tensor" else None
@@ -115,7 +133,10 @@ def quantize_fp8_reference(
         amax = tensor_amax if tensor_amax is not None else xf.abs().amax(dim=1, keepdim=True)
         rows_op = _quantize_groups(xf, amax, fmt)
     if cols_t:
-        amax = tensor_amax if tensor_amax is not None else xf.abs().amax(dim=0)[:, None]
+        if col_amax_bits is not None:
+            amax = col_amax_bits.view(torch.float32)[:, None]
+        else:
+            amax = tensor_amax if tensor_amax is not None else xf.abs().amax(dim=0)[:, None]
         op = _quantize_groups(xf.t(), amax, fmt)
         pad = round_up(m, pad_to) - m
         data = op.data.view(torch.uint8)

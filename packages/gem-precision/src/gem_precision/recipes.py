@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 import torch
 
+from gem_model.api import PrequantizedRows
 from gem_precision.formats import E4M3, Fp8Format
-from gem_precision.fp8_reference import Fp8Operand, Granularity, quantize_fp8_reference
+from gem_precision.fp8_reference import Fp8Operand, Fp8Pair, Granularity, quantize_fp8_reference
 from gem_precision.mx_reference import MXTensor, mx_dequantize, mx_quantize
 
 Role = Literal["input", "weight", "grad"]
@@ -54,6 +55,20 @@ class LinearRecipe(ABC):
         """Why this recipe cannot run a linear of this shape, or None."""
         return None
 
+    @property
+    def takes_prequantized_rows(self) -> bool:
+        """Whether a linear's input may come pre-quantized by its producer (``gem_model.api.RowQuantization``:
+        e4m3, a power-of-two scale per row). Only fp8 rowwise does: fp8 tensorwise's one scale needs the
+        whole tensor's maximum, which no row's producer knows when it writes that row, and MXFP8's blocks
+        of 32 are another format; both decline, and quantize their input themselves."""
+        return False
+
+    def quantize_prequantized(self, t: torch.Tensor, rows: PrequantizedRows, *, cols_t: bool) -> Quantized:
+        """The input ``t`` quantized as :meth:`quantize` with ``role="input", rows=True`` would, its row
+        operand taken from ``rows`` (the bits the producer wrote); only the transposed operand (for the
+        weight gradient) is computed here."""
+        raise NotImplementedError(f"{self!r} takes no pre-quantized rows")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(scheme={self.scheme!r}, backend={self.backend!r})"
 
@@ -79,14 +94,31 @@ class Fp8Recipe(LinearRecipe):
 
     def quantize(self, t: torch.Tensor, *, role: Role, rows: bool, cols_t: bool, col_sum: bool = False) -> Quantized:
         fmt = self.grad_format if role == "grad" else E4M3
-        kwargs = {"granularity": self.granularity, "fmt": fmt, "rows": rows, "cols_t": cols_t, "col_sum": col_sum}
+        pair = self._quantize(t, granularity=self.granularity, fmt=fmt, rows=rows, cols_t=cols_t, col_sum=col_sum)
+        return Quantized(pair.rows, pair.cols_t, pair.col_sum)
+
+    def _quantize(self, t: torch.Tensor, **kwargs: Any) -> Fp8Pair:
         if self.native:
             from gem_precision.fp8_quant_triton import quantize_fp8_triton
 
-            pair = quantize_fp8_triton(t, pad_to=SCALED_MM_ALIGN, **kwargs)  # type: ignore[arg-type]
-        else:
-            pair = quantize_fp8_reference(t, **kwargs)  # type: ignore[arg-type]
-        return Quantized(pair.rows, pair.cols_t, pair.col_sum)
+            return quantize_fp8_triton(t, pad_to=SCALED_MM_ALIGN, **kwargs)
+        return quantize_fp8_reference(t, **kwargs)
+
+    @property
+    def takes_prequantized_rows(self) -> bool:
+        return self.granularity == "row"
+
+    def quantize_prequantized(self, t: torch.Tensor, rows: PrequantizedRows, *, cols_t: bool) -> Quantized:
+        if not self.takes_prequantized_rows:
+            return super().quantize_prequantized(t, rows, cols_t=cols_t)
+        row_op = Fp8Operand(rows.data, rows.scale_inv.view(-1, 1))
+        if not cols_t:
+            return Quantized(row_op, None)
+        # the cast pass alone when the producer wrote the column maxima too; else the stats pass for them
+        pair = self._quantize(
+            t, granularity="row", fmt=E4M3, rows=False, cols_t=True, col_amax_bits=rows.column_amax_bits
+        )
+        return Quantized(row_op, pair.cols_t)
 
     def mm(
         self, a: Fp8Operand, b: Fp8Operand, *, out_dtype: torch.dtype, role: GemmRole, bias: torch.Tensor | None = None

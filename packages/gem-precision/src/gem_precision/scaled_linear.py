@@ -9,6 +9,11 @@
 The transposed operands of ``x`` and ``W`` come out of the forward quantization (same read) and are
 what is saved for backward (fp8, not the high-precision input); ``g`` is quantized once for both
 backward GEMMs, and on the fused fp8 path the bias gradient comes from that same read.
+
+Under ``fp8_rowwise`` the row operand of ``x`` may come from the kernel that produced ``x``
+(``gem_model.api.PrequantizedRows``, asked for by :meth:`ScaledLinear.input_quantization`): then only
+``x``'s transposed operand is made here, by its cast pass alone when the producer wrote the column
+maxima too.
 """
 
 from __future__ import annotations
@@ -20,18 +25,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gem_model.api import PrequantizedRows, RowQuantization
 from gem_precision.recipes import LinearRecipe
 
 
 class ScaledLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: LinearRecipe
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        recipe: LinearRecipe,
+        prequantized: PrequantizedRows | None = None,
     ) -> torch.Tensor:
         out_features, in_features = weight.shape
         x2d = x.reshape(-1, in_features).contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        xq = recipe.quantize(x2d, role="input", rows=True, cols_t=need_dw)
+        if prequantized is None:
+            xq = recipe.quantize(x2d, role="input", rows=True, cols_t=need_dw)
+        else:
+            xq = recipe.quantize_prequantized(x2d, prequantized, cols_t=need_dw)
         wq = recipe.quantize(weight.contiguous(), role="weight", rows=True, cols_t=need_dx)
         y = recipe.mm(xq.rows, wq.rows, out_dtype=x.dtype, role="forward", bias=bias)
         saved: list[torch.Tensor] = []
@@ -61,7 +75,7 @@ class ScaledLinearFunction(torch.autograd.Function):
             dw = recipe.mm(gq.cols_t, x_t, out_dtype=torch.float32, role="grad_weight").to(ctx.w_dtype)
         if need_db:
             db = gq.col_sum.to(ctx.bias_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class ScaledLinear(nn.Module):
@@ -93,13 +107,34 @@ class ScaledLinear(nn.Module):
             )
         return recipe
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_quantization(self, device: torch.device) -> RowQuantization | None:
+        """What this linear takes pre-quantized of its input on ``device`` (``gem_model.api``'s
+        ``PrequantizedInputLinear``): the e4m3 rows under ``fp8_rowwise`` (both backends), with the
+        column maxima when the weight gradient will be computed (its transposed operand is scaled per
+        column); None under ``fp8_tensorwise`` and ``mxfp8``, whose scales no row's producer can write
+        (:attr:`LinearRecipe.takes_prequantized_rows`)."""
+        if not self.recipe(device).takes_prequantized_rows:
+            return None
+        return RowQuantization(column_amax=torch.is_grad_enabled() and self.weight.requires_grad)
+
+    def forward(self, x: torch.Tensor, *, prequantized: PrequantizedRows | None = None) -> torch.Tensor:
+        """``prequantized``: ``x`` quantized as :meth:`input_quantization` asked, by the kernel that wrote
+        ``x``; the forward GEMM then uses those bits and only the weight gradient's operand is made here
+        (the same bits and outputs as without them)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.fqn}: expected input with last dim {self.in_features}, got shape {tuple(x.shape)}")
         if x.numel() == 0:  # nothing to scale; keeps empty batches out of the kernels
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
-        return ScaledLinearFunction.apply(x, self.weight, self.bias, self.recipe(x.device))
+        recipe = self.recipe(x.device)
+        if prequantized is not None:
+            if not recipe.takes_prequantized_rows:
+                raise ValueError(
+                    f"{self.fqn}: precision scheme {self.scheme!r} (backend {recipe.backend!r}) takes no "
+                    "pre-quantized input rows (its input_quantization is None); call it with x alone"
+                )
+            prequantized.check_input(x, self.fqn)
+        return ScaledLinearFunction.apply(x, self.weight, self.bias, recipe, prequantized)
 
     def extra_repr(self) -> str:
         return (

@@ -89,8 +89,12 @@ class HSTUBlock(nn.Module):
         )
         fused = None if torch.compiler.is_compiling() else self.fused
         if fused is not None:
+            # the linear itself when dropout is off: then it may take the norm-gate's quantized rows
+            # (gem_model.prequantized), which an active dropout would no longer match
+            dropout_off = self.dropout.p == 0 or not self.training
+            out = self.out if dropout_off else lambda y: self.out(self.dropout(y))
             return fused(
-                x, self.uvqk, lambda y: self.out(self.dropout(y)).to(x.dtype), self.gate_weight, self.gate_bias,
+                x, self.uvqk, out, self.gate_weight, self.gate_bias,
                 offsets, num_heads=h, attention_dim=dqk, value_dim=dv, max_seq_len=self.max_seq_len,
                 alpha=self.alpha, eps=GATE_EPS, extras=extras,
             )

@@ -1,0 +1,129 @@
+"""The e4m3 rows that a kernel producing a linear's input writes beside it (imports triton).
+
+A kernel that holds its output rows whole in registers (the layer norm of ``layer_norm_triton``, the
+norm-gate of ``norm_gate_triton``) calls :func:`write_e4m3_rows` on the values it has just written,
+and the linear that reads them skips its own quantization of its input: the contract and its rule
+are ``gem_model.api.RowQuantization`` and ``PrequantizedRows`` (:mod:`gem_model.prequantized`).
+
+The bits must be those of gem-precision's ``quantize_fp8_reference(y, granularity="row", fmt=E4M3)``
+of the written ``y``, and gem-kernels cannot import gem-precision: the few Triton lines below repeat
+its ``fp8_quant_triton._pow2_scale`` and ``triton_common.abs_bits`` / ``round_to_fp8_grid`` /
+``cast_to_fp8_bits`` for e4m3 alone, with the rule's numbers taken from ``RowQuantization``. The root
+test ``tests/test_producer_quantization.py`` holds them to the reference, bit for bit.
+
+The column maxima (``RowQuantization.column_amax``) are reduced over the rows a program wrote and
+then merged with one ``atomic_max`` per column per program: a producer asked for them runs
+:func:`tiles_per_program` row tiles in each program, so that there are few programs per column.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.attention_triton_common import INTERPRET
+from gem_model.api import PrequantizedRows, RowQuantization
+
+_Q = RowQuantization
+EMAX = tl.constexpr(_Q.EMAX)
+MAX_FRACTION_BITS = tl.constexpr(_Q.MAX_FRACTION_BITS)
+SCALE_LIMIT = tl.constexpr(_Q.SCALE_EXPONENT_LIMIT)
+# rounding the float32 mantissa to MANTISSA_BITS bits, to nearest even, with integer operations
+DROPPED_BITS = tl.constexpr(23 - _Q.MANTISSA_BITS)
+HALF_ULP_BELOW = tl.constexpr((1 << (22 - _Q.MANTISSA_BITS)) - 1)
+KEPT_MASK = tl.constexpr(-(1 << (23 - _Q.MANTISSA_BITS)))
+MIN_NORMAL = tl.constexpr(_Q.MIN_NORMAL)
+# 1.5 * 2**(23 + log2 of the spacing below MIN_NORMAL): adding and subtracting it rounds to that spacing
+SUBNORMAL_MAGIC = tl.constexpr(1.5 * 2.0 ** (23 + round(math.log2(_Q.MIN_NORMAL)) - _Q.MANTISSA_BITS))
+NAN_BYTE = tl.constexpr(_Q.NAN_BYTE)
+NAN_SCALE_BITS = tl.constexpr(_Q.NAN_SCALE_BITS)
+SOFTWARE_ROUND = tl.constexpr(INTERPRET)
+"""Triton's interpreter rounds an fp32 -> fp8 cast ties away from zero and mishandles subnormals, so
+under it the values are first put on the e4m3 grid exactly (gem-precision's triton_common says more);
+on a GPU the cast is ``cvt.rn.satfinite``, round to nearest even."""
+
+ROWS_PER_PROGRAM_WITH_COLUMNS = 32 if INTERPRET else 128
+"""Rows a program covers when it also writes column maxima (gem-precision's stats pass covers 128; the
+interpreter's tests see several programs merge theirs on a few dozen rows)."""
+
+
+@triton.jit
+def _abs_bits(x):
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _pow2_scale(amax_bits):
+    """(2**s, 2**-s, non-finite), s the largest integer with amax * 2**s <= 448, within +-126."""
+    floor_log2 = (amax_bits >> 23) - 127
+    s = EMAX - floor_log2 - ((amax_bits & 0x7FFFFF) > MAX_FRACTION_BITS).to(tl.int32)
+    s = tl.minimum(tl.maximum(s, -SCALE_LIMIT), SCALE_LIMIT)
+    nonfinite = amax_bits >= 0x7F800000
+    scale = tl.where(nonfinite, NAN_SCALE_BITS, (127 + s) << 23).to(tl.float32, bitcast=True)
+    scale_inv = tl.where(nonfinite, NAN_SCALE_BITS, (127 - s) << 23).to(tl.float32, bitcast=True)
+    return scale, scale_inv, nonfinite
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """Finite float32 ``v`` with |v| <= 448 -> e4m3 bytes (as int32), rounded to nearest even."""
+    if SOFTWARE_ROUND:
+        b = v.to(tl.int32, bitcast=True)
+        lsb = (b >> DROPPED_BITS) & 1
+        normal = ((b + HALF_ULP_BELOW + lsb) & KEPT_MASK).to(tl.float32, bitcast=True)  # a carry bumps the exponent
+        sub = (v + SUBNORMAL_MAGIC) - SUBNORMAL_MAGIC
+        sub = (sub.to(tl.int32, bitcast=True) | ((b >> 31) << 31)).to(tl.float32, bitcast=True)
+        v = tl.where(tl.abs(v) < MIN_NORMAL, sub, normal)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+
+
+@triton.jit
+def write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, D: tl.constexpr):
+    """Quantize the float32 tile ``y [ROWS, BLOCK_D]`` (its rows whole; ``rows_ok`` and ``cols_ok`` mask
+    the real ones) into ``Q`` (bytes ``[num_rows, D]``, contiguous) and ``Q_INV`` (float32, one per
+    row); returns the tile's column maxima of ``|y|`` as int32 bits (0 outside)."""
+    inside = rows_ok[:, None] & cols_ok[None, :]
+    bits = tl.where(inside, _abs_bits(y), 0)
+    scale, scale_inv, nonfinite = _pow2_scale(tl.max(bits, 1))
+    q = tl.where(nonfinite[:, None], NAN_BYTE, _e4m3_bits(y * scale[:, None]))
+    tl.store(Q + rows[:, None] * D + cols[None, :], q.to(tl.uint8), mask=inside)
+    tl.store(Q_INV + rows, scale_inv, mask=rows_ok)
+    return tl.max(bits, 0)
+
+
+@dataclass(frozen=True)
+class RowsOut:
+    """The buffers a producer writes its quantized rows into (``None`` parts: not asked for)."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    column_amax_bits: torch.Tensor | None
+
+    @staticmethod
+    def allocate(num_rows: int, dim: int, device: torch.device, wanted: RowQuantization) -> RowsOut:
+        return RowsOut(
+            torch.empty((num_rows, dim), dtype=torch.uint8, device=device),
+            torch.empty(num_rows, dtype=torch.float32, device=device),
+            torch.zeros(dim, dtype=torch.int32, device=device) if wanted.column_amax else None,
+        )
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel's ``Q, Q_INV, COL_AMAX`` (without column maxima ``COL_AMAX`` is never written)."""
+        return self.data, self.scale_inv, self.scale_inv if self.column_amax_bits is None else self.column_amax_bits
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.data, self.scale_inv, self.column_amax_bits) if t is not None)
+
+    def result(self) -> PrequantizedRows:
+        return PrequantizedRows(self.data.view(RowQuantization.DTYPE), self.scale_inv, self.column_amax_bits)
+
+
+def tiles_per_program(rows_per_tile: int, out: RowsOut | None) -> int:
+    """Row tiles a producer's program runs: one, or with column maxima enough for few atomics per column."""
+    if out is None or out.column_amax_bits is None:
+        return 1
+    return triton.cdiv(ROWS_PER_PROGRAM_WITH_COLUMNS, rows_per_tile)

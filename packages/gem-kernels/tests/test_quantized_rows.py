@@ -1,0 +1,96 @@
+"""The producers' quantized rows (gem_kernels.quantized_rows_triton): the layer norm fork and the norm-gate
+forward, asked for their output's e4m3 rows, write the same output and gradients as without, and rows
+that stand for that output: column maxima equal to the output's, every byte within e4m3 rounding of
+``y / scale_inv``. (Their bits against gem-precision's reference quantizer: the root
+tests/test_producer_quantization.py, where both packages are installed.)
+
+Runs in Triton's interpreter on fresh random data; fresh memory is NaN or all ones (``poison``), so a row
+or byte no kernel wrote fails a test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gem_kernels.hstu_gap_triton import hstu_gap_triton
+from gem_kernels.layer_norm_triton import norm_fork
+from gem_kernels.norm_gate_triton import NormGateFunction
+from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS, RowsOut
+from gem_kernels.testing import offsets_from_lengths
+from gem_model.api import PrequantizedRows, RowQuantization
+
+pytestmark = pytest.mark.usefixtures("poison")
+
+ROWS = 2 * ROWS_PER_PROGRAM_WITH_COLUMNS + 5  # three programs merge their column maxima, the last one short
+WIDTH = 40  # not a power of two: the tile's last columns are masked
+
+
+def abs_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().view(torch.int32) & 0x7FFFFFFF
+
+
+def assert_stands_for(rows: PrequantizedRows, y: torch.Tensor, *, column_amax: bool) -> None:
+    """``rows`` hold ``y`` to e4m3's rounding with one power of two per row, and its column maxima."""
+    y = y.reshape(-1, y.shape[-1]).float()
+    assert rows.data.shape == y.shape and rows.scale_inv.shape == (y.shape[0],)
+    scale_inv = rows.scale_inv
+    mantissa, _ = torch.frexp(scale_inv)
+    assert (mantissa == 0.5).all(), "scales are powers of two"
+    back = rows.data.float() * scale_inv[:, None]
+    assert (back - y).abs().le(y.abs() * 2.0**-4 + scale_inv[:, None] * 2.0**-9).all()
+    amax = y.abs().amax(1)
+    assert (amax / scale_inv <= RowQuantization.MAX).all() and (amax / scale_inv > RowQuantization.MAX / 4).all()
+    if column_amax:
+        assert torch.equal(rows.column_amax_bits, abs_bits(y).amax(0))
+    else:
+        assert rows.column_amax_bits is None
+
+
+@pytest.mark.parametrize("column_amax", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_fork_writes_its_rows_and_the_same_output_and_gradient(gen, dtype, column_amax):
+    x = (torch.randn(ROWS, WIDTH, generator=gen) * 3 + 1).to(dtype)
+    d_ln, d_skip = torch.randn(ROWS, WIDTH, generator=gen).to(dtype), torch.randn(ROWS, WIDTH, generator=gen).to(dtype)
+    results = []
+    for quantize in (None, RowQuantization(column_amax=column_amax)):
+        xi = x.clone().requires_grad_()
+        ln, skip, rows = norm_fork(xi, quantize=quantize)
+        results.append((ln, rows, *torch.autograd.grad([ln, skip], xi, [d_ln, d_skip])))
+    (ln, none, dx), (ln_q, rows, dx_q) = results
+    assert none is None
+    assert torch.equal(ln_q, ln) and torch.equal(dx_q, dx)
+    assert_stands_for(rows, ln, column_amax=column_amax)
+
+
+@pytest.mark.parametrize("silu_gate", [True, False])
+def test_norm_gate_forward_writes_its_rows_and_the_same_output(gen, silu_gate):
+    x = torch.randn(ROWS, WIDTH, generator=gen).bfloat16()
+    u = (torch.randn(ROWS, WIDTH, generator=gen) * 2).bfloat16()
+    weight, bias = 1 + 0.1 * torch.randn(WIDTH, generator=gen), 0.1 * torch.randn(WIDTH, generator=gen)
+    y, mean, rstd = NormGateFunction.run_forward(x, u, weight, bias, 1e-6, silu_gate=silu_gate)
+    out = RowsOut.allocate(ROWS, WIDTH, x.device, RowQuantization(column_amax=True))
+    y_q, mean_q, rstd_q = NormGateFunction.run_forward(x, u, weight, bias, 1e-6, silu_gate=silu_gate, rows_out=out)
+    assert torch.equal(y_q, y) and torch.equal(mean_q, mean) and torch.equal(rstd_q, rstd)
+    assert_stands_for(out.result(), y, column_amax=True)
+
+
+def test_the_gap_returns_its_rows_and_the_same_output_and_gradients(gen):
+    heads, dqk, dv = 2, 16, 16
+    offsets = offsets_from_lengths([5, 0, 7])
+    pre = (torch.randn(12, heads * (2 * dv + 2 * dqk), generator=gen) * 2).bfloat16()
+    weight, bias = 1 + 0.1 * torch.randn(heads * dv, generator=gen), 0.1 * torch.randn(heads * dv, generator=gen)
+    dy = torch.randn(12, heads * dv, generator=gen).bfloat16()
+    results = []
+    for quantize in (None, RowQuantization(column_amax=True)):
+        leaves = [t.clone().requires_grad_() for t in (pre, weight, bias)]
+        y, rows = hstu_gap_triton(*leaves, offsets, num_heads=heads, attention_dim=dqk, value_dim=dv, max_seq_len=8,
+                                  alpha=1 / math.sqrt(dqk), eps=1e-6, dq_mode="separate", quantize=quantize)  # fmt: skip
+        results.append((y, rows, torch.autograd.grad(y, leaves, dy)))
+    (y, none, grads), (y_q, rows, grads_q) = results
+    assert none is None and torch.equal(y_q, y)
+    assert all(torch.equal(a, b) for a, b in zip(grads_q, grads))
+    assert not rows.data.requires_grad and not rows.scale_inv.requires_grad
+    assert_stands_for(rows, y, column_amax=True)
