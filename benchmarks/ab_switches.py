@@ -113,6 +113,20 @@ def _precision(scheme_name: str) -> Switch:
     return apply
 
 
+def switch_no_producers(run: object) -> Callable[[], None]:
+    """The run's scaled linears quantize their inputs themselves (stats and cast passes) instead of
+    taking the e4m3 rows their producers (layer norm, norm-gate) write: put it after an ``fp8_*`` switch."""
+    linears = [m for m in run.model.modules() if hasattr(m, "input_quantization")]  # type: ignore[attr-defined]
+    for m in linears:
+        m.input_quantization = lambda device: None
+
+    def undo() -> None:
+        for m in linears:
+            del m.input_quantization
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -122,4 +136,5 @@ VARIANTS: dict[str, Switch] = {
     "host_syncs": switch_host_syncs,
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
+    "no_producers": switch_no_producers,
 }
