@@ -55,10 +55,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # the model and its cost
     "gem_model.model.gem": ("GemModel",),
     "gem_model.model.flops": ("count_flops",),
-    "gem_model.profiling.memory": ("step_loss",),
+    "gem_model.profiling.memory": ("MemoryFit", "step_loss"),
     # gem-train profile
     "gem_model.profiling.context": ("MeasuredSteps", "ProfileCommand", "ProfileContext"),
     "gem_model.profiling.report": ("ProfileSection", "ProfileTable", "Recommendation"),
+    "gem_model.profiling.parts": ("profile_context",),
 }  # fmt: skip
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -95,6 +96,7 @@ __all__ = [
     "Layout",
     "LoadBalancer",
     "MeasuredSteps",
+    "MemoryFit",
     "ModelConfig",
     "NormGateKernel",
     "Optimizers",
@@ -138,6 +140,7 @@ __all__ = [
     "offsets_of",
     "pick_device",
     "precision_plan",
+    "profile_context",
     "relative_bias_matrix",
     "resolve_components",
     "run_shape",
@@ -226,7 +229,8 @@ if TYPE_CHECKING:
     from gem_model.plugins import GemPluginManager
     from gem_model.precision import PrecisionPolicy, precision_plan, set_submodule
     from gem_model.profiling.context import MeasuredSteps, ProfileCommand, ProfileContext
-    from gem_model.profiling.memory import step_loss
+    from gem_model.profiling.memory import MemoryFit, step_loss
+    from gem_model.profiling.parts import profile_context
     from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
     from gem_model.protocols import ShardableModel, Stateful
     from gem_model.registry import Entry, Provider, Registry
