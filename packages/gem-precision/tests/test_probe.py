@@ -236,6 +236,8 @@ def test_recommended_precision_ties_and_patterns():
     assert fnmatchcase("x*y?", literal_pattern("x*y?")) and not fnmatchcase("xzyz", literal_pattern("x*y?"))
     nothing = recommended_precision({"a": None}, order, PrecisionConfig(scheme=ref("dear", fast=True)))
     assert nothing.scheme == ref("dear", fast=True) and nothing.exclude == ["a"]
+    wide = recommended_precision({"a": "cheap"}, order, PrecisionConfig(activation_dtype="float32"))
+    assert wide.activation_dtype == "float32"  # the map changes the schemes, not the dtype the run chose
 
 
 def test_bad_options_are_config_errors(probe_pm):

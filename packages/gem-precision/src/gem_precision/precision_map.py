@@ -19,7 +19,8 @@ def recommended_precision(
 ) -> PrecisionConfig:
     """``scheme`` = the most common recommendation (ties: the cheaper), ``overrides`` = exact module
     names for the others, ``exclude`` = modules no scheme passed. ``min_dim`` is 0 so the map decides
-    every module; the configured scheme keeps its options when it stays the default."""
+    every module; the configured scheme keeps its options when it stays the default, and the
+    configured ``activation_dtype`` stays."""
     counts = Counter(s for s in recommendations.values() if s is not None)
     rank = {name: i for i, name in enumerate(order)}
     if counts:
@@ -32,4 +33,5 @@ def recommended_precision(
         overrides={literal_pattern(f): s for f, s in recommendations.items() if s is not None and s != main},
         exclude=[literal_pattern(f) for f, s in recommendations.items() if s is None],
         min_dim=0,
+        activation_dtype=current.activation_dtype,
     )
