@@ -23,6 +23,8 @@ from gem_model.profiling.context import MeasuredSteps, ProfileContext
 from gem_model.profiling.shared_model import initial_model
 from gem_precision import plugin
 from gem_precision.gemm_rates import AS_IS, Backend, LinearShape, Measure, RateTable, Timing, backend_of
+from gem_precision.pays import MIN_SPEEDUP, SpeedRanker
+from gem_precision.probe import ProbedLinear
 from gem_precision.profile import numerics_section
 from gem_precision.schemes import MXFP8Scheme, ScaledScheme
 
@@ -174,3 +176,22 @@ def test_mxfp8_on_a_hopper_says_it_runs_the_triton_gemm_and_why(monkeypatch):
         "the Triton MX GEMM on fp8 tensor cores")  # fmt: skip
     emulated = MXFP8Scheme(MXFP8Scheme.Config(backend="emulated"))
     assert emulated.backend_reason("cuda:0") == "backend 'emulated' as configured"
+
+
+def test_the_ranker_compares_with_the_configs_scheme_even_when_it_is_no_candidate(pm):
+    asked = []
+
+    def measure(schemes, shapes, device, dtype):
+        asked.append(list(schemes))
+        return rates({"fp8_tensorwise": 10.0 * MIN_SPEEDUP, "fp8_rowwise": 10.0 * (MIN_SPEEDUP - 0.01), "bf16": 10.0})(
+            schemes, shapes, device, dtype
+        )
+
+    schemes = {n: pm.precision_schemes.get(n).cls() for n in ("bf16", "fp8_rowwise", "fp8_tensorwise")}
+    ranker = SpeedRanker(torch.device("cpu"), torch.bfloat16, 4.0, measure, configured={"bf16": schemes.pop("bf16")})
+    order = ranker([ProbedLinear("blocks.0.uvqk", 64, 256, 25, "bf16")], schemes)
+    assert asked == [["bf16", "fp8_rowwise", "fp8_tensorwise"]]  # the config's scheme is timed too
+    assert ranker.shapes["blocks.0.uvqk"] == LinearShape(64, 256, 100)  # the run's rows: 4 per probed row
+    # only a scheme at least MIN_SPEEDUP faster ranks ahead of the config's; a slower one follows it
+    assert order == {"blocks.0.uvqk": ["fp8_tensorwise", "bf16", "fp8_rowwise"]}
+    assert ranker.why["blocks.0.uvqk"]["fp8_rowwise"].kind == "slower"

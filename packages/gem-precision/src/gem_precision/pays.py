@@ -48,10 +48,15 @@ class Why:
 class SpeedRanker:
     """The probe's ranker by measured time on ``device`` (module doc). ``rows_scale``: the run's rows
     per probed row (a rank's samples per step over the probe's samples). ``measure``: what times
-    the schemes (a stand-in in tests)."""
+    the schemes (a stand-in in tests). ``configured``: the config's own schemes, timed too when they
+    are not among the candidates (every candidate is compared with them)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, rows_scale: float, measure: Measure = measure_rates):
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, rows_scale: float, measure: Measure = measure_rates,
+        configured: dict[str, PrecisionScheme] | None = None,
+    ):  # fmt: skip
         self.device, self.dtype, self.rows_scale, self.measure = device, dtype, rows_scale, measure
+        self.configured = configured or {}
         self.table = RateTable(str(device), {})
         self.shapes: dict[str, LinearShape] = {}
         self.current: dict[str, str | None] = {}
@@ -66,7 +71,8 @@ class SpeedRanker:
                 lin.in_features, lin.out_features, max(1, round(lin.rows * self.rows_scale))
             )
             self.current[lin.fqn] = lin.current
-        self.table = self.measure(schemes, list(dict.fromkeys(self.shapes.values())), self.device, self.dtype)
+        timed = {**{n: s for n, s in self.configured.items() if n not in schemes}, **schemes}
+        self.table = self.measure(timed, list(dict.fromkeys(self.shapes.values())), self.device, self.dtype)
         return {lin.fqn: self._rank(lin.fqn, list(schemes)) for lin in linears}
 
     def seconds(self, fqn: str, scheme: str | None) -> float | None:

@@ -21,6 +21,7 @@ from gem_model.api import (
     ProfileTable,
     Recommendation,
     RunConfig,
+    resolve_components,
 )
 from gem_precision.gemm_rates import AS_IS, MAX_ROWS, Measure, measure_rates
 from gem_precision.pays import MIN_SPEEDUP, Decision, SpeedRanker, decide
@@ -114,7 +115,8 @@ def recommend(
     checked through ``ctx.memory_fit`` where the context can (``ctx.fit_memory``)."""
     config = ctx.config
     rank_samples = config.data.global_batch_size / max(ctx.dp_degree, 1)
-    ranker = SpeedRanker(ctx.device, activation_dtype(config, ctx.plugins), rank_samples / samples, measure)
+    configured = resolve_components(config, ctx.plugins).precision
+    ranker = SpeedRanker(ctx.device, activation_dtype(config, ctx.plugins), rank_samples / samples, measure, configured)
     result = probe_precision(config, ctx.plugins, options, model=ctx.model(), on_phase=on_phase, rank=ranker)
     fit = ctx.memory_fit if ctx.fit_memory is not None else None
     decision = decide(result, ranker, config.precision, fit)
@@ -212,15 +214,15 @@ def _rates_table(
 ) -> tuple[ProfileTable, dict[str, float]]:
     """Per scheme: backend, rates, and what the step would gain if every linear took it."""
     table = ranker.table
-    names = result.schemes + ([AS_IS] if any(c is None for c in ranker.current.values()) else [])
+    names = [n for n in result.schemes if n in table.backends] + [n for n in table.backends if n not in result.schemes]
     rows, gains = [], {}
-    for name in (n for n in names if n in table.backends):
+    for name in names:
         b = table.backends[name]
         gains[name] = ranker.gain_if_all(None if name == AS_IS else name)
         share = table.quantization_share(name)
         rows.append([name, b.name, b.error or b.why, table.tflops(name, gemm_only=True), table.tflops(name),
                      None if share is None else f"{100 * share:.0f} %", _gain(gains[name], step, decision.seconds_now),
-                     "-" if name == AS_IS else decision.scheme_summary(name)])  # fmt: skip
+                     decision.scheme_summary(name) if name in result.schemes else "-"])  # fmt: skip
     dtype = str(ranker.dtype).removeprefix("torch.")
     title = (f"measured on {table.device}: each linear's forward and backward at the rows a step gives it ({dtype} "
              f"inputs, at most {MAX_ROWS:,} rows timed)")  # fmt: skip
