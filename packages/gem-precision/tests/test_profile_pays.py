@@ -17,14 +17,15 @@ import yaml
 
 from gem_model import testing
 from gem_model.api import MemoryFit, PrecisionConfig, precision_plan
+from gem_model.config import ref
 from gem_model.config_io import load_config
 from gem_model.plugins import GemPluginManager
 from gem_model.profiling.context import MeasuredSteps, ProfileContext
 from gem_model.profiling.shared_model import initial_model
 from gem_precision import plugin
 from gem_precision.gemm_rates import AS_IS, Backend, LinearShape, Measure, RateTable, Timing, backend_of
-from gem_precision.pays import MIN_SPEEDUP, SpeedRanker
-from gem_precision.probe import ProbedLinear
+from gem_precision.pays import MIN_SPEEDUP, SpeedRanker, Why, decide
+from gem_precision.probe import ModuleReport, ProbedLinear, ProbeOptions, ProbeResult, SchemeMeasure
 from gem_precision.profile import numerics_section
 from gem_precision.schemes import MXFP8Scheme, ScaledScheme
 
@@ -195,3 +196,33 @@ def test_the_ranker_compares_with_the_configs_scheme_even_when_it_is_no_candidat
     # only a scheme at least MIN_SPEEDUP faster ranks ahead of the config's; a slower one follows it
     assert order == {"blocks.0.uvqk": ["fp8_tensorwise", "bf16", "fp8_rowwise"]}
     assert ranker.why["blocks.0.uvqk"]["fp8_rowwise"].kind == "slower"
+
+
+def test_when_the_speed_changes_do_not_fit_the_numerics_changes_are_checked_without_them(pm):
+    """Linear ``a`` would take fp8 for speed; on ``b`` the config's bf16 fails the numerics and fp32
+    passes. The map with fp8 does not fit, the one with only ``b``'s fp32 does."""
+    schemes = {n: pm.precision_schemes.get(n).cls() for n in ("fp8_tensorwise", "bf16", "fp32")}
+    ranker = SpeedRanker(torch.device("cpu"), torch.bfloat16, 1.0, rates({"fp8_tensorwise": 20.0, "bf16": 10.0}))
+    orders = ranker([ProbedLinear("a", 64, 64, 100, "bf16"), ProbedLinear("b", 64, 64, 100, "bf16")], schemes)
+    assert orders == {"a": ["fp8_tensorwise", "bf16", "fp32"], "b": ["fp8_tensorwise", "bf16", "fp32"]}
+    ok, bad = SchemeMeasure(0.01, 40.0, 0.0), SchemeMeasure(0.2, 14.0, 0.0)
+    modules = [ModuleReport("a", 64, 64, {"fp8_tensorwise": ok, "bf16": ok, "fp32": ok}, "fp8_tensorwise",
+                            100, "bf16", orders["a"]),
+               ModuleReport("b", 64, 64, {"fp8_tensorwise": bad, "bf16": bad, "fp32": ok}, "fp32",
+                            100, "bf16", orders["b"])]  # fmt: skip
+    result = ProbeResult("t", 1, 1.0, list(schemes), ProbeOptions(), modules)
+    checked = []
+
+    def fit(block: PrecisionConfig) -> MemoryFit:
+        checked.append(block)
+        uses_fp8 = "fp8_tensorwise" in {block.scheme.name, *block.overrides.values()}
+        return MemoryFit(200e9 if uses_fp8 else 100e9, 141e9, "141 GB", "-")
+
+    decision = decide(result, ranker, PrecisionConfig(scheme=ref("bf16")), fit)
+    assert len(checked) == 2 and decision.recommended == {"a": "bf16", "b": "fp32"}
+    assert decision.precision == PrecisionConfig(scheme=ref("bf16"), overrides={"b": "fp32"}, min_dim=0)
+    assert decision.why["a"]["fp8_tensorwise"].kind == "memory" and decision.why["b"]["fp32"].kind == "recommended"
+    assert decision.why["b"]["bf16"] == decision.why["b"]["fp8_tensorwise"] == Why("numerics", "numerics: rel err 0.2 > 0.1")
+    assert decision.not_made == ["the map with fp8_tensorwise for 1 linear(s), fp32 for 1 linear(s): needs 200 GB "
+                                 "per rank (-), more than 141 GB"]  # fmt: skip
+    assert decision.seconds_after > decision.seconds_now  # fp32 for numerics costs time: it is said, not hidden

@@ -75,6 +75,11 @@ class SpeedRanker:
         self.table = self.measure(timed, list(dict.fromkeys(self.shapes.values())), self.device, self.dtype)
         return {lin.fqn: self._rank(lin.fqn, list(schemes)) for lin in linears}
 
+    def kind(self, fqn: str, scheme: str) -> Kind | None:
+        """Where ``scheme`` stands for the linear by speed (None: not ranked)."""
+        why = self.why.get(fqn, {}).get(scheme)
+        return None if why is None else why.kind
+
     def seconds(self, fqn: str, scheme: str | None) -> float | None:
         """The linear's time per step under ``scheme`` (None: as is), at the run's rows."""
         return self.table.seconds(AS_IS if scheme is None else scheme, self.shapes[fqn])
@@ -180,15 +185,12 @@ def decide(result: ProbeResult, ranker: SpeedRanker, config: PrecisionConfig, fi
                 mine[s] = Why("numerics", _numerics(measure.rel_err, measure.loss_delta, result))
     picks = {m.fqn: m.recommended for m in result.modules}
     current = dict(ranker.current)
-    decision = Decision(picks, why, None, _total(ranker, current), _total(ranker, picks))
-    speed = {
-        f
-        for f, s in picks.items()
-        if s is not None and ranker.why.get(f, {}).get(s, Why("current", "")).kind == "faster"
-    }
-    candidates = [picks, {f: current[f] if f in speed else s for f, s in picks.items()}]
-    for i, chosen in enumerate(candidates):
-        if all(chosen[f] == current[f] for f in chosen) or (i and not speed):
+    decision = Decision(dict(current), why, None, _total(ranker, current), _total(ranker, current))
+    speed = {f for f, s in picks.items() if s is not None and ranker.kind(f, s) == "faster"}
+    numerics_only = {f: current[f] if f in speed else s for f, s in picks.items()}
+    for chosen in (picks, numerics_only) if speed else (picks,):
+        changed = {f: s for f, s in chosen.items() if s != current[f]}
+        if not changed:
             continue
         block = recommended_precision(chosen, result.schemes, config)
         checked, problem = _check(block, fit)
@@ -196,13 +198,13 @@ def decide(result: ProbeResult, ranker: SpeedRanker, config: PrecisionConfig, fi
         if problem is None:
             decision.recommended, decision.precision = chosen, block
             break
-        changed = {f: s for f, s in chosen.items() if s != current[f]}
         decision.not_made.append(f"{_describe(changed)}: {problem}")
-        for f, s in changed.items():
-            if s is not None:
-                why[f][s] = Why("memory", problem)
-    else:
-        decision.recommended = dict(current)
+        for f, scheme in changed.items():
+            if scheme is not None:
+                why[f][scheme] = Why("memory", problem)
+    for f, scheme in decision.recommended.items():  # a change checked again without the others, and kept
+        if scheme is not None and scheme == picks[f] and why[f][scheme].kind == "memory":
+            why[f][scheme] = Why("recommended", ranker.why[f][scheme].text)
     decision.seconds_after = _total(ranker, decision.recommended)
     return decision
 

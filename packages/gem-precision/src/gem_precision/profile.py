@@ -164,9 +164,14 @@ def _section(
     step = _step_seconds(ctx)
     saving = decision.seconds_now - decision.seconds_after
     fit = decision.fit
-    memory_note = (f"memory of the recommended map: {fit.words()}" if fit is not None
-                   else "memory: nothing to check (no change recommended)" if ctx.fit_memory is not None
-                   else "memory: not checked (this profile context has no memory_fit)")  # fmt: skip
+    if fit is not None:
+        memory_note = f"memory of the {'recommended' if decision.precision else 'last checked'} map: {fit.words()}"
+    elif decision.not_made:
+        memory_note = "memory: the map was not recommended (below)"
+    elif ctx.fit_memory is not None:
+        memory_note = "memory: nothing to check (no change recommended)"
+    else:
+        memory_note = "memory: not checked (this profile context has no memory_fit)"
     summary = {
         "baseline_loss": result.baseline_loss, "schemes": result.schemes, "recommended": decision.recommended,
         "current": ranker.current, "why_not": {f: {s: {"kind": w.kind, "text": w.text} for s, w in mine.items()}
