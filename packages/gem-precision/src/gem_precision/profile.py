@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,8 @@ def _section(
         "rates": ranker.table.to_json(), "rows_per_step": {f: shape.rows for f, shape in ranker.shapes.items()},
         "linears_s_per_step": {"now": decision.seconds_now, "recommended": decision.seconds_after},
         "step_s": step, "expected_step_gain": saving / step if step else None, "not_made": decision.not_made,
-        "memory": None if fit is None else {"need_bytes": fit.need_bytes, "budget_bytes": fit.budget_bytes,
+        "memory": None if fit is None else {"need_bytes": fit.need_bytes if math.isfinite(fit.need_bytes) else None,
+                                            "budget_bytes": fit.budget_bytes,
                                             "fits": fit.fits, "words": fit.words()},
     }  # fmt: skip
     rates, summary["scheme_gain_s_per_step"] = _rates_table(result, ranker, decision, step)
