@@ -192,6 +192,9 @@ def _section(
         "a scheme is recommended for a linear only where that linear (its GEMMs and its quantization) is measured "
         f"at least {MIN_SPEEDUP:g}x faster on this device than under the config's scheme, never through an emulated "
         "backend, and only where the whole map fits the device's memory",
+        "each linear is timed quantizing its own input; where a producer kernel writes the fp8 rows instead "
+        "(gem_model.api.PrequantizedRows: the fused HSTU block under fp8_rowwise) a run pays less, between the "
+        "GEMM-only and the with-quantization rate, so a scheme measured slower there may still pay",
         memory_note, *decision.not_made,
         "the loss change is measured where it decides: per linear, in the order its recommendation is picked "
         "(`gem-train profile precision --by bits` measures every one)",
