@@ -17,7 +17,16 @@ from gem_model.cli import main
 from gem_model.config_io import dump, load_config
 from gem_model.profiling.report import ProfileReport, ProfileSection
 from gem_model.trainer import train
-from gem_model.tune.search import CutOff, _pruned, _wider_gemms, dimensions, measure, tune, with_overrides
+from gem_model.tune.search import (
+    CutOff,
+    _pruned,
+    _slower_here,
+    _wider_gemms,
+    dimensions,
+    measure,
+    tune,
+    with_overrides,
+)
 
 TINY = [*testing.INLINE_OVERRIDES]
 
@@ -186,6 +195,29 @@ def test_on_a_gpu_schemes_with_wider_gemms_are_not_measured(pm):
     assert _wider_gemms(config, {"precision.scheme": "inline_bf16"}, pm, cuda) is None
     assert _wider_gemms(load_config(None, TINY), {"precision.scheme": "inline_bf16"}, pm, cuda) is None
     assert _wider_gemms(config, {"kernels.jagged_attention": "loop"}, pm, cuda) is None
+
+
+def test_schemes_the_profile_measured_emulated_or_slower_here_are_not_measured():
+    config = load_config(None, TINY)  # inline_fp32
+    rates = {"inline_bf16": {"emulated": True, "why": "no bf16 here"}, "slow": {"emulated": False},
+             "fast": {"emulated": False}}  # fmt: skip
+    numerics = ProfileSection("numerics", "n", summary={"rates": {"schemes": rates},
+                                                         "scheme_gain_s_per_step": {"slow": -0.002, "fast": 0.001}})  # fmt: skip
+    profiled = {"precision": {"scheme": {"name": "inline_fp32", "options": {}}}}
+    report = ProfileReport("gem-tiny", "cpu", "-", "-", [numerics], config=profiled)
+    cpu = torch.device("cpu")
+
+    def why(name: str, r: ProfileReport = report) -> str | None:
+        return _slower_here(config, {"precision.scheme": name}, r, cpu)
+
+    assert why("inline_bf16") == "not measured: inline_bf16 runs emulated on this device (the profile's numerics section: no bf16 here)"
+    assert why("slow") == "not measured: the profile's numerics section measured slow's linears slower here than inline_fp32's (2.00 ms a step more)"
+    assert why("fast") is None and why("unmeasured") is None
+    elsewhere = ProfileReport("gem-tiny", "NVIDIA H200", "-", "-", [numerics], config=profiled)
+    assert why("slow", elsewhere) is None  # another device's rates say nothing here
+    other = ProfileReport("gem-tiny", "cpu", "-", "-", [numerics], config={"precision": {"scheme": {"name": "x"}}})
+    assert why("slow", other) is None  # nor rates against another configured scheme
+    assert _slower_here(config, {"kernels.jagged_attention": "loop"}, report, cpu) is None
 
 
 def test_a_warm_up_run_comes_first_and_each_config_runs_repeats_times(pm, monkeypatch):

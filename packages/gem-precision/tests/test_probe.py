@@ -30,13 +30,8 @@ from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import resolve_components
 from gem_model.train.prepare import precision_plan
-from gem_precision.probe import (
-    ProbeOptions,
-    ProbeResult,
-    literal_pattern,
-    probe_precision,
-    recommended_precision,
-)
+from gem_precision.precision_map import literal_pattern, recommended_precision
+from gem_precision.probe import ProbeOptions, ProbeResult, probe_precision
 
 
 class _NoisyLinear(nn.Module):
@@ -209,6 +204,30 @@ def test_the_yaml_is_a_config_that_reproduces_the_map(probe_pm, tmp_path: Path):
     assert data["precision"]["overrides"] == {"task_head.0": "probe_fussy", "task_head.2": "probe_fussy"}
 
 
+def test_a_ranker_orders_each_linears_candidates_and_leaves_some_out(probe_pm):
+    seen = {}
+
+    def rank(linears, schemes):
+        assert list(schemes) == ["inline_bf16", "probe_picky", "inline_fp32"]  # options.order
+        seen.update({lin.fqn: lin for lin in linears})
+        return {lin.fqn: ["inline_fp32"] if lin.fqn.startswith("task_head.") else ["probe_picky", "inline_bf16"]
+                for lin in linears}  # fmt: skip
+
+    order = ("inline_bf16", "probe_picky", "inline_fp32")
+    options = ProbeOptions(batches=1, schemes=order, order=order, max_loss_change=1.0, loss_until_pass=True)
+    result = probe_precision(load_config(None, TINY), probe_pm, options, rank=rank)
+    assert set(seen) == set(result.recommendations()) and all(lin.current == "inline_fp32" for lin in seen.values())
+    assert seen["dense_proj"].rows == 16 and seen["dense_proj"].in_features == 8  # one row per sample of the batch
+    assert seen["blocks.0.uvqk"].rows > 16  # one per token of the histories
+    for m in result.modules:
+        head = m.fqn.startswith("task_head.")
+        # inline_bf16 passes everywhere and comes first in options.order, but the ranker decides
+        assert m.recommended == ("inline_fp32" if head else "probe_picky") and m.rows == seen[m.fqn].rows
+        assert m.order == (["inline_fp32"] if head else ["probe_picky", "inline_bf16"])
+        assert math.isnan(m.measures["inline_bf16"].loss_delta)  # never reached: not measured
+        assert math.isnan(m.measures["probe_picky"].loss_delta) is head
+
+
 def test_recommended_precision_ties_and_patterns():
     order = ["cheap", "dear"]
     got = recommended_precision({"a": "dear", "b": "cheap", "c[0]": None}, order, PrecisionConfig())
@@ -217,6 +236,8 @@ def test_recommended_precision_ties_and_patterns():
     assert fnmatchcase("x*y?", literal_pattern("x*y?")) and not fnmatchcase("xzyz", literal_pattern("x*y?"))
     nothing = recommended_precision({"a": None}, order, PrecisionConfig(scheme=ref("dear", fast=True)))
     assert nothing.scheme == ref("dear", fast=True) and nothing.exclude == ["a"]
+    wide = recommended_precision({"a": "cheap"}, order, PrecisionConfig(activation_dtype="float32"))
+    assert wide.activation_dtype == "float32"  # the map changes the schemes, not the dtype the run chose
 
 
 def test_bad_options_are_config_errors(probe_pm):
@@ -240,7 +261,7 @@ def inline_env(monkeypatch):
 
 def test_cli_prints_the_table_and_writes_yaml_and_json(capsys, inline_env, tmp_path: Path):
     out_yaml, out_json = tmp_path / "p.yaml", tmp_path / "p.json"
-    argv = ["profile", "precision", *TINY, "--batches", "1", "--schemes", "inline_bf16,inline_fp32",
+    argv = ["profile", "precision", *TINY, "--batches", "1", "--schemes", "inline_bf16,inline_fp32", "--by", "bits",
             "--order", "inline_bf16,inline_fp32", "--out-yaml", str(out_yaml), "--out-json", str(out_json)]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -248,6 +269,24 @@ def test_cli_prints_the_table_and_writes_yaml_and_json(capsys, inline_env, tmp_p
     assert load_config(out_yaml).precision == PrecisionConfig(scheme=ref("inline_bf16"))
     data = json.loads(out_json.read_text())
     assert data["schemes"] == ["inline_bf16", "inline_fp32"] and len(data["modules"]) == 13
+
+
+def test_cli_by_speed_prints_the_rates_and_a_block_of_what_pays_here(capsys, inline_env, tmp_path: Path):
+    out_yaml, out_json = tmp_path / "p.yaml", tmp_path / "p.json"
+    argv = ["profile", "precision", *TINY, "--batches", "1", "--schemes", "inline_bf16,inline_fp32",
+            "--out-yaml", str(out_yaml), "--out-json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "measured on cpu: each linear's forward and backward" in out and "why this backend" in out
+    data = json.loads(out_json.read_text())
+    assert set(data["rates"]["schemes"]) == {"as is", "inline_bf16", "inline_fp32"} and len(data["modules"]) == 13
+    assert data["current"] == dict.fromkeys(data["recommended"], "inline_fp32")
+    if data["recommended"] == data["current"]:  # nothing measured faster here: nothing to change
+        assert out_yaml.read_text().startswith("# gem-train profile precision: nothing to change")
+    else:  # the block is the map, and the memory it needs was checked against this host's
+        model = tiny_model(GemPluginManager(autoload=False), TINY)  # GEM_PLUGINS names the inline plugins
+        assert precision_plan(model, load_config(out_yaml).precision) == data["recommended"]
+        assert data["memory"]["fits"] and "available memory" in data["memory"]["words"]
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,6 @@ from gem_model.profiling.context import ProfileContext
 from gem_model.profiling.shared_model import initial_model
 from gem_precision import plugin
 from gem_precision.probe import ProbeOptions, probe_precision
-from gem_precision.profile import lower_bit_share
 
 TINY = [*testing.INLINE_OVERRIDES, "precision.scheme=fp32"]
 
@@ -45,16 +44,18 @@ def test_the_plugin_contributes_the_numerics_section_and_the_command(pm):
     assert len(rows) == 13 and all(0 < r[column] < 1e-2 for r in rows)  # bf16 keeps 8 bits
     commands = [c for group in pm.call("gem_profile_commands") for c in group]
     assert [c.name for c in commands] == ["precision"]
-
-
-def test_lower_bit_share_by_hand(pm):
-    config = load_config(None, TINY)
-    result = probe_precision(config, pm, ProbeOptions(batches=1, schemes=("fp32", "bf16")))
-    weights = {m.fqn: m.in_features * m.out_features for m in result.modules}
-    passing = [m.fqn for m in result.modules if m.recommended == "bf16"]
-    share, saving = lower_bit_share(result, pm, "fp32", torch.device("cuda"))  # bf16 GEMMs pay on a GPU
-    assert share == pytest.approx(sum(weights[f] for f in passing) / sum(weights.values()))
-    assert saving == (0.5 if passing else 0.0)  # 16 of 32 bits
+    # what each candidate's linears cost on this CPU, measured: the fp8 and MX schemes are emulated
+    # here, so they are never recommended, whatever the clock said
+    rates = {r[0]: r for r in numerics.tables[1].rows}
+    assert list(rates) == [*schemes, "as is"]
+    for name, (_, backend, why, gemm, linear, outside, gain, verdict) in rates.items():
+        assert gemm > 0 and linear > 0 and outside.endswith(" %") and "ms/step" in gain, name
+        emulated = name in ("mxfp8", "fp8_rowwise", "fp8_tensorwise")
+        assert (backend == "emulated") is emulated and ("no fp8 tensor cores" in why) is emulated, name
+        assert not emulated or verdict == "not recommended: emulated here x13", name
+        measured = numerics.summary["rates"]["schemes"][name]
+        assert measured["linear_tflops"] == linear and len(measured["shapes"]) == len(numerics.summary["rates"]["schemes"]["bf16"]["shapes"])
+    assert not {"mxfp8", "fp8_rowwise", "fp8_tensorwise"} & set(numerics.summary["recommended"].values())
 
 
 def test_the_sections_probe_recommends_what_the_full_probe_does_with_fewer_losses(pm):

@@ -59,10 +59,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # the model and its cost
     "gem_model.model.gem": ("GemModel",),
     "gem_model.model.flops": ("count_flops",),
-    "gem_model.profiling.memory": ("step_loss",),
+    "gem_model.profiling.memory": ("MemoryFit", "step_loss"),
     # gem-train profile
     "gem_model.profiling.context": ("MeasuredSteps", "ProfileCommand", "ProfileContext"),
     "gem_model.profiling.report": ("ProfileSection", "ProfileTable", "Recommendation"),
+    "gem_model.profiling.parts": ("profile_context",),
 }  # fmt: skip
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -99,6 +100,7 @@ __all__ = [
     "Layout",
     "LoadBalancer",
     "MeasuredSteps",
+    "MemoryFit",
     "ModelConfig",
     "NormGateKernel",
     "Optimizers",
@@ -146,6 +148,7 @@ __all__ = [
     "offsets_of",
     "pick_device",
     "precision_plan",
+    "profile_context",
     "relative_bias_matrix",
     "resolve_components",
     "run_shape",
@@ -242,7 +245,8 @@ if TYPE_CHECKING:
         wanted_quantization,
     )
     from gem_model.profiling.context import MeasuredSteps, ProfileCommand, ProfileContext
-    from gem_model.profiling.memory import step_loss
+    from gem_model.profiling.memory import MemoryFit, step_loss
+    from gem_model.profiling.parts import profile_context
     from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
     from gem_model.protocols import ShardableModel, Stateful
     from gem_model.registry import Entry, Provider, Registry

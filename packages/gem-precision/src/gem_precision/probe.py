@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -37,7 +36,6 @@ from torch import nn
 
 from gem_model.api import (
     Batch,
-    ComponentRef,
     ConfigError,
     GemModel,
     GemPluginManager,
@@ -52,6 +50,7 @@ from gem_model.api import (
     set_submodule,
     step_loss,
 )
+from gem_precision.precision_map import recommended_precision
 
 # cheapest first; schemes missing from the order are tried after these, in registry order
 DEFAULT_ORDER: tuple[str, ...] = ("mxfp8", "fp8_rowwise", "fp8_tensorwise", "bf16", "fp32")
@@ -116,7 +115,34 @@ class ModuleReport:
     out_features: int
     measures: dict[str, SchemeMeasure]
     recommended: str | None = None
-    """The cheapest passing scheme; None: none passed, the module stays float32 (``exclude``)."""
+    """The first passing scheme of ``order``; None: none passed, the module stays float32 (``exclude``)."""
+    rows: int = 0
+    """Rows of its input per probed batch (tokens for a block's linears, samples for the towers')."""
+    current: str | None = None
+    """The scheme the probed config gives it (None: left as is, float32 inside)."""
+    order: list[str] = field(default_factory=list)
+    """The candidates in the order its recommendation was picked in (``options.order``, or the ranker's)."""
+
+
+@dataclass(frozen=True)
+class ProbedLinear:
+    """What a :data:`Ranker` is told of one linear."""
+
+    fqn: str
+    in_features: int
+    out_features: int
+    rows: int
+    """Rows of its input per probed batch."""
+    current: str | None
+    """The config's scheme for it (None: left as is)."""
+
+
+Ranker = Callable[[list["ProbedLinear"], dict[str, PrecisionScheme]], dict[str, list[str]]]
+"""Given every probed linear and the candidate schemes (cheapest first by ``options.order``), per
+linear the candidates its recommendation is picked from, in order: the first that passes the
+thresholds. A candidate its list leaves out is measured but never recommended for it; a linear left
+out of the answer picks in ``options.order``. :class:`gem_precision.pays.SpeedRanker` ranks by the
+time each scheme's linear takes on the device."""
 
 
 @dataclass
@@ -130,6 +156,8 @@ class ProbeResult:
     modules: list[ModuleReport]
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """The recommended ``precision`` section."""
+    samples: int = 0
+    """Samples of each probed batch."""
 
     def recommendations(self) -> dict[str, str | None]:
         return {m.fqn: m.recommended for m in self.modules}
@@ -189,9 +217,12 @@ def _cell(m: SchemeMeasure, options: ProbeOptions, baseline: float) -> str:
 
 def probe_precision(
     config: RunConfig, pm: GemPluginManager, options: ProbeOptions | None = None, *, model: GemModel | None = None,
-    on_phase: Callable[[str], None] | None = None,
+    on_phase: Callable[[str], None] | None = None, rank: Ranker | None = None,
 ) -> ProbeResult:
     """Measure every dense linear of ``config``'s model under every candidate scheme; recommend a map.
+
+    ``rank``: orders each linear's candidates once the errors are measured (before the losses, which
+    ``loss_until_pass`` measures in that order); None: ``options.order`` for every linear.
 
     ``model``: the config's float32 model already built on the device (the profile's shared one,
     :meth:`ProfileContext.model <gem_model.profiling.context.ProfileContext.model>`), so its tables are
@@ -222,15 +253,15 @@ def probe_precision(
     was_training = model.training
     model.eval()  # no dropout: every forward of a batch sees the same noise-free activations
     batches = [loader.batch_at(step).to(device) for step in range(options.batches)]
-    fqns = list(precision_plan(model, config.precision))
+    plan = precision_plan(model, config.precision)
     try:
         with torch.no_grad():
-            baseline, modules = _measure(model, batches, fqns, schemes, options, on_phase or (lambda _: None))
+            baseline, modules = _measure(model, batches, plan, schemes, options, on_phase or (lambda _: None), rank)
     finally:
         model.train(was_training)
-    result = ProbeResult(config.name, options.batches, baseline, list(schemes), options, modules)
+    result = ProbeResult(config.name, options.batches, baseline, list(schemes), options, modules, samples=samples)
     for module in modules:
-        module.recommended = next((s for s in schemes if module.measures[s].passes(options, baseline)), None)
+        module.recommended = next((s for s in module.order if module.measures[s].passes(options, baseline)), None)
     result.precision = recommended_precision(result.recommendations(), list(schemes), config.precision)
     return result
 
@@ -279,12 +310,14 @@ def _capture(
 
 
 def _measure(
-    model: GemModel, batches: list[Batch], fqns: list[str], schemes: dict[str, PrecisionScheme], options: ProbeOptions,
-    on_phase: Callable[[str], None],
+    model: GemModel, batches: list[Batch], plan: dict[str, str | None], schemes: dict[str, PrecisionScheme],
+    options: ProbeOptions, on_phase: Callable[[str], None], rank: Ranker | None,
 ) -> tuple[float, list[ModuleReport]]:
+    fqns = list(plan)
     # squared norms summed over batches, so the error is that of all captured outputs together
     err2 = {(f, s): 0.0 for f in fqns for s in schemes}
     ref2 = dict.fromkeys(fqns, 0.0)
+    rows = dict.fromkeys(fqns, 0)
     errors: dict[tuple[str, str], str] = {}
     converted: dict[tuple[str, str], nn.Module] = {}
     exact: set[tuple[str, str]] = set()
@@ -313,16 +346,24 @@ def _measure(
                 except (RuntimeError, ValueError, TypeError) as exc:
                     errors[key] = f"{type(exc).__name__}: {exc}"
             ref2[fqn] += sum(float(y.double().square().sum()) for _, y in seen[fqn])
+            rows[fqn] += sum(x.numel() // x.shape[-1] for x, _ in seen[fqn])
         on_phase(f"{len(fqns)} linears x {len(schemes)} schemes converted and compared: {time.perf_counter() - clock:.1f} s")
         clock = time.perf_counter()
     baseline = sum(losses) / len(losses)
+    linears = [ProbedLinear(f, m.in_features, m.out_features, rows[f] // len(batches), plan[f])
+               for f, m in ((f, model.get_submodule(f)) for f in fqns)]  # fmt: skip
+    ranked = rank(linears, schemes) if rank is not None else {}
+    if rank is not None:
+        on_phase(f"{len(fqns)} linears ranked: {time.perf_counter() - clock:.1f} s")
+        clock = time.perf_counter()
     recomputed = 0
     reports = []
     for fqn in fqns:
         linear = model.get_submodule(fqn)
+        order = [s for s in ranked[fqn] if s in schemes] if fqn in ranked else list(schemes)
         measures: dict[str, SchemeMeasure] = {}
-        decided = False  # loss_until_pass: a cheaper scheme passed, so the rest cannot be recommended
-        for name in schemes:  # cheapest first
+        decided = False  # loss_until_pass: an earlier scheme passed, so the rest cannot be recommended
+        for name in order + [s for s in schemes if s not in order]:
             key = (fqn, name)
             if key in errors:
                 measures[name] = SchemeMeasure(math.nan, math.nan, math.nan, errors[key])
@@ -332,7 +373,7 @@ def _measure(
             else:
                 rel = _rel(err2[key], ref2[fqn])
                 measures[name] = SchemeMeasure(rel, _sqnr(err2[key], ref2[fqn]), math.nan)
-                if options.loss_until_pass and (decided or not rel <= options.max_rel_err):
+                if options.loss_until_pass and (decided or name not in order or not rel <= options.max_rel_err):
                     continue
                 try:
                     measures[name].loss_delta = _loss_with(model, fqn, converted[key], batches) - baseline
@@ -341,7 +382,9 @@ def _measure(
                     measures[name] = SchemeMeasure(math.nan, math.nan, math.nan, f"{type(exc).__name__}: {exc}")
                     continue
             decided = decided or measures[name].passes(options, baseline)
-        reports.append(ModuleReport(fqn, linear.in_features, linear.out_features, measures))
+        measures = {s: measures[s] for s in schemes}  # the table's column order
+        reports.append(ModuleReport(fqn, linear.in_features, linear.out_features, measures, None,
+                                    rows[fqn] // len(batches), plan[fqn], order))  # fmt: skip
     on_phase(f"{recomputed} losses recomputed with one linear converted: {time.perf_counter() - clock:.1f} s")
     return baseline, reports
 
@@ -364,32 +407,3 @@ def _sqnr(err2: float, ref2: float) -> float:
     if err2 == 0:
         return math.inf
     return 10 * math.log10(ref2 / err2) if ref2 > 0 else -math.inf
-
-
-# ---------------------------------------------------------------------------------- the config map
-
-
-def literal_pattern(fqn: str) -> str:
-    """An fnmatch pattern that matches exactly ``fqn`` (module names rarely hold ``*?[``, but may)."""
-    return re.sub(r"([*?[])", r"[\1]", fqn)
-
-
-def recommended_precision(
-    recommendations: dict[str, str | None], order: list[str], current: PrecisionConfig
-) -> PrecisionConfig:
-    """``scheme`` = the most common recommendation (ties: the cheaper), ``overrides`` = exact module
-    names for the others, ``exclude`` = modules no scheme passed. ``min_dim`` is 0 so the map decides
-    every module; the configured scheme keeps its options when it stays the default."""
-    counts = Counter(s for s in recommendations.values() if s is not None)
-    rank = {name: i for i, name in enumerate(order)}
-    if counts:
-        main = min(counts, key=lambda s: (-counts[s], rank.get(s, len(rank))))
-    else:
-        main = current.scheme.name
-    scheme = current.scheme if current.scheme.name == main else ComponentRef(name=main)
-    return PrecisionConfig(
-        scheme=scheme,
-        overrides={literal_pattern(f): s for f, s in recommendations.items() if s is not None and s != main},
-        exclude=[literal_pattern(f) for f, s in recommendations.items() if s is None],
-        min_dim=0,
-    )

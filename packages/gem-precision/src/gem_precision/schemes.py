@@ -101,6 +101,17 @@ class ScaledScheme(PrecisionScheme):
         """The backend this scheme runs on ``device`` (raises if the configured one cannot run there)."""
         return self.recipe_for(torch.device(device)).backend
 
+    def backend_reason(self, device: torch.device | str) -> str:
+        """Why :meth:`resolved_backend` is what it is on ``device``, in words (the profile shows it)."""
+        device = torch.device(device)
+        backend = self.resolved_backend(device)
+        if self.config.backend != "auto":
+            return f"backend {backend!r} as configured"
+        return self._auto_reason(backend, device)
+
+    @abstractmethod
+    def _auto_reason(self, backend: str, device: torch.device) -> str: ...
+
     def check_device(self, device: torch.device | str) -> None:
         """Fail now, not at the first step, if the configured backend cannot run on ``device``."""
         self.recipe_for(torch.device(device))
@@ -141,6 +152,12 @@ class _Fp8Scheme(ScaledScheme):
             native=backend == "native" or (backend == "auto" and has_native),
             fast_accum_forward=self.config.fast_accum_forward,
         )
+
+    def _auto_reason(self, backend: str, device: torch.device) -> str:
+        if backend == "native":
+            return f"fp8 tensor cores on {describe(device)}: Triton quantization, torch._scaled_mm"
+        return (f"no fp8 tensor cores on {describe(device)} (they need CUDA compute capability >= 8.9): "
+                "quantized, dequantized and multiplied in float32")  # fmt: skip
 
     def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
         if self.config.backend == "native":  # shapes are known now; the device only at forward
@@ -204,6 +221,15 @@ class MXFP8Scheme(ScaledScheme):
         if has_capability(device, FP8_MIN_CAPABILITY):
             return MXRecipe(self.name, gemm="triton", triton_quant=True)
         return MXRecipe(self.name, gemm="emulated", triton_quant=False)
+
+    def _auto_reason(self, backend: str, device: torch.device) -> str:
+        if backend == "native_or_triton":
+            return f"cuBLAS block-scaled MXFP8 on {describe(device)} (the Triton MX GEMM for shapes cuBLAS refuses)"
+        no_native = f"no cuBLAS block-scaled MXFP8 on {describe(device)} ({self._native_problem(device)})"
+        if backend == "triton":
+            return f"{no_native}: the Triton MX GEMM on fp8 tensor cores"
+        return (f"{no_native} and no fp8 tensor cores (CUDA compute capability >= 8.9): quantized, dequantized "
+                "and multiplied in float32")  # fmt: skip
 
     @staticmethod
     def _native_problem(device: torch.device) -> str | None:

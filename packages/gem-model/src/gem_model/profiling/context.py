@@ -58,6 +58,8 @@ class ProfileContext:
     - ``sections``: the sections made so far, by name (the core's come first).
     - ``selected``: the section names ``--sections`` asked for (None: all); :meth:`wants` reads it.
     - :meth:`model`: the config's model, built once and shared by the sections that run it.
+    - :meth:`memory_fit`: what the run would need per rank under another precision config, against
+      the device's memory.
     """
 
     config: RunConfig
@@ -73,6 +75,8 @@ class ProfileContext:
     selected: frozenset[str] | None = None
     build_model: Callable[[], Any] | None = None
     """What :meth:`model` calls the first time (the runner sets it: :func:`gem_model.profiling.shared_model.initial_model`)."""
+    fit_memory: Callable[[Any], Any] | None = None
+    """What :meth:`memory_fit` calls (the runner sets it: :func:`gem_model.profiling.memory.precision_memory`)."""
     _model: Any = field(default=None, repr=False)
 
     def wants(self, name: str) -> bool:
@@ -90,6 +94,16 @@ class ProfileContext:
                                    "gem_model.profiling.shared_model.initial_model)")  # fmt: skip
             self._model = self.build_model()
         return self._model
+
+    def memory_fit(self, precision: Any) -> Any:
+        """The :class:`~gem_model.profiling.memory.MemoryFit` of the run with ``precision`` (a
+        :class:`~gem_model.config.PrecisionConfig`) in place of its own: one step's activations
+        measured under it on ``device``, with the static bytes or the measured peak, against the
+        device's memory. Raises where no ``fit_memory`` was given."""
+        if self.fit_memory is None:
+            raise RuntimeError("this ProfileContext has no fit_memory; gem-train profile sets it (to "
+                               "gem_model.profiling.memory.precision_memory)")  # fmt: skip
+        return self.fit_memory(precision)
 
 
 def copy_sharing_tables(model: Any) -> Any:

@@ -16,19 +16,30 @@ Estimated, per rank (the heaviest rank of the planner's plan for the profile's w
 
 Measured: the device allocator's peak over the step-time section's real steps
 (``torch.cuda.max_memory_allocated``); the CPU has no such counter, so it says so.
+
+Another precision config's memory (:func:`precision_memory`, which sections reach through
+:meth:`ProfileContext.memory_fit <gem_model.profiling.context.ProfileContext.memory_fit>`): one step's
+activation peak measured under it as above, added to the measured peak of the configured run less
+the configured run's own activation peak (or, with no measured peak, to the static bytes), against
+the device's memory (:func:`gem_model.footprint.device_memory`).
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gem_model.config import ActivationConfig, ComponentRef, RunConfig
+from gem_model.components import PrecisionScheme
+from gem_model.config import ActivationConfig, ComponentRef, PrecisionConfig, RunConfig
 from gem_model.data.batch import Batch
+from gem_model.footprint import device_memory
 from gem_model.model.gem import GemModel
 from gem_model.plan import Plan
 from gem_model.precision import apply_precision, set_submodule
@@ -129,11 +140,16 @@ def _policy_options(config: RunConfig, name: str) -> ComponentRef:
     return config.activation.policy if config.activation.policy.name == name else ComponentRef(name=name)
 
 
-def activation_bytes(ctx: ProfileContext, components: Components, batch: Batch) -> dict[str, tuple[int, int] | str]:
-    """Per registered activation policy: (saved, peak) bytes of one step, or why it could not run."""
+def activation_bytes(
+    ctx: ProfileContext, components: Components, batch: Batch, *, precision: PrecisionConfig | None = None,
+    policies: list[str] | None = None,
+) -> dict[str, tuple[int, int] | str]:
+    """Per activation policy (default: every registered one): (saved, peak) bytes of one step under
+    ``precision`` (default: the config's), or why it could not run."""
     config, device = ctx.config, ctx.device
+    precision = precision or config.precision
     model = copy_sharing_tables(ctx.model())  # the profile's tables, this section's converted dense copy
-    apply_precision(model, config.precision, components.precision, device)
+    apply_precision(model, precision, _schemes_for(ctx, components, precision), device)
     model.train()
     # no table gradient: it is not an activation, and at 25 GB of tables it would dwarf them (the static
     # part counts it); the tables are shared with other sections, so their flags are put back
@@ -142,17 +158,35 @@ def activation_bytes(ctx: ProfileContext, components: Components, batch: Batch) 
     for p in tables:
         p.requires_grad_(False)
     try:
-        return _per_policy(ctx, model, batch)
+        return _per_policy(ctx, model, batch, policies or ctx.plugins.activation_policies.names())
     finally:
         for p, flag in zip(tables, flags, strict=True):
             p.requires_grad_(flag)
 
 
-def _per_policy(ctx: ProfileContext, model: GemModel, batch: Batch) -> dict[str, tuple[int, int] | str]:
+def _schemes_for(ctx: ProfileContext, components: Components, precision: PrecisionConfig) -> dict[str, PrecisionScheme]:
+    """The scheme instances ``precision`` names: the run's own where the config names them alike,
+    else the registry's with the options ``precision`` gives (none for an override)."""
+    out: dict[str, PrecisionScheme] = {}
+    for ref in [precision.scheme, *(ComponentRef(name=n) for n in precision.overrides.values())]:
+        if ref.name in out:
+            continue
+        mine = components.precision.get(ref.name)
+        if mine is not None and (ref is not precision.scheme or ref == ctx.config.precision.scheme):
+            out[ref.name] = mine
+        else:
+            entry = ctx.plugins.precision_schemes.get(ref.name)
+            out[ref.name] = entry.cls(entry.cls.Config.model_validate(ref.options))
+    return out
+
+
+def _per_policy(
+    ctx: ProfileContext, model: GemModel, batch: Batch, policies: list[str]
+) -> dict[str, tuple[int, int] | str]:
     config = ctx.config
     blocks = {fqn: model.get_submodule(fqn) for fqn in model.activation_blocks()}
     out: dict[str, tuple[int, int] | str] = {}
-    for name in ctx.plugins.activation_policies.names():
+    for name in policies:
         ref = _policy_options(config, name)
         entry = ctx.plugins.activation_policies.get(name)
         try:
@@ -214,3 +248,66 @@ def memory_section(
         recommendations=recs,
         notes=notes,
     )
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """What a precision config needs per rank, against the device's memory."""
+
+    need_bytes: float
+    budget_bytes: float | None
+    """What one process may use on the device; None where it cannot be told."""
+    budget: str
+    """The budget in words (``the NVIDIA H200's 150 GB``)."""
+    basis: str
+    """How ``need_bytes`` was arrived at, in words."""
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_bytes is None or self.need_bytes <= self.budget_bytes
+
+    def words(self) -> str:
+        where = "the device's memory is unknown" if self.budget_bytes is None else (
+            f"{'within' if self.fits else 'more than'} {self.budget}")  # fmt: skip
+        if math.isinf(self.need_bytes):
+            return f"does not fit: {self.basis}"
+        return f"needs {self.need_bytes / GB:.3g} GB per rank ({self.basis}), {where}"
+
+
+def precision_memory(
+    ctx: ProfileContext, components: Components, plan: Plan, batch: Batch, model_for_sizes: GemModel,
+    precision: PrecisionConfig,
+) -> MemoryFit:
+    """The memory one step of the configured run would need with ``precision`` instead (module doc).
+    A step that runs out of device memory under it does not fit; any other failure raises."""
+    policy = ctx.config.activation.policy.name
+    budget = device_memory(ctx.config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    budget_bytes, budget_words = (None, "unknown") if budget is None else budget
+    peak = _peak(activation_bytes(ctx, components, batch, precision=precision, policies=[policy])[policy], precision)
+    if isinstance(peak, str):
+        return MemoryFit(math.inf, budget_bytes, budget_words, f"one step under this precision ran out of memory: {peak}")
+    measured = ctx.measured.peak_memory_bytes if ctx.measured is not None else None
+    if measured is not None and ctx.measured is not None and ctx.measured.world_size == ctx.world_size:
+        mem = ctx.sections.get("memory")
+        known = mem.summary.get("activations", {}).get(policy) if mem is not None else None
+        now = known["peak"] if known else _peak(
+            activation_bytes(ctx, components, batch, policies=[policy])[policy], ctx.config.precision)  # fmt: skip
+        if not isinstance(now, str):
+            more = peak - int(now)
+            return MemoryFit(measured + more, budget_bytes, budget_words,
+                             f"the configured run's measured peak {measured / GB:.3g} GB, {'+' if more >= 0 else '-'} "
+                             f"{abs(more) / GB:.3g} GB of one step's activation peak under this precision")  # fmt: skip
+    fixed = static_bytes(ctx.config, model_for_sizes, plan)
+    base = fixed["parameters"] + fixed["gradients"] + fixed["optimizer"]
+    return MemoryFit(base + peak, budget_bytes, budget_words,
+                     f"parameters, gradients and optimizer state {base / GB:.3g} GB + one step's activation peak "
+                     f"{peak / GB:.3g} GB under this precision")  # fmt: skip
+
+
+def _peak(value: tuple[int, int] | str, precision: PrecisionConfig) -> int | str:
+    """The step's peak bytes; the error where it ran out of memory; raises for any other failure."""
+    if isinstance(value, str):
+        if value.startswith("OutOfMemoryError"):
+            return value
+        raise RuntimeError(f"one step under precision {precision.model_dump(mode='json')} could not run: {value}")
+    return value[1]

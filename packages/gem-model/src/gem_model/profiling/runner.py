@@ -28,10 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from gem_model.config import RunConfig
-from gem_model.data.loader import ShardedLoader
-from gem_model.distributed import launched_by_torchrun, pick_device
+from gem_model.distributed import launched_by_torchrun
 from gem_model.errors import ConfigError, PluginError
-from gem_model.model.gem import GemModel
 from gem_model.plugins import GemPluginManager
 from gem_model.profiling.balance import balance_section
 from gem_model.profiling.comm import comm_section
@@ -39,15 +37,13 @@ from gem_model.profiling.context import ProfileContext
 from gem_model.profiling.cutoff import SectionTimeout, check_can_limit, time_limit
 from gem_model.profiling.memory import memory_section
 from gem_model.profiling.mfu import mfu_section
+from gem_model.profiling.parts import RunParts, make_context
 from gem_model.profiling.recommend import recommendations_section
 from gem_model.profiling.render import JSON_NAME, write_outputs
 from gem_model.profiling.report import ProfileReport, ProfileSection
 from gem_model.profiling.sequences import read_history, sequences_section
-from gem_model.profiling.shared_model import initial_model
 from gem_model.profiling.step_time import measure_steps, step_time_section
-from gem_model.resolve import Components, resolve_components
-from gem_model.resolve import run_shape
-from gem_model.train.prepare import offline_plan
+from gem_model.resolve import resolve_components
 from gem_model.train.progress import task_progress
 
 CORE_SECTIONS = ("sequences", "balance", "step_time", "memory", "communication")
@@ -147,14 +143,11 @@ def run_profile(config: RunConfig, pm: GemPluginManager, options: ProfileOptions
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     _release_memory()  # the measured run's model and tables, before the sections build theirs
-    device = pick_device(config.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
-    components.planner.bind_run(run_shape(config, components))
-    ctx = ProfileContext(config, pm, device, world, components.planner.dims(world).dp_degree, options.batches, options.out,
-                         None if probe is None else probe.measured(), selected=selected,
-                         build_model=functools.partial(initial_model, config, pm, device))  # fmt: skip
-    made = _Sections(ctx, options, device)
+    ctx, parts = make_context(config, pm, components, world=world, batches=options.batches, out=options.out,
+                              measured=None if probe is None else probe.measured(), selected=selected)  # fmt: skip
+    made = _Sections(ctx, options, ctx.device)
     try:
-        _core_sections(ctx, components, made, probe)
+        _core_sections(ctx, parts, made, probe)
         for plugin in pm.implementers("gem_profile_sections"):
             declared = made.declared.get(plugin)
             if selected is None or (declared and selected & set(declared)):
@@ -174,33 +167,20 @@ def run_profile(config: RunConfig, pm: GemPluginManager, options: ProfileOptions
     return made.report()
 
 
-def _core_sections(ctx: ProfileContext, components: Components, made: _Sections, probe: Any) -> None:
-    config = ctx.config
+def _core_sections(ctx: ProfileContext, parts: RunParts, made: _Sections, probe: Any) -> None:
+    components = parts.components
 
     @functools.cache
     def history() -> list[Any]:
         return read_history(ctx, components.source)
-
-    @functools.cache
-    def plan() -> Any:
-        return offline_plan(config, components, world_size=ctx.world_size)
-
-    def memory() -> ProfileSection:
-        loader = ShardedLoader(components.source, components.balancer, global_batch_size=config.data.global_batch_size,
-                               world_size=ctx.dp_degree)  # fmt: skip
-        # only the dense parameters' sizes are read off this one: its tables stay on the meta device
-        sizes = GemModel(config.model.model_copy(update={"table_init": "device", "embedding_init_std": None}),
-                         components.source.feature_spec(), attention=components.attention,
-                         norm_gate=components.norm_gate)  # fmt: skip
-        return memory_section(ctx, components, plan(), loader.batch_at(0).to(ctx.device), sizes)
 
     spec = components.source.feature_spec()
     builders: dict[str, Callable[[], ProfileSection]] = {
         "sequences": lambda: sequences_section(ctx, history()),
         "balance": lambda: balance_section(ctx, history(), spec),
         "step_time": lambda: step_time_section(ctx, probe),
-        "memory": memory,
-        "communication": lambda: comm_section(ctx, plan(), spec, history()),
+        "memory": lambda: memory_section(ctx, components, parts.plan, parts.first_batch, parts.sizes),
+        "communication": lambda: comm_section(ctx, parts.plan, spec, history()),
     }
     for name in CORE_SECTIONS:
         if ctx.wants(name):

@@ -27,7 +27,10 @@ no time for is recorded as not measured (``skipped``), so the table shows what t
 With a profile that has a ``memory`` section and a ``memory_gb``, the activation policies are not
 measured when the configured one fits: another policy only trades speed for memory. On a GPU, a
 precision scheme whose GEMMs run in more bits than the configured scheme's is not measured either:
-it cannot be faster there (on this config fp32 is ~40 s a step against ~0.3 s in bf16).
+it cannot be faster there (on this config fp32 is ~40 s a step against ~0.3 s in bf16). Nor is a
+scheme the profile's ``numerics`` section, taken on this device from the same configured scheme,
+measured emulated here or slower than the configured one on the model's linears (MX on Hopper:
+0.37x, and out of memory, in the H200 search of 2026-12-01).
 
 Each candidate after the first runs under ``trainer.time_limit_s`` = what is left of the budget; one
 that stops early is recorded with its error and never chosen, so the search ends within the budget
@@ -258,7 +261,7 @@ def _search(
                 continue
             c = Candidate(dimension, overrides)
             left = budget_s - (time.perf_counter() - start)
-            why = pruned or _wider_gemms(config, overrides, pm, device)
+            why = pruned or _wider_gemms(config, overrides, pm, device) or _slower_here(config, overrides, profile, device)
             if why or stopped or left < slowest:
                 stopped = stopped or (why is None)
                 c.skipped = why or f"not measured: {max(left, 0):.0f} s of the budget left, the slowest run took {slowest:.0f} s"
@@ -299,6 +302,29 @@ def _wider_gemms(config: RunConfig, overrides: dict[str, Any], pm: GemPluginMana
         return None
     return (f"not measured: {name}'s GEMMs run in {theirs}, more bits than {config.precision.scheme.name}'s "
             f"{mine}; on a GPU that cannot be faster")
+
+
+def _slower_here(
+    config: RunConfig, overrides: dict[str, Any], profile: ProfileReport | None, device: torch.device
+) -> str | None:
+    """Why the profile's ``numerics`` section says a ``precision.scheme`` candidate cannot be faster on
+    ``device``, or None: only a profile taken on this device, from the same configured scheme."""
+    name = overrides.get("precision.scheme")
+    if name is None or profile is None or not profile.has("numerics"):
+        return None
+    numerics = profile.section("numerics").summary
+    measured = numerics.get("rates", {}).get("schemes", {}).get(name)
+    here = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    profiled = (profile.config.get("precision") or {}).get("scheme", {}).get("name")
+    if measured is None or profile.device != here or profiled != config.precision.scheme.name:
+        return None
+    if measured.get("emulated"):
+        return f"not measured: {name} runs emulated on this device (the profile's numerics section: {measured.get('why')})"
+    gain = numerics.get("scheme_gain_s_per_step", {}).get(name)
+    if gain is None or gain > 0:
+        return None
+    return (f"not measured: the profile's numerics section measured {name}'s linears slower here than "
+            f"{profiled}'s ({-1e3 * gain:.2f} ms a step more)")  # fmt: skip
 
 
 def _pruned(dimension: str, config: RunConfig, profile: ProfileReport | None, memory_gb: float | None) -> str | None:
