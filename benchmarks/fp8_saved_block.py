@@ -34,6 +34,7 @@ import json
 import statistics
 import sys
 
+import hstu_gap  # benchmarks/: the gap benchmark's inputs
 import torch
 
 from gem_kernels.attention import TritonJaggedAttention
@@ -46,7 +47,7 @@ from gem_precision.formats import E4M3
 from gem_precision.fp8_reference import quantize_fp8_reference
 from gem_precision.schemes import Bf16Scheme, Fp8RowwiseScheme
 
-B, D, H, HD, N = 384, 1024, 8, 128, 4096
+D, H, HD, N = 1024, 8, 128, 4096
 GIB = 2**30
 VARIANTS = {
     "none": lambda: NoActivationPolicy(),
@@ -77,17 +78,14 @@ class Stack(torch.nn.Module):
 
 
 def inputs(device: torch.device) -> dict:
-    gen = torch.Generator().manual_seed(7)
-    weights = (torch.arange(N - 1, dtype=torch.float64) + 1) ** -0.95
-    lengths = torch.multinomial(weights, B, replacement=True, generator=gen) + 1
-    offsets = torch.zeros(B + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    rows = int(offsets[-1])
+    """The gap benchmark's histories (``hstu_gap.inputs``), the blocks' input and output gradient."""
+    lengths = hstu_gap.inputs(device)
+    rows = lengths["rows"]
     dgen = torch.Generator(device).manual_seed(7)
     return dict(
         x=torch.randn(rows, D, generator=dgen, device=device).to(torch.bfloat16),
         dy=torch.randn(rows, D, generator=dgen, device=device).to(torch.bfloat16),
-        offsets=offsets.to(device), targets=torch.ones(B, dtype=torch.int64, device=device), rows=rows,
+        offsets=lengths["offsets"], targets=lengths["targets"], rows=rows,
     )
 
 

@@ -28,8 +28,8 @@ from gem_precision.activation import Fp8SavedPolicy, NoActivationPolicy
 from gem_precision.checks import compare_operands, summarize
 from gem_precision.formats import E4M3
 from gem_precision.fp8_reference import Fp8Operand, quantize_fp8_reference
-from gem_precision.saved_tensors import CountSavedTensors, Fp8SavedTensors
-from gem_precision.testing import mx_edge_cases, wide_range_randn
+from gem_precision.saved_tensors import CountSavedTensors
+from gem_precision.testing import counting_packs, mx_edge_cases, wide_range_randn
 
 DIM, HEADS, D = 32, 2, 16
 WIDTH, HV = HEADS * 4 * D, HEADS * D
@@ -71,33 +71,21 @@ def train_step(block: HSTUBlock) -> None:
     block(x, OFFSETS, None).sum().backward()
 
 
-@pytest.fixture
-def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the saved-tensor hooks' pack calls."""
-    calls: list[int] = []
-    pack = Fp8SavedTensors.pack
-
-    def counting(self, t):
-        calls.append(1)
-        return pack(self, t)
-
-    monkeypatch.setattr(Fp8SavedTensors, "pack", counting)
-    return calls
-
-
-def test_fp8_saved_uses_no_hooks_on_the_fused_block_and_hooks_off_it(packs: list[int]) -> None:
+def test_fp8_saved_uses_no_hooks_on_the_fused_block_and_hooks_off_it() -> None:
     policy = Fp8SavedPolicy(Fp8SavedPolicy.Config(min_numel=64))
     block = policy.wrap_block(fused_block(), "blocks.0")
     assert block.saved_format == "e4m3_row" and block.saves_in_kernels()
     kept: list[torch.dtype] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dtype) or t, lambda t: t):
+    with counting_packs() as packed, torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dtype) or t,
+                                                                              lambda t: t):  # fmt: skip
         train_step(block)
-    assert packs == [] and policy.stats.kernel_forwards == 1 and policy.stats.tensors == 0
+    assert packed == [] and policy.stats.kernel_forwards == 1 and policy.stats.tensors == 0
     assert torch.float8_e4m3fn in kept  # the gap's rows, seen from outside the block
     block.fuse = False  # the next forward composes the ops: the hooks compress it
     assert not block.saves_in_kernels()
-    train_step(block)
-    assert len(packs) > 0 and policy.stats.compressed > 0 and policy.stats.kernel_forwards == 1
+    with counting_packs() as packed:
+        train_step(block)
+    assert len(packed) > 0 and policy.stats.compressed > 0 and policy.stats.kernel_forwards == 1
 
 
 def saved_bytes(block: HSTUBlock) -> tuple[int, int]:

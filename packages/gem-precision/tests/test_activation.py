@@ -19,7 +19,7 @@ from gem_precision.activation import (
 )
 from gem_precision.saved_tensors import CountSavedTensors, Fp8SavedTensors
 from gem_precision.schemes import Bf16Scheme, Fp8RowwiseScheme, MXFP8Scheme
-from gem_precision.testing import HstuLikeBlock, rel_err
+from gem_precision.testing import HstuLikeBlock, counting_packs, rel_err
 
 # e4m3 keeps 3 mantissa bits (~2**-5 relative error per saved element on average); a parameter
 # gradient sums products of several rounded tensors (~8% at worst over 20 seeds on this block)
@@ -193,21 +193,7 @@ class SelfCompressingBlock(HstuLikeBlock):
         return self.fused and self.saved_format is not None
 
 
-@pytest.fixture
-def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the saved-tensor hooks' pack calls."""
-    calls: list[int] = []
-    pack = Fp8SavedTensors.pack
-
-    def counting(self, t):
-        calls.append(1)
-        return pack(self, t)
-
-    monkeypatch.setattr(Fp8SavedTensors, "pack", counting)
-    return calls
-
-
-def test_fp8_saved_leaves_a_self_compressing_forward_to_its_kernels(gen: torch.Generator, packs: list[int]) -> None:
+def test_fp8_saved_leaves_a_self_compressing_forward_to_its_kernels(gen: torch.Generator) -> None:
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     block = SelfCompressingBlock(64)
     assert isinstance(block, SavedFormatBlock)
@@ -216,18 +202,21 @@ def test_fp8_saved_leaves_a_self_compressing_forward_to_its_kernels(gen: torch.G
     policy = Fp8SavedPolicy(Fp8SavedPolicy.Config(**SMALL))
     wrapped = policy.wrap_block(block, "blocks.0")
     assert wrapped.saved_format == E4M3_ROW
-    got = grads(wrapped, x, gy)
-    assert packs == [] and policy.stats.kernel_forwards == 1 and policy.stats.tensors == 0
+    with counting_packs() as packed:
+        got = grads(wrapped, x, gy)
+    assert packed == [] and policy.stats.kernel_forwards == 1 and policy.stats.tensors == 0
     assert all(torch.equal(g, w) for g, w in zip(got, want))  # nothing of the policy ran
     wrapped.fused = False  # decided per forward: off the self-compressing path, the hooks compress
-    grads(wrapped, x, gy)
-    assert len(packs) > 0 and policy.stats.compressed > 0 and policy.stats.kernel_forwards == 1
+    with counting_packs() as packed:
+        grads(wrapped, x, gy)
+    assert len(packed) > 0 and policy.stats.compressed > 0 and policy.stats.kernel_forwards == 1
 
 
-def test_fp8_saved_without_in_kernels_uses_hooks_everywhere(gen: torch.Generator, packs: list[int]) -> None:
+def test_fp8_saved_without_in_kernels_uses_hooks_everywhere(gen: torch.Generator) -> None:
     block = SelfCompressingBlock(64)
     policy = Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=False, **SMALL))
     wrapped = policy.wrap_block(block, "blocks.0")
     assert wrapped.saved_format is None and not wrapped.saves_in_kernels()
-    grads(wrapped, torch.randn(96, 64, generator=gen), torch.randn(96, 64, generator=gen))
-    assert len(packs) > 0 and policy.stats.kernel_forwards == 0
+    with counting_packs() as packed:
+        grads(wrapped, torch.randn(96, 64, generator=gen), torch.randn(96, 64, generator=gen))
+    assert len(packed) > 0 and policy.stats.kernel_forwards == 0
