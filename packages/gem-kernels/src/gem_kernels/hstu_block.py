@@ -8,6 +8,8 @@
 The linears are the block's own modules (the precision scheme's GEMMs), called in between. What the
 fusion removes, per block: the silu passes and the concatenation of the four gradients around the
 attention, the ``silu(u)`` tensor, and the pass that adds the residual's gradient to the layer norm's.
+``saved_format="e4m3_row"`` (from the block's activation policy) reaches the gap, which then keeps
+its pre-activation in e4m3 rows (:mod:`gem_kernels.hstu_gap_saved`).
 """
 
 from __future__ import annotations
