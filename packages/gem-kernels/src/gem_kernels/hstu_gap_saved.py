@@ -38,10 +38,11 @@ import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
 
-E4M3_EMAX = 8  # the largest e4m3 value is 448 = 1.75 * 2**8
-E4M3_MIN_NORMAL = 2.0**-6
-E4M3_SUBNORMAL_MAGIC = 1.5 * 2.0 ** (23 - 9)  # adding and subtracting it rounds to e4m3's 2**-9 spacing
-NAN_BYTE = 0x7F  # every byte of a row holding a NaN or an infinity, as the reference writes it
+# constexpr: compiled kernels read only constexpr globals
+E4M3_EMAX = tl.constexpr(8)  # the largest e4m3 value is 448 = 1.75 * 2**8
+E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+E4M3_SUBNORMAL_MAGIC = tl.constexpr(1.5 * 2.0 ** (23 - 9))  # adding and subtracting it rounds to e4m3's 2**-9 spacing
+NAN_BYTE = tl.constexpr(0x7F)  # every byte of a row holding a NaN or an infinity, as the reference writes it
 ROW_CHUNK = 64 if INTERPRET else 4096
 """Columns of a row held in registers at once: wider rows are read twice (the second from L2)."""
 EXPAND_TILE = (4, 64) if INTERPRET else (16, 256)
