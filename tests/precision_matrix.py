@@ -80,6 +80,8 @@ class _Spy:
 
     def __init__(self, inner, seen):
         self.inner, self.seen = inner, seen
+        # what its fused block stores saved activations in: fp8_saved then compresses in the kernels
+        self.saved_formats = getattr(inner, "saved_formats", ())
 
     def __call__(self, q, *args, **kwargs):
         self.seen.setdefault("attention_in", set()).add(str(q.dtype)[6:])
@@ -135,6 +137,8 @@ def run_one(kernel: str, scheme: str, overrides: str, min_dim: int, policy: str,
         "last_loss": summary.last_loss,
         "activation_dtype": str(run.preparation.precision.activation_dtype)[6:],
         "dtypes": {k: sorted(v) for k, v in seen.items()},
+        # forwards whose blocks compressed what they save in their own kernels (fp8_saved on the fused block)
+        "kernel_forwards": getattr(getattr(components.activation[policy], "stats", None), "kernel_forwards", 0),
     }
 
 

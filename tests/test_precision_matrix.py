@@ -59,6 +59,9 @@ def test_every_combination_trains_with_activations_in_the_schemes_dtype(kernel: 
         # the kernels, every linear (converted or kept in fp32) and the norms see only that dtype
         for kind in ("attention_in", "linear_in", "linear_out", "norm_in"):
             assert r["dtypes"][kind] == [want], (case, kind, r["dtypes"])
+        # fp8_saved compresses in the fused block's kernels (triton), through its hooks elsewhere
+        in_kernels = r["policy"] == "fp8_saved" and kernel == "triton"
+        assert (r["kernel_forwards"] > 0) == in_kernels, case
 
 
 def build(tmp_path: Path, *overrides: str) -> Run:

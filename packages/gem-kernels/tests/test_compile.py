@@ -1,5 +1,6 @@
-"""The compiled (GPU) path, which the interpreter never runs: compile every attention kernel for sm_90 on
-CPU, without and with the relative biases, and the fused block's producers writing e4m3 rows."""
+"""The compiled (GPU) path, which the interpreter never runs: compile every kernel for sm_90 on CPU,
+without and with the relative biases, the fused block's producers writing e4m3 rows, and the fused
+gap's own kernels as their launchers configure them."""
 
 from __future__ import annotations
 
@@ -45,3 +46,40 @@ def test_kernels_compile_for_hopper(group: str) -> None:
     for report in reports:
         assert report["shared"] <= HOPPER_SHARED_LIMIT, report
         assert report["registers"] is not None, report
+
+
+GAP_SCRIPT = """
+import json
+from gem_kernels import hstu_gap_saved as saved, hstu_gap_triton as gap
+from gem_kernels.compile_report import compile_kernel
+
+rows = {"PRE": "*bf16", "POST": "*bf16", "Q": "*u8", "SCALE_INV": "*fp32"}
+kernels = {
+    # a 4096-wide row (the big config) in registers, two rows a program, 8 warps: silu_quantize_rows' choice
+    "silu_quantize": (saved._silu_quantize, rows, dict(ROWS=2, BLOCK=4096, ONE_CHUNK=True), 8),
+    "silu_quantize_chunks": (saved._silu_quantize, rows, dict(ROWS=2, BLOCK=4096, ONE_CHUNK=False), 8),
+    "expand": (saved._expand, {"Q": "*u8", "SCALE_INV": "*fp32", "U": "*bf16", "POST": "*bf16"},
+               dict(ROWS=16, COLS=256), 4),
+    "silu_grad_e4m3": (gap._silu_columns, {"X": "*bf16", "PRE": "*u8", "SCALE_INV": "*fp32", "OUT": "*bf16"},
+                       dict(GRAD=True, E4M3=True, ROWS=16, COLS=256), 4),
+    "silu": (gap._silu_columns, {"X": "*bf16", "PRE": "*bf16", "SCALE_INV": "*bf16", "OUT": "*bf16"},
+             dict(GRAD=False, E4M3=False, ROWS=16, COLS=256), 4),
+}
+for name, (fn, pointers, constants, warps) in kernels.items():
+    constants = {**constants, "INTERP": False, **({"SOFTWARE_ROUND": False} if fn is saved._silu_quantize else {})}
+    signature = {n: pointers.get(n, "i32") for n in fn.arg_names if n not in constants}
+    print(json.dumps({"kernel": name, **compile_kernel(fn, signature, constants, warps)}))
+"""
+
+
+def test_the_gap_kernels_compile_for_hopper_without_spills() -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", GAP_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = {r["kernel"]: r for r in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))}
+    assert len(reports) == 5
+    for report in reports.values():
+        assert report["registers"] is not None and report["stack_bytes"] == 0, report
+    # the e4m3 rows are cast by the hardware, round to nearest even, as gem-precision's reference
+    assert reports["silu_quantize"]["rne_fp8_cast"] and reports["silu_quantize_chunks"]["rne_fp8_cast"]

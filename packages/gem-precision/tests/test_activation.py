@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gem_model.api import E4M3_ROW, SavedFormatBlock
 from gem_precision.activation import (
     CheckpointFullPolicy,
     CheckpointSelectivePolicy,
@@ -18,7 +19,7 @@ from gem_precision.activation import (
 )
 from gem_precision.saved_tensors import CountSavedTensors, Fp8SavedTensors
 from gem_precision.schemes import Bf16Scheme, Fp8RowwiseScheme, MXFP8Scheme
-from gem_precision.testing import HstuLikeBlock, rel_err
+from gem_precision.testing import HstuLikeBlock, counting_packs, rel_err
 
 # e4m3 keeps 3 mantissa bits (~2**-5 relative error per saved element on average); a parameter
 # gradient sums products of several rounded tensors (~8% at worst over 20 seeds on this block)
@@ -176,3 +177,46 @@ def test_policies_compose_with_converted_linears(setup, policy_cls: type, scheme
     assert rel_err(got[0], want[0]) == 0
     for g, w in zip(got[1:], want[1:]):
         assert rel_err(g, w) <= tol
+
+
+class SelfCompressingBlock(HstuLikeBlock):
+    """Stands in for a block whose kernels can store what they save (gem_model.saved_format): the HSTU
+    block on gem-kernels' fused path. ``fused`` says whether its forward takes that path now; it computes
+    the same either way (the stand-in's kernels compress nothing)."""
+
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.saved_format: str | None = None
+        self.fused = True
+
+    def saves_in_kernels(self) -> bool:
+        return self.fused and self.saved_format is not None
+
+
+def test_fp8_saved_leaves_a_self_compressing_forward_to_its_kernels(gen: torch.Generator) -> None:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    block = SelfCompressingBlock(64)
+    assert isinstance(block, SavedFormatBlock)
+    x, gy = torch.randn(96, 64, generator=gen), torch.randn(96, 64, generator=gen)
+    want = grads(copy.deepcopy(block), x, gy)
+    policy = Fp8SavedPolicy(Fp8SavedPolicy.Config(**SMALL))
+    wrapped = policy.wrap_block(block, "blocks.0")
+    assert wrapped.saved_format == E4M3_ROW
+    with counting_packs() as packed:
+        got = grads(wrapped, x, gy)
+    assert packed == [] and policy.stats.kernel_forwards == 1 and policy.stats.tensors == 0
+    assert all(torch.equal(g, w) for g, w in zip(got, want))  # nothing of the policy ran
+    wrapped.fused = False  # decided per forward: off the self-compressing path, the hooks compress
+    with counting_packs() as packed:
+        grads(wrapped, x, gy)
+    assert len(packed) > 0 and policy.stats.compressed > 0 and policy.stats.kernel_forwards == 1
+
+
+def test_fp8_saved_without_in_kernels_uses_hooks_everywhere(gen: torch.Generator) -> None:
+    block = SelfCompressingBlock(64)
+    policy = Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=False, **SMALL))
+    wrapped = policy.wrap_block(block, "blocks.0")
+    assert wrapped.saved_format is None and not wrapped.saves_in_kernels()
+    with counting_packs() as packed:
+        grads(wrapped, torch.randn(96, 64, generator=gen), torch.randn(96, 64, generator=gen))
+    assert len(packed) > 0 and policy.stats.kernel_forwards == 0

@@ -14,6 +14,7 @@ from pydantic import model_validator
 from gem_kernels.attention_torch import LayoutCache, jagged_attention_torch
 from gem_kernels.availability import require_triton
 from gem_model.api import (
+    E4M3_ROW,
     NO_EXTRAS,
     AttentionExtras,
     ComponentConfig,
@@ -106,6 +107,7 @@ class TritonJaggedAttention(JaggedAttentionKernel):
     name = "triton"
     supports_position_bias = True
     supports_time_bias = True
+    saved_formats = (E4M3_ROW,)  # the fused gap keeps its pre-activation in e4m3 rows (hstu_gap_saved)
 
     class Config(ComponentConfig):
         dq: Literal["auto", "atomic", "separate"] = "auto"

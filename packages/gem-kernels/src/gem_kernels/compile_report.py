@@ -87,8 +87,15 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
         pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV")} | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32"}
                     | offsets)
         signature = _signature(fn, pointers, ("alpha", "max_seq_len"))
-    for name in constants:
-        signature[name] = "constexpr"
+    return {"variant": variant, "config": config, **compile_kernel(fn, signature, constants, warps, stages, arch)}
+
+
+def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any], warps: int, stages: int = 3,
+                   arch: int = 90) -> dict[str, Any]:  # fmt: skip
+    """Compile one ``triton.jit`` function: ``signature`` gives each non-constexpr argument's type
+    (``*bf16``, ``i32``, ...), ``constants`` the constexprs. Shared bytes, registers, spill stack, and
+    whether an fp8 cast lowered to the hardware's round-to-nearest-even (``cvt.rn.satfinite``)."""
+    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     hints = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
@@ -97,7 +104,7 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
     source = ASTSource(fn, signature, constants, hints)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, "num_stages": stages})
-    return {"variant": variant, "config": config, "shared_bytes": compiled.metadata.shared,
+    return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in compiled.asm["ptx"],
             **_cubin_usage(compiled.asm["cubin"])}
 
 

@@ -12,6 +12,9 @@ attention, the ``silu(u)`` tensor, and the pass that adds the residual's gradien
 A linear that wants its input pre-quantized (``gem_model.api.wanted_quantization``: gem-precision's
 ``fp8_rowwise``) gets the e4m3 rows of ``ln`` from the layer norm's pass and those of ``y`` from the
 norm-gate's, instead of quantizing them itself (one read of the activation, or two, fewer a linear).
+
+``saved_format="e4m3_row"`` (from the block's activation policy) reaches the gap, which then keeps
+its pre-activation in e4m3 rows (:mod:`gem_kernels.hstu_gap_saved`).
 """
 
 from __future__ import annotations

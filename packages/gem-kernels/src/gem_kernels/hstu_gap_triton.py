@@ -27,7 +27,11 @@ tile, ``compile_report``), and the epilogue cost more on the H200 (+10 ms a step
 than this pass (three column blocks read twice and written once).
 
 No concatenation, no ``silu(u)`` tensor. The saved activations are ``pre``, ``silu`` of its ``v, q,
-k`` columns and the attention output (one ``[L, H Dv]`` less than unfused).
+k`` columns and the attention output (one ``[L, H Dv]`` less than unfused). With ``saved_format=
+"e4m3_row"`` (an activation policy asks for it through the block, :mod:`gem_model.saved_format`) they
+are ``pre`` in e4m3 rows, written by the forward's silu pass, and the attention output; the backward
+expands ``u`` and ``silu(v, q, k)`` in one pass and its silu gradient reads the e4m3 columns
+(:mod:`gem_kernels.hstu_gap_saved` has the bytes).
 """
 
 from __future__ import annotations
@@ -43,22 +47,30 @@ from gem_kernels.attention_triton_autograd import DqMode, resolve_dq_mode
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
+from gem_kernels.hstu_gap_saved import expand_rows, silu_quantize_rows
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
 from gem_kernels.quantized_rows_triton import RowsOut
-from gem_model.api import NO_EXTRAS, AttentionExtras, PrequantizedRows, RowQuantization
+from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, PrequantizedRows, RowQuantization
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 
 
 @triton.jit
-def _silu_columns(X, PRE, OUT, stride_x, stride_pre, stride_out, num_rows, num_cols,
-                  GRAD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexpr):
+def _silu_columns(X, PRE, SCALE_INV, OUT, stride_x, stride_pre, stride_out, num_rows, num_cols,
+                  GRAD: tl.constexpr, E4M3: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  INTERP: tl.constexpr):  # fmt: skip
     """``OUT = silu(PRE)`` (``GRAD`` false: ``X`` unused), or ``OUT = X * silu'(PRE)`` (``GRAD``), over a
-    ``[num_rows, num_cols]`` window of each (row strides given, unit column stride)."""
+    ``[num_rows, num_cols]`` window of each (row strides given, unit column stride). ``E4M3``: ``PRE`` is
+    e4m3 bytes, each row times its ``SCALE_INV`` (:mod:`gem_kernels.hstu_gap_saved`)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     inside = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-    z = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    if E4M3:
+        z = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0)
+        z = z.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        z *= tl.load(SCALE_INV + rows, mask=rows < num_rows, other=1.0)[:, None]
+    else:
+        z = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     if GRAD:
         g = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         result = g * silu_grad(z)
@@ -67,17 +79,21 @@ def _silu_columns(X, PRE, OUT, stride_x, stride_pre, stride_out, num_rows, num_c
     tl.store(OUT + rows[:, None] * stride_out + cols[None, :], cast(result, OUT.dtype.element_ty, INTERP), mask=inside)
 
 
-def silu_columns(pre: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
+def silu_columns(pre: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None = None,
+                 scale_inv: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``out[:] = silu(pre)``, or with ``grad``, ``out[:] = grad * silu'(pre)``; all three ``[rows, cols]``
-    with unit column stride (views of wider tensors are fine)."""
+    with unit column stride (views of wider tensors are fine). With ``scale_inv`` ``[rows]``, ``pre`` is
+    e4m3 and stands for ``pre * scale_inv[:, None]``."""
     num_rows, num_cols = pre.shape
     if num_rows:
         x = grad if grad is not None else pre
+        e4m3 = scale_inv is not None
         with device_guard(pre.device):
             _silu_columns[(triton.cdiv(num_rows, ROWS), triton.cdiv(num_cols, COLS))](
-                x, pre, out, x.stride(0), pre.stride(0), out.stride(0), num_rows, num_cols,
-                GRAD=grad is not None, ROWS=ROWS, COLS=COLS, INTERP=INTERPRET, num_warps=4,
-            )
+                x, pre.view(torch.uint8) if e4m3 else pre, scale_inv if e4m3 else pre, out, x.stride(0), pre.stride(0),
+                out.stride(0), num_rows, num_cols, GRAD=grad is not None, E4M3=e4m3, ROWS=ROWS, COLS=COLS,
+                INTERP=INTERPRET, num_warps=4,
+            )  # fmt: skip
     return out
 
 
@@ -103,14 +119,17 @@ class HSTUGapFunction(torch.autograd.Function):
         # kernels read the prepared copies in ``bias``.
         heads, dqk, dv = shape
         rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
-        post = silu_columns(pre[:, hv:], torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device))
+        post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device)
+        # e4m3_row: pre kept in e4m3 rows written by the silu pass, post recomputed in backward
+        ctx.expand_to = pre.dtype if options["saved_format"] == E4M3_ROW and any(ctx.needs_input_grad) else None
+        kept = silu_quantize_rows(pre, post, hv) if ctx.expand_to is not None else (pre, silu_columns(pre[:, hv:], post))
         v, q, k = (post[:, a:b].view(rows, heads, -1) for a, b in ((0, hv), (hv, hv + hq), (hv + hq, hv + 2 * hq)))
         attn = query_major(q, k, v, None, seq_offsets, num_targets, bias=bias, **_kernel_options(options))
         quantize = options["quantize"]
         rows_out = None if quantize is None else RowsOut.allocate(rows, hv, pre.device, quantize)
         y, mean, rstd = NormGateFunction.run_forward(attn.view(rows, hv), pre[:, :hv], gate_weight, gate_bias,
                                                      options["eps"], silu_gate=True, rows_out=rows_out)  # fmt: skip
-        ctx.save_for_backward(pre, post, attn, mean, rstd, gate_weight, gate_bias, seq_offsets, num_targets,
+        ctx.save_for_backward(*kept, attn, mean, rstd, gate_weight, gate_bias, seq_offsets, num_targets,
                               bias.position, bias.time, bias.timestamps, bias.query_timestamps)  # fmt: skip
         ctx.params = (shape, options, bias.edges)
         if rows_out is None:
@@ -124,11 +143,18 @@ class HSTUGapFunction(torch.autograd.Function):
         pre, post, attn, mean, rstd, weight, gate_bias, seq_offsets, num_targets, *tables = ctx.saved_tensors
         (heads, dqk, dv), options, edges = ctx.params
         rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
-        d_pre = torch.empty_like(pre)
+        scale_inv = None
+        if ctx.expand_to is not None:  # pre: e4m3 rows, post: their scales (hstu_gap_saved)
+            scale_inv = post
+            u, post = expand_rows(pre, scale_inv, hv, ctx.expand_to)
+        else:
+            u = pre[:, :hv]
+        d_pre = torch.empty(pre.shape, dtype=u.dtype, device=pre.device)
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
-            dy.reshape(rows, hv), attn.view(rows, hv), pre[:, :hv], weight, gate_bias, mean, rstd, silu_gate=True,
+            dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
             du_out=d_pre[:, :hv],
         )
+        del u  # the expanded gate's memory is free for the attention backward
 
         def heads_of(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
             return t[:, a:b].view(rows, heads, -1)
@@ -145,13 +171,13 @@ class HSTUGapFunction(torch.autograd.Function):
                   out=(d_k, d_v), **kernel)  # fmt: skip
         q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
         if dq_accum is not None:
-            silu_columns(pre[:, q_cols], d_pre[:, q_cols], grad=dq_accum.view(rows, hq))
+            silu_columns(pre[:, q_cols], d_pre[:, q_cols], grad=dq_accum.view(rows, hq), scale_inv=scale_inv)
             for cols in (v_cols, k_cols):
-                silu_columns(pre[:, cols], d_pre[:, cols], grad=d_pre[:, cols])
+                silu_columns(pre[:, cols], d_pre[:, cols], grad=d_pre[:, cols], scale_inv=scale_inv)
         else:
             query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
-            silu_columns(pre[:, every], d_pre[:, every], grad=d_pre[:, every])
+            silu_columns(pre[:, every], d_pre[:, every], grad=d_pre[:, every], scale_inv=scale_inv)
         d_position, d_time = grads.result(bias, kernel["max_seq_len"])
         return d_pre, d_weight, d_gate_bias, d_position, d_time, None, None, None, None, None
 
@@ -176,10 +202,15 @@ def hstu_gap_triton(
     dq_mode: DqMode = "auto",
     blocks: tuple[int, int] | None = None,
     quantize: RowQuantization | None = None,
+    saved_format: str | None = None,
 ) -> tuple[torch.Tensor, PrequantizedRows | None]:
     """The fused gap ``pre -> y`` (``[L, H (2 Dv + 2 Dqk)] -> [L, H Dv]``); attention arguments as in
     :func:`gem_kernels.attention_triton_autograd.jagged_attention_triton`, ``eps`` the norm-gate's.
-    Returns ``y`` and, with ``quantize``, its rows quantized so by the norm-gate's pass (else None)."""
+    Returns ``y`` and, with ``quantize``, its rows quantized so by the norm-gate's pass (else None).
+    ``saved_format``: None keeps ``pre`` and ``silu(v, q, k)`` for backward as computed; ``"e4m3_row"``
+    keeps ``pre`` in e4m3 rows instead (:mod:`gem_kernels.hstu_gap_saved`; ignored without grad)."""
+    if saved_format not in (None, E4M3_ROW):
+        raise ValueError(f"hstu_gap: saved_format must be None or {E4M3_ROW!r}, got {saved_format!r}")
     num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
     position_bias, time_bias = extras.position_bias, extras.time_bias
     from gem_kernels.attention_triton_bias import prepare_bias
@@ -193,7 +224,8 @@ def hstu_gap_triton(
     num_targets = num_targets.contiguous() if num_targets is not None else None
     bias = prepare_bias(position_bias, time_bias, extras.timestamps, extras.query_timestamps, max_seq_len)
     options = dict(max_seq_len=max_seq_len, alpha=float(alpha), max_attn_len=max_attn_len, blocks=blocks,
-                   dq_mode=dq_mode, eps=eps, quantize=quantize)  # fmt: skip
+                   dq_mode=dq_mode, eps=eps, quantize=quantize,
+                   saved_format=saved_format if torch.is_grad_enabled() else None)  # fmt: skip
     out = HSTUGapFunction.apply(pre, gate_weight, gate_bias, position_bias, time_bias, seq_offsets, num_targets,
                                 bias, (num_heads, attention_dim, value_dim), options)  # fmt: skip
     if quantize is None:

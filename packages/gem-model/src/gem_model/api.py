@@ -38,6 +38,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.plan": ("DensePlacement", "Plan", "TablePlacement"),
     "gem_model.distributed": ("DistEnv", "pick_device"),
     "gem_model.precision": ("PrecisionPolicy", "precision_plan", "set_submodule"),
+    # saved activations compressed by a block's own kernels, at an activation policy's request
+    "gem_model.saved_format": ("E4M3_ROW", "SAVED_FORMATS", "SavedFormatBlock"),
     # the config, and the errors a plugin raises or expects
     "gem_model.config": ("ComponentRef", "ModelConfig", "PrecisionConfig", "RunConfig"),
     "gem_model.config_io": ("load_config",),
@@ -69,10 +71,12 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "DATA_DIMS",
+    "E4M3_ROW",
     "GEMM_BITS",
     "LOSS_DIMS",
     "MESH_DIMS",
     "NO_EXTRAS",
+    "SAVED_FORMATS",
     "SPARSE_GROUP",
     "SPARSE_REPLICA_GROUP",
     "TIME_BUCKET_STEP",
@@ -129,6 +133,7 @@ __all__ = [
     "RunContext",
     "RunShape",
     "RunSummary",
+    "SavedFormatBlock",
     "ShardableModel",
     "ShardedLoader",
     "SparseOptimizerSpec",
@@ -253,3 +258,4 @@ if TYPE_CHECKING:
     from gem_model.resolve import resolve_components, run_shape
     from gem_model.results import ReportSection, RunSummary, StepResult
     from gem_model.run_shape import RunShape
+    from gem_model.saved_format import E4M3_ROW, SAVED_FORMATS, SavedFormatBlock

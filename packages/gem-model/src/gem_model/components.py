@@ -125,6 +125,10 @@ class JaggedAttentionKernel(Kernel):
     op: ClassVar[str] = "jagged_attention"
     supports_position_bias: ClassVar[bool] = False
     supports_time_bias: ClassVar[bool] = False
+    saved_formats: ClassVar[tuple[str, ...]] = ()
+    """Formats (keys of :data:`gem_model.saved_format.SAVED_FORMATS`) in which the function of
+    :meth:`fused_block` can store what it saves for backward, asked for by its ``saved_format``
+    argument; empty (the default): none, and an activation policy compresses through hooks."""
 
     @abstractmethod
     def __call__(
@@ -148,7 +152,7 @@ class JaggedAttentionKernel(Kernel):
         ``u, v, q, k = split(silu(uvqk(layer_norm(x))))``::
 
             block(x, uvqk, out, gate_weight, gate_bias, seq_offsets, *, num_heads, attention_dim,
-                  value_dim, max_seq_len, alpha, eps, extras)
+                  value_dim, max_seq_len, alpha, eps, extras[, saved_format])
 
         ``uvqk`` and ``out`` are the block's linears as callables (the precision scheme's modules,
         ``out`` with the block's dropout when that is active; its result is cast to ``x``'s dtype), so
@@ -159,7 +163,10 @@ class JaggedAttentionKernel(Kernel):
         ``norm_gate`` is the run's configured norm-gate kernel, so a fused block can refuse kernels
         it does not implement (when the block is built). The block asks its current kernels for it
         at every forward, so a wrapper that replaces its attention and offers none (tensor and context
-        parallelism) makes it compose the ops; so does ``torch.compile``.
+        parallelism) makes it compose the ops; so does ``torch.compile``. ``saved_format`` (one of
+        :attr:`saved_formats`, passed only when the block's activation policy asks for it,
+        :mod:`gem_model.saved_format`): the function's kernels store what they save for backward in
+        that format; the outputs are those of the call without it, the gradients differ by its rounding.
         """
         return None
 

@@ -7,14 +7,24 @@
   default) are kept, the cheap pointwise ops around them are recomputed
   (``create_selective_checkpoint_contexts``). Ops that are not aten ops (e.g. Triton kernels) are
   recomputed;
-- ``fp8_saved``: every activation the block saves is stored in fp8 e4m3 with per-32-block or per-row
-  scales and dequantized to its dtype in backward (:mod:`gem_precision.saved_tensors`). Parameters,
-  integer and small tensors are kept as they are. The block's output and gradients therefore differ
-  from ``none`` by fp8 rounding of the saved activations (relative error ~2**-4 per element at worst).
-  It halves what is kept between forward and backward; its step-time cost is the HBM traffic of
-  compressing (~3 bytes moved per saved byte: ~600/d times the block's GEMM time at width d), and
-  the peak falls much less than the saved bytes, as the backward nodes' transients stay (see
-  :mod:`gem_precision.saved_tensors` for both).
+- ``fp8_saved``: activations the block saves are stored in fp8 e4m3 and expanded in backward. The
+  block's output is that of ``none``; its gradients differ by fp8 rounding of the saved activations
+  (relative error ~2**-4 per element at worst). Two ways, chosen at every forward:
+
+  - in the block's own kernels (``in_kernels``, the default): a block that is a
+    :class:`~gem_model.api.SavedFormatBlock` (the HSTU block) gets ``saved_format = "e4m3_row"``, and a
+    forward that takes a path whose kernels store that format (the HSTU block fused by gem-kernels'
+    ``triton``: its gap keeps the uvqk output in e4m3 rows written by its silu pass and recomputes
+    silu of it in backward) runs with no hooks: no Python per saved tensor, no pass of its own. What
+    the block's other modules save (the linears' inputs, the layer norm's input, the attention output)
+    stays as computed;
+  - through ``saved_tensors_hooks`` (every other forward: op by op, compiled, other kernels, or
+    ``in_kernels: false``): every activation autograd saves in the block, with per-32-block or per-row
+    scales (:mod:`gem_precision.saved_tensors`). Parameters, integer and small tensors are kept as they
+    are. It halves what is kept between forward and backward; its step-time cost is the HBM traffic of
+    compressing (~3 bytes moved per saved byte: ~600/d times the block's GEMM time at width d) plus the
+    hooks' Python per tensor, and the peak falls much less than the saved bytes, as the backward
+    nodes' transients stay (see :mod:`gem_precision.saved_tensors` for both).
 
 Wrapping keeps the block object: its ``forward`` is replaced on the instance, so parameter names,
 state-dict keys, hooks and ``isinstance`` checks are those of the original block. A block can carry
@@ -32,7 +42,7 @@ from pydantic import Field, field_validator
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from gem_model.api import ActivationPolicy, ComponentConfig
+from gem_model.api import E4M3_ROW, ActivationPolicy, ComponentConfig, SavedFormatBlock
 from gem_precision.saved_tensors import Fp8SavedTensors, SavedTensorStats
 
 POLICY_ATTR = "_gem_activation_policy"
@@ -137,18 +147,30 @@ class CheckpointSelectivePolicy(ActivationPolicy):
 
 
 class Fp8SavedPolicy(ActivationPolicy):
-    """Stores the block's saved activations in fp8 e4m3 (see :mod:`gem_precision.saved_tensors`).
+    """Stores the block's saved activations in fp8 e4m3: in the block's own kernels where its forward
+    can (:mod:`gem_model.saved_format`), else through saved-tensor hooks (:mod:`gem_precision.saved_tensors`).
 
-    ``stats`` accumulates what was saved over all forwards since :meth:`reset_stats`.
+    ``stats`` accumulates, since :meth:`reset_stats`, what the hooks saved, and counts the forwards
+    whose kernels compressed instead (``kernel_forwards``: no hook sees their tensors, so their bytes
+    are what autograd keeps, as an outer :class:`~gem_precision.saved_tensors.CountSavedTensors` or
+    the profile's memory section counts them).
     """
 
     name: ClassVar[str] = "fp8_saved"
 
     class Config(ComponentConfig):
         granularity: Literal["block32", "row"] = Field(
-            "block32", description="block32: MXFP8 (one e8m0 scale per 32 along the last dim); row: one scale per row"
+            "block32",
+            description="scales of what the hooks compress: block32: MXFP8 (one e8m0 scale per 32 along the last "
+            "dim); row: one scale per row (the block's own kernels always use row scales, e4m3_row)",
         )
-        min_numel: int = Field(65536, ge=1, description="tensors with fewer elements are kept as they are")
+        min_numel: int = Field(65536, ge=1, description="tensors with fewer elements are kept as they are (hooks)")
+        in_kernels: bool = Field(
+            True,
+            description="a block whose kernels can store what they save in e4m3 rows (gem_model.saved_format: the "
+            "HSTU block on gem-kernels' fused path) does so, without hooks, in each forward that takes that path; "
+            "false: hooks on every forward",
+        )
 
     def __init__(self, config: ComponentConfig | None = None):
         super().__init__(config)
@@ -158,9 +180,16 @@ class Fp8SavedPolicy(ActivationPolicy):
         self.stats = SavedTensorStats()
 
     def wrap_block(self, block: nn.Module, fqn: str) -> nn.Module:
-        return install(block, fqn, self.name, functools.partial(self._run, block))
+        in_kernels = self.config.in_kernels and isinstance(block, SavedFormatBlock)
+        install(block, fqn, self.name, functools.partial(self._run, block, in_kernels))
+        if in_kernels:
+            block.saved_format = E4M3_ROW  # type: ignore[union-attr]
+        return block
 
-    def _run(self, block: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _run(self, block: nn.Module, in_kernels: bool, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if in_kernels and block.saves_in_kernels():  # type: ignore[operator]
+            self.stats.kernel_forwards += 1
+            return forward(*args, **kwargs)
         codec = Fp8SavedTensors(
             granularity=self.config.granularity, min_numel=self.config.min_numel, parameters=block.parameters()
         )

@@ -72,9 +72,12 @@ class SavedTensorStats:
     """Bytes the saved tensors' storages hold (what would be kept without compression)."""
     bytes_stored: int = 0
     """Bytes actually kept: uncompressed storages plus the fp8 payloads and scales."""
+    kernel_forwards: int = 0
+    """Forwards whose block compressed in its own kernels, with no hooks: none of their tensors is in
+    the counts above."""
 
     def add(self, other: SavedTensorStats) -> None:
-        for field in ("tensors", "compressed", "bytes_in", "bytes_stored"):
+        for field in ("tensors", "compressed", "bytes_in", "bytes_stored", "kernel_forwards"):
             setattr(self, field, getattr(self, field) + getattr(other, field))
 
 

@@ -1,9 +1,12 @@
 """Inputs that exercise every branch of the quantizers; used by the tests and by the GPU benchmark
-(which checks the compiled kernels against the references on them)."""
+(which checks the compiled kernels against the references on them). Also an HSTU-shaped block and a
+counter of the saved-tensor hooks' work, for the activation policies' tests."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -75,3 +78,23 @@ class HstuLikeBlock(torch.nn.Module):
         u, v, q, k = torch.nn.functional.silu(self.uvqk(self.norm_in(x))).split(self.dim, dim=-1)
         attn = torch.nn.functional.silu(q * k) * v
         return x + self.out(self.norm_attn(attn) * u)
+
+
+@contextlib.contextmanager
+def counting_packs() -> Iterator[list[torch.Size]]:
+    """Inside, every tensor ``fp8_saved``'s saved-tensor hooks pack is listed (its shape): an empty
+    list means the hooks never ran."""
+    from gem_precision.saved_tensors import Fp8SavedTensors
+
+    packed: list[torch.Size] = []
+    pack = Fp8SavedTensors.pack
+
+    def counting(self: Fp8SavedTensors, t: torch.Tensor) -> object:
+        packed.append(t.shape)
+        return pack(self, t)
+
+    Fp8SavedTensors.pack = counting  # type: ignore[method-assign]
+    try:
+        yield packed
+    finally:
+        Fp8SavedTensors.pack = pack  # type: ignore[method-assign]

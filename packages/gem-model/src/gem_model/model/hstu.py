@@ -9,7 +9,9 @@ One block, on the ``[L, D]`` values of a jagged batch::
 
 The attention kernel may offer the whole block fused around its two linears
 (:meth:`~gem_model.components.JaggedAttentionKernel.fused_block`); the block then hands it ``x`` and
-the linears, and gets the block's output back.
+the linears, and gets the block's output back. On that path the block is a
+:class:`~gem_model.saved_format.SavedFormatBlock`: an activation policy may set ``saved_format``, and
+the fused kernels then store what they save in it (when the kernel offers that format).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class HSTUBlock(nn.Module):
         self.max_seq_len, self.max_attn_len, self.alpha = max_seq_len, max_attn_len, alpha
         self.attention, self.norm_gate = attention, norm_gate
         self.fuse = True  # use the attention kernel's fused block when it offers one (False: op by op)
+        self.saved_format: str | None = None  # set by an activation policy (gem_model.saved_format)
         attention.fused_block(norm_gate)  # a kernel refuses a norm-gate it cannot fuse: when built
         self.uvqk = nn.Linear(dim, num_heads * (2 * value_dim + 2 * attention_dim))
         self.gate_weight = nn.Parameter(torch.ones(num_heads * value_dim))
@@ -68,6 +71,21 @@ class HSTUBlock(nn.Module):
         make = getattr(self.attention, "fused_block", None) if self.fuse else None
         return make(self.norm_gate) if make is not None else None
 
+    def saves_in_kernels(self) -> bool:
+        """Whether a forward now stores what the fused kernels save in ``saved_format``
+        (:class:`~gem_model.saved_format.SavedFormatBlock`): the fused path, from a kernel that offers
+        that format (``JaggedAttentionKernel.saved_formats``)."""
+        return self._kernel_saved_format(self._fused_now()) is not None
+
+    def _fused_now(self) -> Callable[..., torch.Tensor] | None:
+        return None if torch.compiler.is_compiling() else self.fused
+
+    def _kernel_saved_format(self, fused: Callable[..., torch.Tensor] | None) -> str | None:
+        """``saved_format`` when the forward takes ``fused`` and its kernel stores that format, else None."""
+        if fused is None or self.saved_format is None:
+            return None
+        return self.saved_format if self.saved_format in getattr(self.attention, "saved_formats", ()) else None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -87,16 +105,18 @@ class HSTUBlock(nn.Module):
             num_targets=num_targets, max_attn_len=self.max_attn_len, position_bias=self.position_bias,
             time_bias=self.time_bias, timestamps=key_times, query_timestamps=query_times,
         )
-        fused = None if torch.compiler.is_compiling() else self.fused
+        fused = self._fused_now()
         if fused is not None:
             # the linear itself when dropout is off: then it may take the norm-gate's quantized rows
             # (gem_model.prequantized), which an active dropout would no longer match
             dropout_off = self.dropout.p == 0 or not self.training
             out = self.out if dropout_off else lambda y: self.out(self.dropout(y))
+            # passed only when set: a fused block written before the argument existed still fits
+            saved = self._kernel_saved_format(fused)
             return fused(
                 x, self.uvqk, out, self.gate_weight, self.gate_bias,
                 offsets, num_heads=h, attention_dim=dqk, value_dim=dv, max_seq_len=self.max_seq_len,
-                alpha=self.alpha, eps=GATE_EPS, extras=extras,
+                alpha=self.alpha, eps=GATE_EPS, extras=extras, **({"saved_format": saved} if saved else {}),
             )
         pre = self.uvqk(F.layer_norm(x, x.shape[-1:]))
         u, v, q, k = torch.split(F.silu(pre), [h * dv, h * dv, h * dqk, h * dqk], dim=-1)

@@ -1,0 +1,174 @@
+"""The fused HSTU gap's saved pre-activation in fp8, ``saved_format="e4m3_row"`` (imports triton).
+
+Of what the gap (:mod:`gem_kernels.hstu_gap_triton`) keeps for backward, ``pre`` ``[L, W]`` (``W = H (2 Dv
++ 2 Dqk)``, the uvqk output) and ``post`` (silu of its v, q, k columns, ``[L, W - H Dv]``) are most: 8 and
+6 KiB a token at d = 1024 with 8 heads of 128 in bf16, against 2 for the attention output. In this
+format the gap keeps instead ``pre`` in e4m3 with one power-of-two float32 scale per row (4 KiB + 4 B a
+token), and recomputes ``post`` from it in backward:
+
+* forward, :func:`silu_quantize_rows`: the pass that writes ``post`` reads whole rows of ``pre`` (one
+  program holds its rows in registers: a 4096-wide bf16 row is 16 KiB of fp32 across 8 warps, so the
+  row's amax comes from the registers already loaded, no second read and no atomics) and writes the
+  e4m3 row and its scale beside ``post``. Per token it reads ``2 W`` bytes (the ``u`` columns are new:
+  the plain silu pass reads only v, q, k) and writes ``post`` plus ``W + 4``: at the big config
+  8 + 6 + 4 KiB against 6 + 6 KiB, +6 KiB a token.
+* backward, :func:`expand_rows`: one pass reads the e4m3 rows (``W + 4`` bytes a token) and writes the
+  ``u`` columns in the activation dtype (for the norm-gate backward) and ``post`` (for the attention
+  backward), the buffers those kernels read: 4 KiB in, 2 + 6 KiB out. The silu gradient pass reads its
+  ``silu'(pre)`` from the e4m3 columns directly (3 KiB a token instead of 6). So the backward adds
+  12 - 3 = 9 KiB a token, the whole format 15 KiB a token per block; it frees 10 KiB a token per
+  block between forward and backward (16 -> 6 with the attention output).
+
+The attention output stays as computed: the attention kernel writes it and the norm-gate reads it, and
+neither is a kernel of the gap's own (compressing it here would be a pass of its own).
+
+The forward outputs are those of the plain gap (``post`` is silu of the exact ``pre``); the gradients
+see ``pre`` rounded to e4m3 (3 mantissa bits: at most 2**-4 relative error per element). The scale
+rule and the bytes are gem-precision's row quantizer's (``gem_precision.fp8_reference``, row
+granularity; its Triton form is ``gem_precision.fp8_quant_triton._fp8_rows_kernel``): gem-kernels
+cannot import gem-precision, so the few lines of that rule are repeated here, and a root test checks
+the bytes against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
+
+# constexpr: compiled kernels read only constexpr globals
+E4M3_EMAX = tl.constexpr(8)  # the largest e4m3 value is 448 = 1.75 * 2**8
+E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+E4M3_SUBNORMAL_MAGIC = tl.constexpr(1.5 * 2.0 ** (23 - 9))  # adding and subtracting it rounds to e4m3's 2**-9 spacing
+NAN_BYTE = tl.constexpr(0x7F)  # every byte of a row holding a NaN or an infinity, as the reference writes it
+ROW_CHUNK = 64 if INTERPRET else 4096
+"""Columns of a row held in registers at once: wider rows are read twice (the second from L2)."""
+EXPAND_TILE = (4, 64) if INTERPRET else (16, 256)
+
+
+@triton.jit
+def _e4m3_scale(amax_bits):
+    """(2**s, 2**-s, non-finite) with s the largest integer such that amax * 2**s <= 448, clamped to
+    [-126, 126]; a NaN scale for a non-finite amax (gem_precision.fp8_quant_triton._pow2_scale)."""
+    floor_log2 = (amax_bits >> 23) - 127
+    s = E4M3_EMAX - floor_log2 - ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 448 = 1.75 * 2**8
+    s = tl.minimum(tl.maximum(s, -126), 126)
+    nonfinite = amax_bits >= 0x7F800000
+    scale = tl.where(nonfinite, 0x7FC00000, (127 + s) << 23).to(tl.float32, bitcast=True)
+    scale_inv = tl.where(nonfinite, 0x7FC00000, (127 - s) << 23).to(tl.float32, bitcast=True)
+    return scale, scale_inv, nonfinite
+
+
+@triton.jit
+def _e4m3_bits(v, SOFTWARE_ROUND: tl.constexpr):
+    """float32 ``v`` (|v| <= 448) -> e4m3 bytes, round to nearest even. The GPU's cast does that; the
+    interpreter's does not, so there ``v`` is first put on the e4m3 grid exactly
+    (gem_precision.triton_common.round_to_fp8_grid)."""
+    if SOFTWARE_ROUND:
+        b = v.to(tl.int32, bitcast=True)
+        lsb = (b >> 20) & 1
+        normal = ((b + 0x7FFFF + lsb) & -(1 << 20)).to(tl.float32, bitcast=True)
+        sub = (v + E4M3_SUBNORMAL_MAGIC) - E4M3_SUBNORMAL_MAGIC
+        sub = (sub.to(tl.int32, bitcast=True) | ((b >> 31) << 31)).to(tl.float32, bitcast=True)
+        v = tl.where(tl.abs(v) < E4M3_MIN_NORMAL, sub, normal)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _store_chunk(z, rows, cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post,
+                 SOFTWARE_ROUND: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    bits = tl.where(nonfinite[:, None], NAN_BYTE, _e4m3_bits(z * scale[:, None], SOFTWARE_ROUND).to(tl.int32))
+    tl.store(Q + rows[:, None] * width + cols[None, :], bits.to(tl.uint8), mask=inside)
+    post_cols = tl.where(cols >= hv, cols - hv, 0)
+    tl.store(POST + rows[:, None] * stride_post + post_cols[None, :], cast(z * tl.sigmoid(z), POST.dtype.element_ty, INTERP),
+             mask=inside & (cols >= hv)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _silu_quantize(PRE, POST, Q, SCALE_INV, stride_pre, stride_post, num_rows, width, hv,
+                   ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+                   INTERP: tl.constexpr):  # fmt: skip
+    """``POST = silu(PRE[:, hv:])``; ``Q``, ``SCALE_INV``: ``PRE`` in e4m3 rows. Each program owns ``ROWS``
+    whole rows."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    rows_ok = rows < num_rows
+    cols = tl.arange(0, BLOCK)
+    pre_rows = PRE + rows[:, None] * stride_pre
+    if ONE_CHUNK:
+        inside = rows_ok[:, None] & (cols < width)[None, :]
+        z = tl.load(pre_rows + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        amax = tl.max(z.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # |z| as bits: NaN above inf
+    else:
+        amax = tl.zeros([ROWS], dtype=tl.int32)
+        for c0 in range(0, width, BLOCK):
+            inside = rows_ok[:, None] & (c0 + cols < width)[None, :]
+            z = tl.load(pre_rows + c0 + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(z.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+    scale, scale_inv, nonfinite = _e4m3_scale(amax)
+    tl.store(SCALE_INV + rows, scale_inv, mask=rows_ok)
+    if ONE_CHUNK:
+        _store_chunk(z, rows, cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post, SOFTWARE_ROUND, INTERP)
+    else:
+        for c0 in range(0, width, BLOCK):
+            inside = rows_ok[:, None] & (c0 + cols < width)[None, :]
+            z = tl.load(pre_rows + c0 + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+            _store_chunk(z, rows, c0 + cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post, SOFTWARE_ROUND,
+                         INTERP)  # fmt: skip
+
+
+@triton.jit
+def _expand(Q, SCALE_INV, U, POST, stride_u, stride_post, num_rows, width, hv,
+            ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """``U = pre[:, :hv]``, ``POST = silu(pre[:, hv:])`` of ``pre = Q * SCALE_INV[row]``."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    rows_ok = rows < num_rows
+    inside = rows_ok[:, None] & (cols < width)[None, :]
+    q = tl.load(Q + rows[:, None] * width + cols[None, :], mask=inside, other=0)
+    z = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.load(SCALE_INV + rows, mask=rows_ok, other=1.0)[:, None]
+    u_cols = tl.where(cols < hv, cols, 0)
+    tl.store(U + rows[:, None] * stride_u + u_cols[None, :], cast(z, U.dtype.element_ty, INTERP),
+             mask=inside & (cols < hv)[None, :])  # fmt: skip
+    post_cols = tl.where(cols >= hv, cols - hv, 0)
+    tl.store(POST + rows[:, None] * stride_post + post_cols[None, :], cast(z * tl.sigmoid(z), POST.dtype.element_ty, INTERP),
+             mask=inside & (cols >= hv)[None, :])  # fmt: skip
+
+
+def silu_quantize_rows(pre: torch.Tensor, post: torch.Tensor, hv: int, *, chunk: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``post[:] = silu(pre[:, hv:])`` (as :func:`gem_kernels.hstu_gap_triton.silu_columns` writes it) and
+    ``pre`` in e4m3 rows: ``(data [L, W] float8_e4m3fn, scale_inv [L] float32)``, ``pre ~= data *
+    scale_inv[:, None]``. ``pre`` and ``post`` have unit column stride; ``chunk``: columns held at once
+    (default :data:`ROW_CHUNK`; tests set it to reach both paths)."""
+    num_rows, width = pre.shape
+    data = torch.empty((num_rows, width), dtype=torch.float8_e4m3fn, device=pre.device)
+    scale_inv = torch.empty(num_rows, dtype=torch.float32, device=pre.device)
+    block = min(triton.next_power_of_2(max(width, 1)), chunk or ROW_CHUNK)
+    rows_per_program = max(1, min(16, (256 if INTERPRET else 8192) // block))
+    if num_rows:
+        with device_guard(pre.device):
+            _silu_quantize[(triton.cdiv(num_rows, rows_per_program),)](
+                pre, post, data.view(torch.uint8), scale_inv, pre.stride(0), post.stride(0), num_rows, width, hv,
+                ROWS=rows_per_program, BLOCK=block, ONE_CHUNK=width <= block, SOFTWARE_ROUND=INTERPRET,
+                INTERP=INTERPRET, num_warps=8 if rows_per_program * block >= 4096 else 4,
+            )  # fmt: skip
+    return data, scale_inv
+
+
+def expand_rows(data: torch.Tensor, scale_inv: torch.Tensor, hv: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """From :func:`silu_quantize_rows`'s rows: ``(u, post)`` in ``dtype``, ``u = pre[:, :hv]`` ``[L, hv]``
+    and ``post = silu(pre[:, hv:])``, with ``pre = data * scale_inv[:, None]`` (exact in bf16 and fp32)."""
+    num_rows, width = data.shape
+    u = torch.empty((num_rows, hv), dtype=dtype, device=data.device)
+    post = torch.empty((num_rows, width - hv), dtype=dtype, device=data.device)
+    rows, cols = EXPAND_TILE
+    if num_rows:
+        with device_guard(data.device):
+            _expand[(triton.cdiv(num_rows, rows), triton.cdiv(width, cols))](
+                data.view(torch.uint8), scale_inv, u, post, u.stride(0), post.stride(0), num_rows, width, hv,
+                ROWS=rows, COLS=cols, INTERP=INTERPRET, num_warps=4,
+            )  # fmt: skip
+    return u, post
