@@ -127,6 +127,30 @@ def switch_no_producers(run: object) -> Callable[[], None]:
     return undo
 
 
+def _fp8_saved(*, in_kernels: bool) -> Switch:
+    """A switch for ``benchmarks/e2e_ab.py``: ``fp8_saved`` (``in_kernels`` as given) on the live run's
+    HSTU blocks, as the trainer applies it; its undo gives the blocks back their own forward. The run
+    itself must be configured with ``activation.policy: none``."""
+
+    def apply(run: object) -> Callable[[], None]:
+        from gem_precision.activation import POLICY_ATTR, Fp8SavedPolicy
+
+        blocks = list(run.model.blocks)  # type: ignore[attr-defined]
+        policy = Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=in_kernels))
+        for i, block in enumerate(blocks):
+            policy.wrap_block(block, f"blocks.{i}")
+
+        def undo() -> None:
+            for block in blocks:
+                del block.forward  # the instance attribute the policy set: the class's forward again
+                delattr(block, POLICY_ATTR)
+                block.saved_format = None
+
+        return undo
+
+    return apply
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -137,4 +161,6 @@ VARIANTS: dict[str, Switch] = {
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
     "no_producers": switch_no_producers,
+    "fp8_saved": _fp8_saved(in_kernels=True),
+    "fp8_saved_hooks": _fp8_saved(in_kernels=False),
 }

@@ -22,11 +22,8 @@ quantizer on this device. Then ``--rounds`` rounds time one step of each variant
 less what was allocated before it (parameters, inputs), and what the forward leaves allocated besides
 its output (saved for backward). The issue's target: >= 30 % less peak than ``none`` at <= 5 % step
 cost; the blocks are only part of a step of the whole model (tables, embeddings, loss), so the whole
-model's figures come from ``benchmarks/e2e_ab.py`` with the switches of :func:`ab_switch`::
-
-    # in benchmarks/e2e_ab.py, after VARIANTS:
-    from fp8_saved_block import ab_switch
-    VARIANTS.update(fp8_saved=ab_switch(in_kernels=True), fp8_saved_hooks=ab_switch(in_kernels=False))
+model's figures come from ``benchmarks/e2e_ab.py`` with its switches ``fp8_saved`` and ``fp8_saved_hooks``
+(``benchmarks/ab_switches.py``), e.g.::
 
     torchrun --standalone --nproc-per-node 1 benchmarks/e2e_ab.py --config configs/h200-large.yaml \\
         --variants A=base,B=fp8_saved,C=fp8_saved_hooks --steps 60 --out ab-fp8-saved.json
@@ -40,7 +37,6 @@ import datetime
 import json
 import statistics
 import sys
-from collections.abc import Callable
 
 import hstu_gap  # benchmarks/: the gap benchmark's inputs
 import torch
@@ -50,7 +46,7 @@ from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.norm_gate import TritonNormGate
 from gem_kernels.testing import relative_error
 from gem_model.model.hstu import HSTUBlock
-from gem_precision.activation import POLICY_ATTR, Fp8SavedPolicy, NoActivationPolicy
+from gem_precision.activation import Fp8SavedPolicy, NoActivationPolicy
 from gem_precision.formats import E4M3
 from gem_precision.fp8_reference import quantize_fp8_reference
 from gem_precision.schemes import Bf16Scheme, Fp8RowwiseScheme
@@ -133,28 +129,6 @@ def check_bits(device: torch.device, rows: int) -> dict:
     bytes_differ = int((data.view(torch.uint8) != want.data.view(torch.uint8)).sum())
     scales_differ = int((scale_inv.view(torch.int32) != want.scale_inv.reshape(-1).view(torch.int32)).sum())
     return {"rows": rows, "bytes_differ": bytes_differ, "scales_differ": scales_differ}
-
-
-def ab_switch(*, in_kernels: bool) -> Callable[[object], Callable[[], None]]:
-    """A switch for ``benchmarks/e2e_ab.py``: ``fp8_saved`` (``in_kernels`` as given) on the live run's
-    HSTU blocks, as the trainer applies it; its undo gives the blocks back their own forward. The run
-    itself must be configured with ``activation.policy: none``."""
-
-    def apply(run: object) -> Callable[[], None]:
-        blocks = list(run.model.blocks)  # type: ignore[attr-defined]
-        policy = Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=in_kernels))
-        for i, block in enumerate(blocks):
-            policy.wrap_block(block, f"blocks.{i}")
-
-        def undo() -> None:
-            for block in blocks:
-                del block.forward  # the instance attribute the policy set: the class's forward again
-                delattr(block, POLICY_ATTR)
-                block.saved_format = None
-
-        return undo
-
-    return apply
 
 
 def main() -> int:

@@ -51,9 +51,11 @@ def within_e4m3_rounding(rounded: torch.Tensor, x: torch.Tensor, scale_inv: torc
 
 
 def gap(pre, weight, bias, offsets, extras, dq_mode, saved_format):
-    return hstu_gap_triton(pre, weight, bias, offsets, num_heads=HEADS, attention_dim=DQK, value_dim=DV,
-                           max_seq_len=12, alpha=1 / math.sqrt(DQK), eps=EPS, extras=extras, dq_mode=dq_mode,
-                           saved_format=saved_format)  # fmt: skip
+    y, rows = hstu_gap_triton(pre, weight, bias, offsets, num_heads=HEADS, attention_dim=DQK, value_dim=DV,
+                              max_seq_len=12, alpha=1 / math.sqrt(DQK), eps=EPS, extras=extras, dq_mode=dq_mode,
+                              saved_format=saved_format)  # fmt: skip
+    assert rows is None  # no quantized rows asked for
+    return y
 
 
 def rounded_reference(pre, pre_hat, weight, bias, offsets, extras):
