@@ -88,7 +88,8 @@ def silu(t: dict, rows: int, cols: int, warps: int, grad: bool) -> Callable[[], 
 KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # name: (launch, shipped params, candidates, bytes per row moved)
     "norm_gate_bwd": (norm_gate_bwd, (4, 4, 4), list(itertools.product((2, 4, 8), (4, 8), (2, 4, 8))), 10 * D),
-    "norm_bwd": (norm_bwd, (4, 4, 0),  # (8, 4) until 2026-12-02's run list(itertools.product((2, 4, 8, 16), (4, 8), (0,))), 8 * D),
+    # shipped (8, 4) until the 2026-12-02 run of this script
+    "norm_bwd": (norm_bwd, (4, 4, 0), list(itertools.product((2, 4, 8, 16), (4, 8), (0,))), 8 * D),
     "silu_fwd": (lambda t, r, c, w: silu(t, r, c, w, False), (16, 256, 4),
                  list(itertools.product((16, 32), (256, 512, 1024), (4, 8))), 4 * (WIDTH - D)),
     "silu_bwd": (lambda t, r, c, w: silu(t, r, c, w, True), (16, 256, 4),
