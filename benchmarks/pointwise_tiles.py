@@ -174,7 +174,7 @@ def main() -> int:
         ship = next(r for r in rows if r["shipped"])
         print(f"\n{name} (params {KERNELS[name][1]} shipped): {ship['ms_median']:.3f} ms, {ship['gb_s']:.0f} GB/s; best:")
         for row in rows[:5]:
-            print(f"  {str(tuple(row['params'])):<16} {row['ms_q1']:.3f} / {row['ms_median']:.3f} / {row['ms_q3']:.3f} ms "
+            print(f"  {tuple(row['params'])!s:<16} {row['ms_q1']:.3f} / {row['ms_median']:.3f} / {row['ms_q3']:.3f} ms "
                   f"{row['gb_s']:>6.0f} GB/s  {ship['ms_median'] / row['ms_median']:.3f}x shipped")  # fmt: skip
         if bad:
             print(f"  outputs differ from the shipped launch (max abs): {bad}")
