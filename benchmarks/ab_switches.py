@@ -79,7 +79,7 @@ def switch_host_syncs(run: object) -> Callable[[], None]:
     return undo
 
 
-def _precision(scheme_name: str) -> Switch:
+def _precision(scheme_name: str, **options: object) -> Switch:
     """The model's bf16 linears swapped for ``scheme_name``'s modules (``fp8_rowwise``, ...), built by the
     registered scheme from the same Parameters, so the optimizer and the weights are shared; the swap
     is undone by putting the bf16 modules back. The converted modules are kept across toggles."""
@@ -88,9 +88,10 @@ def _precision(scheme_name: str) -> Switch:
         from gem_model.plugins import GemPluginManager
 
         cache = run.__dict__.setdefault("_ab_precision", {})  # type: ignore[attr-defined]
-        if scheme_name not in cache:
+        key = (scheme_name, tuple(sorted(options.items())))
+        if key not in cache:
             entry = GemPluginManager().precision_schemes.get(scheme_name)
-            scheme = entry.cls(entry.cls.Config())
+            scheme = entry.cls(entry.cls.Config(**options))
             swaps = []
             for parent_name, parent in run.model.named_modules():  # type: ignore[attr-defined]
                 for child_name, child in parent.named_children():
@@ -99,8 +100,8 @@ def _precision(scheme_name: str) -> Switch:
                         swaps.append((parent, child_name, child, scheme.convert_linear(child, fqn)))
             if not swaps:
                 raise SystemExit(f"--variants {scheme_name}: the run has no bf16 linears to convert (precision.scheme bf16)")
-            cache[scheme_name] = swaps
-        swaps = cache[scheme_name]
+            cache[key] = swaps
+        swaps = cache[key]
         for parent, name, _, new in swaps:
             setattr(parent, name, new)
 
@@ -111,20 +112,6 @@ def _precision(scheme_name: str) -> Switch:
         return undo
 
     return apply
-
-
-def switch_no_producers(run: object) -> Callable[[], None]:
-    """The run's scaled linears quantize their inputs themselves (stats and cast passes) instead of
-    taking the e4m3 rows their producers (layer norm, norm-gate) write: put it after an ``fp8_*`` switch."""
-    linears = [m for m in run.model.modules() if hasattr(m, "input_quantization")]  # type: ignore[attr-defined]
-    for m in linears:
-        m.input_quantization = lambda device: None
-
-    def undo() -> None:
-        for m in linears:
-            del m.input_quantization
-
-    return undo
 
 
 def _fp8_saved(*, in_kernels: bool) -> Switch:
@@ -160,7 +147,7 @@ VARIANTS: dict[str, Switch] = {
     "host_syncs": switch_host_syncs,
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
-    "no_producers": switch_no_producers,
+    "fp8_rowwise_producers": _precision("fp8_rowwise", producer_quantization=True),
     "fp8_saved": _fp8_saved(in_kernels=True),
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
 }

@@ -130,7 +130,7 @@ def random_block_inputs(b: HSTUBlock, gen: torch.Generator) -> tuple[torch.Tenso
 
 
 def test_fused_block_with_producer_quantization_is_bit_identical(gen, monkeypatch):
-    b = block(Fp8RowwiseScheme(Fp8RowwiseScheme.Config(backend="emulated")))
+    b = block(Fp8RowwiseScheme(Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=True)))
     x, dy = random_block_inputs(b, gen)
     assert wanted_quantization(b.uvqk, x.device) == RowQuantization(column_amax=True)
     calls: list[str] = []

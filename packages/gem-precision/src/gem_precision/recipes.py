@@ -83,10 +83,12 @@ class Fp8Recipe(LinearRecipe):
     operand_type = Fp8Operand
 
     def __init__(
-        self, scheme: str, *, granularity: Granularity, grad_format: Fp8Format, native: bool, fast_accum_forward: bool
+        self, scheme: str, *, granularity: Granularity, grad_format: Fp8Format, native: bool, fast_accum_forward: bool,
+        producer_rows: bool = False,
     ):
         self.scheme = scheme
         self.granularity = granularity
+        self.producer_rows = producer_rows
         self.grad_format = grad_format
         self.native = native
         self.backend = "native" if native else "emulated"
@@ -106,7 +108,8 @@ class Fp8Recipe(LinearRecipe):
 
     @property
     def takes_prequantized_rows(self) -> bool:
-        return self.granularity == "row"
+        """Row scales only, and only when the scheme asks for it (``fp8_rowwise``'s ``producer_quantization``)."""
+        return self.granularity == "row" and self.producer_rows
 
     def quantize_prequantized(self, t: torch.Tensor, rows: PrequantizedRows, *, cols_t: bool) -> Quantized:
         if not self.takes_prequantized_rows:

@@ -151,6 +151,7 @@ class _Fp8Scheme(ScaledScheme):
             grad_format=fp8_format(self.config.grad_format),
             native=backend == "native" or (backend == "auto" and has_native),
             fast_accum_forward=self.config.fast_accum_forward,
+            producer_rows=getattr(self.config, "producer_quantization", False),
         )
 
     def _auto_reason(self, backend: str, device: torch.device) -> str:
@@ -189,6 +190,14 @@ class Fp8RowwiseScheme(_Fp8Scheme):
 
     class Config(_Fp8Config):
         grad_format: Literal["e4m3", "e5m2"] = Field("e4m3", description="fp8 format of grad_output")
+        producer_quantization: bool = Field(
+            False,
+            description="the kernels that produce a linear's input (the fused HSTU block's layer norm and "
+            "norm-gate) write its e4m3 rows and column maxima, and the linear skips its own row quantization "
+            "(gem_model.prequantized). Off by default: on the H200's big config the producers' column "
+            "maxima made the layer norm and norm-gate kernels slower (+13 ms a step) than the passes they "
+            "saved (-4 ms): 0.936x bf16 against 0.978x without (benchmarks/results/e2e_ab.md, 2026-12-02)",
+        )
 
 
 class MXFP8Scheme(ScaledScheme):
