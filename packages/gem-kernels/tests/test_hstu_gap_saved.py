@@ -146,19 +146,22 @@ def test_silu_quantize_rows_follows_the_row_rule(gen, chunk, dtype):
         assert (data[bad].view(torch.uint8) == 0x7F).all() and scale_inv[bad].isnan()
 
 
-def test_expand_rows_and_the_e4m3_silu_gradient(gen):
-    pre = torch.randn(9, 70, generator=gen) * 3
-    data, scale_inv = silu_quantize_rows(pre, torch.empty(9, 50), 20)
+# (u columns, width): with the interpreter's 64-column expand tiles, (20, 70) has a tile across the u/post
+# boundary and one of post only; (64, 150) a tile of u only and two of post only
+@pytest.mark.parametrize("hv, width", [(20, 70), (64, 150)])
+def test_expand_rows_and_the_e4m3_silu_gradient(gen, hv, width):
+    pre = torch.randn(9, width, generator=gen) * 3
+    data, scale_inv = silu_quantize_rows(pre, torch.empty(9, width - hv), hv)
     pre_hat = dequantized(data, scale_inv).float()
     for dtype in (torch.float32, torch.bfloat16):
-        u, post = expand_rows(data, scale_inv, 20, dtype)
-        assert torch.equal(u, pre_hat[:, :20].to(dtype))  # e4m3 values are exact in bf16
-        torch.testing.assert_close(post, F.silu(pre_hat[:, 20:]).to(dtype), rtol=1e-6 if dtype == torch.float32 else 1e-2,
+        u, post = expand_rows(data, scale_inv, hv, dtype)
+        assert torch.equal(u, pre_hat[:, :hv].to(dtype))  # e4m3 values are exact in bf16
+        torch.testing.assert_close(post, F.silu(pre_hat[:, hv:]).to(dtype), rtol=1e-6 if dtype == torch.float32 else 1e-2,
                                    atol=1e-6)  # fmt: skip
     g = torch.randn(9, 30, generator=gen)
-    z = pre_hat[:, 40:].clone().requires_grad_()
+    z = pre_hat[:, 40:70].clone().requires_grad_()
     (want,) = torch.autograd.grad(F.silu(z), z, g)
-    got = silu_columns(data[:, 40:], torch.empty(9, 30), grad=g, scale_inv=scale_inv)
+    got = silu_columns(data[:, 40:70], torch.empty(9, 30), grad=g, scale_inv=scale_inv)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
