@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gem_model import api, components, hookspecs, lifecycle, protocols, saved_format
+from gem_model import api, components, hookspecs, kernels, lifecycle, protocols, saved_format
 from gem_model.context import RunContext
 from gem_model.layout import Layout
 from gem_model.plugins import REGISTRY_SPECS
@@ -16,7 +16,7 @@ from gem_model.plugins import REGISTRY_SPECS
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "plugins.md").read_text()
 HOOKS = [n for n, f in vars(hookspecs).items() if n.startswith("gem_") and inspect.isfunction(f)]
 INTERFACES = [
-    c for m in (components, lifecycle) for c in vars(m).values()
+    c for m in (components, kernels, lifecycle) for c in vars(m).values()
     if inspect.isclass(c) and issubclass(c, components.Component) and c.__module__ == m.__name__ and c is not components.Component
 ]  # fmt: skip
 PROTOCOLS = [protocols.ShardableModel, protocols.Stateful, saved_format.SavedFormatBlock]

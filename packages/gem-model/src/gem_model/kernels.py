@@ -1,0 +1,144 @@
+"""The kernel interfaces plugins implement: the jagged attention (with its optional parts,
+:class:`AttentionExtras`, and the fused HSTU block it may offer) and the norm-gate. Registered per op:
+``kernels.<op>: <name>``."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from gem_model.component_base import Component
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+
+class Kernel(Component):
+    """A compute kernel for one op. Kernels are registered per op: ``kernels.<op>: <name>``."""
+
+    op: ClassVar[str]
+
+    def check_available(self, device: torch.device) -> None:
+        """Raise :class:`gem_model.errors.KernelUnavailableError` if this kernel cannot run on ``device``.
+
+        Called once when the run is built, so that a misconfigured run fails before training starts,
+        never by silently falling back to another kernel.
+        """
+
+
+@dataclass(frozen=True)
+class AttentionExtras:
+    """The optional parts of a jagged attention call, as one value (what HSTU adds to plain causal
+    attention; see :class:`JaggedAttentionKernel` for the math).
+
+    ``num_targets`` int ``[B]``: the last ``t`` positions of each sequence are targets (``None``: none);
+    ``max_attn_len``: the window ``W`` (0: no window); ``position_bias`` ``[2 * max_seq_len - 1]`` and
+    ``time_bias`` ``[num_buckets]``: the relative biases (differentiable), the time bias with
+    ``timestamps`` and ``query_timestamps`` int ``[L]`` (each row's time as a key, and the time its
+    query is asked at).
+    """
+
+    num_targets: torch.Tensor | None = None
+    max_attn_len: int = 0
+    position_bias: torch.Tensor | None = None
+    time_bias: torch.Tensor | None = None
+    timestamps: torch.Tensor | None = None
+    query_timestamps: torch.Tensor | None = None
+
+
+NO_EXTRAS = AttentionExtras()
+"""Plain causal jagged attention: no targets, no window, no biases."""
+
+
+class JaggedAttentionKernel(Kernel):
+    """HSTU pointwise attention over jagged sequences.
+
+    For rows ``i, j`` of the same sequence ``b`` (rows ``seq_offsets[b]:seq_offsets[b+1]``)::
+
+        out_i = sum_j mask(i, j) * silu(alpha * <q_i, k_j> + r[j - i]) / max_seq_len * v_j
+
+    With ``n`` the sequence length and ``t = num_targets[b]`` (0 when ``num_targets`` is None), the
+    effective position is ``p(i) = min(i, n - t)`` and ``mask(i, j)`` holds when ``i == j`` or
+    ``0 < p(i) - p(j) <= W`` (``W = max_attn_len``; ``W = 0`` means no window). History is causal;
+    each target sees the history and itself only. No term crosses sequences.
+
+    ``r`` is the optional relative attention bias (HSTU's, shared by the heads), the sum of
+    ``position_bias[j - i + max_seq_len - 1]`` and, with ``time_bias``,
+    ``time_bias[bucket(query_timestamps[i] - timestamps[j])]``
+    (:func:`gem_model.jagged.time_buckets`); 0 when both are None. Only kernels with
+    ``supports_position_bias`` / ``supports_time_bias`` take them; the model checks that before training.
+    ``num_targets``, ``W`` and the biases travel together as one :class:`AttentionExtras`.
+
+    Shapes: ``q, k`` ``[L, H, Dqk]``, ``v`` ``[L, H, Dv]``, ``seq_offsets`` int ``[B + 1]``; returns
+    ``[L, H, Dv]`` in the dtype of ``v``.
+    """
+
+    op: ClassVar[str] = "jagged_attention"
+    supports_position_bias: ClassVar[bool] = False
+    supports_time_bias: ClassVar[bool] = False
+    saved_formats: ClassVar[tuple[str, ...]] = ()
+    """Formats (keys of :data:`gem_model.saved_format.SAVED_FORMATS`) in which the function of
+    :meth:`fused_block` can store what it saves for backward, asked for by its ``saved_format``
+    argument; empty (the default): none, and an activation policy compresses through hooks."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seq_offsets: torch.Tensor,
+        *,
+        max_seq_len: int,
+        alpha: float,
+        extras: AttentionExtras = NO_EXTRAS,
+    ) -> torch.Tensor: ...
+
+    def fused_block(self, norm_gate: NormGateKernel) -> Callable[..., torch.Tensor] | None:
+        """The HSTU block's whole forward as one function around its two linears, or ``None`` (the
+        default: the block composes layer norm, the linears, ``silu``, the split, this kernel and
+        ``norm_gate`` op by op; :mod:`gem_model.model.hstu`).
+
+        The function computes ``x + out(norm_gate(attention(q, k, v), u))`` with
+        ``u, v, q, k = split(silu(uvqk(layer_norm(x))))``::
+
+            block(x, uvqk, out, gate_weight, gate_bias, seq_offsets, *, num_heads, attention_dim,
+                  value_dim, max_seq_len, alpha, eps, extras[, saved_format])
+
+        ``uvqk`` and ``out`` are the block's linears as callables (the precision scheme's modules,
+        ``out`` with the block's dropout when that is active; its result is cast to ``x``'s dtype), so
+        the GEMMs stay the scheme's, and a linear may take its input pre-quantized by the kernel that
+        produced it (:mod:`gem_model.prequantized`); ``eps`` is the norm-gate's;
+        the rest has the semantics of :meth:`__call__` and :class:`NormGateKernel`. A kernel offers it
+        when it fuses the pointwise work around the GEMMs (gem-kernels' ``triton``);
+        ``norm_gate`` is the run's configured norm-gate kernel, so a fused block can refuse kernels
+        it does not implement (when the block is built). The block asks its current kernels for it
+        at every forward, so a wrapper that replaces its attention and offers none (tensor and context
+        parallelism) makes it compose the ops; so does ``torch.compile``. ``saved_format`` (one of
+        :attr:`saved_formats`, passed only when the block's activation policy asks for it,
+        :mod:`gem_model.saved_format`): the function's kernels store what they save for backward in
+        that format; the outputs are those of the call without it, the gradients differ by its rounding.
+        """
+        return None
+
+
+class NormGateKernel(Kernel):
+    """The HSTU block's pointwise step: ``layer_norm(x) * weight + bias`` multiplied by the gate ``u``.
+
+    ``x`` and ``u`` are ``[L, D]``; ``weight`` and ``bias`` are ``[D]``; returns ``[L, D]``.
+    """
+
+    op: ClassVar[str] = "norm_gate"
+
+    @abstractmethod
+    def __call__(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor: ...
