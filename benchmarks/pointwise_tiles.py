@@ -61,8 +61,8 @@ def norm_bwd(t: dict, rows: int, warps: int, _: int) -> Callable[[], tuple]:
     def run() -> tuple:
         ln._norm_bwd[(triton.cdiv(num_rows, rows),)](
             t["x"], t["dy"], t["skip"], dx, t["mean"], t["rstd"], t["x"].stride(0), t["dy"].stride(0),
-            t["skip"].stride(0), dx.stride(0), num_rows, D=D, BLOCK_D=D, ROWS=rows, HAS_SKIP=True, INTERP=INTERPRET,
-            num_warps=warps,
+            t["skip"].stride(0), dx.stride(0), num_rows, D=D, BLOCK_D=D, ROWS=rows, HAS_SKIP=True, XHAT_GIVEN=False,
+            INTERP=INTERPRET, num_warps=warps,
         )
         return (dx,)
 

@@ -98,12 +98,15 @@ def test_gap_refuses_a_projection_of_the_wrong_width():
                         num_heads=HEADS, attention_dim=DQK, value_dim=DV, max_seq_len=8, alpha=1.0, eps=EPS)  # fmt: skip
 
 
+@pytest.mark.parametrize("keep_output", [False, True], ids=["keeps_x", "keeps_ln"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_fork_sums_the_residual_gradient_into_the_layer_norms(gen, dtype):
+def test_norm_fork_sums_the_residual_gradient_into_the_layer_norms(gen, dtype, keep_output):
+    """``keep_output``: the backward reads the normalised rows instead of ``x`` (rounded to ``x``'s dtype,
+    so within bf16's 2**-8 of the recomputed ones): the same tolerances against float64 hold."""
     x = (torch.randn(7, 48, generator=gen) * 3 + 1).to(dtype)
     d_ln, d_skip = torch.randn(7, 48, generator=gen).to(dtype), torch.randn(7, 48, generator=gen).to(dtype)
     xi = x.clone().requires_grad_()
-    ln, skip, _ = norm_fork(xi)
+    ln, skip, _ = norm_fork(xi, keep_output=keep_output)
     (got,) = torch.autograd.grad([ln, skip], xi, [d_ln, d_skip])
     exact = x.double().requires_grad_()
     want_ln = F.layer_norm(exact, (48,))
@@ -113,6 +116,6 @@ def test_norm_fork_sums_the_residual_gradient_into_the_layer_norms(gen, dtype):
     assert torch.equal(skip, x)
     assert relative_error(got, want) < tolerance
     xj = x.clone().requires_grad_()
-    (only_ln,) = torch.autograd.grad(norm_fork(xj)[0], xj, d_ln)  # the residual branch unused
+    (only_ln,) = torch.autograd.grad(norm_fork(xj, keep_output=keep_output)[0], xj, d_ln)  # the residual branch unused
     (want_only,) = torch.autograd.grad(F.layer_norm(exact, (48,)), exact, d_ln.double())
     assert relative_error(only_ln, want_only) < tolerance

@@ -14,7 +14,9 @@ A linear that wants its input pre-quantized (``gem_model.api.wanted_quantization
 norm-gate's, instead of quantizing them itself (one read of the activation, or two, fewer a linear).
 
 ``saved_format="e4m3_row"`` (from the block's activation policy) reaches the gap, which then keeps
-its pre-activation in e4m3 rows (:mod:`gem_kernels.hstu_gap_saved`).
+its pre-activation in e4m3 rows (:mod:`gem_kernels.hstu_gap_saved`), and the layer norm, whose
+backward then reads ``ln`` (kept by ``uvqk`` anyway) instead of ``x``: ``x`` is not kept at all.
+(``wanted_quantization``'s rows are asked for only under ``fp8_rowwise``'s ``producer_quantization``.)
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def hstu_block_triton(
 ) -> torch.Tensor:
     """``x + out(gap(uvqk(layer_norm(x))))`` (``out``'s result in ``x``'s dtype); ``gap_options`` as
     :func:`hstu_gap_triton` takes them."""
-    ln, skip, ln_rows = norm_fork(x, quantize=wanted_quantization(uvqk, x.device))
+    # under a saved-activation format the layer norm's backward reads ln (which uvqk keeps anyway), not x
+    keep_output = gap_options.get("saved_format") is not None
+    ln, skip, ln_rows = norm_fork(x, quantize=wanted_quantization(uvqk, x.device), keep_output=keep_output)
     pre = call_linear(uvqk, ln, ln_rows)
     y, y_rows = hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets,
                                 quantize=wanted_quantization(out, x.device), **gap_options)  # fmt: skip

@@ -58,16 +58,21 @@ def _norm_fwd(X, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_y, num_rows
 @triton.jit
 def _norm_bwd(X, DY, DSKIP, DX, MEAN, RSTD, stride_x, stride_dy, stride_skip, stride_dx, num_rows,
               D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
-              INTERP: tl.constexpr):
+              XHAT_GIVEN: tl.constexpr, INTERP: tl.constexpr):
+    """``XHAT_GIVEN``: ``X`` is the forward's output (the normalised rows) rather than its input; ``MEAN``
+    is then unused."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     rows_ok = rows < num_rows
     inside = rows_ok[:, None] & (cols < D)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
     rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
-    xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
+    if XHAT_GIVEN:
+        xhat = x
+    else:
+        mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
+        xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
     dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
     if HAS_SKIP:
         dx += tl.load(DSKIP + rows[:, None] * stride_skip + cols[None, :], mask=inside, other=0.0).to(tl.float32)
@@ -90,7 +95,7 @@ class NormFork(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, eps: float, quantize: RowQuantization | None
+        ctx: Any, x: torch.Tensor, eps: float, quantize: RowQuantization | None, keep_output: bool = False
     ) -> tuple[torch.Tensor | None, ...]:
         x2 = x.reshape(-1, x.shape[-1])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -109,8 +114,11 @@ class NormFork(torch.autograd.Function):
                     QUANT=q is not None, COLUMN_AMAX=q is not None and q.column_amax_bits is not None,
                     INTERP=INTERPRET, num_warps=warps,
                 )  # fmt: skip
-        ctx.save_for_backward(x2, mean, rstd)
-        ctx.shape = x.shape
+        # keep_output: the backward reads the normalised rows (which the linear after it keeps anyway)
+        # instead of x, so x is freed after the forward: 2 bytes a value less, xhat rounded to y's dtype
+        ctx.save_for_backward(*((y, mean, rstd) if keep_output else (x2, mean, rstd)))
+        ctx.keep_output = keep_output
+        ctx.shape, ctx.dtype = x.shape, x.dtype
         # the second output is x itself (a view): the block's residual branch, whose gradient
         # arrives here beside the layer norm's
         if q is None:
@@ -126,35 +134,39 @@ class NormFork(torch.autograd.Function):
         x2, mean, rstd = ctx.saved_tensors
         rows, dim = x2.shape
         if dy is None:
-            return dskip, None, None
+            return dskip, None, None, None
         dy2 = dy.reshape(rows, dim)
         dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
         skip = None
         if dskip is not None:
             skip = dskip.reshape(rows, dim)
             skip = skip if skip.stride(-1) == 1 else skip.contiguous()
-        dx = torch.empty((rows, dim), dtype=x2.dtype, device=x2.device)
+        dx = torch.empty((rows, dim), dtype=ctx.dtype, device=x2.device)
         block_d, per, warps = _launch_shape(dim, backward=True)
         if rows:
             with device_guard(x2.device):
                 _norm_bwd[(triton.cdiv(rows, per),)](
                     x2, dy2, skip if skip is not None else dy2, dx, mean, rstd, x2.stride(0), dy2.stride(0),
                     (skip if skip is not None else dy2).stride(0), dx.stride(0), rows,
-                    D=dim, BLOCK_D=block_d, ROWS=per, HAS_SKIP=skip is not None, INTERP=INTERPRET, num_warps=warps,
-                )
-        return dx.view(ctx.shape), None, None
+                    D=dim, BLOCK_D=block_d, ROWS=per, HAS_SKIP=skip is not None, XHAT_GIVEN=ctx.keep_output,
+                    INTERP=INTERPRET, num_warps=warps,
+                )  # fmt: skip
+        return dx.view(ctx.shape), None, None, None
 
 
 def norm_fork(
-    x: torch.Tensor, eps: float = 1e-5, *, quantize: RowQuantization | None = None
+    x: torch.Tensor, eps: float = 1e-5, *, quantize: RowQuantization | None = None, keep_output: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, PrequantizedRows | None]:
     """``(layer_norm(x), x, rows)``, differentiable, with one fused backward for both (see the module
     docstring). ``eps`` is ``F.layer_norm``'s default. ``rows``: with ``quantize``, ``layer_norm(x)``
-    quantized as it says (:mod:`gem_kernels.quantized_rows_triton`), written by the same pass; else None."""
+    quantized as it says (:mod:`gem_kernels.quantized_rows_triton`), written by the same pass; else None.
+    ``keep_output``: the backward reads ``layer_norm(x)`` (rounded to ``x``'s dtype) instead of ``x``, so
+    that ``x`` need not be kept when the next op keeps ``layer_norm(x)`` anyway (the fused block under a
+    saved-activation format)."""
     if x.shape[-1] > MAX_DIM:
         raise ValueError(f"norm_fork: rows of at most {MAX_DIM} elements, got {x.shape[-1]}")
     if quantize is None:
-        ln, skip = NormFork.apply(x, eps, None)
+        ln, skip = NormFork.apply(x, eps, None, keep_output)
         return ln, skip, None
-    ln, skip, data, scale_inv, column_amax = NormFork.apply(x, eps, quantize)
+    ln, skip, data, scale_inv, column_amax = NormFork.apply(x, eps, quantize, keep_output)
     return ln, skip, RowsOut(data, scale_inv, column_amax).result()
