@@ -130,16 +130,21 @@ def _query_block_ranges(m0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.c
 @triton.jit
 def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n,
                       d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha,
-                      PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets,
+                      PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets, key_scale_ptrs, stride_scale,
                       MASKED: tl.constexpr, COMPUTE_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                       SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-                      CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr):
+                      CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr, FP8: tl.constexpr):
     keys = start + offs_n
     keys_ok = keys < seq_len
     k = load_tile(k_ptrs + start * stride_km, keys_ok, d_qk_ok, MASKED, CHECK_QK)
     v = load_tile(v_ptrs + start * stride_vm, keys_ok, d_v_ok, MASKED, CHECK_V)
     s = dot(q, tl.trans(k), None, IEEE, INTERP)
+    if FP8:  # e4m3 q k^T: the keys' dequantization factors here, the queries' are in ``alpha``
+        if MASKED:
+            s *= tl.load(key_scale_ptrs + start * stride_scale, mask=keys_ok, other=0.0)[None, :]
+        else:
+            s *= tl.load(key_scale_ptrs + start * stride_scale)[None, :]
     if HAS_POS or HAS_TIME:
         key_t = keys
         if HAS_TIME:
@@ -174,7 +179,7 @@ def query_major_kernel(
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_OUT: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr,
-    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
+    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue. ``PB``,
@@ -208,6 +213,12 @@ def query_major_kernel(
                 do = load_tile(do_rows + offs_v[None, :], rows_ok, d_v_ok, True, CHECK_V)
             else:
                 do = q
+            row_alpha = alpha
+            key_scales = DO  # unused unless FP8
+            if FP8:  # DO holds the dequantization factors [L, H, 2]: q's at 0, k's at 1
+                scale_rows = DO + seq_start * stride_dom + head * stride_doh
+                row_alpha = alpha * tl.load(scale_rows + queries * stride_dom, mask=rows_ok, other=0.0)[:, None]
+                key_scales = scale_rows + 1 + offs_n * stride_dom
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
             key_times = TS
             query_t = queries
@@ -228,9 +239,9 @@ def query_major_kernel(
             for start in range(full_lo, full_hi, BLOCK_N):
                 acc = _query_block_step(
                     acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
-                    d_v_ok, seq_len, history_len, max_attn_len, alpha, PB, TB, EDGES, key_times, query_t,
-                    pos_offset, num_buckets, False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS,
-                    SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
+                    d_v_ok, seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
+                    pos_offset, num_buckets, key_scales, stride_dom, False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS,
+                    HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK, CHECK_V, FP8,
                 )
             for i in range(0, n_left + n_hist + n_diag):
                 start = tl.where(
@@ -241,9 +252,9 @@ def query_major_kernel(
                 )
                 acc = _query_block_step(
                     acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
-                    d_v_ok, seq_len, history_len, max_attn_len, alpha, PB, TB, EDGES, key_times, query_t,
-                    pos_offset, num_buckets, True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS,
-                    SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
+                    d_v_ok, seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
+                    pos_offset, num_buckets, key_scales, stride_dom, True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS,
+                    HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK, CHECK_V, FP8,
                 )
             out_ptrs = (OUT + seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om
                         + offs_out[None, :])
@@ -274,13 +285,29 @@ def query_major(
     blocks: tuple[int, int] | None = None,
     bias: RelativeBias = NO_BIAS,
     out: torch.Tensor | None = None,
+    fp8_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The forward output, or ``dq`` when ``grad_out`` is given. Inputs have unit last-dim stride;
     ``bias`` comes from :func:`gem_kernels.attention_triton_bias.prepare_bias`. ``out``: where to
-    write it (``[L, H, D]``, any row and head strides, unit last stride), else a new tensor."""
+    write it (``[L, H, D]``, any row and head strides, unit last stride), else a new tensor.
+
+    ``fp8_scales`` (forward only): ``q`` and ``k`` are ``float8_e4m3fn`` and stand for ``q * fp8_scales[...,
+    0, None]`` and ``k * fp8_scales[..., 1, None]`` (float32 ``[L, H, 2]``, unit last stride; written by
+    :mod:`gem_kernels.attention_fp8`); ``v`` stays in the activation dtype. The kernel reads them through
+    its ``DO`` pointer, which the forward does not otherwise use: so the default path's signature, and
+    its compiled code, are those of the kernel without the fp8 mode."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     compute_dq = grad_out is not None
+    fp8 = fp8_scales is not None
+    if fp8 and (compute_dq or q.dtype != torch.float8_e4m3fn or k.dtype != torch.float8_e4m3fn
+                or fp8_scales.shape != (num_rows, num_heads, 2) or fp8_scales.dtype != torch.float32
+                or fp8_scales.stride(-1) != 1):  # fmt: skip
+        raise ValueError(
+            f"query_major: fp8_scales is for the forward of float8_e4m3fn q, k and needs float32 [{num_rows}, "
+            f"{num_heads}, 2]; got q {q.dtype}, k {k.dtype}, scales {fp8_scales.dtype} {tuple(fp8_scales.shape)}, "
+            f"grad_out {'given' if compute_dq else 'None'}"
+        )
     dim_out = dim_qk if compute_dq else dim_v
     if out is None:
         out = torch.empty((num_rows, num_heads, dim_out), dtype=q.dtype if compute_dq else v.dtype, device=q.device)
@@ -288,21 +315,21 @@ def query_major(
     if num_rows == 0 or num_seqs <= 0:
         return out
     device = q.device
-    do = grad_out if grad_out is not None else q
+    do = grad_out if grad_out is not None else (fp8_scales if fp8_scales is not None else q)
     alpha = float(alpha)
     scale = (alpha if compute_dq else 1.0) / max_seq_len
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
     chunk = CHUNK  # read at call time: tests shrink it
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(), chunk,
-               "auto" if blocks is None else blocks)
+               "auto" if blocks is None else blocks)  # q.dtype: float8_e4m3fn for the fp8 forward
 
     def constexprs() -> dict:
         return dict(
             DQK=dim_qk, DV=dim_v, D_OUT=dim_out, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v),
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
             HAS_POS_BIAS=bias.position is not None, HAS_TIME_BIAS=bias.time is not None,
-            SILU=silu_mode(q.dtype), IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk,
+            SILU=silu_mode(v.dtype), IEEE=v.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, FP8=fp8,
         )
 
     def tile_bound(config: Config) -> int:

@@ -56,15 +56,15 @@ class JaggedAttentionFunction(torch.autograd.Function):
         position_bias: torch.Tensor | None,
         time_bias: torch.Tensor | None,
         bias: RelativeBias,
+        fp8_forward: bool,
     ) -> torch.Tensor:
         # position_bias and time_bias are inputs only so that autograd routes their gradients;
         # the kernels read the prepared copies in ``bias``.
         q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-        out = query_major(
-            q, k, v, None, seq_offsets, num_targets,
-            max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias,
-        )
-        # saved, not kept on ctx: autograd then checks that nothing changed them in place before backward
+        out = forward(q, k, v, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
+                      max_attn_len=max_attn_len, blocks=blocks, bias=bias, fp8_forward=fp8_forward)  # fmt: skip
+        # saved, not kept on ctx: autograd then checks that nothing changed them in place before backward;
+        # the bf16 q, k, v also under fp8_forward (the backward is the bf16 forward's)
         ctx.save_for_backward(q, k, v, seq_offsets, num_targets, bias.position, bias.time, bias.timestamps,
                               bias.query_timestamps)
         ctx.params = (max_seq_len, alpha, max_attn_len, dq_mode, blocks, bias.edges)
@@ -79,7 +79,33 @@ class JaggedAttentionFunction(torch.autograd.Function):
             max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, dq_mode=dq_mode, blocks=blocks,
             needs_position=ctx.needs_input_grad[10], needs_time=ctx.needs_input_grad[11],
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, d_position, d_time, None
+        return dq, dk, dv, None, None, None, None, None, None, None, d_position, d_time, None, None
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    max_attn_len: int,
+    blocks: tuple[int, int] | None,
+    bias: RelativeBias,
+    fp8_forward: bool,
+) -> torch.Tensor:
+    """The forward kernel on unit-stride ``q``, ``k``, ``v``; with ``fp8_forward``, on their e4m3 copies
+    from one quantization pass (:mod:`gem_kernels.attention_fp8`)."""
+    options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias)
+    if not fp8_forward:
+        return query_major(q, k, v, None, seq_offsets, num_targets, **options)
+    from gem_kernels.attention_fp8 import check_fp8_inputs, quantize_qk
+
+    check_fp8_inputs(v)
+    q8, k8, scales = quantize_qk(q, k)
+    return query_major(q8, k8, v, None, seq_offsets, num_targets, fp8_scales=scales, **options)
 
 
 def attention_backward(
@@ -125,13 +151,16 @@ def jagged_attention_triton(
     extras: AttentionExtras = NO_EXTRAS,
     dq_mode: DqMode = "auto",
     blocks: tuple[int, int] | None = None,
+    fp8_forward: bool = False,
 ) -> torch.Tensor:
     """Differentiable jagged HSTU attention (see :mod:`gem_kernels.attention_triton`), in ``q``, ``k``,
     ``v`` and the relative biases of ``extras`` (semantics of :class:`gem_model.api.JaggedAttentionKernel`
     and :class:`gem_model.api.AttentionExtras`).
 
     ``dq_mode``: how the backward gets ``dq`` (``auto``: see :data:`ATOMIC_DQ_BELOW_PAIRS`).
-    ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of tuning them. Without autograd
+    ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of tuning them. ``fp8_forward``: the
+    output from e4m3 ``q k^T`` (:mod:`gem_kernels.attention_fp8`, after one Triton pass that quantizes
+    ``q`` and ``k``); the backward still reads the bf16 inputs. Without autograd
     (no grad mode, or no input that requires grad) the forward kernel runs directly, skipping the
     autograd function's bookkeeping: on small batches the host's launch work is what the call costs.
     Eager only: under ``torch.compile`` call the custom op
@@ -147,13 +176,13 @@ def jagged_attention_triton(
     bias = prepare_bias(position_bias, time_bias, extras.timestamps, extras.query_timestamps, max_seq_len)
     leaves = (q, k, v, position_bias, time_bias)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)):
-        return query_major(
-            _unit_stride(q), _unit_stride(k), _unit_stride(v), None, seq_offsets, num_targets,
-            max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias,
+        return forward(
+            _unit_stride(q), _unit_stride(k), _unit_stride(v), seq_offsets, num_targets, max_seq_len=max_seq_len,
+            alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias, fp8_forward=fp8_forward,
         )
     return JaggedAttentionFunction.apply(
         q, k, v, seq_offsets, num_targets, max_seq_len, alpha, max_attn_len, dq_mode, blocks,
-        position_bias, time_bias, bias,
+        position_bias, time_bias, bias, fp8_forward,
     )
 
 

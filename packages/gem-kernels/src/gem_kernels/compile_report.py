@@ -4,7 +4,7 @@ Triton compiles to PTX and cubin without a GPU. This catches what the interprete
 PTX, layouts, shared-memory limits) and shows registers, spills and shared memory per configuration,
 which is how the autotuning configurations were chosen::
 
-    TRITON_INTERPRET=0 python -m gem_kernels.compile_report --arch 90 [--all-configs]
+    TRITON_INTERPRET=0 python -m gem_kernels.compile_report --arch 90 [--all-configs] [--fp8]
 
 Uses ``triton.compiler.ASTSource`` (present in triton 3.6 and 3.7); argument hints mirror what
 ``triton.jit`` derives at launch (16-byte aligned pointers, strides divisible by 16).
@@ -42,6 +42,8 @@ class Variant:
     position_bias: bool = False
     time_bias: bool = False
     """With a bias, the dk/dv kernels also accumulate its gradient."""
+    fp8: bool = False
+    """The forward's e4m3 ``q k^T`` (:mod:`gem_kernels.attention_fp8`): q, k in e4m3, their scales in ``DO``."""
 
 
 def configs(kernel: str, wide: bool) -> list[tuple[int, int, int, int, int]]:
@@ -70,11 +72,15 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
     if variant.kernel in ("forward", "dq"):
         fn = attention_triton.query_major_kernel
         dim_out = variant.dim_qk if variant.kernel == "dq" else variant.dim_v
+        if variant.fp8 and variant.kernel != "forward":
+            raise ValueError(f"fp8 is a mode of the forward only, not of {variant.kernel}")
         constants = dict(
             DQK=variant.dim_qk, DV=variant.dim_v, D_OUT=dim_out, BLOCK_DV=dim_block(variant.dim_v),
-            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", **common,
+            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", FP8=variant.fp8, **common,
         )
         pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT")} | offsets
+        if variant.fp8:
+            pointers |= {"Q": "*fp8e4nv", "K": "*fp8e4nv", "DO": "*fp32"}
         signature = _signature(fn, pointers, ("alpha", "out_scale"))
     else:
         fn = attention_triton_bwd.key_major_kernel
@@ -153,10 +159,11 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs=2, default=(128, 128), metavar=("DQK", "DV"))
     parser.add_argument("--all-configs", action="store_true", help="every autotuning config, not just the first")
     parser.add_argument("--bias", choices=("none", "position", "time", "both"), default="none")
+    parser.add_argument("--fp8", action="store_true", help="the forward's e4m3 q k^T mode (forward only)")
     args = parser.parse_args()
-    for kernel in KERNELS:
+    for kernel in ("forward",) if args.fp8 else KERNELS:
         variant = Variant(kernel, args.dtype, *args.dims, position_bias=args.bias in ("position", "both"),
-                          time_bias=args.bias in ("time", "both"))
+                          time_bias=args.bias in ("time", "both"), fp8=args.fp8)
         table = configs(kernel, max(args.dims) > 128)
         for config in table if args.all_configs else table[:1]:
             r = compile_variant(variant, config, args.arch)

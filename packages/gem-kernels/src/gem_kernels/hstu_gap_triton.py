@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_kernels.attention_fp8 import silu_quantize_qk
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_autograd import DqMode, resolve_dq_mode
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
@@ -122,9 +123,22 @@ class HSTUGapFunction(torch.autograd.Function):
         post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device)
         # e4m3_row: pre kept in e4m3 rows written by the silu pass, post recomputed in backward
         ctx.expand_to = pre.dtype if options["saved_format"] == E4M3_ROW and any(ctx.needs_input_grad) else None
-        kept = silu_quantize_rows(pre, post, hv) if ctx.expand_to is not None else (pre, silu_columns(pre[:, hv:], post))
+        fp8 = None
+        if ctx.expand_to is not None:
+            kept = silu_quantize_rows(pre, post, hv)
+        elif options["fp8_forward"]:  # the silu pass of q, k also writes their e4m3 copies (attention_fp8)
+            silu_columns(pre[:, hv:2 * hv], post[:, :hv])
+            fp8 = silu_quantize_qk(pre[:, 2 * hv:], post[:, hv:], heads)
+            kept = (pre, post)
+        else:
+            kept = (pre, silu_columns(pre[:, hv:], post))
         v, q, k = (post[:, a:b].view(rows, heads, -1) for a, b in ((0, hv), (hv, hv + hq), (hv + hq, hv + 2 * hq)))
-        attn = query_major(q, k, v, None, seq_offsets, num_targets, bias=bias, **_kernel_options(options))
+        if fp8 is None:
+            attn = query_major(q, k, v, None, seq_offsets, num_targets, bias=bias, **_kernel_options(options))
+        else:  # the backward reads the bf16 q, k, v of post, as without fp8
+            attn = query_major(fp8[0], fp8[1], v, None, seq_offsets, num_targets, bias=bias, fp8_scales=fp8[2],
+                               **_kernel_options(options))  # fmt: skip
+            del fp8
         quantize = options["quantize"]
         rows_out = None if quantize is None else RowsOut.allocate(rows, hv, pre.device, quantize)
         y, mean, rstd = NormGateFunction.run_forward(attn.view(rows, hv), pre[:, :hv], gate_weight, gate_bias,
@@ -203,14 +217,26 @@ def hstu_gap_triton(
     blocks: tuple[int, int] | None = None,
     quantize: RowQuantization | None = None,
     saved_format: str | None = None,
+    fp8_forward: bool = False,
 ) -> tuple[torch.Tensor, PrequantizedRows | None]:
     """The fused gap ``pre -> y`` (``[L, H (2 Dv + 2 Dqk)] -> [L, H Dv]``); attention arguments as in
     :func:`gem_kernels.attention_triton_autograd.jagged_attention_triton`, ``eps`` the norm-gate's.
     Returns ``y`` and, with ``quantize``, its rows quantized so by the norm-gate's pass (else None).
     ``saved_format``: None keeps ``pre`` and ``silu(v, q, k)`` for backward as computed; ``"e4m3_row"``
-    keeps ``pre`` in e4m3 rows instead (:mod:`gem_kernels.hstu_gap_saved`; ignored without grad)."""
+    keeps ``pre`` in e4m3 rows instead (:mod:`gem_kernels.hstu_gap_saved`; ignored without grad).
+    ``fp8_forward``: the attention's ``q k^T`` in e4m3, quantized by the silu pass (:mod:`gem_kernels.attention_fp8`)."""
     if saved_format not in (None, E4M3_ROW):
         raise ValueError(f"hstu_gap: saved_format must be None or {E4M3_ROW!r}, got {saved_format!r}")
+    if fp8_forward:
+        from gem_kernels.attention_fp8 import check_fp8_inputs
+
+        check_fp8_inputs(pre)
+        if saved_format is not None and torch.is_grad_enabled():
+            # silu_quantize_rows writes post in its own pass, which does not write the e4m3 q, k (yet)
+            raise ValueError(
+                f"kernels.jagged_attention.options.fp8_forward does not combine with the fused block's saved format "
+                f"{saved_format!r} (the activation policy's) yet; turn one of them off"
+            )
     num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
     position_bias, time_bias = extras.position_bias, extras.time_bias
     from gem_kernels.attention_triton_bias import prepare_bias
@@ -224,7 +250,7 @@ def hstu_gap_triton(
     num_targets = num_targets.contiguous() if num_targets is not None else None
     bias = prepare_bias(position_bias, time_bias, extras.timestamps, extras.query_timestamps, max_seq_len)
     options = dict(max_seq_len=max_seq_len, alpha=float(alpha), max_attn_len=max_attn_len, blocks=blocks,
-                   dq_mode=dq_mode, eps=eps, quantize=quantize,
+                   dq_mode=dq_mode, eps=eps, quantize=quantize, fp8_forward=fp8_forward,
                    saved_format=saved_format if torch.is_grad_enabled() else None)  # fmt: skip
     out = HSTUGapFunction.apply(pre, gate_weight, gate_bias, position_bias, time_bias, seq_offsets, num_targets,
                                 bias, (num_heads, attention_dim, value_dim), options)  # fmt: skip
