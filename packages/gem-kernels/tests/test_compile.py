@@ -18,20 +18,26 @@ GROUPS = {
     # the relative biases: inline-PTX table loads, the diagonal gather and the bucket atomics
     "biases": """[Variant(k, "bfloat16", 128, 128, targets=True, window=True, position_bias=True, time_bias=True)
              for k in ("forward", "dq", "dkdv", "dkdv_atomic")]""",
+    # the forward's e4m3 q k^T (fp8_forward): the fp8 wgmma, with and without the biases
+    "fp8": """[Variant("forward", "bfloat16", 128, 128, targets=True, window=True, fp8=True),
+            Variant("forward", "bfloat16", 128, 128, targets=True, window=True, position_bias=True, time_bias=True,
+                    fp8=True)]""",
 }
 SCRIPT = """
 import json
 from gem_kernels.compile_report import Variant, compile_producer, compile_variant, configs
 for v in ({variants}):
     r = compile_variant(v, configs(v.kernel, wide=False)[0])
-    print(json.dumps({{"kernel": v.kernel, "dtype": v.dtype, "shared": r["shared_bytes"], "registers": r["registers"]}}))
+    print(json.dumps({{"kernel": v.kernel, "dtype": v.dtype, "shared": r["shared_bytes"], "registers": r["registers"],
+                      "fp8_mma": r["fp8_mma"]}}))
 for kernel, quantize, columns in ({producers}):  # the fused block's layer norm and norm-gate, writing e4m3 rows
     r = compile_producer(kernel, quantize=quantize, column_amax=columns)
     print(json.dumps({{"kernel": kernel, "shared": r["shared_bytes"], "registers": r["registers"]}}))
 """
-PRODUCERS = {"plain": '[("norm", True, False), ("norm", True, True), ("norm_gate", True, True)]', "biases": "[]"}
+PRODUCERS = {"plain": '[("norm", True, False), ("norm", True, True), ("norm_gate", True, True)]', "biases": "[]",
+             "fp8": "[]"}
 HOPPER_SHARED_LIMIT = 227 * 1024
-COUNTS = {"plain": 9, "biases": 4}
+COUNTS = {"plain": 9, "biases": 4, "fp8": 2}
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
@@ -46,11 +52,12 @@ def test_kernels_compile_for_hopper(group: str) -> None:
     for report in reports:
         assert report["shared"] <= HOPPER_SHARED_LIMIT, report
         assert report["registers"] is not None, report
+        assert report.get("fp8_mma", False) == (group == "fp8"), report  # e4m3 wgmma exactly where asked
 
 
 GAP_SCRIPT = """
 import json
-from gem_kernels import hstu_gap_saved as saved, hstu_gap_triton as gap
+from gem_kernels import attention_fp8 as fp8, hstu_gap_saved as saved, hstu_gap_triton as gap
 from gem_kernels.compile_report import compile_kernel
 
 rows = {"PRE": "*bf16", "POST": "*bf16", "Q": "*u8", "SCALE_INV": "*fp32"}
@@ -64,6 +71,9 @@ kernels = {
                        dict(GRAD=True, E4M3=True, ROWS=16, COLS=256), 4),
     "silu": (gap._silu_columns, {"X": "*bf16", "PRE": "*bf16", "SCALE_INV": "*bf16", "OUT": "*bf16"},
              dict(GRAD=False, E4M3=False, ROWS=16, COLS=256), 4),
+    # fp8_forward's silu pass of q, k writing their e4m3 copies and scales (attention_fp8)
+    "silu_quantize_qk": (fp8._quantize_heads, {"X": "*bf16", "POST": "*bf16", "DATA": "*u8", "SCALES": "*fp32"},
+                         dict(D=128, BLOCK_D=128, ROWS=fp8.ROWS, SILU=True), 4),
 }
 for name, (fn, pointers, constants, warps) in kernels.items():
     constants = {**constants, "INTERP": False, **({"SOFTWARE_ROUND": False} if fn is saved._silu_quantize else {})}
@@ -78,8 +88,9 @@ def test_the_gap_kernels_compile_for_hopper_without_spills() -> None:
     result = subprocess.run([sys.executable, "-c", GAP_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = {r["kernel"]: r for r in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))}
-    assert len(reports) == 5
+    assert len(reports) == 6
     for report in reports.values():
         assert report["registers"] is not None and report["stack_bytes"] == 0, report
     # the e4m3 rows are cast by the hardware, round to nearest even, as gem-precision's reference
     assert reports["silu_quantize"]["rne_fp8_cast"] and reports["silu_quantize_chunks"]["rne_fp8_cast"]
+    assert reports["silu_quantize_qk"]["rne_fp8_cast"]

@@ -100,7 +100,8 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
                    arch: int = 90) -> dict[str, Any]:  # fmt: skip
     """Compile one ``triton.jit`` function: ``signature`` gives each non-constexpr argument's type
     (``*bf16``, ``i32``, ...), ``constants`` the constexprs. Shared bytes, registers, spill stack, and
-    whether an fp8 cast lowered to the hardware's round-to-nearest-even (``cvt.rn.satfinite``)."""
+    whether an fp8 cast lowered to the hardware's round-to-nearest-even (``cvt.rn.satfinite``), and
+    whether an MMA takes e4m3 operands."""
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     hints = {
         (i,): [["tt.divisibility", 16]]
@@ -110,8 +111,9 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     source = ASTSource(fn, signature, constants, hints)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, "num_stages": stages})
-    return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in compiled.asm["ptx"],
-            **_cubin_usage(compiled.asm["cubin"])}
+    ptx = compiled.asm["ptx"]
+    return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
+            "fp8_mma": ".e4m3.e4m3" in ptx, **_cubin_usage(compiled.asm["cubin"])}
 
 
 def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, dim: int = 1024, arch: int = 90) -> dict[str, Any]:
