@@ -132,7 +132,8 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         the value), so each score moves by up to ~2**-3 of ``sum_d |q_d k_d|``, and the output by as much
         through the silu: a few percent relative error per layer on random data, against ~0.3 % for
         bf16. The backward is unchanged: it reads the bf16 ``q``, ``k``, ``v`` that the forward saves, so
-        the gradients are those of the bf16 forward's graph while the loss sees the fp8 output. In the
+        the attention's gradients are the bf16 attention's (for the output gradient it receives), while
+        the output, and all that follows it up to the loss, come from fp8. In the
         fused block the silu pass writes the e4m3 copies (no extra pass); called alone, one Triton pass
         quantizes ``q`` and ``k`` first. Needs bf16 or fp16 activations; not with ``torch.compile`` nor
         with an e4m3 saved format of the fused block yet (both refused). See

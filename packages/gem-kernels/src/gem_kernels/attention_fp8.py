@@ -74,8 +74,10 @@ Each e4m3 value carries 3 mantissa bits: round to nearest is within ``2**-4`` of
 below e4m3's smallest normal, within ``2**-10`` of the scaled row's amax over ``[224, 448]``). The score
 ``s`` then differs from the bf16 kernel's by up to ``~2 * 2**-4 * sum_d |q_d k_d|`` and the output by the
 same through ``silu`` (slope at most 1.1). The backward is unchanged: it reads the saved bf16 ``q``,
-``k``, ``v`` and recomputes the scores in bf16, so the gradients are those of the bf16 forward's graph
-at the same inputs, while the loss sees the fp8 forward's output.
+``k``, ``v`` and recomputes the scores in bf16. So the attention's gradients are those of the bf16
+attention at the same inputs, for the output gradient it is handed; everything after the attention
+(the norm-gate, the loss) sees the fp8 output and is differentiated at it. In graph terms: the
+attention is ``bf16(q, k, v) + (fp8(q, k, v) - bf16(q, k, v)).detach()``.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ k`` columns and the attention output (one ``[L, H Dv]`` less than unfused). With
 are ``pre`` in e4m3 rows, written by the forward's silu pass, and the attention output; the backward
 expands ``u`` and ``silu(v, q, k)`` in one pass and its silu gradient reads the e4m3 columns
 (:mod:`gem_kernels.hstu_gap_saved` has the bytes).
+
+With ``fp8_forward`` the silu pass of the ``q, k`` columns also writes their e4m3 copies and scales, which
+the attention forward reads (:mod:`gem_kernels.attention_fp8`); ``post`` and the backward are unchanged.
 """
 
 from __future__ import annotations
