@@ -1,12 +1,14 @@
 """Every layout of the ``fsdp`` planner on 4 gloo processes trains like one process and resumes exactly.
 
-Two torchrun starts train them in turn (``layouts_worker.py``), one start for the dense layouts:
+Four torchrun starts train them (``layouts_worker.py``), each start its layouts in turn; the dense layouts:
 each dimension alone (FSDP2 ``dp_shard``, HSDP's replicas ``dp_replicate``, ``tp`` and ``cp`` in the
 HSTU blocks) and the combinations ``dp_replicate x dp_shard``, ``dp_shard x tp`` and ``dp_shard x cp``;
 one for the tables sharded by torchrec's DMP (over all ranks) beside FSDP2 and TP, and within two
 sparse groups of 2 ranks, replicated across them (2-D sparse parallelism, SGD tables). 4 steps each,
-checkpointed after step 2 and resumed from there. (Two starts: one would be a single test of ~80 s
-of CPU on 4 processes; a start costs ~20 s of CPU, most of it importing torch and torchrec.)
+checkpointed after step 2 and resumed from there. (A start costs ~20 s of CPU, most of it importing
+torch and torchrec, and the test that first needs a start pays for it: the seven dense layouts in one
+start took 62.7 s, the four sparse ones 60.9 s, on a 2-core machine running two test environments at
+once (2026-12-02). Hence four starts of at most four layouts, each well under a minute.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ from layouts_worker import CHECKPOINT_AT, STEPS
 
 from gem_model import testing
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # two 4-process starts: ~50 s of CPU each
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # four 4-process starts: ~30 s of CPU each
 
 WORLD = 4
 # 4 heads, so that tp can take all 4 ranks; the rest is gem_model.testing's tiny run
@@ -70,7 +73,10 @@ REFERENCE = {"sparse2_x_dp_shard": "sgd"}  # the one-process run each layout is 
 RTOL = 1e-5
 
 
-SPARSE = [name for name in LAYOUTS if name.startswith("sparse")]  # the second start
+SPARSE = [name for name in LAYOUTS if name.startswith("sparse")]
+DENSE = [name for name in LAYOUTS if name not in SPARSE]
+GROUPS = {"dense_a": DENSE[:4], "dense_b": DENSE[4:], "sparse_a": SPARSE[:2], "sparse_b": SPARSE[2:]}
+"""The layouts of each torchrun start."""
 
 
 def start(out: Path, names: list[str]) -> dict:
@@ -85,18 +91,21 @@ def start(out: Path, names: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory) -> dict:
-    return start(tmp_path_factory.mktemp("dense"), [name for name in LAYOUTS if name not in SPARSE])
+def started(tmp_path_factory) -> Callable[[str], dict]:
+    """A group's results, its torchrun start made the first time it is asked for."""
+    done: dict[str, dict] = {}
+
+    def group(name: str) -> dict:
+        if name not in done:
+            done[name] = start(tmp_path_factory.mktemp(name), GROUPS[name])
+        return done[name]
+
+    return group
 
 
 @pytest.fixture(scope="module")
-def sparse(tmp_path_factory) -> dict:
-    return start(tmp_path_factory.mktemp("sparse"), SPARSE)
-
-
-@pytest.fixture(scope="module")
-def results(dense, sparse) -> dict:
-    return {**dense, **sparse}
+def results(started) -> dict:
+    return {layout: r for group in GROUPS for layout, r in started(group).items()}
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +122,8 @@ def one_process(tmp_path_factory) -> dict[str, list[float]]:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_trains_like_one_process_and_resumes_exactly(name, request, one_process):
-    r = request.getfixturevalue("sparse" if name in SPARSE else "dense")[name]
+def test_layout_trains_like_one_process_and_resumes_exactly(name, started, one_process):
+    r = started(next(group for group, names in GROUPS.items() if name in names))[name]
     reference = one_process[REFERENCE.get(name, "adagrad")]
     assert r["layout"].startswith(EXPECTED[name]), r["layout"]
     assert len(r["losses"]) == len(reference) == STEPS
