@@ -34,20 +34,25 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # 2-process runs: ~12
 TABLES = ["sparse.ebc", "sparse.ec"]
 
 
-def test_overlap_and_quantized_through_the_planner(tmp_path):
-    runs = run_all(tmp_path, ["overlap", "quantized"])
-    out = {}
-    for name in ("overlap", "quantized"):
-        run = runs[name]
-        assert run.returncode == 0, run.stderr[-4000:]
-        out[name] = (step_losses(run.out), run.stdout)
-    family = assert_pinned([x.hex() for x in out["overlap"][0]], PINNED, "tests/comm_runs.py PINNED")
-    pinned = [float.fromhex(x) for x in PINNED[family]]
-    quantized = out["quantized"][0]
-    assert quantized != pinned
-    assert all(abs(q - p) <= 5e-3 * abs(p) for q, p in zip(quantized, pinned, strict=True)), (quantized, pinned)
-    assert "dense.all_reduce.bytes" in out["overlap"][1].split("== communication")[1]
-    report = out["quantized"][1].split("== communication")[1]
+def test_overlap_through_the_planner(tmp_path):
+    run = run_all(tmp_path, ["overlap"])["overlap"]
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert_pinned([x.hex() for x in step_losses(run.out)], PINNED, "tests/comm_runs.py PINNED")
+    assert "dense.all_reduce.bytes" in run.stdout.split("== communication")[1]
+
+
+def test_quantized_through_the_planner(tmp_path):
+    """Its own test (each run alone stays well under a minute on the CI matrix): the quantized
+    collectives change the losses, within 5e-3 of the pinned full-precision ones of every CPU family
+    (the families' pins differ in their last bits only)."""
+    run = run_all(tmp_path, ["quantized"])["quantized"]
+    assert run.returncode == 0, run.stderr[-4000:]
+    quantized = step_losses(run.out)
+    for family, pins in PINNED.items():
+        pinned = [float.fromhex(x) for x in pins]
+        assert quantized != pinned, family
+        assert all(abs(q - p) <= 5e-3 * abs(p) for q, p in zip(quantized, pinned, strict=True)), (family, quantized)
+    report = run.stdout.split("== communication")[1]
     assert "dense.all_to_all.bytes" in report and "dense.all_gather.bytes" in report
 
 
