@@ -1,5 +1,6 @@
 """Two "nodes" on 127.0.0.1 (two torchrun launches with --nnodes 2, c10d rendezvous) train like one node
-with the same world size (the two-process run of conftest's ``ddp_run``)."""
+with the same world size (the two-process run of conftest's ``ddp_run``, which an earlier module of this
+folder has already made: counted here, its ~24 s took this test past a minute on the CI matrix)."""
 
 from __future__ import annotations
 
