@@ -124,7 +124,12 @@ def tuning_bucket(tokens: int, samples: int) -> int:
 
 def profile_steps(step: Callable[[], None], steps: int) -> dict:
     """Device time per kernel category and the top kernels of ``steps`` profiled steps."""
-    from profiling import device_events, device_idle, top_kernels  # benchmarks/profiling.py, beside this script
+    from profiling import (  # benchmarks/profiling.py, beside this script
+        device_events,
+        device_gaps,
+        device_idle,
+        top_kernels,
+    )
 
     from gem_model.profiling.step_time import KERNEL_CATEGORIES, categorize
 
@@ -142,20 +147,6 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
     idle = device_idle(events)
     return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
             "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events)}  # fmt: skip
-
-
-def device_gaps(events: list[dict], limit: int = 15) -> list[dict]:
-    """The longest stretches with no device work, each with the kernels before and after it: where the
-    device waits for the host."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events)
-    gaps, end, before = [], None, None
-    for start, stop, name in spans:
-        if end is not None and start > end:
-            gaps.append({"ms": (start - end) / 1e3, "after": before[:80], "before": name[:80]})
-        if end is None or stop >= end:
-            end, before = stop, name
-    gaps.sort(key=lambda g: -g["ms"])
-    return gaps[:limit]
 
 
 def worker(args: argparse.Namespace) -> None:

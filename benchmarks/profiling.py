@@ -49,3 +49,17 @@ def top_kernels(events: list[dict], steps: int, limit: int = 20) -> list[dict]:
         per[e["name"]] = per.get(e["name"], 0.0) + e.get("dur", 0)
     ranked = sorted(per.items(), key=lambda kv: kv[1], reverse=True)[:limit]
     return [{"kernel": name, "ms_per_step": us / 1e3 / max(steps, 1)} for name, us in ranked]
+
+
+def device_gaps(events: list[dict], limit: int = 15) -> list[dict]:
+    """The longest stretches with no device work, each with the kernels before and after it: where the
+    device waits for the host."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events)
+    gaps, end, before = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append({"ms": (start - end) / 1e3, "after": before[:80], "before": name[:80]})
+        if end is None or stop >= end:
+            end, before = stop, name
+    gaps.sort(key=lambda g: -g["ms"])
+    return gaps[:limit]
