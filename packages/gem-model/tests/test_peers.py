@@ -35,10 +35,25 @@ RUN = [*testing.INLINE_OVERRIDES, "parallel.planner=inline_replicated", "data.gl
 TIMEOUT_S, GRACE_S, START_UP_S = 3, 3, 90
 
 
-def launch(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
+# Loaded by every process of a launch through PYTHONPATH: at exit (atexit runs before the interpreter
+# tears down), each process names its native threads, so a process group left alive is seen.
+THREADS_AT_EXIT = """
+import atexit, os, sys
+
+def _threads_at_exit():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    print(f"threads at exit of rank {os.environ.get('RANK', '-')}: {','.join(sorted(names))}", file=sys.stderr)
+
+atexit.register(_threads_at_exit)
+"""
+
+
+def launch(out: Path, *extra: str, site: Path | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``site``: a folder whose ``sitecustomize.py`` every process imports."""
     cmd = [sys.executable, "-m", "gem_model", "run", "--nproc", "2", *RUN, *extra, f"trainer.output_dir={out}"]
+    env = ENV if site is None else {**ENV, "PYTHONPATH": os.pathsep.join([str(site), ENV.get("PYTHONPATH", "")])}
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     return proc, time.monotonic() - start
 
 
@@ -95,19 +110,27 @@ def test_ranks_reading_different_data_are_stopped_before_the_first_step(tmp_path
 
 def test_every_rank_stops_with_exit_2_when_rank_0_cannot_lock_the_output_directory(tmp_path):
     """The directory is held by a shared lock here, which the ranks' own checks (shared too) pass
-    but rank 0's exclusive lock does not: rank 1 learns of the refusal in the start-up all-reduce."""
+    but rank 0's exclusive lock does not: rank 1 learns of the refusal in the start-up all-reduce.
+    Neither rank keeps the process group past its teardown: a gloo group alive at exit aborts the
+    process (SIGABRT) in about one start in ten, so its threads are looked for at every exit."""
     out = tmp_path / "held"
     out.mkdir()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(THREADS_AT_EXIT)
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": "2026-12-02T00:00:00+00:00"}
     (out / "run.lock").write_text(json.dumps(holder))
     fd = os.open(out / "run.lock", os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)
     try:
-        proc, _ = launch(out)
+        proc, _ = launch(out, site=site)
     finally:
         os.close(fd)
+    exits = [line for line in proc.stderr.splitlines() if line.startswith("threads at exit of rank")]
+    assert sorted(line.split(":")[0] for line in exits)[-2:] == ["threads at exit of rank 0", "threads at exit of rank 1"], exits
+    assert not [line for line in exits if "gloo" in line], exits  # the group's threads were joined by its teardown
     refusal = f"trainer.output_dir: is in use by another run: pid {os.getpid()} on host {socket.gethostname()}"
     assert proc.returncode != 0 and proc.stderr.count(refusal) == 2, proc.stderr[-3000:]  # both ranks say it
-    assert "exitcode: 2" in proc.stderr
+    assert "exitcode: 2" in proc.stderr and "SIGABRT" not in proc.stderr, proc.stderr[-3000:]  # no rank aborted on the way out
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     assert not left_behind(out)

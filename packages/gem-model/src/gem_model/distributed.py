@@ -82,6 +82,10 @@ def teardown(env: DistEnv, *, clean: bool = True) -> None:
     Destroying the group while a peer still runs a collective (or leaving it to interpreter
     shutdown) is what aborts gloo processes at exit, so this is always called explicitly. After a
     failure a peer may never reach the barrier, so the group is destroyed without one.
+    ``destroy_process_group`` only drops the registry's reference: a group that something else still
+    holds (a half-built run kept alive by an exception's traceback) keeps its gloo threads until the
+    interpreter tears them down, which aborts the process (SIGABRT, "terminate called without an
+    active exception"); so no such reference may outlive a run (``OutputDirRefused.anew``).
     """
     if env.distributed and dist.is_initialized():
         if clean:

@@ -14,7 +14,7 @@ from gem_model.plugins import GemPluginManager
 from gem_model.resolve import Components, resolve_components
 from gem_model.results import RunSummary
 from gem_model.train import resume
-from gem_model.train.lock import OutputLock
+from gem_model.train.lock import OutputDirRefused, OutputLock
 from gem_model.train.outputs import output_dir
 from gem_model.train.run import Run
 
@@ -28,7 +28,7 @@ def started_run(
     run``), then the group joined, the output directory locked by rank 0 for the whole run
     (:mod:`gem_model.train.lock`) and the :class:`Run` made. The group is left and the lock let go on
     exit; the group cleanly when the block ended or stopped with :class:`RunInterrupted` (every rank
-    stopped after the same step)."""
+    stopped after the same step) or :class:`OutputDirRefused` (every rank learnt it in one collective)."""
     pm = pm if pm is not None else GemPluginManager()
     launched = launched_by_torchrun()
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
@@ -50,6 +50,9 @@ def started_run(
         clean = True
     except RunInterrupted:
         clean = True  # every rank stopped after the same step and wrote the checkpoint together
+        raise
+    except OutputDirRefused:
+        clean = True  # every rank learnt rank 0's refusal in the same start-up all-reduce
         raise
     finally:
         try:

@@ -25,6 +25,21 @@ from gem_model.errors import ConfigError
 LOCK = "run.lock"
 
 
+class OutputDirRefused(ConfigError):
+    """The output directory cannot be taken (another live run holds it, or it cannot be locked).
+
+    Rank 0's refusal travels in the start-up all-reduce, so every rank raises it after the same
+    collective: the ranks stop together and may leave the process group cleanly (after a barrier).
+    Destroying a gloo group while the peer still holds its end aborts that peer (SIGABRT), which
+    would turn the refusal's exit 2 into a crash."""
+
+    def anew(self) -> OutputDirRefused:
+        """The same refusal as a new exception, for a frame that holds this one in a local: raising
+        the local itself makes a cycle (exception -> traceback -> frame -> exception) that keeps the
+        half-built run, and with it the process group's threads, alive past the group's teardown."""
+        return OutputDirRefused(self.problems, self.notes)
+
+
 @dataclass(frozen=True)
 class Holder:
     pid: int | None
@@ -48,16 +63,16 @@ class Holder:
         return f"pid {self.pid} on host {self.host} (started {self.started})"
 
 
-def _refusal(out: Path, holder: Holder | None) -> ConfigError:
+def _refusal(out: Path, holder: Holder | None) -> OutputDirRefused:
     who = str(holder) if holder is not None else "a process that has not yet written its pid and host"
-    return ConfigError(
+    return OutputDirRefused(
         [("trainer.output_dir", str(out), f"is in use by another run: {who}, which holds {out / LOCK}. Wait for "
           "it to end, or choose another trainer.output_dir (nothing was touched)")]
     )  # fmt: skip
 
 
-def _unsupported(out: Path, exc: OSError) -> ConfigError:
-    return ConfigError(
+def _unsupported(out: Path, exc: OSError) -> OutputDirRefused:
+    return OutputDirRefused(
         [("trainer.output_dir", str(out), f"cannot be locked ({exc.strerror}): its file system does not support "
           "flock, so one run per directory cannot be ensured there; choose a directory on one that does")]
     )  # fmt: skip
@@ -89,7 +104,7 @@ class OutputLock:
         self._fd: int | None = None
         self.stale: Holder | None = None  # the killed run whose lock file this run took over
 
-    def acquire(self) -> ConfigError | None:
+    def acquire(self) -> OutputDirRefused | None:
         """Take the lock; the refusal (another live run holds it) is returned, not raised, so the
         other ranks can learn it in the start-up collective first."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -123,6 +138,6 @@ class OutputLock:
         self._fd = None
 
 
-def refusal_seen_by_peer(out: Path) -> ConfigError:
+def refusal_seen_by_peer(out: Path) -> OutputDirRefused:
     """The refusal, on a rank that learnt in the start-up collective that rank 0 could not lock ``out``."""
     return _refusal(out, Holder.read(out / LOCK))

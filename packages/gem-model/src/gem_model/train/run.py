@@ -51,7 +51,7 @@ __all__ = ["Run", "StepResult"]
 class Run:
     def __init__(
         self, config: RunConfig, pm: GemPluginManager, components: Components, env: DistEnv, *,
-        refusal: ConfigError | None = None,
+        refusal: lock.OutputDirRefused | None = None,
     ):  # fmt: skip
         """``refusal``: rank 0's, when another run holds the output directory's lock (train.lock):
         every rank learns of it in the start-up collective and stops with it, before the model is built."""
@@ -80,7 +80,7 @@ class Run:
         components.balancer.bind_model(config.model, self.spec)  # before the first batch is assigned
         if peers.check_same_data(self.loader, self.comm, rank=env.rank, world_size=env.world_size, device=env.device,
                                  timeout_s=tc.collective_timeout_s, refused=refusal is not None):  # fmt: skip
-            raise refusal if refusal is not None else lock.refusal_seen_by_peer(self.output_dir)
+            raise refusal.anew() if refusal is not None else lock.refusal_seen_by_peer(self.output_dir)
         self.feed = make_feed(
             self.loader, prefetch=tc.prefetch, device=env.device, facts=self._batch_facts, end=tc.steps
         )
