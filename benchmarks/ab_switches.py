@@ -138,12 +138,50 @@ def _fp8_saved(*, in_kernels: bool) -> Switch:
     return apply
 
 
+def switch_adamw_foreach(run: object) -> Callable[[], None]:
+    """The dense AdamW in torch's ``foreach`` implementation instead of the run's (fused on a GPU:
+    ``gem_model.train.dense_optimizer``). Both optimizers hold the same moment tensors; only the
+    step count lives apart (a GPU tensor when fused, a host one for foreach) and is carried over."""
+    optimizers = run.optimizers  # type: ignore[attr-defined]
+    own = optimizers.dense
+    other = run.__dict__.get("_ab_foreach")  # type: ignore[attr-defined]
+    if other is None:
+        group = own.param_groups[0]
+        other = torch.optim.AdamW(group["params"], lr=group["lr"], betas=group["betas"],
+                                  weight_decay=group["weight_decay"], foreach=True)  # fmt: skip
+        run.__dict__["_ab_foreach"] = other  # type: ignore[attr-defined]
+
+    def carry(src: torch.optim.Optimizer, dst: torch.optim.Optimizer, *, on_device: bool) -> None:
+        dst.param_groups[0]["lr"] = src.param_groups[0]["lr"]
+        for p in src.param_groups[0]["params"]:
+            state = src.state.get(p)
+            if not state:
+                continue
+            step = float(state["step"])
+            dst.state[p] = {
+                "step": torch.tensor(step, dtype=torch.float32, device=p.device if on_device else "cpu"),
+                "exp_avg": state["exp_avg"],
+                "exp_avg_sq": state["exp_avg_sq"],
+            }
+
+    carry(own, other, on_device=False)
+    optimizers.dense = other
+
+    def undo() -> None:
+        carry(other, own, on_device=bool(own.param_groups[0].get("fused")))
+        optimizers.dense = own
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
     "dq_atomic": _attention_option(dq="atomic"),
     "dq_separate": _attention_option(dq="separate"),
     "unfused": switch_unfused,
+    "adamw_foreach": switch_adamw_foreach,
+    "fp8_attention": _attention_option(fp8_forward=True),
     "host_syncs": switch_host_syncs,
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

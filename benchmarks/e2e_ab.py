@@ -128,6 +128,7 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
         device_events,
         device_gaps,
         device_idle,
+        gap_histogram,
         top_kernels,
     )
 
@@ -146,7 +147,8 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
         categories[c] = categories.get(c, 0.0) + e.get("dur", 0) / 1e3 / steps
     idle = device_idle(events)
     return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
-            "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events)}  # fmt: skip
+            "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events),
+            "gap_histogram": gap_histogram(events, steps)}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -371,6 +373,10 @@ def main() -> int:
                 print(f"  {c:<14} {ms:8.2f} ms  {100 * ms / prof['busy_ms_per_step']:5.1f} %")
             for k in prof["top_kernels"]:
                 print(f"  {k['ms_per_step']:8.2f} ms  {k['kernel'][:110]}")
+            h = prof.get("gap_histogram")
+            if h:
+                split = ", ".join(f"{k} {v:.2f} ms ({h['gaps_per_step'][k]:.0f})" for k, v in h["idle_ms_per_step"].items())
+                print(f"  {h['kernels_per_step']:.0f} kernels per step; idle per step by gap length (gaps): {split}")
             print("  longest device gaps (ms, the kernel before -> after):")
             for g in prof.get("gaps", []):
                 print(f"  {g['ms']:8.3f} ms  {g['after'][:60]} -> {g['before'][:60]}")

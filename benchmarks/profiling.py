@@ -51,6 +51,34 @@ def top_kernels(events: list[dict], steps: int, limit: int = 20) -> list[dict]:
     return [{"kernel": name, "ms_per_step": us / 1e3 / max(steps, 1)} for name, us in ranked]
 
 
+GAP_CLASSES_US = (10.0, 100.0, 1000.0)
+"""Bounds of :func:`gap_histogram`'s classes: under 10 us (a launch behind the previous kernel), to
+100 us, to 1 ms (the host barely behind), and longer (the host synchronised or busy)."""
+
+
+def gap_histogram(events: list[dict], steps: int) -> dict:
+    """Kernels per step and the device's idle per step split by gap length (:data:`GAP_CLASSES_US`):
+    many short gaps say the step has too many kernels; a few long ones, that the host waits or lags."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events)
+    bounds = [*GAP_CLASSES_US, float("inf")]
+    idle = [0.0] * len(bounds)
+    count = [0] * len(bounds)
+    end = None
+    for start, stop in spans:
+        if end is not None and start > end:
+            k = next(i for i, b in enumerate(bounds) if start - end < b)
+            idle[k] += start - end
+            count[k] += 1
+        end = stop if end is None else max(end, stop)
+    per = max(steps, 1)
+    labels = ["<10us", "10-100us", "0.1-1ms", ">1ms"]
+    return {
+        "kernels_per_step": len(spans) / per,
+        "idle_ms_per_step": {lab: idle[i] / 1e3 / per for i, lab in enumerate(labels)},
+        "gaps_per_step": {lab: count[i] / per for i, lab in enumerate(labels)},
+    }
+
+
 def device_gaps(events: list[dict], limit: int = 15) -> list[dict]:
     """The longest stretches with no device work, each with the kernels before and after it: where the
     device waits for the host."""

@@ -34,6 +34,7 @@ from gem_model.resolve import run_shape
 from gem_model.train import checkpoint as ckpt
 from gem_model.train import compat, lock, outputs, peers, resume
 from gem_model.train import state as run_state
+from gem_model.train.dense_optimizer import dense_adamw
 from gem_model.train.finite import first_non_finite
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
 from gem_model.train.optim import sparse_optimizer_spec
@@ -107,9 +108,7 @@ class Run:
         )
         self.prepared: PreparedModel = self.preparation.prepared
         self.plan: Plan = self.preparation.plan
-        dense_optimizer = torch.optim.AdamW(
-            [p for _, p in self.prepared.dense_parameters], lr=tc.dense_lr, betas=tc.betas, weight_decay=tc.weight_decay
-        )
+        dense_optimizer = dense_adamw([p for _, p in self.prepared.dense_parameters], tc)
         self.optimizers = Optimizers(
             dense_optimizer,
             [n for n, _ in self.prepared.dense_parameters],
