@@ -182,6 +182,7 @@ VARIANTS: dict[str, Switch] = {
     "unfused": switch_unfused,
     "adamw_foreach": switch_adamw_foreach,
     "fp8_attention": _attention_option(fp8_forward=True),
+    "bias_grad_in_gap": _attention_option(bias_grad_in_gap=True),
     "host_syncs": switch_host_syncs,
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

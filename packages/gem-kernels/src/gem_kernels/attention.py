@@ -138,6 +138,10 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         quantizes ``q`` and ``k`` first. Needs bf16 or fp16 activations; not with ``torch.compile`` nor
         with an e4m3 saved format of the fused block yet (both refused). See
         :mod:`gem_kernels.attention_fp8`."""
+        bias_grad_in_gap: bool = False
+        """In the fused block, the gradient of the ``uvqk`` projection's bias is summed by the gap's backward
+        passes as they write the projection's output gradient, instead of by one more pass over that
+        gradient after them (:mod:`gem_kernels.hstu_gap_bias`). Off until measured on a GPU."""
 
         @model_validator(mode="after")
         def _blocks(self) -> TritonJaggedAttention.Config:
@@ -186,7 +190,7 @@ class TritonJaggedAttention(JaggedAttentionKernel):
             blocks = (self.config.block_m, self.config.block_n)
         return hstu_block_triton(x, uvqk, out, gate_weight, gate_bias, seq_offsets, extras=extras,
                                  dq_mode=self.config.dq, blocks=blocks, fp8_forward=self.config.fp8_forward,
-                                 **options)  # fmt: skip
+                                 bias_grad_in_gap=self.config.bias_grad_in_gap, **options)  # fmt: skip
 
     def __call__(
         self,

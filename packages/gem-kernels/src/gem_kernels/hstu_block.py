@@ -22,13 +22,14 @@ backward then reads ``ln`` (kept by ``uvqk`` anyway) instead of ``x``: ``x`` is 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
-from gem_model.api import call_linear, wanted_quantization
+from gem_model.api import bias_grad_elsewhere, call_linear, wanted_quantization
 
 
 def hstu_block_triton(
@@ -38,14 +39,18 @@ def hstu_block_triton(
     gate_weight: torch.Tensor,
     gate_bias: torch.Tensor,
     seq_offsets: torch.Tensor,
+    *,
+    bias_grad_in_gap: bool = False,
     **gap_options: Any,
 ) -> torch.Tensor:
     """``x + out(gap(uvqk(layer_norm(x))))`` (``out``'s result in ``x``'s dtype); ``gap_options`` as
-    :func:`hstu_gap_triton` takes them."""
+    :func:`hstu_gap_triton` takes them. ``bias_grad_in_gap``: the gap's backward passes sum the gradient
+    of ``uvqk``'s bias as they write its output's gradient, and ``uvqk`` does not (:mod:`gem_kernels.hstu_gap_bias`)."""
     # under a saved-activation format the layer norm's backward reads ln (which uvqk keeps anyway), not x
     keep_output = gap_options.get("saved_format") is not None
     ln, skip, ln_rows = norm_fork(x, quantize=wanted_quantization(uvqk, x.device), keep_output=keep_output)
-    pre = call_linear(uvqk, ln, ln_rows)
-    y, y_rows = hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets,
-                                quantize=wanted_quantization(out, x.device), **gap_options)  # fmt: skip
+    with bias_grad_elsewhere(uvqk) if bias_grad_in_gap else nullcontext() as pre_bias:
+        pre = call_linear(uvqk, ln, ln_rows)
+    y, y_rows = hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets, quantize=wanted_quantization(out, x.device),
+                                pre_bias=pre_bias, **gap_options)  # fmt: skip
     return skip + call_linear(out, y, y_rows).to(x.dtype)

@@ -51,6 +51,7 @@ from gem_kernels.attention_triton_autograd import DqMode, resolve_dq_mode
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
+from gem_kernels.hstu_gap_bias import silu_grad_columns
 from gem_kernels.hstu_gap_saved import expand_rows, silu_quantize_rows
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
 from gem_kernels.quantized_rows_triton import RowsOut
@@ -113,6 +114,7 @@ class HSTUGapFunction(torch.autograd.Function):
         gate_bias: torch.Tensor,
         position_bias: torch.Tensor | None,
         time_bias: torch.Tensor | None,
+        pre_bias: torch.Tensor | None,
         seq_offsets: torch.Tensor,
         num_targets: torch.Tensor | None,
         bias: RelativeBias,
@@ -120,8 +122,11 @@ class HSTUGapFunction(torch.autograd.Function):
         options: dict[str, Any],
     ) -> torch.Tensor:
         # position_bias and time_bias are inputs only so that autograd routes their gradients; the
-        # kernels read the prepared copies in ``bias``.
+        # kernels read the prepared copies in ``bias``. So is pre_bias, the uvqk linear's bias, whose
+        # gradient the backward sums when it is given (hstu_gap_bias): pre already holds it.
         heads, dqk, dv = shape
+        ctx.sum_pre_bias = pre_bias is not None and ctx.needs_input_grad[5]
+        ctx.pre_bias_dtype = pre_bias.dtype if pre_bias is not None else None
         rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
         post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device)
         # e4m3_row: pre kept in e4m3 rows written by the silu pass, post recomputed in backward
@@ -167,10 +172,14 @@ class HSTUGapFunction(torch.autograd.Function):
         else:
             u = pre[:, :hv]
         d_pre = torch.empty(pre.shape, dtype=u.dtype, device=pre.device)
+        # the column sums of d_pre, from the passes that write it: the uvqk bias's gradient (hstu_gap_bias)
+        sums = torch.empty(pre.shape[1], dtype=torch.float32, device=pre.device) if ctx.sum_pre_bias else None
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
             du_out=d_pre[:, :hv],
         )
+        if sums is not None:  # the u columns by a reduction of their own (see hstu_gap_bias: registers)
+            torch.sum(d_pre[:, :hv], 0, dtype=torch.float32, out=sums[:hv])
         del u  # the expanded gate's memory is free for the attention backward
 
         def heads_of(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -188,15 +197,19 @@ class HSTUGapFunction(torch.autograd.Function):
                   out=(d_k, d_v), **kernel)  # fmt: skip
         q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
         if dq_accum is not None:
-            silu_columns(pre[:, q_cols], d_pre[:, q_cols], grad=dq_accum.view(rows, hq), scale_inv=scale_inv)
-            for cols in (v_cols, k_cols):
-                silu_columns(pre[:, cols], d_pre[:, cols], grad=d_pre[:, cols], scale_inv=scale_inv)
+            passes = [(q_cols, dq_accum.view(rows, hq))] + [(c, d_pre[:, c]) for c in (v_cols, k_cols)]
         else:
             query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
-            silu_columns(pre[:, every], d_pre[:, every], grad=d_pre[:, every], scale_inv=scale_inv)
+            passes = [(every, d_pre[:, every])]
+        for cols, grad in passes:
+            if sums is None:
+                silu_columns(pre[:, cols], d_pre[:, cols], grad=grad, scale_inv=scale_inv)
+            else:
+                sums[cols] = silu_grad_columns(pre[:, cols], d_pre[:, cols], grad, scale_inv=scale_inv)
         d_position, d_time = grads.result(bias, kernel["max_seq_len"])
-        return d_pre, d_weight, d_gate_bias, d_position, d_time, None, None, None, None, None
+        d_pre_bias = None if sums is None else sums.to(ctx.pre_bias_dtype)
+        return d_pre, d_weight, d_gate_bias, d_position, d_time, d_pre_bias, None, None, None, None, None
 
 
 def _kernel_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -221,13 +234,16 @@ def hstu_gap_triton(
     quantize: RowQuantization | None = None,
     saved_format: str | None = None,
     fp8_forward: bool = False,
+    pre_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PrequantizedRows | None]:
     """The fused gap ``pre -> y`` (``[L, H (2 Dv + 2 Dqk)] -> [L, H Dv]``); attention arguments as in
     :func:`gem_kernels.attention_triton_autograd.jagged_attention_triton`, ``eps`` the norm-gate's.
     Returns ``y`` and, with ``quantize``, its rows quantized so by the norm-gate's pass (else None).
     ``saved_format``: None keeps ``pre`` and ``silu(v, q, k)`` for backward as computed; ``"e4m3_row"``
     keeps ``pre`` in e4m3 rows instead (:mod:`gem_kernels.hstu_gap_saved`; ignored without grad).
-    ``fp8_forward``: the attention's ``q k^T`` in e4m3, quantized by the silu pass (:mod:`gem_kernels.attention_fp8`)."""
+    ``fp8_forward``: the attention's ``q k^T`` in e4m3, quantized by the silu pass (:mod:`gem_kernels.attention_fp8`).
+    ``pre_bias``: the bias already added into ``pre`` (the ``uvqk`` linear's, lent by
+    ``gem_model.api.bias_grad_elsewhere``), whose gradient the backward then sums (:mod:`gem_kernels.hstu_gap_bias`)."""
     if saved_format not in (None, E4M3_ROW):
         raise ValueError(f"hstu_gap: saved_format must be None or {E4M3_ROW!r}, got {saved_format!r}")
     if fp8_forward:
@@ -255,8 +271,10 @@ def hstu_gap_triton(
     options = dict(max_seq_len=max_seq_len, alpha=float(alpha), max_attn_len=max_attn_len, blocks=blocks,
                    dq_mode=dq_mode, eps=eps, quantize=quantize, fp8_forward=fp8_forward,
                    saved_format=saved_format if torch.is_grad_enabled() else None)  # fmt: skip
-    out = HSTUGapFunction.apply(pre, gate_weight, gate_bias, position_bias, time_bias, seq_offsets, num_targets,
-                                bias, (num_heads, attention_dim, value_dim), options)  # fmt: skip
+    if pre_bias is not None and pre_bias.shape != (width,):
+        raise ValueError(f"hstu_gap: pre_bias must be [{width}] (uvqk's bias), got {tuple(pre_bias.shape)}")
+    out = HSTUGapFunction.apply(pre, gate_weight, gate_bias, position_bias, time_bias, pre_bias, seq_offsets,
+                                num_targets, bias, (num_heads, attention_dim, value_dim), options)  # fmt: skip
     if quantize is None:
         return out, None
     y, data, scale_inv, column_amax = out

@@ -28,6 +28,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.prequantized": (
         "PrequantizedInputLinear", "PrequantizedRows", "RowQuantization", "call_linear", "wanted_quantization",
     ),
+    "gem_model.linear_bias": ("bias_grad_elsewhere",),  # a linear whose bias gradient a fused kernel sums
     "gem_model.results": ("ReportSection", "RunSummary", "StepResult"),  # what a run hands back
     # the parallel degrees, their runtime view, the run a planner lays out, a planner's decision
     "gem_model.parallel_dims": (
@@ -144,6 +145,7 @@ __all__ = [
     "TrainPipeline",
     "UnknownNameError",
     "batch_tensors",
+    "bias_grad_elsewhere",
     "call_linear",
     "count_flops",
     "dims_of",
@@ -239,6 +241,7 @@ if TYPE_CHECKING:
         ParallelDims,
         dims_of,
     )
+    from gem_model.linear_bias import bias_grad_elsewhere
     from gem_model.plan import DensePlacement, Plan, TablePlacement
     from gem_model.plugins import GemPluginManager
     from gem_model.precision import PrecisionPolicy, precision_plan, set_submodule
