@@ -187,16 +187,36 @@ def test_fused_gap_quantizes_in_its_silu_pass(gen: torch.Generator) -> None:
         assert relative_error(g, w) < 2e-2, f"{name}: {relative_error(g, w):.2e}"
 
 
+def test_fp8_forward_under_the_e4m3_saved_format_reads_the_same_e4m3_q_k(gen: torch.Generator) -> None:
+    """The saved format's silu pass writes ``post`` as the plain one does, and one more pass quantizes its
+    ``q, k``: the output is bit for bit the fp8 forward's without the saved format; the gradients are the
+    saved format's (they read ``pre`` from its e4m3 rows), within its tolerance of the plain ones."""
+    heads, dim = 2, 16
+    offsets = offsets_from_lengths([7, 0, 12])
+    n, hv = int(offsets[-1]), heads * dim
+    pre = (torch.randn(n, 4 * hv, generator=gen) * 2).bfloat16()
+    weight, bias = 1 + 0.1 * torch.randn(hv, generator=gen), 0.1 * torch.randn(hv, generator=gen)
+    dy = torch.randn(n, hv, generator=gen).bfloat16()
+    extras = AttentionExtras(num_targets=torch.tensor([2, 0, 1]), max_attn_len=5)
+    results = []
+    for saved_format in (None, "e4m3_row"):
+        leaves = [t.clone().requires_grad_() for t in (pre, weight, bias)]
+        y, _ = hstu_gap_triton(*leaves, offsets, num_heads=heads, attention_dim=dim, value_dim=dim, eps=1e-6,
+                               extras=extras, max_seq_len=14, alpha=1 / math.sqrt(dim), fp8_forward=True,
+                               saved_format=saved_format)  # fmt: skip
+        results.append((y, torch.autograd.grad(y, leaves, dy)))
+    (y_plain, g_plain), (y_saved, g_saved) = results
+    assert torch.equal(y_saved, y_plain)
+    for name, a, b in zip(("d_pre", "d_weight", "d_bias"), g_saved, g_plain, strict=True):
+        assert torch.isfinite(a).all() and relative_error(a, b) < 0.1, f"{name}: {relative_error(a, b):.2e}"
+
+
 def test_fp8_forward_is_off_by_default_and_refuses_what_it_cannot_do(gen: torch.Generator) -> None:
     assert TritonJaggedAttention.Config().fp8_forward is False
     q, k, v, offsets, options = random_case(gen, [4, 3], biases=False, window=False)
     kernel = TritonJaggedAttention(TritonJaggedAttention.Config(fp8_forward=True))
     with pytest.raises(ValueError, match="fp8_forward needs bfloat16 or float16 activations.*got torch.float32"):
         kernel(q.float(), k.float(), v.float(), offsets, **options)
-    pre = torch.randn(7, 64, generator=gen).bfloat16().requires_grad_()
-    with pytest.raises(ValueError, match="fp8_forward does not combine with the fused block's saved format 'e4m3_row'"):
-        hstu_gap_triton(pre, torch.ones(16), torch.zeros(16), offsets, num_heads=2, attention_dim=8, value_dim=8,
-                        max_seq_len=8, alpha=1.0, eps=1e-6, fp8_forward=True, saved_format="e4m3_row")  # fmt: skip
     with pytest.raises(ValueError, match="fp8_scales is for the forward of float8_e4m3fn q, k"):
         query_major(q, k, v, None, offsets, None, max_seq_len=8, alpha=1.0, max_attn_len=0,
                     fp8_scales=torch.ones(q.shape[0], 2, 2))  # fmt: skip

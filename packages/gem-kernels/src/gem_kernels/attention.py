@@ -135,8 +135,8 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         the attention's gradients are the bf16 attention's (for the output gradient it receives), while
         the output, and all that follows it up to the loss, come from fp8. In the
         fused block the silu pass writes the e4m3 copies (no extra pass); called alone, one Triton pass
-        quantizes ``q`` and ``k`` first. Needs bf16 or fp16 activations; not with ``torch.compile`` nor
-        with an e4m3 saved format of the fused block yet (both refused). See
+        quantizes ``q`` and ``k`` first. Needs bf16 or fp16 activations; not with ``torch.compile`` yet
+        (refused). Under the fused block's e4m3 saved format one more pass quantizes ``q``, ``k``. See
         :mod:`gem_kernels.attention_fp8`."""
         bias_grad_in_gap: bool = False
         """In the fused block, the gradient of the ``uvqk`` projection's bias is summed by the gap's backward

@@ -35,6 +35,8 @@ expands ``u`` and ``silu(v, q, k)`` in one pass and its silu gradient reads the 
 
 With ``fp8_forward`` the silu pass of the ``q, k`` columns also writes their e4m3 copies and scales, which
 the attention forward reads (:mod:`gem_kernels.attention_fp8`); ``post`` and the backward are unchanged.
+Under ``saved_format="e4m3_row"`` the silu pass is the saved format's, and one more pass quantizes the
+``q, k`` it wrote (the same values, so the same e4m3 copies).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.attention_fp8 import silu_quantize_qk
+from gem_kernels.attention_fp8 import quantize_qk, silu_quantize_qk
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_autograd import DqMode, resolve_dq_mode
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
@@ -141,6 +143,9 @@ class HSTUGapFunction(torch.autograd.Function):
         else:
             kept = (pre, silu_columns(pre[:, hv:], post))
         v, q, k = (post[:, a:b].view(rows, heads, -1) for a, b in ((0, hv), (hv, hv + hq), (hv + hq, hv + 2 * hq)))
+        if ctx.expand_to is not None and options["fp8_forward"]:
+            # silu_quantize_rows wrote post as silu_columns does; the e4m3 q, k come from one more pass over them
+            fp8 = quantize_qk(q, k)
         if fp8 is None:
             attn = query_major(q, k, v, None, seq_offsets, num_targets, bias=bias, **_kernel_options(options))
         else:  # the backward reads the bf16 q, k, v of post, as without fp8
@@ -250,12 +255,6 @@ def hstu_gap_triton(
         from gem_kernels.attention_fp8 import check_fp8_inputs
 
         check_fp8_inputs(pre)
-        if saved_format is not None and torch.is_grad_enabled():
-            # silu_quantize_rows writes post in its own pass, which does not write the e4m3 q, k (yet)
-            raise ValueError(
-                f"kernels.jagged_attention.options.fp8_forward does not combine with the fused block's saved format "
-                f"{saved_format!r} (the activation policy's) yet; turn one of them off"
-            )
     num_targets, max_attn_len = extras.num_targets, extras.max_attn_len
     position_bias, time_bias = extras.position_bias, extras.time_bias
     from gem_kernels.attention_triton_bias import prepare_bias
