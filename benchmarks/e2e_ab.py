@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 from ab_switches import VARIANTS  # beside this script
+from profiling import print_profile  # beside this script
 
 
 @dataclass
@@ -368,18 +369,7 @@ def main() -> int:
         summary = [summarize(r, raw["peak_flops"]) for r in raw["rows"]]
         print_table(summary)
         for name, prof in raw["profile"].items():
-            print(f"\nprofile of {name}: device busy {prof['busy_ms_per_step']:.1f} ms per step")
-            for c, ms in sorted(prof["categories_ms_per_step"].items(), key=lambda kv: -kv[1]):
-                print(f"  {c:<14} {ms:8.2f} ms  {100 * ms / prof['busy_ms_per_step']:5.1f} %")
-            for k in prof["top_kernels"]:
-                print(f"  {k['ms_per_step']:8.2f} ms  {k['kernel'][:110]}")
-            h = prof.get("gap_histogram")
-            if h:
-                split = ", ".join(f"{k} {v:.2f} ms ({h['gaps_per_step'][k]:.0f})" for k, v in h["idle_ms_per_step"].items())
-                print(f"  {h['kernels_per_step']:.0f} kernels per step; idle per step by gap length (gaps): {split}")
-            print("  longest device gaps (ms, the kernel before -> after):")
-            for g in prof.get("gaps", []):
-                print(f"  {g['ms']:8.3f} ms  {g['after'][:60]} -> {g['before'][:60]}")
+            print_profile(name, prof)
         for name, st in raw["steady"].items():
             print(f"steady {name}: {st['steps']} steps, wall {st['wall_ms_per_step']:.1f} ms/step, device "
                   f"{st['device_ms_per_step']:.1f} ms/step, idle {100 * (1 - st['device_ms_per_step'] / st['wall_ms_per_step']):.1f} %")

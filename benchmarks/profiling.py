@@ -91,3 +91,20 @@ def device_gaps(events: list[dict], limit: int = 15) -> list[dict]:
             end, before = stop, name
     gaps.sort(key=lambda g: -g["ms"])
     return gaps[:limit]
+
+
+def print_profile(name: str, prof: dict) -> None:
+    """The profile of one variant as ``benchmarks/e2e_ab.py`` records it: categories, top kernels, kernels
+    per step with the idle split by gap length, and the longest gaps."""
+    print(f"\nprofile of {name}: device busy {prof['busy_ms_per_step']:.1f} ms per step")
+    for c, ms in sorted(prof["categories_ms_per_step"].items(), key=lambda kv: -kv[1]):
+        print(f"  {c:<14} {ms:8.2f} ms  {100 * ms / prof['busy_ms_per_step']:5.1f} %")
+    for k in prof["top_kernels"]:
+        print(f"  {k['ms_per_step']:8.2f} ms  {k['kernel'][:110]}")
+    h = prof.get("gap_histogram")
+    if h:
+        split = ", ".join(f"{k} {v:.2f} ms ({h['gaps_per_step'][k]:.0f})" for k, v in h["idle_ms_per_step"].items())
+        print(f"  {h['kernels_per_step']:.0f} kernels per step; idle per step by gap length (gaps): {split}")
+    print("  longest device gaps (ms, the kernel before -> after):")
+    for g in prof.get("gaps", []):
+        print(f"  {g['ms']:8.3f} ms  {g['after'][:60]} -> {g['before'][:60]}")
