@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gem_model.jagged import offsets_of, positions_in_sequence, sequence_ids
-from gem_model.model import next_item
+from gem_model.model import next_item, next_item_plan
 
 
 def old_loss(query, items, negatives, lengths, item_ids, negative_ids, k: int, l2: bool, temperature: float,
@@ -134,15 +134,15 @@ def main() -> None:
     if not args.skip_old:
         row("old (padded to max, fp32)", lambda: old_loss(query, items, negatives, lengths, item_ids, negative_ids, k, True, 0.05))
     row("new", new)
-    defaults = (next_item.BUCKET_GROWTH, next_item.CHUNK_ELEMENTS)
+    defaults = (next_item_plan.BUCKET_GROWTH, next_item_plan.CHUNK_ELEMENTS)
     for growth in (1.5, 2.0):
-        next_item.BUCKET_GROWTH = growth
+        next_item_plan.BUCKET_GROWTH = growth
         row(f"new growth={growth}", new)
-    next_item.BUCKET_GROWTH = defaults[0]
+    next_item_plan.BUCKET_GROWTH = defaults[0]
     for chunk in (1 << 24, 1 << 26, 1 << 27, 1 << 28):
-        next_item.CHUNK_ELEMENTS = chunk
+        next_item_plan.CHUNK_ELEMENTS = chunk
         row(f"new chunk=2^{chunk.bit_length() - 1}", new)
-    next_item.CHUNK_ELEMENTS = defaults[1]
+    next_item_plan.CHUNK_ELEMENTS = defaults[1]
 
     if hasattr(torch, "_grouped_mm"):
         offs = offsets_of(lengths)[1:].to(torch.int32)

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gem_model.config import ModelConfig
 from gem_model.data.batch import FeatureSpec
 from gem_model.jagged import offsets_of
-from gem_model.model import next_item
+from gem_model.model import next_item, next_item_plan
 from gem_model.model.flops import count_flops
 
 K, D, T = 5, 16, 0.05
@@ -93,7 +93,7 @@ def close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
 @pytest.mark.parametrize("per_position", [False, True], ids=["shared", "per_position"])
 @pytest.mark.parametrize("l2", [False, True], ids=["dot", "l2"])
 def test_fp32_matches_the_math(per_position, l2, monkeypatch):
-    monkeypatch.setattr(next_item, "CHUNK_ELEMENTS", 40 * D)  # several chunks and row ranges
+    monkeypatch.setattr(next_item_plan, "CHUNK_ELEMENTS", 40 * D)  # several chunks and row ranges
     for seed in range(3):
         args = inputs(LENGTHS, per_position, seed=seed)
         got, count = new_loss(args, per_position, l2)
@@ -107,7 +107,7 @@ def test_fp32_matches_the_math(per_position, l2, monkeypatch):
 @pytest.mark.parametrize("per_position", [False, True], ids=["shared", "per_position"])
 def test_fp32_without_l2_keeps_the_bits_of_the_padded_loss(per_position, monkeypatch):
     """Row for row the same GEMMs and ops as before (one bucket, one chunk), so the same bits, gradients too."""
-    monkeypatch.setattr(next_item, "BUCKET_GROWTH", 100.0)
+    monkeypatch.setattr(next_item_plan, "BUCKET_GROWTH", 100.0)
     args = inputs(LENGTHS, per_position, seed=4)
     got, want = new_loss(args, per_position, False)[0], padded_loss(args, per_position)
     assert torch.equal(got, want)
@@ -162,7 +162,7 @@ def test_shared_negatives_never_build_positions_x_negatives_x_d_nor_the_padded_b
     """Nothing bigger than the inputs exists in forward or backward, and autograd keeps the inputs
     and O(P K) floats: neither [P, K, D] nor [B, max_len, D] (each far bigger here)."""
     k, d = 16, 64
-    monkeypatch.setattr(next_item, "CHUNK_ELEMENTS", 64 * d)
+    monkeypatch.setattr(next_item_plan, "CHUNK_ELEMENTS", 64 * d)
     lengths = [120, 60, 0, 40, 1, 30, 5, 3]
     args = inputs(lengths, False, k=k, d=d)
     rows, preds, b = sum(lengths), sum(max(n - 1, 0) for n in lengths), len(lengths)

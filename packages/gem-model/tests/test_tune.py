@@ -17,16 +17,8 @@ from gem_model.cli import main
 from gem_model.config_io import dump, load_config
 from gem_model.profiling.report import ProfileReport, ProfileSection
 from gem_model.trainer import train
-from gem_model.tune.search import (
-    CutOff,
-    _pruned,
-    _slower_here,
-    _wider_gemms,
-    dimensions,
-    measure,
-    tune,
-    with_overrides,
-)
+from gem_model.tune.search import CutOff, dimensions, measure, tune, with_overrides
+from gem_model.tune.skips import pruned, slower_here, wider_gemms
 
 TINY = [*testing.INLINE_OVERRIDES]
 
@@ -143,13 +135,13 @@ def test_activation_policies_are_not_measured_when_the_profile_says_the_config_f
         "parameters": 1e9, "gradients": 1e9, "optimizer": 2e9, "measured_peak": None,
         "activations": {policy: {"saved": 1e9, "peak": 2e9}}})  # fmt: skip
     report = ProfileReport("gem-tiny", "cpu", "-", "-", [memory])
-    why = _pruned("activation policy", config, report, memory_gb=5.0)  # 1 + 1 + 2 + 1 GB fits 5 GB
+    why = pruned("activation policy", config, report, memory_gb=5.0)  # 1 + 1 + 2 + 1 GB fits 5 GB
     assert why is not None and "5.0 GB" in why and "fits --memory-gb 5" in why
-    assert _pruned("activation policy", config, report, memory_gb=4.9) is None  # it does not fit: measure them
-    assert _pruned("activation policy", config, report, memory_gb=None) is None
-    assert _pruned("precision", config, report, memory_gb=5.0) is None
+    assert pruned("activation policy", config, report, memory_gb=4.9) is None  # it does not fit: measure them
+    assert pruned("activation policy", config, report, memory_gb=None) is None
+    assert pruned("precision", config, report, memory_gb=5.0) is None
     memory.summary["measured_peak"] = 6e9  # the allocator's peak wins over the estimate
-    assert _pruned("activation policy", config, report, memory_gb=5.0) is None
+    assert pruned("activation policy", config, report, memory_gb=5.0) is None
 
 
 def test_dimensions_left_out_are_recorded_as_not_searched(pm, monkeypatch, capsys):
@@ -189,12 +181,12 @@ def test_tune_reports_the_result_so_far_after_every_candidate(pm):
 def test_on_a_gpu_schemes_with_wider_gemms_are_not_measured(pm):
     config = load_config(None, [*TINY, "precision.scheme=inline_bf16"])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    why = _wider_gemms(config, {"precision.scheme": "inline_fp32"}, pm, cuda)
+    why = wider_gemms(config, {"precision.scheme": "inline_fp32"}, pm, cuda)
     assert why is not None and "float32" in why and "inline_bf16" in why
-    assert _wider_gemms(config, {"precision.scheme": "inline_fp32"}, pm, cpu) is None  # a CPU may run fp32 faster
-    assert _wider_gemms(config, {"precision.scheme": "inline_bf16"}, pm, cuda) is None
-    assert _wider_gemms(load_config(None, TINY), {"precision.scheme": "inline_bf16"}, pm, cuda) is None
-    assert _wider_gemms(config, {"kernels.jagged_attention": "loop"}, pm, cuda) is None
+    assert wider_gemms(config, {"precision.scheme": "inline_fp32"}, pm, cpu) is None  # a CPU may run fp32 faster
+    assert wider_gemms(config, {"precision.scheme": "inline_bf16"}, pm, cuda) is None
+    assert wider_gemms(load_config(None, TINY), {"precision.scheme": "inline_bf16"}, pm, cuda) is None
+    assert wider_gemms(config, {"kernels.jagged_attention": "loop"}, pm, cuda) is None
 
 
 def test_schemes_the_profile_measured_emulated_or_slower_here_are_not_measured():
@@ -208,7 +200,7 @@ def test_schemes_the_profile_measured_emulated_or_slower_here_are_not_measured()
     cpu = torch.device("cpu")
 
     def why(name: str, r: ProfileReport = report) -> str | None:
-        return _slower_here(config, {"precision.scheme": name}, r, cpu)
+        return slower_here(config, {"precision.scheme": name}, r, cpu)
 
     assert why("inline_bf16") == "not measured: inline_bf16 runs emulated on this device (the profile's numerics section: no bf16 here)"
     assert why("slow") == "not measured: the profile's numerics section measured slow's linears slower here than inline_fp32's (2.00 ms a step more)"
@@ -217,7 +209,7 @@ def test_schemes_the_profile_measured_emulated_or_slower_here_are_not_measured()
     assert why("slow", elsewhere) is None  # another device's rates say nothing here
     other = ProfileReport("gem-tiny", "cpu", "-", "-", [numerics], config={"precision": {"scheme": {"name": "x"}}})
     assert why("slow", other) is None  # nor rates against another configured scheme
-    assert _slower_here(config, {"kernels.jagged_attention": "loop"}, report, cpu) is None
+    assert slower_here(config, {"kernels.jagged_attention": "loop"}, report, cpu) is None
 
 
 def test_a_warm_up_run_comes_first_and_each_config_runs_repeats_times(pm, monkeypatch):

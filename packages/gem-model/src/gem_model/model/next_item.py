@@ -10,15 +10,16 @@ next item's embedding) and negatives ``n_1..n_K``, with ``u(x) = x / max(|x|, 1e
 The result is the sum of the loss over the predicted positions (every history position but the
 last of its sequence: P of them) and their count; the trainer normalises by the global count.
 
-Shared negatives (K per sample, shared by its positions) are scored by :class:`_SharedScores`:
-one batched GEMM per chunk of sequences of similar length. Sequences are bucketed by their number
-of predicted positions (a bucket holds counts within ``BUCKET_GROWTH`` of its longest; counts up
-to ``SMALL_BUCKET`` share one) and a bucket is split into chunks of at most ``CHUNK_ELEMENTS / D``
-padded rows. A chunk gathers its queries, in their own dtype (bf16 when the activations are), into
-``[c, s, D]`` and multiplies them with its sequences' ``[c, K, D]`` negatives (cast from the fp32
-tables) into fp32 logits. With ``l2_normalize`` nothing ``[rows, D]``-sized is normalised as a
-copy: ``s_k = (q . u(n_k)) / |q|`` from per-row norms, and the backward's normalisation terms are
-per-row scalars from the saved logits. Why this and not:
+Shared negatives (K per sample, shared by its positions) are scored by :class:`_SharedScores`: one
+batched GEMM per chunk of sequences of similar length. Sequences are bucketed by their number of
+predicted positions (a bucket holds counts within ``BUCKET_GROWTH`` of its longest; counts up to
+``SMALL_BUCKET`` share one) and a bucket is split into chunks of at most ``CHUNK_ELEMENTS / D``
+padded rows (planned in :mod:`gem_model.model.next_item_plan`). A chunk gathers its queries, in
+their own dtype (bf16 when the activations are), into ``[c, s, D]`` and multiplies them with its
+sequences' ``[c, K, D]`` negatives (cast from the fp32 tables) into fp32 logits. With
+``l2_normalize`` nothing ``[rows, D]``-sized is normalised as a copy: ``s_k = (q . u(n_k)) / |q|``
+from per-row norms, and the backward's normalisation terms are per-row scalars from the saved
+logits. Why this and not:
 
 * padding the batch to its longest sequence (before): ~8x the work at power-law lengths (mean
   500, max 4096) and a ``[B, max_len, D]`` fp32 copy (8 GiB at B = 512, D = 1024);
@@ -54,21 +55,28 @@ changes the last bits (~1e-7 relative; ``tests/test_next_item.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from gem_model.jagged import offsets_of, positions_in_sequence, sequence_ids
+from gem_model.model.next_item_plan import (
+    BUCKET_GROWTH,
+    CHUNK_ELEMENTS,
+    SMALL_BUCKET,
+    Chunk,
+    Plan,
+    group_by_length,
+    plan_chunks,
+    row_ranges,
+)
+
+__all__ = [  # the chunk planning lives in next_item_plan (set its constants there); importable from here too
+    "BUCKET_GROWTH", "CHUNK_ELEMENTS", "EPS", "SMALL_BUCKET", "Chunk", "Plan", "group_by_length", "next_item_loss",
+    "plan_chunks",
+]  # fmt: skip
 
 EPS = 1e-6
 """The ``eps`` of the L2 normalisation (``F.normalize``)."""
-BUCKET_GROWTH = 1.25
-"""A bucket holds sequences with ``[size / BUCKET_GROWTH, size]`` predicted positions."""
-SMALL_BUCKET = 64
-"""Sequences this short share one bucket: padding them costs less than the ops of another chunk."""
-CHUNK_ELEMENTS = 1 << 25
-"""A chunk pads at most this many elements of queries (``rows * D``): 32768 rows at D = 1024."""
 
 
 def next_item_loss(
@@ -113,115 +121,6 @@ def next_item_loss(
     return loss.sum(), count
 
 
-# ---------------------------------------------------------------------------------------- planning
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """``count`` sequences padded to ``size`` rows each: ``slots`` (global, in the padded layout),
-    ``valid`` (into the plan's ``valid_*``: the chunk's real rows) and ``seqs`` (into ``seqs``)."""
-
-    size: int
-    count: int
-    slots: slice
-    valid: slice
-    seqs: slice
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Where each predicted position sits in the padded chunks (index tensors on the data's device).
-
-    ``seqs``: the sequences in chunk order. Per slot of the padded layout: ``slot_rows`` (its query
-    row; padding repeats its sequence's first one) and ``slot_preds`` (its predicted position, ``rows``
-    for padding). Per predicted position in chunk order: ``valid_slots`` (its slot within its chunk)
-    and ``valid_rows`` (its query row). Per predicted position in row order: ``pred_slots`` (its
-    global slot), ``pred_rows`` (its query row) and ``pred_seqs`` (its sequence).
-    """
-
-    rows: int
-    chunks: list[Chunk]
-    seqs: Tensor
-    slot_rows: Tensor
-    slot_preds: Tensor
-    valid_slots: Tensor
-    valid_rows: Tensor
-    pred_slots: Tensor
-    pred_rows: Tensor
-    pred_seqs: Tensor
-
-
-def group_by_length(
-    counts: list[int], dim: int, *, growth: float = BUCKET_GROWTH, small: int = SMALL_BUCKET,
-    chunk_elements: int = CHUNK_ELEMENTS,
-) -> list[tuple[int, list[int]]]:
-    """``(padded size, sequence indices)`` of each chunk, longest first; sequences with no row are left out."""
-    buckets: list[tuple[int, list[int]]] = []
-    for seq in sorted((b for b, n in enumerate(counts) if n > 0), key=lambda b: -counts[b]):
-        n = counts[seq]
-        if buckets and (n * growth >= buckets[-1][0] or buckets[-1][0] <= small):
-            buckets[-1][1].append(seq)
-        else:
-            buckets.append((n, [seq]))
-    max_rows = max(1, chunk_elements // max(dim, 1))
-    chunks = []
-    for size, seqs in buckets:
-        per = max(1, max_rows // size)
-        chunks += [(size, seqs[i : i + per]) for i in range(0, len(seqs), per)]
-    return chunks
-
-
-def plan_chunks(lengths: Tensor, dim: int, *, host_lengths: Tensor | None = None) -> Plan:
-    """The :class:`Plan` of histories of ``lengths``.
-
-    The host groups the sequences by their lengths (O(B) python): from ``host_lengths`` (the same
-    lengths on the host) when given, else by reading ``lengths`` back (one sync). The O(P) index
-    tensors are then built on the device from per-sequence numbers, copied over in one piece.
-    """
-    counts = (lengths - 1).clamp(min=0)
-    n = (counts if host_lengths is None else (host_lengths - 1).clamp(min=0)).tolist()
-    # the constants read at call time, so that a test can shrink them
-    groups = group_by_length(n, dim, growth=BUCKET_GROWTH, small=SMALL_BUCKET, chunk_elements=CHUNK_ELEMENTS)
-    chunks, order, size, start, chunk_start = [], [], [], [], []
-    slot = valid = 0
-    for s, seqs in groups:
-        rows = sum(n[b] for b in seqs)
-        chunks.append(Chunk(s, len(seqs), slice(slot, slot + s * len(seqs)), slice(valid, valid + rows),
-                            slice(len(order), len(order) + len(seqs))))
-        order += seqs
-        size += [s] * len(seqs)
-        start += range(slot, slot + s * len(seqs), s)
-        chunk_start += [slot] * len(seqs)
-        slot, valid = slot + s * len(seqs), valid + rows
-    dev, total, m = lengths.device, valid, len(order)
-    table = torch.tensor([order, size, start, chunk_start], dtype=torch.long)
-    if dev.type == "cuda":  # from page-locked memory, so that the copy does not wait for the device
-        table = table.pin_memory()
-    seqs, size_o, start_o, chunk_o = table.to(dev, non_blocking=True).reshape(4, m)
-    first_row = offsets_of(lengths)[:-1]
-    first_pred = offsets_of(counts)[:-1]
-    n_o, row_o, pred_o = counts[seqs], first_row[seqs], first_pred[seqs]
-    slot_seq = torch.repeat_interleave(torch.arange(m, device=dev), size_o, output_size=slot)
-    j = torch.arange(slot, device=dev) - start_o[slot_seq]
-    real = j < n_o[slot_seq]
-    valid_seq = torch.repeat_interleave(torch.arange(m, device=dev), n_o, output_size=total)
-    jv = torch.arange(total, device=dev) - offsets_of(n_o)[:-1][valid_seq]
-    pred_seqs = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), counts, output_size=total)
-    return Plan(
-        rows=total,
-        chunks=chunks,
-        seqs=seqs,
-        slot_rows=row_o[slot_seq] + torch.where(real, j, 0),
-        slot_preds=torch.where(real, pred_o[slot_seq] + j, total),
-        valid_slots=(start_o - chunk_o)[valid_seq] + jv,
-        valid_rows=row_o[valid_seq] + jv,
-        pred_slots=torch.empty(total, dtype=torch.long, device=dev).index_copy_(
-            0, pred_o[valid_seq] + jv, start_o[valid_seq] + jv),
-        pred_rows=torch.arange(total, device=dev) + (first_row - first_pred)[pred_seqs],
-        pred_seqs=pred_seqs,
-    )
-
-
 # ------------------------------------------------------------------------------------- the scores
 
 
@@ -261,12 +160,6 @@ def _per_row(values: Tensor, rows: Tensor, total: int) -> Tensor:
     return torch.zeros(total, 1, dtype=values.dtype, device=values.device).index_copy_(0, rows, values[:, None])
 
 
-def _row_ranges(rows: int, dim: int) -> list[tuple[int, int]]:
-    """Contiguous ranges of at most ``CHUNK_ELEMENTS / dim`` rows covering ``[0, rows)``."""
-    step = max(1, CHUNK_ELEMENTS // max(dim, 1))
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
-
-
 class _SharedScores(torch.autograd.Function):
     """``(s_0 [P], s_1..K [P, K])`` of shared negatives (see the module's docstring).
 
@@ -285,7 +178,7 @@ class _SharedScores(torch.autograd.Function):
         dt, (k, d), pairs = query.dtype, negatives.shape[1:], query.shape[0] - 1
         dot = torch.empty(pairs, device=query.device)  # q_i . p_(i+1), for every row but the last
         q_norm, p_norm = (torch.empty_like(dot), torch.empty_like(dot)) if l2 else (None, None)
-        for a, b in _row_ranges(pairs, d):
+        for a, b in row_ranges(pairs, d):
             q, p = query[a:b], items[a + 1 : b + 1].to(dt)
             dot[a:b] = _row_dot(q, p)
             if q_norm is not None and p_norm is not None:
@@ -349,7 +242,7 @@ class _SharedScores(torch.autograd.Function):
         # [rows - 1, 1] per query row, zero where a row predicts nothing
         a_row, c_row, e_row = (None if v is None else _per_row(v, plan.pred_rows, pairs) for v in (a, c, e))
         assert a_row is not None
-        for r0, r1 in _row_ranges(pairs, d):
+        for r0, r1 in row_ranges(pairs, d):
             q, p, ra = query[r0:r1], items[r0 + 1 : r1 + 1], a_row[r0:r1]
             if grad_q is not None:
                 gq = grad_q[r0:r1]

@@ -54,7 +54,6 @@ from typing import Any
 import torch
 import yaml
 
-from gem_model.components import GEMM_BITS
 from gem_model.config import RunConfig
 from gem_model.config_io import apply_overrides, dump, validate
 from gem_model.distributed import DistEnv, launched_by_torchrun, pick_device
@@ -63,6 +62,7 @@ from gem_model.plugins import GemPluginManager
 from gem_model.profiling.report import ProfileReport
 from gem_model.train.progress import task_progress
 from gem_model.train.report import summaries_printed
+from gem_model.tune.skips import pruned, slower_here, wider_gemms
 
 DIMENSIONS = {"kernel": "attention kernel", "precision": "precision", "activation": "activation policy",
               "balancer": "balancer", "planner": "planner", "compile": "compile"}  # fmt: skip
@@ -254,14 +254,14 @@ def _search(
     on_candidate(TuneResult(baseline, [], best, {}, False, time.perf_counter() - start, complete=False))
     for dimension, options in dimensions(config, pm, profile):
         current = best  # the value this dimension starts from was measured already
-        pruned = "not searched (--dimensions)" if searched is not None and dimension not in searched else None
-        pruned = pruned or _pruned(dimension, config, profile, memory_gb)
+        skip = "not searched (--dimensions)" if searched is not None and dimension not in searched else None
+        skip = skip or pruned(dimension, config, profile, memory_gb)
         for overrides in options:
             if _same(current, overrides):
                 continue
             c = Candidate(dimension, overrides)
             left = budget_s - (time.perf_counter() - start)
-            why = pruned or _wider_gemms(config, overrides, pm, device) or _slower_here(config, overrides, profile, device)
+            why = skip or wider_gemms(config, overrides, pm, device) or slower_here(config, overrides, profile, device)
             if why or stopped or left < slowest:
                 stopped = stopped or (why is None)
                 c.skipped = why or f"not measured: {max(left, 0):.0f} s of the budget left, the slowest run took {slowest:.0f} s"
@@ -286,64 +286,6 @@ def _search(
         c.chosen = c.skipped is None and all(best_overrides.get(k) == v for k, v in c.overrides.items())
     return TuneResult(baseline, tried, best, best_overrides, stopped, time.perf_counter() - start,
                       warmup_seconds=warmup_s)
-
-
-def _wider_gemms(config: RunConfig, overrides: dict[str, Any], pm: GemPluginManager, device: torch.device) -> str | None:
-    """Why a ``precision.scheme`` candidate cannot be faster on ``device``, or None: on a GPU, GEMMs in
-    more bits than the configured scheme's run at a lower tensor-core rate (fp32: no tensor cores, and
-    fp32 activations double every activation's bytes). On a CPU nothing is assumed."""
-    name = overrides.get("precision.scheme")
-    if name is None or device.type != "cuda":
-        return None
-    bits = GEMM_BITS
-    mine = pm.precision_schemes.get(config.precision.scheme.name).cls.gemm_dtype
-    theirs = pm.precision_schemes.get(name).cls.gemm_dtype
-    if bits.get(theirs, 0) <= bits.get(mine, 0):
-        return None
-    return (f"not measured: {name}'s GEMMs run in {theirs}, more bits than {config.precision.scheme.name}'s "
-            f"{mine}; on a GPU that cannot be faster")
-
-
-def _slower_here(
-    config: RunConfig, overrides: dict[str, Any], profile: ProfileReport | None, device: torch.device
-) -> str | None:
-    """Why the profile's ``numerics`` section says a ``precision.scheme`` candidate cannot be faster on
-    ``device``, or None: only a profile taken on this device, from the same configured scheme."""
-    name = overrides.get("precision.scheme")
-    if name is None or profile is None or not profile.has("numerics"):
-        return None
-    numerics = profile.section("numerics").summary
-    measured = numerics.get("rates", {}).get("schemes", {}).get(name)
-    here = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    profiled = (profile.config.get("precision") or {}).get("scheme", {}).get("name")
-    if measured is None or profile.device != here or profiled != config.precision.scheme.name:
-        return None
-    if measured.get("emulated"):
-        return f"not measured: {name} runs emulated on this device (the profile's numerics section: {measured.get('why')})"
-    gain = numerics.get("scheme_gain_s_per_step", {}).get(name)
-    if gain is None or gain > 0:
-        return None
-    return (f"not measured: the profile's numerics section measured {name}'s linears slower here than "
-            f"{profiled}'s ({-1e3 * gain:.2f} ms a step more)")  # fmt: skip
-
-
-def _pruned(dimension: str, config: RunConfig, profile: ProfileReport | None, memory_gb: float | None) -> str | None:
-    """Why the profile says no candidate of ``dimension`` can win, or None."""
-    if dimension != "activation policy" or memory_gb is None or profile is None or not profile.has("memory"):
-        return None
-    memory = profile.section("memory").summary
-    if memory.get("status") is not None:  # the memory section was cut off or failed
-        return None
-    saved = memory.get("activations", {}).get(config.activation.policy.name, {}).get("saved")
-    if saved is None:
-        return None
-    measured = memory.get("measured_peak")
-    need = measured if measured is not None else memory["parameters"] + memory["gradients"] + memory["optimizer"] + saved
-    if need / 1e9 > memory_gb:
-        return None
-    what = "measured peak" if measured is not None else "estimated static + saved activations"
-    return (f"not measured: activation.policy {config.activation.policy.name} fits --memory-gb {memory_gb:g} "
-            f"({what} {need / 1e9:.1f} GB, profile's memory section); another policy only trades speed for memory")
 
 
 def compare(configs: dict[str, RunConfig], pm: GemPluginManager, steps: int) -> list[Candidate]:
