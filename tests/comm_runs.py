@@ -21,9 +21,11 @@ REFERENCE = [
 ]  # fmt: skip
 AVX2 = "AVX2 CI machine, 4ddf59e"
 SPR = "AVX-512 + AMX (Sapphire Rapids), b9cca1e"
+AMD = "AVX-512 AMD EPYC (no AMX), cb0a341"
 PINNED = {
     AVX2: ["0x1.1dfc7c48d3dcbp+3", "0x1.f38f95fa4d269p+2", "0x1.05a5b3d1dae60p+3", "0x1.09b4381d3dcb0p+3"],
     SPR: ["0x1.1dfc7cc52640cp+3", "0x1.f38f965a4d269p+2", "0x1.05a5b3667e252p+3", "0x1.09b43732c2350p+3"],
+    AMD: ["0x1.1dfc7c18d3dcbp+3", "0x1.f38f967abd5ebp+2", "0x1.05a5b295ae608p+3", "0x1.09b438ea7b961p+3"],
 }
 """The ``sequential`` pipeline's step losses on 2 processes with ``default`` (float.hex), per CPU
 family (gem_model.testing.assert_pinned)."""
@@ -42,6 +44,7 @@ RUNS: dict[str, tuple[str, ...]] = {
 SKIPPED_PINNED = {
     AVX2: [*PINNED[AVX2][:2], "0x1.0a46f24cb08d4p+3"],  # step 4 measured at dd80bdc
     SPR: [*PINNED[SPR][:2], "0x1.0a46f12234f73p+3"],
+    AMD: [*PINNED[AMD][:2], "0x1.0a46f11234f73p+3"],
 }
 """The ``sequential`` pipeline's step losses of the ``sparse_dist`` run's config (steps 1, 2, 4;
 step 3's update skipped), measured with ``trainer.pipeline=sequential``, per CPU family."""

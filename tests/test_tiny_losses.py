@@ -17,14 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # 4 steps of configs/tiny.yaml (torch kernels, fp32, default comm), by process count, per CPU family
 AVX2 = "AVX2 CI machine, 4ddf59e"
 SPR = "AVX-512 + AMX (Sapphire Rapids), b9cca1e"
+AMD = "AVX-512 AMD EPYC (no AMX), cb0a341"
 PINNED = {
     1: {
         AVX2: ["0x1.24094277126b8p+3", "0x1.e83b5d2da2c6ap+2", "0x1.e98e3d874a882p+2", "0x1.c9c7999501796p+2"],
         SPR: ["0x1.24094277126b8p+3", "0x1.e83b5d6da2c6ap+2", "0x1.e98e3d474a882p+2", "0x1.c9c79d8351133p+2"],
+        AMD: ["0x1.240942b7126b8p+3", "0x1.e83b5af9d6835p+2", "0x1.e98e4028afb52p+2", "0x1.c9c7999501796p+2"],
     },
     2: {
         AVX2: ["0x1.240943378ab6bp+3", "0x1.e83b5c33bca50p+2", "0x1.e98e3c1697f1ap+2", "0x1.c9c79ab0955fdp+2"],
         SPR: ["0x1.240943578ab6bp+3", "0x1.e83b5d4da2c6ap+2", "0x1.e98e3c5697f1ap+2", "0x1.c9c79ad0955fdp+2"],
+        AMD: ["0x1.240943678ab6bp+3", "0x1.e83b5d2da2c6ap+2", "0x1.e98e3bf697f1ap+2", "0x1.c9c79f7a78e01p+2"],
     },
 }
 RUN = ["trainer.steps=4", "trainer.progress=false", "trainer.log_every=1", "trainer.checkpoint_at_end=false",

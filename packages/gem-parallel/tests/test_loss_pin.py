@@ -16,14 +16,17 @@ from gem_model.testing import assert_pinned
 # trainer.steps=4 of the REFERENCE overrides (conftest.py), by planner, per CPU family (assert_pinned)
 AVX2 = "AVX2 CI machine, 4ddf59e"
 SPR = "AVX-512 + AMX (Sapphire Rapids), b9cca1e"
+AMD = "AVX-512 AMD EPYC (no AMX), cb0a341"
 PINNED = {
     "single": {
         AVX2: ["0x1.1dfc7cc52640cp+3", "0x1.f38f93d96cb66p+2", "0x1.05a5b3a1dae60p+3", "0x1.09b436a58469fp+3"],
         SPR: ["0x1.1dfc7cc52640cp+3", "0x1.f38f94196cb66p+2", "0x1.05a5b1c6f4deap+3", "0x1.09b4380000000p+3"],
+        AMD: ["0x1.1dfc7d052640cp+3", "0x1.f38f94196cb66p+2", "0x1.05a5b1e6f4deap+3", "0x1.09b436a58469fp+3"],
     },
     "torchrec_ddp": {
         AVX2: ["0x1.1dfc7c48d3dcbp+3", "0x1.f38f95fa4d269p+2", "0x1.05a5b3d1dae60p+3", "0x1.09b4381d3dcb0p+3"],
         SPR: ["0x1.1dfc7cc52640cp+3", "0x1.f38f965a4d269p+2", "0x1.05a5b3667e252p+3", "0x1.09b43732c2350p+3"],
+        AMD: ["0x1.1dfc7c18d3dcbp+3", "0x1.f38f967abd5ebp+2", "0x1.05a5b295ae608p+3", "0x1.09b438ea7b961p+3"],
     },
 }
 RUN = ["trainer.steps=4", "trainer.checkpoint_at_end=false", "trainer.eval_at_end=false"]
