@@ -1,0 +1,205 @@
+"""The sequence table's lookup on its own: torchrec's fused TBE against a plain gather, fp32 and bf16 out.
+
+Why: the big config's profile (``benchmarks/results/e2e_ab.md``) gives FBGEMM's
+``split_embedding_nobag_codegen_forward_unweighted_kernel<float, float, float, ...>`` 11.1 ms a step,
+for ~250k rows of 1024 floats (the histories, 128 negatives a sample, the candidates): ~2 GB read and
+written, ~0.6 ms at the H200's copy rate. This measures the lookup in isolation, on the big config's
+table (5M x 1024, fp32) and a batch of its lengths, so the next step is chosen from figures:
+
+* ``tbe``: torchrec's ``EmbeddingCollection`` sharded by ``DistributedModelParallel`` on one rank,
+  the table optimizer fused into backward (the trainer's ``rowwise_adagrad`` spec), as ``torchrec_ddp``
+  builds it; the lookup's output in float32 (what the run does today, then cast to bf16 by the model);
+* ``tbe_bf16``: the same with FBGEMM writing bf16 (``fused_params={"output_dtype": SparseType.BF16}``),
+  so no cast pass follows and the backward reads a bf16 gradient;
+* ``gather``: ``torch.index_select`` of the same ids from a plain float32 tensor of the table's shape,
+  then ``.bfloat16()``: the bandwidth-bound floor of the forward.
+
+Checked first, on fresh uniform tables and ids: ``tbe_bf16``'s output equals ``tbe``'s rounded to bf16,
+and ``tbe``'s rows are finite and within the init bounds. Timed: forward alone, and forward plus
+backward (the fused update included) for the TBE variants, interleaved over ``--rounds`` rounds after a
+warm-up; medians and quartiles in ms; plus a profile of one TBE step naming its kernels.
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/table_lookup.py --out table_lookup.json   # H200
+    torchrun --standalone --nproc-per-node 1 benchmarks/table_lookup.py --device cpu --rows 5000 --dim 16 \\
+        --batch 8 --rounds 2                                                                  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def lengths_of_the_big_config(batch: int, max_len: int, exponent: float, seed: int) -> torch.Tensor:
+    """History lengths drawn as ``configs/h200-large.yaml``'s source draws them: P(n) ~ (n + 1)^-exponent
+    over 0..max_len."""
+    n = torch.arange(max_len + 1, dtype=torch.float64)
+    p = (n + 1) ** -exponent
+    g = torch.Generator().manual_seed(seed)
+    return torch.multinomial(p / p.sum(), batch, replacement=True, generator=g)
+
+
+def build(rows: int, dim: int, device: torch.device, bf16_out: bool, seed: int):
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from gem_model.config import TrainerConfig
+    from gem_model.train.optim import sparse_optimizer_spec
+
+    bound = 1.0 / rows**0.5
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name="item_table", embedding_dim=dim, num_embeddings=rows, feature_names=["seq"],
+                                weight_init_min=-bound, weight_init_max=bound)],  # fmt: skip
+        device=torch.device("meta"),
+    )
+    fused_cls, fused_kwargs = sparse_optimizer_spec(TrainerConfig(sparse_lr=0.005)).fused()
+    apply_optimizer_in_backward(fused_cls, list(ec.parameters()), fused_kwargs)
+    fused_params = {}
+    if bf16_out:
+        from fbgemm_gpu.split_embedding_configs import SparseType
+
+        fused_params = {"output_dtype": SparseType.BF16}
+    sharder = EmbeddingCollectionSharder(fused_params=fused_params)
+    hbm = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device=device.type, hbm_cap=hbm),
+        constraints={"item_table": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])},
+    )
+    plan = planner.collective_plan(ec, [sharder], dist.group.WORLD)  # type: ignore[arg-type]
+    torch.manual_seed(seed)  # the tables are drawn on the device from this generator: the same for both
+    return DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
+                                    plan=plan, sharders=[sharder])  # fmt: skip
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=5_000_000, help="table rows (the big config's items)")
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=384, help="samples: histories + negatives + a candidate each")
+    p.add_argument("--max-len", type=int, default=4095)
+    p.add_argument("--exponent", type=float, default=0.95)
+    p.add_argument("--negatives", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    lengths = lengths_of_the_big_config(args.batch, args.max_len, args.exponent, args.seed) + args.negatives + 1
+    ids = torch.randint(args.rows, (int(lengths.sum()),), generator=torch.Generator().manual_seed(args.seed + 1))
+    kjt = KeyedJaggedTensor(keys=["seq"], values=ids, lengths=lengths).to(device)
+    ids_dev = ids.to(device)
+    print(f"{args.batch} samples, {ids.numel():,} rows of {args.dim} looked up from {args.rows:,}", flush=True)
+
+    # FBGEMM's CPU nobag kernel has no bf16 output ("not implemented for 'BFloat16'"): tbe_bf16 is GPU only
+    bf16 = device.type == "cuda"
+    models = {"tbe": build(args.rows, args.dim, device, False, args.seed)}
+    if bf16:
+        models["tbe_bf16"] = build(args.rows, args.dim, device, True, args.seed)
+    plain = torch.empty(args.rows, args.dim, device=device).uniform_(-1 / args.rows**0.5, 1 / args.rows**0.5)
+    grad = torch.randn(ids.numel(), args.dim, device=device, generator=torch.Generator(device).manual_seed(3))
+
+    with torch.no_grad():
+        out32 = models["tbe"](kjt).wait()["seq"].values()
+        out16 = models["tbe_bf16"](kjt).wait()["seq"].values() if bf16 else None
+    bound = 1 / args.rows**0.5
+    checks: dict[str, object] = {
+        "tbe_dtype": str(out32.dtype),
+        "tbe_finite_in_bounds": bool(torch.isfinite(out32).all() and out32.abs().max() <= bound * (1 + 1e-6)),
+        "rows_not_all_equal": bool((out32[0] != out32[-1]).any()),
+    }
+    if out16 is not None:
+        checks |= {"tbe_bf16_dtype": str(out16.dtype), "tbe_bf16_equals_tbe_rounded": bool(torch.equal(out16, out32.bfloat16()))}
+    print("checks:", checks, flush=True)
+    if not all(v for k, v in checks.items() if not k.endswith("dtype")):
+        print("a check failed: nothing timed", file=sys.stderr)
+        return 1
+
+    def forward(name: str) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return models[name](kjt).wait()["seq"].values().bfloat16()  # the model casts to bf16
+        return run
+
+    def train(name: str) -> Callable[[], object]:
+        def run() -> None:
+            values = models[name](kjt).wait()["seq"].values()
+            values.bfloat16().backward(grad.to(torch.bfloat16))  # the bf16 gradient the model hands back
+        return run
+
+    cases = {f"forward {name}": forward(name) for name in models}
+    cases["forward gather"] = lambda: plain.index_select(0, ids_dev).bfloat16()
+    cases |= {f"fwd+bwd {name}": train(name) for name in models}
+    for fn in cases.values():  # warm-up
+        timed(fn, device)
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for r in range(args.rounds):
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))
+        for k in order:
+            times[k].append(timed(cases[k], device))
+    moved = ids.numel() * args.dim * (4 + 2)  # fp32 rows read, bf16 rows written
+    rows = []
+    print(f"\n{'case':<18} {'q1 ms':>8} {'median':>8} {'q3 ms':>8} {'GB/s (rows read fp32 + bf16 written)':>38}")
+    for k, ts in times.items():
+        q = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) > 1 else [ts[0]] * 3
+        med = statistics.median(ts)
+        rows.append({"case": k, "q1_ms": q[0], "median_ms": med, "q3_ms": q[2], "times_ms": ts})
+        print(f"{k:<18} {q[0]:8.3f} {med:8.3f} {q[2]:8.3f} {moved / med / 1e6:38.0f}")
+
+    kernels: list[dict] = []
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            train("tbe")()
+            torch.cuda.synchronize()
+        per: dict[str, float] = {}
+        for e in prof.key_averages():
+            if e.device_time_total > 0:
+                per[e.key] = per.get(e.key, 0.0) + e.device_time_total / 1e3
+        kernels = [{"kernel": k[:120], "ms": v} for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:12]]
+        print("\none fwd+bwd of tbe, by kernel:")
+        for kv in kernels:
+            print(f"  {kv['ms']:8.3f} ms  {kv['kernel']}")
+    if args.out:
+        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "command": " ".join(sys.argv),
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                "torch": torch.__version__, "rows_looked_up": ids.numel(), **vars(args)}  # fmt: skip
+        Path(args.out).write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows, "kernels": kernels}, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
