@@ -40,7 +40,9 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, [o for o in rest.split(",") if o]
 
 
-def run_variant(config: str, overrides: list[str], steps: int, device: str, workdir: Path, nproc: int) -> tuple[list[dict], float]:
+def run_variant(
+    config: str, overrides: list[str], steps: int, device: str, workdir: Path, nproc: int
+) -> tuple[list[dict], float]:
     out = workdir / "run"
     # through torchrun even for one process: the big config's planner (torchrec_ddp) needs a process group
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
@@ -78,7 +80,8 @@ def summarize(name: str, overrides: list[str], records: list[dict], wall: float,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--config", required=True)
-    p.add_argument("--variant", action="append", required=True, help="NAME=OVERRIDE,OVERRIDE (the first is the reference)")
+    p.add_argument("--variant", action="append", required=True,
+                   help="NAME=OVERRIDE,OVERRIDE (the first is the reference)")  # fmt: skip
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--tail", type=int, default=30, help="steps at the end whose mean loss is compared")
     p.add_argument("--device", default="cuda")

@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows_not_all_equal": bool((out32[0] != out32[-1]).any()),
     }
     if out16 is not None:
-        checks |= {"tbe_bf16_dtype": str(out16.dtype), "tbe_bf16_equals_tbe_rounded": bool(torch.equal(out16, out32.bfloat16()))}
+        checks |= {"tbe_bf16_dtype": str(out16.dtype),
+                   "tbe_bf16_equals_tbe_rounded": bool(torch.equal(out16, out32.bfloat16()))}  # fmt: skip
     print("checks:", checks, flush=True)
     if not all(v for k, v in checks.items() if not k.endswith("dtype")):
         print("a check failed: nothing timed", file=sys.stderr)
@@ -181,22 +182,22 @@ def main(argv: list[str] | None = None) -> int:
 
     kernels: list[dict] = []
     if device.type == "cuda":
+        from profiling import device_events, top_kernels  # benchmarks/profiling.py, beside this script
+
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             train("tbe")()
             torch.cuda.synchronize()
-        per: dict[str, float] = {}
-        for e in prof.key_averages():
-            if e.device_time_total > 0:
-                per[e.key] = per.get(e.key, 0.0) + e.device_time_total / 1e3
-        kernels = [{"kernel": k[:120], "ms": v} for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:12]]
+        kernels = top_kernels(device_events(prof), 1, 12)
         print("\none fwd+bwd of tbe, by kernel:")
         for kv in kernels:
-            print(f"  {kv['ms']:8.3f} ms  {kv['kernel']}")
+            print(f"  {kv['ms_per_step']:8.3f} ms  {kv['kernel'][:110]}")
     if args.out:
-        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "command": " ".join(sys.argv),
+        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
+                "command": " ".join(sys.argv),
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                 "torch": torch.__version__, "rows_looked_up": ids.numel(), **vars(args)}  # fmt: skip
-        Path(args.out).write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows, "kernels": kernels}, indent=1))
+        result = {"meta": meta, "checks": checks, "rows": rows, "kernels": kernels}
+        Path(args.out).write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
     return 0
 

@@ -1,5 +1,6 @@
 """The uvqk bias gradient summed by the fused gap's own backward passes (gem_kernels.hstu_gap_bias):
-the ``silu'`` pass with column sums against the plain pass and torch, and the whole fused block with ``bias_grad_in_gap`` against the block without it
+the ``silu'`` pass with column sums against the plain pass and torch, and the whole fused block with
+``bias_grad_in_gap`` against the block without it
 (forward and every gradient). Triton runs in its interpreter; fresh memory is NaN (``poison``)."""
 
 from __future__ import annotations
@@ -86,4 +87,5 @@ def test_the_block_with_the_bias_gradient_in_the_gap_matches_the_block_without(g
     names = ["x", *(n for n, _ in summing.named_parameters())]
     for name, a, c in zip(names, g_s, g_p):
         tolerance = 1e-5 if dtype == torch.float32 else (1e-2 if name == "uvqk.bias" else 0)
-        assert relative_error(a, c) <= tolerance, f"d {name}: {relative_error(a, c):.2e}"  # only the sums' order differs
+        # only the order of the bias sums' additions differs
+        assert relative_error(a, c) <= tolerance, f"d {name}: {relative_error(a, c):.2e}"
