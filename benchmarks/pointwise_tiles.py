@@ -29,6 +29,7 @@ from gem_kernels import hstu_gap_triton as gap
 from gem_kernels import layer_norm_triton as ln
 from gem_kernels import norm_gate_triton as ng
 from gem_kernels.attention_triton_common import INTERPRET, num_programs
+from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
 D, WIDTH = 1024, 4096
 
@@ -77,8 +78,8 @@ def silu(t: dict, rows: int, cols: int, warps: int, grad: bool) -> Callable[[], 
 
     def run() -> tuple:
         gap._silu_columns[(triton.cdiv(num_rows, rows), triton.cdiv(num_cols, cols))](
-            x, pre, out, x.stride(0), pre.stride(0), out.stride(0), num_rows, num_cols,
-            GRAD=grad, ROWS=rows, COLS=cols, INTERP=INTERPRET, num_warps=warps,
+            x, pre, pre, out, x.stride(0), pre.stride(0), out.stride(0), num_rows, num_cols,
+            GRAD=grad, E4M3=False, ROWS=rows, COLS=cols, INTERP=INTERPRET, num_warps=warps,
         )
         return (out,)
 
@@ -112,27 +113,13 @@ def tensors(rows: int, device: torch.device) -> dict:
             "d_pre": torch.empty_like(pre), "g_vqk": r(rows, WIDTH - D)}  # fmt: skip
 
 
-def timed(fn: Callable[[], tuple]) -> float:
-    if not torch.cuda.is_available():  # a smoke run under TRITON_INTERPRET=1
-        import time
-
-        t0 = time.perf_counter()
-        fn()
-        return 1e3 * (time.perf_counter() - t0)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--kernels", default=",".join(KERNELS))
-    p.add_argument("--smoke", action="store_true", help="first candidate of each kernel only (TRITON_INTERPRET=1 on a CPU)")
+    p.add_argument("--smoke", action="store_true",
+                   help="first candidate of each kernel only (TRITON_INTERPRET=1 on a CPU; with --rows 64)")  # fmt: skip
     p.add_argument("--out")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,11 +146,11 @@ def main() -> int:
         times: dict[tuple, list[float]] = {c: [] for c in names}
         for _ in range(2):
             for c in names:
-                timed(runs[c])
+                timed_ms(runs[c])
         for r in range(args.rounds):
             for j in range(len(names)):
                 c = names[(r + j) % len(names)]
-                times[c].append(timed(runs[c]))
+                times[c].append(timed_ms(runs[c]))
         rows = []
         for c in names:
             q1, _, q3 = statistics.quantiles(times[c], n=4, method="inclusive")

@@ -10,10 +10,27 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 
 import torch
 
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def timed_ms(fn, device: torch.device | None = None) -> float:
+    """``fn()``'s time in ms: between two CUDA events on a GPU (``device`` cuda, or None with CUDA there),
+    by the host clock otherwise (CPU smoke runs)."""
+    cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def device_events(prof: torch.profiler.profile) -> list[dict]:

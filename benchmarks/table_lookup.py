@@ -33,12 +33,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
 
 def lengths_of_the_big_config(batch: int, max_len: int, exponent: float, seed: int) -> torch.Tensor:
@@ -84,19 +84,6 @@ def build(rows: int, dim: int, device: torch.device, bf16_out: bool, seed: int):
     torch.manual_seed(seed)  # the tables are drawn on the device from this generator: the same for both
     return DistributedModelParallel(ec, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
                                     plan=plan, sharders=[sharder])  # fmt: skip
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     cases["forward gather"] = lambda: plain.index_select(0, ids_dev).bfloat16()
     cases |= {f"fwd+bwd {name}": train(name) for name in models}
     for fn in cases.values():  # warm-up
-        timed(fn, device)
+        timed_ms(fn, device)
     times: dict[str, list[float]] = {k: [] for k in cases}
     for r in range(args.rounds):
         order = list(cases) if r % 2 == 0 else list(reversed(cases))
         for k in order:
-            times[k].append(timed(cases[k], device))
+            times[k].append(timed_ms(cases[k], device))
     moved = ids.numel() * args.dim * (4 + 2)  # fp32 rows read, bf16 rows written
     rows = []
     print(f"\n{'case':<18} {'q1 ms':>8} {'median':>8} {'q3 ms':>8} {'GB/s (rows read fp32 + bf16 written)':>38}")

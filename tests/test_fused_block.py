@@ -13,7 +13,7 @@ import torch
 
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
-from gem_kernels.testing import offsets_from_lengths, relative_error
+from gem_kernels.testing import block_output_and_grads, offsets_from_lengths, relative_error
 from gem_model.model.hstu import HSTUBlock
 
 
@@ -40,11 +40,7 @@ def test_fused_block_matches_the_unfused_block(dtype):
     dy = torch.randn(20, 32, generator=gen).to(dtype)
     results = []
     for b in (fused, plain):
-        b = b.to(dtype) if dtype != torch.float32 else b
-        xi = x.clone().requires_grad_()
-        y = b(xi, offsets, targets)
-        grads = torch.autograd.grad(y, [xi, *b.parameters()], dy)
-        results.append((y, grads))
+        results.append(block_output_and_grads(b.to(dtype), x, dy, offsets, targets))
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     (y_f, g_f), (y_p, g_p) = results
     assert relative_error(y_f, y_p) < tolerance

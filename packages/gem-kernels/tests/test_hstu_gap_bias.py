@@ -15,7 +15,7 @@ from gem_kernels.hstu_gap_bias import silu_grad_columns
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.hstu_gap_triton import silu_columns
 from gem_kernels.norm_gate import TritonNormGate
-from gem_kernels.testing import offsets_from_lengths, relative_error
+from gem_kernels.testing import block_output_and_grads, offsets_from_lengths, relative_error
 from gem_model.model.hstu import HSTUBlock
 
 pytestmark = pytest.mark.usefixtures("poison")
@@ -76,11 +76,8 @@ def test_the_block_with_the_bias_gradient_in_the_gap_matches_the_block_without(g
     dy = torch.randn(20, 32, generator=gen).to(dtype)
     results = []
     for b in (summing, plain):
-        b = b.to(dtype)
-        xi = x.clone().requires_grad_()
-        y = b(xi, offsets, targets)
+        results.append(block_output_and_grads(b.to(dtype), x, dy, offsets, targets))
         assert type(b.uvqk.bias) is torch.nn.Parameter and b.uvqk.bias.requires_grad  # given back after the call
-        results.append((y, torch.autograd.grad(y, [xi, *b.parameters()], dy)))
     (y_s, g_s), (y_p, g_p) = results
     assert len(calls) == (3 if dq == "atomic" else 1)  # the summing passes ran for the first block only
     assert torch.equal(y_s, y_p)  # the forward is the same computation

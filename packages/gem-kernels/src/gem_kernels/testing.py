@@ -74,3 +74,13 @@ def attention_errors(
             got if got is not None else torch.zeros_like(leaf), want if want is not None else torch.zeros_like(leaf)
         )
     return errors
+
+
+def block_output_and_grads(
+    block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """An HSTU block's output on a fresh leaf copy of ``x`` and the gradients, for ``dy``, of ``x`` and of
+    every parameter of the block (in ``named_parameters`` order): what the fused-block tests compare."""
+    leaf = x.clone().requires_grad_()
+    y = block(leaf, offsets, num_targets)
+    return y, torch.autograd.grad(y, [leaf, *block.parameters()], dy)
