@@ -3,8 +3,9 @@
 Why: the big config's profile (``benchmarks/results/e2e_ab.md``) gives FBGEMM's
 ``split_embedding_nobag_codegen_forward_unweighted_kernel<float, float, float, ...>`` 11.1 ms a step,
 for ~250k rows of 1024 floats (the histories, 128 negatives a sample, the candidates): ~2 GB read and
-written, ~0.6 ms at the H200's copy rate. This measures the lookup in isolation, on the big config's
-table (5M x 1024, fp32) and a batch of its lengths, so the next step is chosen from figures:
+written, ~0.6 ms at the H200's copy rate. This measures the lookup in isolation, on the config's item
+table (5M x 1024, fp32 for the big config) and the item ids of its step-1 batch (histories, negatives and
+candidates, as the synthetic source draws them: Zipf-popular items), so the next step is chosen from figures:
 
 * ``tbe``: torchrec's ``EmbeddingCollection`` sharded by ``DistributedModelParallel`` on one rank,
   the table optimizer fused into backward (the trainer's ``rowwise_adagrad`` spec), as ``torchrec_ddp``
@@ -14,14 +15,14 @@ table (5M x 1024, fp32) and a batch of its lengths, so the next step is chosen f
 * ``gather``: ``torch.index_select`` of the same ids from a plain float32 tensor of the table's shape,
   then ``.bfloat16()``: the bandwidth-bound floor of the forward.
 
-Checked first, on fresh uniform tables and ids: ``tbe_bf16``'s output equals ``tbe``'s rounded to bf16,
+Checked first, on fresh uniform tables: ``tbe_bf16``'s output equals ``tbe``'s rounded to bf16,
 and ``tbe``'s rows are finite and within the init bounds. Timed: forward alone, and forward plus
 backward (the fused update included) for the TBE variants, interleaved over ``--rounds`` rounds after a
 warm-up; medians and quartiles in ms; plus a profile of one TBE step naming its kernels.
 
     torchrun --standalone --nproc-per-node 1 benchmarks/table_lookup.py --out table_lookup.json   # H200
-    torchrun --standalone --nproc-per-node 1 benchmarks/table_lookup.py --device cpu --rows 5000 --dim 16 \\
-        --batch 8 --rounds 2                                                                  # CPU smoke
+    torchrun --standalone --nproc-per-node 1 benchmarks/table_lookup.py -c configs/tiny.yaml --device cpu \\
+        --rounds 2                                                                            # CPU smoke
 """
 
 from __future__ import annotations
@@ -41,16 +42,29 @@ import torch.distributed as dist
 from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
 
-def lengths_of_the_big_config(batch: int, max_len: int, exponent: float, seed: int) -> torch.Tensor:
-    """History lengths drawn as ``configs/h200-large.yaml``'s source draws them: P(n) ~ (n + 1)^-exponent
-    over 0..max_len."""
-    n = torch.arange(max_len + 1, dtype=torch.float64)
-    p = (n + 1) ** -exponent
-    g = torch.Generator().manual_seed(seed)
-    return torch.multinomial(p / p.sum(), batch, replacement=True, generator=g)
+ITEM_FEATURES = ("seq_item", "neg_item", "cand_item")
+"""The features the model looks up in its item table (gem_model.model.embeddings)."""
 
 
-def build(rows: int, dim: int, device: torch.device, bf16_out: bool, seed: int):
+def item_ids(config_path: str, overrides: list[str]):
+    """The config's item table size and width, and the item features of its step-1 global batch as a
+    KeyedJaggedTensor, from the synthetic source the config names."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from gem_model.config_io import load_config
+    from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
+
+    config = load_config(config_path, overrides)
+    if config.data.source.name != "synthetic":
+        raise SystemExit(f"{config_path}: data.source is {config.data.source.name!r}; this benchmark reads 'synthetic'")
+    source = SyntheticSource(SyntheticConfig(**config.data.source.options))
+    batch_size = config.data.global_batch_size
+    features = source.make_batch(0, batch_size, torch.arange(batch_size)).sequence.to_dict()
+    kjt = KeyedJaggedTensor.from_jt_dict({k: features[k] for k in ITEM_FEATURES})
+    return source.config.num_items, config.model.embedding_dim, batch_size, kjt
+
+
+def build(rows: int, dim: int, device: torch.device, bf16_out: bool, seed: int, bound: float):
     from torchrec import EmbeddingCollection, EmbeddingConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -61,9 +75,9 @@ def build(rows: int, dim: int, device: torch.device, bf16_out: bool, seed: int):
     from gem_model.config import TrainerConfig
     from gem_model.train.optim import sparse_optimizer_spec
 
-    bound = 1.0 / rows**0.5
     ec = EmbeddingCollection(
-        tables=[EmbeddingConfig(name="item_table", embedding_dim=dim, num_embeddings=rows, feature_names=["seq"],
+        tables=[EmbeddingConfig(name="item_table", embedding_dim=dim, num_embeddings=rows,
+                                feature_names=list(ITEM_FEATURES),
                                 weight_init_min=-bound, weight_init_max=bound)],  # fmt: skip
         device=torch.device("meta"),
     )
@@ -88,45 +102,46 @@ def build(rows: int, dim: int, device: torch.device, bf16_out: bool, seed: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=5_000_000, help="table rows (the big config's items)")
-    p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=384, help="samples: histories + negatives + a candidate each")
-    p.add_argument("--max-len", type=int, default=4095)
-    p.add_argument("--exponent", type=float, default=0.95)
-    p.add_argument("--negatives", type=int, default=128)
+    p.add_argument("-c", "--config", default="configs/h200-large.yaml", help="a config with a synthetic source")
+    p.add_argument("--set", action="append", default=[], help="a config override (key=value)")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from gem_model.model.embeddings import table_bound
 
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    lengths = lengths_of_the_big_config(args.batch, args.max_len, args.exponent, args.seed) + args.negatives + 1
-    ids = torch.randint(args.rows, (int(lengths.sum()),), generator=torch.Generator().manual_seed(args.seed + 1))
-    kjt = KeyedJaggedTensor(keys=["seq"], values=ids, lengths=lengths).to(device)
-    ids_dev = ids.to(device)
-    print(f"{args.batch} samples, {ids.numel():,} rows of {args.dim} looked up from {args.rows:,}", flush=True)
+    rows, dim, batch_size, kjt = item_ids(args.config, args.set)
+    ids = kjt.values()
+    kjt, ids_dev = kjt.to(device), ids.to(device)
+    bound = table_bound(rows)
+    print(f"{batch_size} samples, {ids.numel():,} rows of {dim} looked up from {rows:,}", flush=True)
 
     # FBGEMM's CPU nobag kernel has no bf16 output ("not implemented for 'BFloat16'"): tbe_bf16 is GPU only
     bf16 = device.type == "cuda"
-    models = {"tbe": build(args.rows, args.dim, device, False, args.seed)}
+    models = {"tbe": build(rows, dim, device, False, args.seed, bound)}
     if bf16:
-        models["tbe_bf16"] = build(args.rows, args.dim, device, True, args.seed)
-    plain = torch.empty(args.rows, args.dim, device=device).uniform_(-1 / args.rows**0.5, 1 / args.rows**0.5)
-    grad = torch.randn(ids.numel(), args.dim, device=device, generator=torch.Generator(device).manual_seed(3))
+        models["tbe_bf16"] = build(rows, dim, device, True, args.seed, bound)
+    plain = torch.empty(rows, dim, device=device).uniform_(-bound, bound)
+    grad = torch.randn(ids.numel(), dim, device=device, generator=torch.Generator(device).manual_seed(3))
+
+    def looked_up(name: str) -> list[torch.Tensor]:  # each feature's rows, in the KJT's order (as ids)
+        return [jt.values() for jt in models[name](kjt).wait().values()]
+
+    grads = grad.to(torch.bfloat16).split([int(n) for n in kjt.length_per_key()])  # the model's bf16 gradients
 
     with torch.no_grad():
-        out32 = models["tbe"](kjt).wait()["seq"].values()
-        out16 = models["tbe_bf16"](kjt).wait()["seq"].values() if bf16 else None
-    bound = 1 / args.rows**0.5
+        out32 = torch.cat(looked_up("tbe"))
+        out16 = torch.cat(looked_up("tbe_bf16")) if bf16 else None
     checks: dict[str, object] = {
         "tbe_dtype": str(out32.dtype),
         "tbe_finite_in_bounds": bool(torch.isfinite(out32).all() and out32.abs().max() <= bound * (1 + 1e-6)),
-        "rows_not_all_equal": bool((out32[0] != out32[-1]).any()),
+        # two different ids give two different rows (ids repeat: popular items recur)
+        "rows_not_all_equal": bool((out32[0] != out32[int((ids != ids[0]).nonzero()[0])]).any()),
     }
     if out16 is not None:
         checks |= {"tbe_bf16_dtype": str(out16.dtype),
@@ -139,13 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     def forward(name: str) -> Callable[[], object]:
         def run() -> object:
             with torch.no_grad():
-                return models[name](kjt).wait()["seq"].values().bfloat16()  # the model casts to bf16
+                return [v.bfloat16() for v in looked_up(name)]  # the model casts each to bf16
         return run
 
     def train(name: str) -> Callable[[], object]:
         def run() -> None:
-            values = models[name](kjt).wait()["seq"].values()
-            values.bfloat16().backward(grad.to(torch.bfloat16))  # the bf16 gradient the model hands back
+            torch.autograd.backward([v.bfloat16() for v in looked_up(name)], list(grads))
         return run
 
     cases = {f"forward {name}": forward(name) for name in models}
@@ -158,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         order = list(cases) if r % 2 == 0 else list(reversed(cases))
         for k in order:
             times[k].append(timed_ms(cases[k], device))
-    moved = ids.numel() * args.dim * (4 + 2)  # fp32 rows read, bf16 rows written
+    moved = ids.numel() * dim * (4 + 2)  # fp32 rows read, bf16 rows written
     rows = []
     print(f"\n{'case':<18} {'q1 ms':>8} {'median':>8} {'q3 ms':>8} {'GB/s (rows read fp32 + bf16 written)':>38}")
     for k, ts in times.items():
