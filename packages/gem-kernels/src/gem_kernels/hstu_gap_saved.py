@@ -49,6 +49,17 @@ EXPAND_TILE = (4, 64) if INTERPRET else (16, 256)
 
 
 @triton.jit
+def load_pre(PRE, SCALE_INV, rows, cols, rows_ok, inside, stride_pre, E4M3: tl.constexpr):
+    """A ``[rows, cols]`` tile of ``pre`` in fp32: as stored, or (``E4M3``) from its e4m3 rows, each times
+    its ``SCALE_INV`` (the rows :func:`silu_quantize_rows` keeps). Masked-out elements are 0."""
+    if E4M3:
+        z = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0)
+        z = z.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return z * tl.load(SCALE_INV + rows, mask=rows_ok, other=1.0)[:, None]
+    return tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _e4m3_scale(amax_bits):
     """(2**s, 2**-s, non-finite) with s the largest integer such that amax * 2**s <= 448, clamped to
     [-126, 126]; a NaN scale for a non-finite amax (gem_precision.fp8_quant_triton._pow2_scale)."""

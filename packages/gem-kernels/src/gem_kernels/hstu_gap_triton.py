@@ -54,7 +54,7 @@ from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
 from gem_kernels.hstu_gap_bias import silu_grad_columns
-from gem_kernels.hstu_gap_saved import expand_rows, silu_quantize_rows
+from gem_kernels.hstu_gap_saved import expand_rows, load_pre, silu_quantize_rows
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
 from gem_kernels.quantized_rows_triton import RowsOut
 from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, PrequantizedRows, RowQuantization
@@ -71,13 +71,9 @@ def _silu_columns(X, PRE, SCALE_INV, OUT, stride_x, stride_pre, stride_out, num_
     e4m3 bytes, each row times its ``SCALE_INV`` (:mod:`gem_kernels.hstu_gap_saved`)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    inside = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-    if E4M3:
-        z = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0)
-        z = z.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        z *= tl.load(SCALE_INV + rows, mask=rows < num_rows, other=1.0)[:, None]
-    else:
-        z = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    rows_ok = rows < num_rows
+    inside = rows_ok[:, None] & (cols < num_cols)[None, :]
+    z = load_pre(PRE, SCALE_INV, rows, cols, rows_ok, inside, stride_pre, E4M3)
     if GRAD:
         g = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         result = g * silu_grad(z)
@@ -127,8 +123,7 @@ class HSTUGapFunction(torch.autograd.Function):
         # kernels read the prepared copies in ``bias``. So is pre_bias, the uvqk linear's bias, whose
         # gradient the backward sums when it is given (hstu_gap_bias): pre already holds it.
         heads, dqk, dv = shape
-        ctx.sum_pre_bias = pre_bias is not None and ctx.needs_input_grad[5]
-        ctx.pre_bias_dtype = pre_bias.dtype if pre_bias is not None else None
+        ctx.pre_bias_dtype = pre_bias.dtype if pre_bias is not None and ctx.needs_input_grad[5] else None
         rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
         post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device)
         # e4m3_row: pre kept in e4m3 rows written by the silu pass, post recomputed in backward
@@ -178,7 +173,7 @@ class HSTUGapFunction(torch.autograd.Function):
             u = pre[:, :hv]
         d_pre = torch.empty(pre.shape, dtype=u.dtype, device=pre.device)
         # the column sums of d_pre, from the passes that write it: the uvqk bias's gradient (hstu_gap_bias)
-        sums = torch.empty(pre.shape[1], dtype=torch.float32, device=pre.device) if ctx.sum_pre_bias else None
+        sums = None if ctx.pre_bias_dtype is None else torch.empty(pre.shape[1], dtype=torch.float32, device=pre.device)
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
             du_out=d_pre[:, :hv],
