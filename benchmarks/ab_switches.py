@@ -174,6 +174,19 @@ def switch_adamw_foreach(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_whole_bags(run: object) -> Callable[[], None]:
+    """The sequence lookup in the batch's own bags (one per sample and feature) instead of the even bags
+    of ``model.lookup_bags_per_sample`` (``gem_model.model.lookup_bags``)."""
+    sparse = run.model.sparse  # type: ignore[attr-defined]
+    before = sparse.lookup_bags_per_sample
+    sparse.lookup_bags_per_sample = None
+
+    def undo() -> None:
+        sparse.lookup_bags_per_sample = before
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -184,6 +197,7 @@ VARIANTS: dict[str, Switch] = {
     "fp8_attention": _attention_option(fp8_forward=True),
     "bias_grad_in_gap": _attention_option(bias_grad_in_gap=True),
     "host_syncs": switch_host_syncs,
+    "whole_bags": switch_whole_bags,
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
     "fp8_rowwise_producers": _precision("fp8_rowwise", producer_quantization=True),

@@ -14,9 +14,13 @@ candidates, as the synthetic source draws them: Zipf-popular items), so the next
   so no cast pass follows and the backward reads a bf16 gradient;
 * ``gather``: ``torch.index_select`` of the same ids from a plain float32 tensor of the table's shape,
   then ``.bfloat16()``: the bandwidth-bound floor of the forward.
+* ``tbe_even<M>``: ``tbe`` given the same ids re-split into ``M`` even bags per sample
+  (``gem_model.model.lookup_bags``, the model's ``model.lookup_bags_per_sample``): FBGEMM's nobag kernel
+  runs one warp per bag, so the batch's own bags (one per sample, up to 4,095 ids) leave most of the GPU
+  idle. ``--bags`` names the values of ``M``.
 
 Checked first, on fresh uniform tables: ``tbe_bf16``'s output equals ``tbe``'s rounded to bf16,
-and ``tbe``'s rows are finite and within the init bounds. Timed: forward alone, and forward plus
+each ``tbe_even<M>``'s equals ``tbe``'s, and ``tbe``'s rows are finite and within the init bounds. Timed: forward alone, and forward plus
 backward (the fused update included) for the TBE variants, interleaved over ``--rounds`` rounds after a
 warm-up; medians and quartiles in ms; plus a profile of one TBE step naming its kernels.
 
@@ -107,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--bags", default="8,32,128", help="bags per sample of the tbe_even variants (comma-separated)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     from gem_model.model.embeddings import table_bound
+    from gem_model.model.lookup_bags import even_bags
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -129,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     plain = torch.empty(rows, dim, device=device).uniform_(-bound, bound)
     grad = torch.randn(ids.numel(), dim, device=device, generator=torch.Generator(device).manual_seed(3))
 
+    inputs = {name: kjt for name in models}
+    for m in [int(x) for x in args.bags.split(",") if x]:
+        models[f"tbe_even{m}"] = models["tbe"]  # the same table, given the ids in even bags
+        inputs[f"tbe_even{m}"] = even_bags(kjt, m)
+
     def looked_up(name: str) -> list[torch.Tensor]:  # each feature's rows, in the KJT's order (as ids)
-        return [jt.values() for jt in models[name](kjt).wait().values()]
+        return [jt.values() for jt in models[name](inputs[name]).wait().values()]
 
     grads = grad.to(torch.bfloat16).split([int(n) for n in kjt.length_per_key()])  # the model's bf16 gradients
 
@@ -146,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     if out16 is not None:
         checks |= {"tbe_bf16_dtype": str(out16.dtype),
                    "tbe_bf16_equals_tbe_rounded": bool(torch.equal(out16, out32.bfloat16()))}  # fmt: skip
+    with torch.no_grad():
+        for name in [n for n in inputs if n.startswith("tbe_even")]:
+            checks[f"{name}_equals_tbe"] = bool(torch.equal(torch.cat(looked_up(name)), out32))
     print("checks:", checks, flush=True)
     if not all(v for k, v in checks.items() if not k.endswith("dtype")):
         print("a check failed: nothing timed", file=sys.stderr)
@@ -185,13 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         from profiling import device_events, top_kernels  # benchmarks/profiling.py, beside this script
 
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            train("tbe")()
-            torch.cuda.synchronize()
-        kernels = top_kernels(device_events(prof), 1, 12)
-        print("\none fwd+bwd of tbe, by kernel:")
-        for kv in kernels:
-            print(f"  {kv['ms_per_step']:8.3f} ms  {kv['kernel'][:110]}")
+        for name in ["tbe", *[n for n in inputs if n.startswith("tbe_even")][:1]]:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                train(name)()
+                torch.cuda.synchronize()
+            top = top_kernels(device_events(prof), 1, 12)
+            kernels += [{"variant": name, **kv} for kv in top]
+            print(f"\none fwd+bwd of {name}, by kernel:")
+            for kv in top:
+                print(f"  {kv['ms_per_step']:8.3f} ms  {kv['kernel'][:110]}")
     if args.out:
         meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
                 "command": " ".join(sys.argv),

@@ -96,6 +96,13 @@ class ModelConfig(Strict):
     uvqk_init_std: float | None = Field(
         None, gt=0.0, description="draw the HSTU blocks' uvqk projections from N(0, std); None: Xavier uniform"
     )
+    lookup_bags_per_sample: int | None = Field(
+        32,
+        ge=1,
+        description="the sequence features' ids go to the table lookup in this many even bags per sample (the same "
+        "rows come back): FBGEMM's unpooled lookup runs one warp per bag, so long histories in one bag each leave "
+        "the GPU mostly idle; null looks them up in one bag per sample and feature",
+    )
     context_token: bool = Field(
         False,
         description="prepend one token made from the non-sequence tower to every sequence (HSTU's contextual "

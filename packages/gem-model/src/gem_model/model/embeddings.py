@@ -14,6 +14,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from gem_model.data.batch import ACTION_TABLE, CAND_ITEM, ITEM_TABLE, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, FeatureSpec
+from gem_model.model.lookup_bags import even_bags, lengths_by_key
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 
@@ -40,7 +41,11 @@ def table_bound(rows: int) -> float:
 
 
 class SparseArch(nn.Module):
-    """Embedding lookups. ``grad_scale`` is set by a planner whose table gradients are summed over ranks."""
+    """Embedding lookups. ``grad_scale`` is set by a planner whose table gradients are summed over ranks.
+
+    ``lookup_bags_per_sample``: the sequence features go to the lookup re-split into this many even bags
+    per sample (:mod:`gem_model.model.lookup_bags`); ``None`` looks them up in the batch's own bags.
+    """
 
     def __init__(
         self,
@@ -50,10 +55,12 @@ class SparseArch(nn.Module):
         seed: int = 0,
         sequence_init_std: float | None = None,
         on_meta: bool = False,
+        lookup_bags_per_sample: int | None = None,
     ):
         super().__init__()
         self.spec = spec
         self.grad_scale = 1.0
+        self.lookup_bags_per_sample = lookup_bags_per_sample
         self.on_meta = on_meta
         if on_meta and sequence_init_std is not None:
             raise ValueError(
@@ -131,10 +138,12 @@ class SparseArch(nn.Module):
     def forward(
         self, sequence: KeyedJaggedTensor, pooled: KeyedJaggedTensor
     ) -> tuple[dict[str, JaggedTensor], dict[str, torch.Tensor]]:
-        seq = self.ec(sequence)
+        bags = self.lookup_bags_per_sample
+        looked_up = self.ec(sequence if bags is None else even_bags(sequence, bags))
+        lengths = lengths_by_key(sequence)  # the batch's own bags: the lookup's may be re-split
         seq = {
-            k: JaggedTensor(values=scale_grad(jt.values(), self.grad_scale), lengths=jt.lengths())
-            for k, jt in seq.items()
+            k: JaggedTensor(values=scale_grad(jt.values(), self.grad_scale), lengths=lengths[k])
+            for k, jt in looked_up.items()
         }
         pooled_out: dict[str, torch.Tensor] = {}
         if self.ebc is not None:

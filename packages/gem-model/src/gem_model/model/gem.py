@@ -61,7 +61,12 @@ class GemModel(nn.Module):
                 f"({spec.max_history}) plus the candidate ({extra}) plus the context token ({lead})"
             )
         self.sparse = SparseArch(
-            spec, d, seed=seed, sequence_init_std=config.embedding_init_std, on_meta=config.table_init == "device"
+            spec,
+            d,
+            seed=seed,
+            sequence_init_std=config.embedding_init_std,
+            on_meta=config.table_init == "device",
+            lookup_bags_per_sample=config.lookup_bags_per_sample,
         )
         self.position = nn.Embedding(config.max_seq_len, d) if config.position_embedding else None
         alpha = config.alpha if config.alpha is not None else config.attention_dim**-0.5
