@@ -130,7 +130,9 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
         device_gaps,
         device_idle,
         gap_histogram,
+        host_during_gaps,
         top_kernels,
+        trace_events,
     )
 
     from gem_model.profiling.step_time import KERNEL_CATEGORIES, categorize
@@ -141,7 +143,8 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-    events = device_events(prof)
+    trace = trace_events(prof)
+    events = device_events(trace)
     categories: dict[str, float] = {}
     for e in events:
         c = categorize(e["name"], KERNEL_CATEGORIES)
@@ -149,7 +152,7 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
     idle = device_idle(events)
     return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
             "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events),
-            "gap_histogram": gap_histogram(events, steps)}  # fmt: skip
+            "gap_histogram": gap_histogram(events, steps), "host_during_gaps": host_during_gaps(trace)}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -33,13 +33,23 @@ def timed_ms(fn, device: torch.device | None = None) -> float:
     return start.elapsed_time(end)
 
 
-def device_events(prof: torch.profiler.profile) -> list[dict]:
-    """The kernel, copy and memset events of the trace (chrome-trace dicts: ``ts``, ``dur``, ``name``)."""
+HOST_WORK = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation", "python_function")
+"""The trace's host-side event categories: operators, CUDA API calls, annotations."""
+
+
+def trace_events(prof: torch.profiler.profile) -> list[dict]:
+    """Every event of the profiler's chrome trace (dicts: ``cat``, ``ts``, ``dur``, ``name``, ...)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as fh:
-            events = json.load(fh).get("traceEvents", [])
+            return json.load(fh).get("traceEvents", [])
+
+
+def device_events(prof: torch.profiler.profile | list[dict]) -> list[dict]:
+    """The kernel, copy and memset events of the trace (chrome-trace dicts: ``ts``, ``dur``, ``name``);
+    ``prof`` is a profiler or the events of its trace (:func:`trace_events`)."""
+    events = prof if isinstance(prof, list) else trace_events(prof)
     return [e for e in events if e.get("cat") in DEVICE_WORK]
 
 
@@ -110,6 +120,37 @@ def device_gaps(events: list[dict], limit: int = 15) -> list[dict]:
     return gaps[:limit]
 
 
+def host_during_gaps(events: list[dict], limit: int = 10, depth: int = 4) -> list[dict]:
+    """What the host was doing during the longest device gaps of a trace (:func:`trace_events`).
+
+    For each gap, the host events (:data:`HOST_WORK`) that cover at least half of it, innermost first
+    (``depth`` of them): a ``cudaStreamSynchronize`` or ``cudaMemcpyAsync`` under ``aten::item`` is a
+    sync; an operator or annotation that spans the gap is the host work the device waited for. A gap
+    that no host event covers by half is host time between operators (Python); then the host events
+    that ended last inside it are given instead."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") in DEVICE_WORK)
+    host = [e for e in events if e.get("cat") in HOST_WORK and e.get("dur", 0) > 0]
+    windows, end, before = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            windows.append((end, start, before, name))
+        if end is None or stop >= end:
+            end, before = stop, name
+    windows.sort(key=lambda w: w[0] - w[1])
+    out = []
+    for lo, hi, before, after in windows[:limit]:
+        width = hi - lo
+        covering = [e for e in host if min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"]) >= width / 2]
+        covering.sort(key=lambda e: e["dur"])
+        inside = sorted((e for e in host if lo <= e["ts"] + e["dur"] <= hi), key=lambda e: -(e["ts"] + e["dur"]))
+        out.append({
+            "ms": width / 1e3, "device_before": before[:80], "device_after": after[:80],
+            "host_covering": [f"{e['name'][:70]} ({e['dur'] / 1e3:.3f} ms)" for e in covering[:depth]],
+            "host_ended_inside": [f"{e['name'][:70]} ({e['dur'] / 1e3:.3f} ms)" for e in inside[:depth]],
+        })  # fmt: skip
+    return out
+
+
 def print_profile(name: str, prof: dict) -> None:
     """The profile of one variant as ``benchmarks/e2e_ab.py`` records it: categories, top kernels, kernels
     per step with the idle split by gap length, and the longest gaps."""
@@ -125,3 +166,10 @@ def print_profile(name: str, prof: dict) -> None:
     print("  longest device gaps (ms, the kernel before -> after):")
     for g in prof.get("gaps", []):
         print(f"  {g['ms']:8.3f} ms  {g['after'][:60]} -> {g['before'][:60]}")
+    hosts = prof.get("host_during_gaps")
+    if hosts:
+        print("  the host during the longest gaps (events covering half the gap, innermost first; else the last"
+              " to end inside it):")
+        for g in hosts:
+            seen = g["host_covering"] or ["(none) ended inside: " + "; ".join(g["host_ended_inside"])]
+            print(f"  {g['ms']:8.3f} ms  {' < '.join(seen)[:200]}")
