@@ -187,6 +187,29 @@ def switch_whole_bags(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_bf16_lookup(run: object) -> Callable[[], None]:
+    """FBGEMM's table lookups write bf16 instead of float32 (its ``output_dtype``, flipped on the live TBE
+    modules; the run builds them with float32). Measures what ``benchmarks/results/table_lookup.md``
+    leaves open: the lookup's bf16 output, and the model's casts and float32 adds after it. GPU only:
+    FBGEMM's CPU nobag kernel has no bf16 output."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    if run.env.device.type != "cuda":  # type: ignore[attr-defined]
+        raise SystemExit("--variants bf16_lookup: FBGEMM writes bf16 lookups on a GPU only")
+    tbes = [m for m in run.model.sparse.modules() if hasattr(m, "output_dtype") and hasattr(m, "weights_dev")]  # type: ignore[attr-defined]
+    if not tbes:
+        raise SystemExit("--variants bf16_lookup: the run has no FBGEMM table modules (a torchrec planner shards them)")
+    before = [m.output_dtype for m in tbes]
+    for m in tbes:
+        m.output_dtype = SparseType.BF16.as_int()
+
+    def undo() -> None:
+        for m, dtype in zip(tbes, before):
+            m.output_dtype = dtype
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -198,6 +221,7 @@ VARIANTS: dict[str, Switch] = {
     "bias_grad_in_gap": _attention_option(bias_grad_in_gap=True),
     "host_syncs": switch_host_syncs,
     "whole_bags": switch_whole_bags,
+    "bf16_lookup": switch_bf16_lookup,
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
     "fp8_rowwise_producers": _precision("fp8_rowwise", producer_quantization=True),
