@@ -187,18 +187,26 @@ def switch_whole_bags(run: object) -> Callable[[], None]:
     return undo
 
 
+def sequence_tbes(run: object) -> list[torch.nn.Module]:
+    """The FBGEMM table modules of the run's sharded sequence lookup (``model.sparse.ec``). torchrec keeps
+    them under the sharded module's ``_lookups``, which ``named_modules`` does not list."""
+    ec = run.model.sparse.ec  # type: ignore[attr-defined]
+    return [m for lookup in getattr(ec, "_lookups", []) for m in lookup.modules()
+            if hasattr(m, "output_dtype") and hasattr(m, "weights_dev")]  # fmt: skip
+
+
 def switch_bf16_lookup(run: object) -> Callable[[], None]:
-    """FBGEMM's table lookups write bf16 instead of float32 (its ``output_dtype``, flipped on the live TBE
+    """FBGEMM's sequence lookup writes bf16 instead of float32 (its ``output_dtype``, flipped on the live TBE
     modules; the run builds them with float32). Measures what ``benchmarks/results/table_lookup.md``
     leaves open: the lookup's bf16 output, and the model's casts and float32 adds after it. GPU only:
     FBGEMM's CPU nobag kernel has no bf16 output."""
     from fbgemm_gpu.split_embedding_configs import SparseType
 
-    if run.env.device.type != "cuda":  # type: ignore[attr-defined]
-        raise SystemExit("--variants bf16_lookup: FBGEMM writes bf16 lookups on a GPU only")
-    tbes = [m for m in run.model.sparse.modules() if hasattr(m, "output_dtype") and hasattr(m, "weights_dev")]  # type: ignore[attr-defined]
+    tbes = sequence_tbes(run)
     if not tbes:
         raise SystemExit("--variants bf16_lookup: the run has no FBGEMM table modules (a torchrec planner shards them)")
+    if run.env.device.type != "cuda":  # type: ignore[attr-defined]
+        raise SystemExit("--variants bf16_lookup: FBGEMM writes bf16 lookups on a GPU only")
     before = [m.output_dtype for m in tbes]
     for m in tbes:
         m.output_dtype = SparseType.BF16.as_int()
