@@ -131,6 +131,7 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
         device_idle,
         gap_histogram,
         host_during_gaps,
+        idle_by_launcher,
         top_kernels,
         trace_events,
     )
@@ -152,7 +153,8 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
     idle = device_idle(events)
     return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
             "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events),
-            "gap_histogram": gap_histogram(events, steps), "host_during_gaps": host_during_gaps(trace)}  # fmt: skip
+            "gap_histogram": gap_histogram(events, steps), "host_during_gaps": host_during_gaps(trace),
+            "idle_by_launcher": idle_by_launcher(trace, steps)}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:

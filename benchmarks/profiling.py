@@ -151,6 +151,59 @@ def host_during_gaps(events: list[dict], limit: int = 10, depth: int = 4) -> lis
     return out
 
 
+def _launchers(events: list[dict], times: list[tuple[float, object]]) -> dict[object, list[str]]:
+    """For each ``(host time, tid)`` query, the names of the host operators open on that thread at that
+    time, outermost first (one sweep over each thread's operators, which nest)."""
+    ops: dict[object, list[dict]] = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation") and e.get("dur", 0) > 0:
+            ops.setdefault(e.get("tid"), []).append(e)
+    out: dict[object, list[str]] = {}
+    for tid, thread_ops in ops.items():
+        thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        queries = sorted(t for t in times if t[1] == tid)
+        stack: list[dict] = []
+        i = 0
+        for t, _ in queries:
+            while i < len(thread_ops) and thread_ops[i]["ts"] <= t:
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] <= thread_ops[i]["ts"]:
+                    stack.pop()
+                stack.append(thread_ops[i])
+                i += 1
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < t:
+                stack.pop()
+            out[(t, tid)] = [e["name"] for e in stack if e["ts"] + e["dur"] >= t]
+    return out
+
+
+def idle_by_launcher(events: list[dict], steps: int, limit: int = 15) -> list[dict]:
+    """Device idle per step, summed by who launched the work that ended each gap: the host operator open
+    at that launch (innermost), and its scope (the backward node it runs in, else its outermost
+    operator). Where many short gaps share a launcher, that stretch of the step is launch-bound."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}  # fmt: skip
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e) for e in events if e.get("cat") in DEVICE_WORK)
+    gaps: list[tuple[float, tuple[float, object] | None]] = []
+    end = None
+    for start, stop, e in spans:
+        if end is not None and start > end:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            gaps.append((start - end, (launch["ts"], launch.get("tid")) if launch else None))
+        end = stop if end is None else max(end, stop)
+    open_ops = _launchers(events, [q for _, q in gaps if q is not None])
+    per: dict[tuple[str, str], list[float]] = {}
+    for width, query in gaps:
+        names = open_ops.get(query, []) if query is not None else []
+        backward = [n for n in names if n.startswith("autograd::engine::evaluate_function:")]
+        scope = backward[-1].split(": ", 1)[-1] if backward else (names[0] if names else "(no host operator)")
+        key = (names[-1] if names else "(no host operator)", scope)
+        per.setdefault(key, []).append(width)
+    ranked = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:limit]
+    per_step = max(steps, 1)
+    return [{"launcher": op[:70], "scope": scope[:70], "gaps_per_step": len(ws) / per_step,
+             "idle_ms_per_step": sum(ws) / 1e3 / per_step} for (op, scope), ws in ranked]  # fmt: skip
+
+
 def print_profile(name: str, prof: dict) -> None:
     """The profile of one variant as ``benchmarks/e2e_ab.py`` records it: categories, top kernels, kernels
     per step with the idle split by gap length, and the longest gaps."""
@@ -166,6 +219,11 @@ def print_profile(name: str, prof: dict) -> None:
     print("  longest device gaps (ms, the kernel before -> after):")
     for g in prof.get("gaps", []):
         print(f"  {g['ms']:8.3f} ms  {g['after'][:60]} -> {g['before'][:60]}")
+    launchers = prof.get("idle_by_launcher")
+    if launchers:
+        print("  idle per step by the host operator that launched the work after each gap (and its scope):")
+        for r in launchers:
+            print(f"  {r['idle_ms_per_step']:8.3f} ms {r['gaps_per_step']:6.1f} gaps  {r['launcher'][:45]:<45}  in {r['scope'][:60]}")
     hosts = prof.get("host_during_gaps")
     if hosts:
         print("  the host during the longest gaps (events covering half the gap, innermost first; else the last"

@@ -42,3 +42,36 @@ def test_each_long_gap_names_the_host_events_that_cover_it_innermost_first():
     assert [h.split(" (")[0] for h in short["host_covering"]] == ["Step"]
     assert [h.split(" (")[0] for h in short["host_ended_inside"]] == ["aten::add"]
     assert p.device_events(trace) == trace[:3]  # only the device's work counts as busy
+
+
+def _launched(name: str, ts: float, dur: float, corr: int) -> dict:
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def _launch(ts: float, corr: int, tid: int = 1) -> dict:
+    return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5, "tid": tid, "args": {"correlation": corr}}
+
+
+def _op(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+    return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_idle_is_summed_by_the_operator_that_launched_the_work_after_each_gap():
+    p = _profiling()
+    trace = [
+        # forward: two short gaps before kernels launched by aten::index_select under the model's forward
+        _op("Model.forward", 0, 400), _op("aten::index_select", 100, 30), _op("aten::index_select", 200, 30),
+        _launch(110, 2), _launch(210, 3), _launch(5, 1),
+        _launched("gemm", 10, 100, 1), _launched("gather", 130, 10, 2), _launched("gather", 250, 10, 3),
+        # backward, on the autograd thread: a gap before the kernel of a mul inside MulBackward0
+        _op("autograd::engine::evaluate_function: MulBackward0", 500, 300, tid=2), _op("MulBackward0", 505, 290, tid=2),
+        _op("aten::mul", 510, 280, tid=2), _launch(780, 4, tid=2), _launched("mul", 800, 5, 4),
+    ]
+    rows = p.idle_by_launcher(trace, steps=2)
+    by = {(r["launcher"], r["scope"]): r for r in rows}
+    assert set(by) == {("aten::mul", "MulBackward0"), ("aten::index_select", "Model.forward")}
+    mul = by[("aten::mul", "MulBackward0")]
+    assert mul["gaps_per_step"] == 0.5 and abs(mul["idle_ms_per_step"] - (800 - 260) / 1e3 / 2) < 1e-9
+    gather = by[("aten::index_select", "Model.forward")]
+    assert gather["gaps_per_step"] == 1.0 and abs(gather["idle_ms_per_step"] - (20 + 110) / 1e3 / 2) < 1e-9
+    assert rows[0]["launcher"] == "aten::mul"  # the most idle first
