@@ -39,7 +39,9 @@ class ProbedSparseDist(SparseDistPipeline):
         before = self._state()
         out = super().forward_and_loss(batch)
         forwards = sorted(f"{type(m.forward).__name__}:{m.forward.name}" for m in self.torchrec._pipelined_modules)
-        self.records.append({"before_forward": before, "after_forward": self._state(), "forwards": forwards})
+        lookup = batch.lookup_sequence  # what the sequence lookup's input dist was given: the even bags
+        self.records.append({"before_forward": before, "after_forward": self._state(), "forwards": forwards,
+                             "batch_size": batch.batch_size, "lookup_stride": lookup.stride() if lookup else None})
         return out
 
     def backward(self, loss: Any) -> None:

@@ -67,6 +67,7 @@ def test_sparse_dist_gives_the_sequential_losses_and_runs_the_input_dist_ahead(t
         for i, s in enumerate(steps):
             last = i == len(steps) - 1
             assert s["forwards"] == [f"PipelinedForward:{t}" for t in TABLES]
+            assert s["lookup_stride"] == 32 * s["batch_size"]  # model.lookup_bags_per_sample's even bags
             before, after = s["before_forward"], s["after_forward"]
             # batch i's data all-to-alls were started before its step and its forward took them
             assert before["current_requests"] == TABLES and after["current_requests"] == []

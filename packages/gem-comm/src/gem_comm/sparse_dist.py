@@ -111,6 +111,10 @@ class StagedSparseDist(TrainPipelineSparseDist):
             return None, context
         with self._stream_context(self._data_dist_stream):  # the input dist's stream waits for the copy
             batch = staged.ready()
+            inner = self._model.module if isinstance(self._model, DistributedModelParallel) else self._model
+            prepare = getattr(inner, "prepare_table_inputs", None)
+            if prepare is not None:  # inputs the model derives from the batch (ShardableModel.table_inputs)
+                prepare(batch)
         self.staged.append(staged)
         return batch, context
 

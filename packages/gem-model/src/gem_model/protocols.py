@@ -32,7 +32,10 @@ class ShardableModel(Protocol):
         with, unchanged (a KJT of :class:`~gem_model.data.batch.Batch`). A train pipeline that starts
         a batch's embedding input distribution ahead of its forward (gem-comm's ``sparse_dist``)
         reads it there; torchrec would find it by fx-tracing the model, which the gem model's
-        forward does not allow (it loops over the lookups' outputs and branches on tensor values)."""
+        forward does not allow (it loops over the lookups' outputs and branches on tensor values).
+        A model whose lookup takes an input derived from the batch (the gem model's sequence in even
+        bags, ``batch.lookup_sequence``) names that attribute and also has ``prepare_table_inputs(batch)``,
+        which such a pipeline calls first, on the stream of the input distribution, to attach it."""
         ...
 
     def table_configs(self) -> list[Any]:

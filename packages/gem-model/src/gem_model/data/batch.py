@@ -104,6 +104,10 @@ class Batch:
     timestamps: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     request_times: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     host_lengths: torch.Tensor | None = None
+    lookup_sequence: KeyedJaggedTensor | None = None
+    """``sequence`` as the model's table lookup takes it (its ids in even bags,
+    :mod:`gem_model.model.lookup_bags`), attached on the device by the model's ``prepare_table_inputs``
+    for a pipeline that starts the lookup's input distribution ahead of the forward; else None."""
 
     @property
     def has_times(self) -> bool:

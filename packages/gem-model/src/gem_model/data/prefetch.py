@@ -68,6 +68,7 @@ def batch_tensors(batch: Batch) -> list[torch.Tensor]:
         batch.sample_ids,
         batch.timestamps,
         batch.request_times,
+        *(_kjt_tensors(batch.lookup_sequence) if batch.lookup_sequence is not None else []),
     ]
 
 

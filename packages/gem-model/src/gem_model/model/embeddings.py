@@ -139,8 +139,8 @@ class SparseArch(nn.Module):
         self, sequence: KeyedJaggedTensor, pooled: KeyedJaggedTensor
     ) -> tuple[dict[str, JaggedTensor], dict[str, torch.Tensor]]:
         bags = self.lookup_bags_per_sample
-        # a pipelined table (trainer.pipeline sparse_dist) looks up what torchrec distributed ahead from
-        # batch.sequence, whatever it is given here: no even bags to build then
+        # a pipelined table (trainer.pipeline sparse_dist) looks up what torchrec distributed ahead, whatever
+        # it is given here: batch.lookup_sequence, which GemModel.prepare_table_inputs attached
         pipelined = getattr(self.ec, "is_pipelined", False)
         looked_up = self.ec(sequence if bags is None or pipelined else even_bags(sequence, bags))
         lengths = lengths_by_key(sequence)  # the batch's own bags: the lookup's may be re-split

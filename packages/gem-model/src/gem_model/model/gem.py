@@ -30,6 +30,7 @@ from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batc
 from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, sequence_ids
 from gem_model.model.embeddings import SparseArch
 from gem_model.model.hstu import HSTUBlock, LayerNorm, TokenMixer
+from gem_model.model.lookup_bags import even_bags
 from gem_model.model.next_item import next_item_loss
 
 
@@ -169,7 +170,15 @@ class GemModel(nn.Module):
         return out
 
     def table_inputs(self) -> dict[str, str]:
-        return {"sparse.ec": "sequence", **({"sparse.ebc": "pooled"} if self.sparse.ebc is not None else {})}
+        sequence = "sequence" if self.sparse.lookup_bags_per_sample is None else "lookup_sequence"
+        return {"sparse.ec": sequence, **({"sparse.ebc": "pooled"} if self.sparse.ebc is not None else {})}
+
+    def prepare_table_inputs(self, batch: Batch) -> None:
+        """Attach to ``batch`` the inputs :meth:`table_inputs` names beyond its own fields: the sequence
+        in even bags (``batch.lookup_sequence``), built on the current stream."""
+        bags = self.sparse.lookup_bags_per_sample
+        if bags is not None:
+            batch.lookup_sequence = even_bags(batch.sequence, bags)
 
     def table_configs(self) -> list[Any]:
         configs: list[Any] = list(self.sparse.ec.embedding_configs())
