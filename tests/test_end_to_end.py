@@ -55,15 +55,33 @@ def test_the_main_command_twice_in_a_row(tmp_path):
     assert len((tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()) == 1  # log_every 10: step 6 only
 
 
+COMMON = ["trainer.steps=4", "trainer.log_every=1", "data.global_batch_size=16", "trainer.checkpoint_at_end=false"]
+
+
+def _step_losses(out: Path) -> list[float]:
+    return [json.loads(x)["step_loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The output directory of a one-process run of :data:`COMMON` (paid by the first test that asks)."""
+    out = tmp_path_factory.mktemp("one")
+    proc = gem_train("run", *COMMON, f"trainer.output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_one_process_with_the_real_plugins_logs_every_step(one_process):
+    losses = _step_losses(one_process)
+    assert len(losses) == 4 and all(x == x and x > 0 for x in losses), losses
+
+
 @pytest.mark.multiprocess
-def test_two_processes_with_the_real_plugins(tmp_path):
-    common = ["trainer.steps=4", "trainer.log_every=1", "data.global_batch_size=16", "trainer.checkpoint_at_end=false"]
-    one = gem_train("run", *common, f"trainer.output_dir={tmp_path}/one")
-    two = gem_train("run", "--nproc", "2", "parallel.planner=torchrec_ddp", *common, f"trainer.output_dir={tmp_path}/two")
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+def test_two_processes_with_the_real_plugins(tmp_path, one_process):
+    two = gem_train("run", "--nproc", "2", "parallel.planner=torchrec_ddp", *COMMON, f"trainer.output_dir={tmp_path}/two")
+    assert two.returncode == 0, two.stderr[-3000:]
     assert_quiet(two)  # torchrun's OMP_NUM_THREADS banner and torchrec's warnings included
-    a = [json.loads(x)["step_loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    b = [json.loads(x)["step_loss"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    a, b = _step_losses(one_process), _step_losses(tmp_path / "two")
     assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b, strict=True)), (a, b)
 
 
