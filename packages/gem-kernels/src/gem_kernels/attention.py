@@ -141,7 +141,9 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         bias_grad_in_gap: bool = False
         """In the fused block, the gradient of the ``uvqk`` projection's bias is summed by the gap's backward
         passes as they write the projection's output gradient, instead of by one more pass over that
-        gradient after them (:mod:`gem_kernels.hstu_gap_bias`). Off until measured on a GPU."""
+        gradient after them (:mod:`gem_kernels.hstu_gap_bias`). Off: on an H200 (big config, 2026-12-02) the
+        step was 0.946x the step without it, the summing pass running with half the loads in flight of
+        the plain one (``benchmarks/results/e2e_ab.md``)."""
 
         @model_validator(mode="after")
         def _blocks(self) -> TritonJaggedAttention.Config:

@@ -17,7 +17,10 @@ own ``grad.sum(0)`` up to the order of the fp32 additions.
 The linear must then not sum again: :func:`gem_model.api.bias_grad_elsewhere` lends the fused block
 the linear with its bias detached (the GEMM still adds it in its epilogue), and the gap returns the
 bias gradient as the gradient of an input of its own. An option, ``kernels.jagged_attention.options.
-bias_grad_in_gap``, off until measured on a GPU.
+bias_grad_in_gap``, off: measured on an H200 (big config, 2026-12-02), the step was 0.946x the step
+without it. At 80 registers on 8 warps three programs fit on an SM, each with one tile in flight,
+against six of the plain pass (79 registers on 4 warps): half the loads in flight for a pass bound by
+them, and a cross-warp reduction per tile (``benchmarks/results/e2e_ab.md``).
 """
 
 from __future__ import annotations

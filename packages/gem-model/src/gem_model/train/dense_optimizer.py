@@ -5,7 +5,9 @@ bias corrections, the update) is a multi-tensor kernel of its own, about a dozen
 parameter list per step, and each reads and writes the moments again. The ``fused`` implementation
 runs the whole update as one multi-tensor kernel (reading parameter, gradient and moments once). It
 needs every parameter to be a plain tensor on the GPU; anything else (the CPU, the DTensors of FSDP2
-and tensor parallelism) keeps ``foreach``, which torch picks by default there.
+and tensor parallelism) keeps ``foreach``, which torch picks by default there. On an H200 (big config,
+2026-12-02) the two measured the same step (foreach 0.998x, IQR 0.982-1.005; ``benchmarks/results/e2e_ab.md``):
+the optimizer is 0.65 ms of a 220 ms step either way.
 """
 
 from __future__ import annotations
