@@ -42,7 +42,9 @@ import atexit, os, sys
 
 def _threads_at_exit():
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    print(f"threads at exit of rank {os.environ.get('RANK', '-')}: {','.join(sorted(names))}", file=sys.stderr)
+    line = f"threads at exit of rank {os.environ.get('RANK', '-')}: {','.join(sorted(names))}\\n"
+    sys.stderr.flush()
+    os.write(2, line.encode())  # one write: the ranks' lines do not interleave on the shared stderr
 
 atexit.register(_threads_at_exit)
 """
@@ -134,3 +136,17 @@ def test_every_rank_stops_with_exit_2_when_rank_0_cannot_lock_the_output_directo
     assert "exitcode: 2" in proc.stderr and "SIGABRT" not in proc.stderr, proc.stderr[-3000:]  # no rank aborted on the way out
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     assert not left_behind(out)
+
+
+def test_a_finished_run_leaves_no_gloo_thread_to_the_interpreters_exit(tmp_path):
+    """The planner's and comm strategy's objects hold the run's groups in reference cycles; left to the
+    interpreter's exit, a gloo group's threads are torn down with it, which aborts a rank now and then
+    (SIGABRT after a run that succeeded). ``gem-train run`` frees them after its teardown."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(THREADS_AT_EXIT)
+    proc, _ = launch(tmp_path / "done", "trainer.steps=2", site=site)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exits = [line for line in proc.stderr.splitlines() if line.startswith("threads at exit of rank")]
+    assert sorted(line.split(":")[0] for line in exits)[-2:] == ["threads at exit of rank 0", "threads at exit of rank 1"], exits
+    assert not [line for line in exits if "gloo" in line], exits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,6 +63,15 @@ def started_run(
 
 
 def train(config: RunConfig, pm: GemPluginManager | None = None, components: Components | None = None) -> RunSummary:
-    """Resolve every component (before any process group), join the group, train, leave cleanly."""
+    """Resolve every component (before any process group), join the group, train, leave cleanly.
+
+    The run's objects hold its process groups in reference cycles. Left to the interpreter's exit, a
+    gloo group's threads are torn down with it, which aborts the process now and then (SIGABRT,
+    "terminate called without an active exception"): so the run is dropped and its cycles collected
+    here, after the group was left; the groups' destructors then join their threads. A caller that
+    passed ``components`` drops them and collects likewise (``gem-train run`` does)."""
     with started_run(config, pm, components) as run:
-        return run.fit()
+        summary = run.fit()
+    del run
+    gc.collect()
+    return summary
