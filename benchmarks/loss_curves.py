@@ -8,7 +8,8 @@ other; every variant reads the same batches (the data source's seed is the confi
 * the loss at the last step, and the mean over the last ``--tail`` steps (one step's loss moves with
   its batch; the tail's mean is the figure to compare);
 * its ratio to the first variant's, the largest loss after step 1 against step 1's;
-* the median step time and MFU after the first 10 steps, as the trainer reports them.
+* the median step time and MFU after the first 10 steps, as the trainer reports them (MFU against the
+  peak of each variant's precision: an fp8 variant's is counted against the fp8 peak, twice bf16's).
 
     python benchmarks/loss_curves.py -c configs/h200-large.yaml --steps 300 \\
         --variant bf16= --variant fp8_rowwise=precision.scheme=fp8_rowwise --out losses.json
