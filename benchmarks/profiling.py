@@ -83,24 +83,36 @@ GAP_CLASSES_US = (10.0, 100.0, 1000.0)
 100 us, to 1 ms (the host barely behind), and longer (the host synchronised or busy)."""
 
 
+def gap_windows(events: list[dict]) -> list[tuple[float, float, dict, dict]]:
+    """Every stretch without device work, in time order: ``(start, end, the device event that ended last
+    before it, the one that starts it)``, in the trace's microseconds. ``events``: device events or a
+    whole trace (only :data:`DEVICE_WORK` counts)."""
+    work = sorted((e for e in events if e.get("cat") in DEVICE_WORK), key=lambda e: (e["ts"], e["ts"] + e.get("dur", 0)))
+    windows: list[tuple[float, float, dict, dict]] = []
+    end, last = None, None
+    for e in work:
+        start, stop = e["ts"], e["ts"] + e.get("dur", 0)
+        if end is not None and start > end:
+            windows.append((end, start, last, e))
+        if end is None or stop >= end:
+            end, last = stop, e
+    return windows
+
+
 def gap_histogram(events: list[dict], steps: int) -> dict:
     """Kernels per step and the device's idle per step split by gap length (:data:`GAP_CLASSES_US`):
     many short gaps say the step has too many kernels; a few long ones, that the host waits or lags."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events)
     bounds = [*GAP_CLASSES_US, float("inf")]
     idle = [0.0] * len(bounds)
     count = [0] * len(bounds)
-    end = None
-    for start, stop in spans:
-        if end is not None and start > end:
-            k = next(i for i, b in enumerate(bounds) if start - end < b)
-            idle[k] += start - end
-            count[k] += 1
-        end = stop if end is None else max(end, stop)
+    for lo, hi, _, _ in gap_windows(events):
+        k = next(i for i, b in enumerate(bounds) if hi - lo < b)
+        idle[k] += hi - lo
+        count[k] += 1
     per = max(steps, 1)
     labels = ["<10us", "10-100us", "0.1-1ms", ">1ms"]
     return {
-        "kernels_per_step": len(spans) / per,
+        "kernels_per_step": sum(e.get("cat") in DEVICE_WORK for e in events) / per,
         "idle_ms_per_step": {lab: idle[i] / 1e3 / per for i, lab in enumerate(labels)},
         "gaps_per_step": {lab: count[i] / per for i, lab in enumerate(labels)},
     }
@@ -109,13 +121,8 @@ def gap_histogram(events: list[dict], steps: int) -> dict:
 def device_gaps(events: list[dict], limit: int = 15) -> list[dict]:
     """The longest stretches with no device work, each with the kernels before and after it: where the
     device waits for the host."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events)
-    gaps, end, before = [], None, None
-    for start, stop, name in spans:
-        if end is not None and start > end:
-            gaps.append({"ms": (start - end) / 1e3, "after": before[:80], "before": name[:80]})
-        if end is None or stop >= end:
-            end, before = stop, name
+    gaps = [{"ms": (hi - lo) / 1e3, "after": before["name"][:80], "before": after["name"][:80]}
+            for lo, hi, before, after in gap_windows(events)]  # fmt: skip
     gaps.sort(key=lambda g: -g["ms"])
     return gaps[:limit]
 
@@ -128,23 +135,15 @@ def host_during_gaps(events: list[dict], limit: int = 10, depth: int = 4) -> lis
     sync; an operator or annotation that spans the gap is the host work the device waited for. A gap
     that no host event covers by half is host time between operators (Python); then the host events
     that ended last inside it are given instead."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events if e.get("cat") in DEVICE_WORK)
     host = [e for e in events if e.get("cat") in HOST_WORK and e.get("dur", 0) > 0]
-    windows, end, before = [], None, None
-    for start, stop, name in spans:
-        if end is not None and start > end:
-            windows.append((end, start, before, name))
-        if end is None or stop >= end:
-            end, before = stop, name
-    windows.sort(key=lambda w: w[0] - w[1])
     out = []
-    for lo, hi, before, after in windows[:limit]:
+    for lo, hi, before, after in sorted(gap_windows(events), key=lambda w: w[0] - w[1])[:limit]:
         width = hi - lo
         covering = [e for e in host if min(hi, e["ts"] + e["dur"]) - max(lo, e["ts"]) >= width / 2]
         covering.sort(key=lambda e: e["dur"])
         inside = sorted((e for e in host if lo <= e["ts"] + e["dur"] <= hi), key=lambda e: -(e["ts"] + e["dur"]))
         out.append({
-            "ms": width / 1e3, "device_before": before[:80], "device_after": after[:80],
+            "ms": width / 1e3, "device_before": before["name"][:80], "device_after": after["name"][:80],
             "host_covering": [f"{e['name'][:70]} ({e['dur'] / 1e3:.3f} ms)" for e in covering[:depth]],
             "host_ended_inside": [f"{e['name'][:70]} ({e['dur'] / 1e3:.3f} ms)" for e in inside[:depth]],
         })  # fmt: skip
@@ -182,14 +181,10 @@ def idle_by_launcher(events: list[dict], steps: int, limit: int = 15) -> list[di
     operator). Where many short gaps share a launcher, that stretch of the step is launch-bound."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}  # fmt: skip
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e) for e in events if e.get("cat") in DEVICE_WORK)
     gaps: list[tuple[float, tuple[float, object] | None]] = []
-    end = None
-    for start, stop, e in spans:
-        if end is not None and start > end:
-            launch = launches.get(e.get("args", {}).get("correlation"))
-            gaps.append((start - end, (launch["ts"], launch.get("tid")) if launch else None))
-        end = stop if end is None else max(end, stop)
+    for lo, hi, _, after in gap_windows(events):
+        launch = launches.get(after.get("args", {}).get("correlation"))
+        gaps.append((hi - lo, (launch["ts"], launch.get("tid")) if launch else None))
     open_ops = _launchers(events, [q for _, q in gaps if q is not None])
     per: dict[tuple[str, str], list[float]] = {}
     for width, query in gaps:

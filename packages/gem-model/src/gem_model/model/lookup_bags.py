@@ -5,8 +5,9 @@ returns one row per id, in the order of the ids: the bags (one per sample and fe
 what it returns, only how the kernel spreads the work. FBGEMM's nobag forward gives each bag one warp,
 which walks the bag's ids one after another. With a few hundred samples whose histories run to thousands
 of items, a few thousand warps do all the work and the longest history sets the time: on one H200 the big
-config's item lookup (279k rows of 1024 floats) took 12.2 ms, where a gather of the same rows takes
-1.0 ms (``benchmarks/results/table_lookup.md``).
+config's item lookup (279k rows of 1024 floats) took 12.4 ms, where a gather of the same rows takes
+1.0 ms; in 32 even bags per sample it takes 1.56 ms, and the whole training step is 1.050x faster
+(``benchmarks/results/table_lookup.md``, ``e2e_ab.md``).
 
 :func:`even_bags` hands the lookup the same ids in ``bags_per_sample`` times as many bags per feature,
 each holding an equal share of the feature's ids (the last ones empty), so every bag is short and the
