@@ -129,10 +129,13 @@ def random_block_inputs(b: HSTUBlock, gen: torch.Generator) -> tuple[torch.Tenso
     return torch.randn(20, 32, generator=gen).bfloat16(), torch.randn(20, 32, generator=gen).bfloat16()
 
 
-def test_fused_block_with_producer_quantization_is_bit_identical(gen, monkeypatch):
-    b = block(Fp8RowwiseScheme(Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=True)))
+@pytest.mark.parametrize("weight_gradient", ["bf16", "fp8"])
+def test_fused_block_with_producer_quantization_is_bit_identical(gen, monkeypatch, weight_gradient):
+    """The producers' rows (and, for an fp8 weight gradient, column maxima) give the linears' own results."""
+    config = Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=True, weight_gradient=weight_gradient)
+    b = block(Fp8RowwiseScheme(config))
     x, dy = random_block_inputs(b, gen)
-    assert wanted_quantization(b.uvqk, x.device) == RowQuantization(column_amax=True)
+    assert wanted_quantization(b.uvqk, x.device) == RowQuantization(column_amax=weight_gradient == "fp8")
     calls: list[str] = []
     for name in ("quantize", "quantize_prequantized"):
         real = getattr(Fp8Recipe, name)

@@ -20,9 +20,10 @@ CPU = torch.device("cpu")
 
 
 def rowwise(linear: nn.Linear, fqn: str = "blocks.0.uvqk") -> nn.Module:
-    return Fp8RowwiseScheme(Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=True)).convert_linear(
-        linear, fqn
-    )
+    """fp8 rowwise with its fp8 weight gradient, whose transposed operand of x needs the column maxima
+    (test_weight_gradient covers the default bf16 weight gradient, which asks for the rows alone)."""
+    config = Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=True, weight_gradient="fp8")
+    return Fp8RowwiseScheme(config).convert_linear(linear, fqn)
 
 
 def producer_rows(x: torch.Tensor, *, column_amax: bool) -> PrequantizedRows:
@@ -44,8 +45,11 @@ def test_fp8_rowwise_asks_for_rows_and_column_maxima_only_when_a_weight_gradient
 
 
 def test_fp8_rowwise_takes_producer_rows_only_when_its_option_asks():
-    """Off by default: measured slower on the H200 (the option's description says by how much)."""
-    linear = Fp8RowwiseScheme(Fp8RowwiseScheme.Config(backend="emulated")).convert_linear(nn.Linear(32, 16), "out")
+    """On by default (with the default bf16 weight gradient: rows alone); producer_quantization=false declines."""
+    default = Fp8RowwiseScheme(Fp8RowwiseScheme.Config(backend="emulated")).convert_linear(nn.Linear(32, 16), "out")
+    assert default.input_quantization(CPU) == RowQuantization(column_amax=False)
+    config = Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=False)
+    linear = Fp8RowwiseScheme(config).convert_linear(nn.Linear(32, 16), "out")
     assert linear.input_quantization(CPU) is None
     x = torch.randn(4, 32).bfloat16()
     with pytest.raises(ValueError, match=r"out: precision scheme 'fp8_rowwise' .* takes no pre-quantized"):

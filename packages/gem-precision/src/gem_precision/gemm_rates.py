@@ -9,8 +9,10 @@ the device, after a warm-up, with CUDA events on a GPU and the wall clock on a C
 - **the GEMMs alone**: the same three products on operands made beforehand. For a scaled scheme
   (one with a recipe, :mod:`gem_precision.recipes`) it is the recipe's ``mm`` on operands that its
   ``quantize`` made: the backend ``resolved_backend`` names (fp8 ``torch._scaled_mm``, the cuBLAS or
-  Triton MX GEMM, or the emulated dequantize-and-multiply). For any other scheme it is a torch matmul
-  in its ``gemm_dtype`` (a float8 scheme without a recipe has no GEMM-only figure).
+  Triton MX GEMM, or the emulated dequantize-and-multiply), except a weight gradient the recipe
+  computes in high precision (``fp8_rowwise``'s ``weight_gradient: bf16``): a torch matmul in the
+  activation dtype. For any other scheme it is a torch matmul in its ``gemm_dtype`` (a float8 scheme
+  without a recipe has no GEMM-only figure).
 
 The linear's time less the GEMMs' is what the scheme's quantization adds (on the fp8 path today a
 separate pass over a bfloat16 input: where a producer kernel writes the fp8 copy, it is less).
@@ -219,14 +221,18 @@ def _gemm_seconds(
     recipe_for = getattr(scheme, "recipe_for", None)
     if recipe_for is not None:
         recipe = recipe_for(device)
-        xq = recipe.quantize(x.contiguous(), role="input", rows=True, cols_t=True)
+        hp_dw = recipe.high_precision_weight_grad  # dW = g^T x in x's dtype, no transposed operands
+        xq = recipe.quantize(x.contiguous(), role="input", rows=True, cols_t=not hp_dw)
         wq = recipe.quantize(w.contiguous(), role="weight", rows=True, cols_t=True)
-        gq = recipe.quantize(g.contiguous(), role="grad", rows=True, cols_t=True)
+        gq = recipe.quantize(g.contiguous(), role="grad", rows=True, cols_t=not hp_dw)
 
         def gemms() -> None:
             recipe.mm(xq.rows, wq.rows, out_dtype=x.dtype, role="forward")
             recipe.mm(gq.rows, wq.cols_t, out_dtype=x.dtype, role="grad_input")
-            recipe.mm(gq.cols_t, xq.cols_t, out_dtype=torch.float32, role="grad_weight")
+            if hp_dw:
+                g.t() @ x
+            else:
+                recipe.mm(gq.cols_t, xq.cols_t, out_dtype=torch.float32, role="grad_weight")
 
         return _seconds(gemms, device)
     dtype = torch.float32 if scheme is None else getattr(torch, scheme.gemm_dtype, None)

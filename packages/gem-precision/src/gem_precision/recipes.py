@@ -69,6 +69,15 @@ class LinearRecipe(ABC):
         weight gradient) is computed here."""
         raise NotImplementedError(f"{self!r} takes no pre-quantized rows")
 
+    @property
+    def high_precision_weight_grad(self) -> bool:
+        """Whether the weight gradient ``dW = g.T @ x`` is a GEMM in the activation dtype (bf16 operands,
+        float32 accumulation, as the ``bf16`` scheme computes it) on the unquantized ``g`` and ``x``,
+        instead of this recipe's GEMM on their transposed operands: then no transposed operand of ``x``
+        or ``g`` is made, and the forward saves ``x`` as given. Only fp8 rowwise offers it (its option
+        ``weight_gradient: bf16``)."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(scheme={self.scheme!r}, backend={self.backend!r})"
 
@@ -83,12 +92,20 @@ class Fp8Recipe(LinearRecipe):
     operand_type = Fp8Operand
 
     def __init__(
-        self, scheme: str, *, granularity: Granularity, grad_format: Fp8Format, native: bool, fast_accum_forward: bool,
+        self,
+        scheme: str,
+        *,
+        granularity: Granularity,
+        grad_format: Fp8Format,
+        native: bool,
+        fast_accum_forward: bool,
         producer_rows: bool = False,
+        high_precision_weight_grad: bool = False,
     ):
         self.scheme = scheme
         self.granularity = granularity
         self.producer_rows = producer_rows
+        self._high_precision_weight_grad = high_precision_weight_grad
         self.grad_format = grad_format
         self.native = native
         self.backend = "native" if native else "emulated"
@@ -110,6 +127,11 @@ class Fp8Recipe(LinearRecipe):
     def takes_prequantized_rows(self) -> bool:
         """Row scales only, and only when the scheme asks for it (``fp8_rowwise``'s ``producer_quantization``)."""
         return self.granularity == "row" and self.producer_rows
+
+    @property
+    def high_precision_weight_grad(self) -> bool:
+        """As the scheme asks (``fp8_rowwise``'s ``weight_gradient: bf16``)."""
+        return self._high_precision_weight_grad
 
     def quantize_prequantized(self, t: torch.Tensor, rows: PrequantizedRows, *, cols_t: bool) -> Quantized:
         if not self.takes_prequantized_rows:

@@ -14,6 +14,14 @@ Under ``fp8_rowwise`` the row operand of ``x`` may come from the kernel that pro
 (``gem_model.api.PrequantizedRows``, asked for by :meth:`ScaledLinear.input_quantization`): then only
 ``x``'s transposed operand is made here, by its cast pass alone when the producer wrote the column
 maxima too.
+
+Under ``fp8_rowwise`` with ``weight_gradient: bf16`` (:attr:`LinearRecipe.high_precision_weight_grad`)
+the weight gradient is a plain GEMM in the activation dtype, ``dW = g.T @ x`` with float32
+accumulation, as the ``bf16`` scheme computes it: the forward quantizes only ``x``'s rows (or takes
+them from the producer, without column maxima) and saves ``x`` as given instead of its transposed
+operand; backward quantizes only ``g``'s rows, for ``dx``. No transposed operand of ``x`` or ``g`` is
+made, at the price of a bf16 GEMM in place of an fp8 one. ``y`` and ``dx`` are what they are without
+the option.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_model.api import PrequantizedRows, RowQuantization
-from gem_precision.recipes import LinearRecipe
+from gem_precision.recipes import LinearRecipe, Quantized
 
 
 class ScaledLinearFunction(torch.autograd.Function):
@@ -42,19 +50,17 @@ class ScaledLinearFunction(torch.autograd.Function):
         out_features, in_features = weight.shape
         x2d = x.reshape(-1, in_features).contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if prequantized is None:
-            xq = recipe.quantize(x2d, role="input", rows=True, cols_t=need_dw)
-        else:
-            xq = recipe.quantize_prequantized(x2d, prequantized, cols_t=need_dw)
+        hp_dw = recipe.high_precision_weight_grad
+        xq = _quantize_input(recipe, x2d, prequantized, cols_t=need_dw and not hp_dw)
         wq = recipe.quantize(weight.contiguous(), role="weight", rows=True, cols_t=need_dx)
         y = recipe.mm(xq.rows, wq.rows, out_dtype=x.dtype, role="forward", bias=bias)
         saved: list[torch.Tensor] = []
-        if need_dw:
-            saved += xq.cols_t.tensors()
+        if need_dw:  # x as given for a high-precision weight gradient, else its transposed operand
+            saved += [x2d] if hp_dw else xq.cols_t.tensors()
         if need_dx:
             saved += wq.cols_t.tensors()
         ctx.save_for_backward(*saved)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.hp_dw = recipe, hp_dw
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], out_features)
@@ -64,18 +70,44 @@ class ScaledLinearFunction(torch.autograd.Function):
         recipe: LinearRecipe = ctx.recipe
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         saved = list(ctx.saved_tensors)
-        x_t = recipe.operand_type(*saved[:2]) if need_dw else None
         w_t = recipe.operand_type(*saved[-2:]) if need_dx else None
         g2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        gq = recipe.quantize(g2d, role="grad", rows=need_dx, cols_t=need_dw, col_sum=need_db)
+        gq = _quantize_grad(recipe, g2d, rows=need_dx, cols_t=need_dw and not ctx.hp_dw, col_sum=need_db)
         dx = dw = db = None
         if need_dx:
             dx = recipe.mm(gq.rows, w_t, out_dtype=ctx.x_dtype, role="grad_input").view(ctx.x_shape)
-        if need_dw:
+        if need_dw and ctx.hp_dw:
+            dw = _high_precision_weight_grad(g2d, saved[0]).to(ctx.w_dtype)
+        elif need_dw:
+            x_t = recipe.operand_type(*saved[:2])
             dw = recipe.mm(gq.cols_t, x_t, out_dtype=torch.float32, role="grad_weight").to(ctx.w_dtype)
         if need_db:
             db = gq.col_sum.to(ctx.bias_dtype)
         return dx, dw, db, None, None
+
+
+def _quantize_input(
+    recipe: LinearRecipe, x2d: torch.Tensor, prequantized: PrequantizedRows | None, *, cols_t: bool
+) -> Quantized:
+    """``x``'s row operand (quantized here, or the producer's rows) and, with ``cols_t``, its transposed one."""
+    if prequantized is None:
+        return recipe.quantize(x2d, role="input", rows=True, cols_t=cols_t)
+    return recipe.quantize_prequantized(x2d, prequantized, cols_t=cols_t)
+
+
+def _quantize_grad(recipe: LinearRecipe, g2d: torch.Tensor, *, rows: bool, cols_t: bool, col_sum: bool) -> Quantized:
+    """One quantization of ``g`` for both backward GEMMs and the bias gradient; none when nothing is asked
+    (a high-precision weight gradient and no ``dx`` nor bias gradient). With only ``col_sum`` asked, every
+    recipe's quantizer returns the float32 column sums alone (the Triton one from its stats pass)."""
+    if not (rows or cols_t or col_sum):
+        return Quantized(None, None)
+    return recipe.quantize(g2d, role="grad", rows=rows, cols_t=cols_t, col_sum=col_sum)
+
+
+def _high_precision_weight_grad(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """``g.T @ x`` in ``x``'s dtype (bf16 operands and float32 accumulation in practice, as the ``bf16``
+    scheme's weight gradient), on the unquantized gradient and the input the forward saved."""
+    return torch.mm(g2d.t().to(x2d.dtype), x2d)
 
 
 class ScaledLinear(nn.Module):
@@ -112,9 +144,13 @@ class ScaledLinear(nn.Module):
         ``PrequantizedInputLinear``): the e4m3 rows under ``fp8_rowwise`` (both backends), with the
         column maxima when the weight gradient will be computed (its transposed operand is scaled per
         column); None under ``fp8_tensorwise`` and ``mxfp8``, whose scales no row's producer can write
-        (:attr:`LinearRecipe.takes_prequantized_rows`)."""
-        if not self.recipe(device).takes_prequantized_rows:
+        (:attr:`LinearRecipe.takes_prequantized_rows`). With a high-precision weight gradient
+        (``weight_gradient: bf16``) never the column maxima: no transposed operand of ``x`` is made."""
+        recipe = self.recipe(device)
+        if not recipe.takes_prequantized_rows:
             return None
+        if recipe.high_precision_weight_grad:
+            return RowQuantization(column_amax=False)
         return RowQuantization(column_amax=torch.is_grad_enabled() and self.weight.requires_grad)
 
     def forward(self, x: torch.Tensor, *, prequantized: PrequantizedRows | None = None) -> torch.Tensor:

@@ -14,6 +14,12 @@ Backends of the scaled schemes (option ``backend``), resolved per device at the 
   Triton GEMM on CUDA >= 8.9, else ``emulated``. The choice is logged once per device and returned
   by :meth:`ScaledScheme.resolved_backend`.
 
+Weight gradient of ``fp8_rowwise`` (option ``weight_gradient``): ``bf16`` (the default) computes
+``dW = g.T @ x`` in bfloat16 from the unquantized ``x`` and ``grad_out``, so neither is quantized
+along the tokens (see :mod:`gem_precision.scaled_linear`); ``fp8`` quantizes both along the tokens
+for an fp8 GEMM, at the cost of a stats and a cast pass over each, which on the H200 cost more than
+the fp8 GEMM saves.
+
 Gradient format of the fp8 schemes (option ``grad_format``). ``fp8_rowwise`` defaults to e4m3: each
 row of ``grad_out`` (one token) and each column (one feature, for the weight gradient) gets its own
 scale, which already follows the gradient's dynamic range across tokens and features, so e5m2's
@@ -151,7 +157,8 @@ class _Fp8Scheme(ScaledScheme):
             grad_format=fp8_format(self.config.grad_format),
             native=backend == "native" or (backend == "auto" and has_native),
             fast_accum_forward=self.config.fast_accum_forward,
-            producer_rows=getattr(self.config, "producer_quantization", False),
+            producer_rows=getattr(self.config, "producer_quantization", False),  # fp8_tensorwise has neither
+            high_precision_weight_grad=getattr(self.config, "weight_gradient", "fp8") == "bf16",
         )
 
     def _auto_reason(self, backend: str, device: torch.device) -> str:
@@ -191,12 +198,24 @@ class Fp8RowwiseScheme(_Fp8Scheme):
     class Config(_Fp8Config):
         grad_format: Literal["e4m3", "e5m2"] = Field("e4m3", description="fp8 format of grad_output")
         producer_quantization: bool = Field(
-            False,
+            True,
             description="the kernels that produce a linear's input (the fused HSTU block's layer norm and "
-            "norm-gate) write its e4m3 rows and column maxima, and the linear skips its own row quantization "
-            "(gem_model.prequantized). Off by default: on the H200's big config the producers' column "
-            "maxima made the layer norm and norm-gate kernels slower (+13 ms a step) than the passes they "
-            "saved (-4 ms): 0.936x bf16 against 0.978x without (benchmarks/results/e2e_ab.md, 2026-12-02)",
+            "norm-gate) write its e4m3 rows (and, with weight_gradient fp8, the column maxima), and the linear "
+            "skips its own row quantization (gem_model.prequantized). With weight_gradient bf16 the rows alone "
+            "cost the producers little; with weight_gradient fp8 the column maxima made the layer norm and "
+            "norm-gate kernels slower (+13 ms a step on the H200's big config) than the passes they saved "
+            "(-4 ms): 0.936x bf16 against 0.978x without (benchmarks/results/e2e_ab.md, 2026-12-02)",
+        )
+        weight_gradient: Literal["fp8", "bf16"] = Field(
+            "bf16",
+            description="the GEMM of the weight gradient dW = grad_output.T @ x. bf16 (default): a bfloat16 GEMM "
+            "with float32 accumulation, as the bf16 scheme computes it, on the bf16 input saved by the forward "
+            "and the bf16 grad_output (torchao's rowwise_with_gw_hp recipe); the forward and the input gradient "
+            "stay fp8, and no operand is quantized along the tokens. fp8: both operands quantized along the "
+            "tokens (their transposed operands: x's made by the forward and saved, grad_output's in backward), "
+            "which costs a stats and a cast pass over each. On one H200, big config, against bf16: bf16 here "
+            "with producer_quantization 1.026x, 1.027x and 1.039x on three input mixes, fp8 here 0.975x "
+            "(benchmarks/results/e2e_ab.md, 2026-12-02)",
         )
 
 
