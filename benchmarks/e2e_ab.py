@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -58,7 +59,26 @@ class Row:
     flops: list[float] = field(default_factory=list)
     flops_nvidia: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    gc_ms: list[float] = field(default_factory=list)
     peak_gib: float = 0.0
+
+
+class GcPauses:
+    """Milliseconds the host spent in Python's cyclic collector (``gc.callbacks``), summed."""
+
+    def __init__(self) -> None:
+        self.total_ms = 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self._hook)
+
+    def _hook(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total_ms += 1e3 * (time.perf_counter() - self._t0)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._hook)
 
 
 class EventPipeline:
@@ -161,6 +181,7 @@ def worker(args: argparse.Namespace) -> None:
     from gem_model.config_io import load_config
     from gem_model.model.flops import count_flops
     from gem_model.plugins import GemPluginManager
+    from gem_model.train.collector import GcSchedule
     from gem_model.trainer import started_run
 
     names, rows = [], []
@@ -198,6 +219,9 @@ def worker(args: argparse.Namespace) -> None:
         pipeline.next_batch = lambda step: staged[current[0]]  # every variant trains the same staged batch
         undo: list[Callable[[], None]] = []
         step = 0
+        pauses = GcPauses()
+        collector = GcSchedule(args.gc_every)  # trainer.gc_every's schedule, for the whole process
+        collector.start()
 
         def use(row: Row) -> None:
             for u in undo:
@@ -218,11 +242,14 @@ def worker(args: argparse.Namespace) -> None:
             current[0] = index
             if device.type == "cuda" and not timed:
                 torch.cuda.reset_peak_memory_stats(device)
+            gc0 = pauses.total_ms
             t0 = time.perf_counter()
             result = run.core_step(step)
+            collector.after_step(step)
             step += 1
             sync()
             wall = time.perf_counter() - t0
+            gc_ms = pauses.total_ms - gc0
             device_ms = events.take()
             if not timed:
                 if device.type == "cuda":
@@ -234,6 +261,7 @@ def worker(args: argparse.Namespace) -> None:
             row.flops.append(result.flops)
             row.flops_nvidia.append(nvidia[index])
             row.losses.append(result.loss)
+            row.gc_ms.append(gc_ms)
 
         t_warm = time.perf_counter()
         for index in warm:
@@ -285,6 +313,8 @@ def worker(args: argparse.Namespace) -> None:
                 profile[row.name] = profile_steps(lambda row=row: one(args.warmup, row, timed=False), steps=2)
         for u in undo:
             u()
+        collector.stop()
+        pauses.close()
         peak = run.peak
     result = {
         "rows": [r.__dict__ for r in rows],
@@ -316,7 +346,8 @@ def summarize(row: dict, peak: float) -> dict:
         "tokens_per_s": mean_tokens / med_s if med_s else 0.0,
         "mfu": mean_flops / med_s / peak if med_s else 0.0,
         "mfu_nvidia": mean_flops_nv / med_s / peak if med_s else 0.0,
-        "paired": row.get("paired"), "peak_gib": row["peak_gib"], "loss_first": row["losses"][0] if row["losses"] else None,
+        "paired": row.get("paired"), "peak_gib": row["peak_gib"],
+        "gc_ms_mean": sum(row["gc_ms"]) / max(n, 1), "gc_ms_max": max(row["gc_ms"], default=0.0), "loss_first": row["losses"][0] if row["losses"] else None,
         "loss_last": row["losses"][-1] if row["losses"] else None,
     }  # fmt: skip
 
@@ -334,11 +365,12 @@ def paired(rows: list[dict]) -> None:
 
 def print_table(summary: list[dict]) -> None:
     print(f"\n{'variant':<12} {'steps':>5} {'wall ms (q1 / med / q3)':>26} {'span ms med':>13} {'idle':>6} "
-          f"{'tokens/s':>11} {'MFU':>7} {'MFU nv':>7} {'peak GiB':>8}")  # fmt: skip
+          f"{'tokens/s':>11} {'MFU':>7} {'MFU nv':>7} {'peak GiB':>8} {'gc ms mean/max':>15}")  # fmt: skip
     for s in summary:
         print(f"{s['variant']:<12} {s['steps']:>5} {s['wall_ms_q1']:>8.1f} / {s['wall_ms_median']:>6.1f} / "
               f"{s['wall_ms_q3']:>6.1f} {s['device_ms_median']:>13.1f} {100 * (s['idle_share'] or 0):>5.1f}% "
-              f"{s['tokens_per_s']:>11,.0f} {100 * s['mfu']:>6.2f}% {100 * s['mfu_nvidia']:>6.2f}% {s['peak_gib']:>8.1f}")  # fmt: skip
+              f"{s['tokens_per_s']:>11,.0f} {100 * s['mfu']:>6.2f}% {100 * s['mfu_nvidia']:>6.2f}% {s['peak_gib']:>8.1f} "
+              f"{s['gc_ms_mean']:>7.2f} / {s['gc_ms_max']:>5.1f}")  # fmt: skip
     for s in summary[1:]:
         r = s["paired"]
         print(f"{s['variant']} against {summary[0]['variant']}, batch by batch: speed-up median {r['median']:.3f}x "
@@ -357,6 +389,8 @@ def main() -> int:
     p.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step (CUDA)")
     p.add_argument("--profile", default="", metavar="VARIANTS", help="profile two steps of these variants")
     p.add_argument("--set", action="append", default=[], help="a config override (key=value)")
+    p.add_argument("--gc-every", type=int, default=0, metavar="N",
+                   help="trainer.gc_every's schedule for the whole process (0: Python's own collection)")
     p.add_argument("--out")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)

@@ -187,3 +187,17 @@ def test_no_warmup_leaves_the_losses_bitwise_unchanged(pm, tiny_overrides, tmp_p
     train(load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/one", "trainer.warmup_steps=1"]), pm)
     off, one = losses(tmp_path / "off"), losses(tmp_path / "one")
     assert len(off) == 6 and off == one
+
+
+def test_scheduled_garbage_collection_trains_the_same_and_resumes(pm, tiny_overrides, tmp_path):
+    """``trainer.gc_every`` changes when the host collects, not what is computed: bitwise the same losses,
+    the collector left enabled and unfrozen, and a checkpoint of such a run continues without it (the
+    field is not part of the run's identity)."""
+    import gc
+
+    train(load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/py"]), pm)
+    train(load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/gc", "trainer.gc_every=2",
+                             "trainer.steps=3"]), pm)  # fmt: skip
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    train(load_config(None, [*tiny_overrides, f"trainer.output_dir={tmp_path}/gc", "trainer.steps=6"]), pm)
+    assert losses(tmp_path / "py") == losses(tmp_path / "gc")

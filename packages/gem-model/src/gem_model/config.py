@@ -225,6 +225,13 @@ class TrainerConfig(Strict):
         description="a collective that waits longer than this for a peer fails, naming the collective and "
         "the rank (the process group's timeout)",
     )
+    gc_every: int = Field(
+        0,
+        ge=0,
+        description="Python's cyclic garbage collector at step boundaries: freeze what the set-up built, turn "
+        "automatic collection off during the loop, and collect (what was made since) after every N steps "
+        "(gem_model.train.collector); 0: Python's own collection, which may pause the host inside a step",
+    )
     stop_grace_s: float | None = Field(
         None,
         gt=0.0,

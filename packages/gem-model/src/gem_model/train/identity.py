@@ -47,7 +47,7 @@ IGNORED_TRAINER = frozenset(
         "steps", "device", "prefetch", "log_every", "output_dir", "checkpoint_every", "checkpoint_at_end",
         "resume", "time_limit_s", "eval_every", "eval_at_end", "progress", "tensorboard", "peak_flops",
         "non_finite", "non_finite_max_skips", "loss_spike_factor", "loss_spike_window",
-        "collective_timeout_s", "resume_partial", "stop_grace_s",
+        "collective_timeout_s", "resume_partial", "stop_grace_s", "gc_every",
     }
 )  # fmt: skip
 _MISSING = object()

@@ -20,7 +20,6 @@ from gem_model.data.prefetch import StepFacts, make_feed
 from gem_model.distributed import DistEnv
 from gem_model.errors import (
     CheckpointWriteError,
-    ConfigError,
     KernelUnavailableError,
     NonFiniteStateError,
     RunInterrupted,
@@ -28,12 +27,12 @@ from gem_model.errors import (
 from gem_model.model.flops import count_flops
 from gem_model.plan import Plan
 from gem_model.plugins import GemPluginManager
-from gem_model.resolve import Components
+from gem_model.resolve import Components, run_shape
 from gem_model.results import ReportSection, RunSummary, StepResult
-from gem_model.resolve import run_shape
 from gem_model.train import checkpoint as ckpt
 from gem_model.train import compat, lock, outputs, peers, resume
 from gem_model.train import state as run_state
+from gem_model.train.collector import GcSchedule
 from gem_model.train.dense_optimizer import dense_adamw
 from gem_model.train.finite import first_non_finite
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
@@ -303,10 +302,13 @@ class Run:
         wall = time.perf_counter()
         self.core_step.deadline = None if tc.time_limit_s is None else wall + tc.time_limit_s
         self.core_step.clock.restart()
+        collector = GcSchedule(tc.gc_every)
+        collector.start()
         try:
             for step in range(self.start_step, tc.steps):
                 self.context.step = step
                 result: StepResult = self.pm.call("gem_train_step", run=self.context, step=step)
+                collector.after_step(step)
                 meter.add(result.seconds, result.samples, result.tokens, result.flops)
                 if result.skipped:
                     self._event({"step": step + 1, "event": "non_finite_skip", "non_finite_loss": str(result.loss),
@@ -337,6 +339,7 @@ class Run:
                     self.steps_done = step + 1
                     break
         finally:
+            collector.stop()
             progress.close()
             self.feed.close()  # no thread outlives the loop, also when a step raised
         return first_loss, last_loss, time.perf_counter() - wall, meter
