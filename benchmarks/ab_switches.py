@@ -233,6 +233,8 @@ VARIANTS: dict[str, Switch] = {
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
     "fp8_rowwise_producers": _precision("fp8_rowwise", producer_quantization=True),
+    "fp8_rowwise_gw_bf16": _precision("fp8_rowwise", weight_gradient="bf16"),
+    "fp8_rowwise_gw_bf16_producers": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=True),
     "fp8_saved": _fp8_saved(in_kernels=True),
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
 }
