@@ -230,10 +230,13 @@ VARIANTS: dict[str, Switch] = {
     "host_syncs": switch_host_syncs,
     "whole_bags": switch_whole_bags,
     "bf16_lookup": switch_bf16_lookup,
+    # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
-    "fp8_rowwise_producers": _precision("fp8_rowwise", producer_quantization=True),
-    "fp8_rowwise_gw_bf16": _precision("fp8_rowwise", weight_gradient="bf16"),
+    # each combination of fp8_rowwise's two options, named explicitly (the results name these switches)
+    "fp8_rowwise_fp8_dw": _precision("fp8_rowwise", weight_gradient="fp8", producer_quantization=False),
+    "fp8_rowwise_producers": _precision("fp8_rowwise", weight_gradient="fp8", producer_quantization=True),
+    "fp8_rowwise_gw_bf16": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=False),
     "fp8_rowwise_gw_bf16_producers": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=True),
     "fp8_saved": _fp8_saved(in_kernels=True),
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
