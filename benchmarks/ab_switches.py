@@ -218,6 +218,20 @@ def switch_bf16_lookup(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_fp8_two_pass_rows(run: object) -> Callable[[], None]:
+    """Row-scaled fp8 alone through the stats and cast passes, as before the one-pass kernel
+    (``gem_precision.fp8_quant_triton.ONE_PASS_MAX_N = 0``)."""
+    from gem_precision import fp8_quant_triton
+
+    before = fp8_quant_triton.ONE_PASS_MAX_N
+    fp8_quant_triton.ONE_PASS_MAX_N = 0
+
+    def undo() -> None:
+        fp8_quant_triton.ONE_PASS_MAX_N = before
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -238,6 +252,7 @@ VARIANTS: dict[str, Switch] = {
     "fp8_rowwise_producers": _precision("fp8_rowwise", weight_gradient="fp8", producer_quantization=True),
     "fp8_rowwise_gw_bf16": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=False),
     "fp8_rowwise_gw_bf16_producers": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=True),
+    "fp8_two_pass_rows": switch_fp8_two_pass_rows,
     "fp8_saved": _fp8_saved(in_kernels=True),
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
 }

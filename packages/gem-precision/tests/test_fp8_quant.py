@@ -160,3 +160,36 @@ def test_given_column_maxima_are_checked(granularity: str, bits: torch.Tensor, m
     for quantize in (quantize_fp8_reference, quantize_fp8_triton):
         with pytest.raises(ValueError, match=f"{quantize.__name__}: col_amax_bits .*{message}"):
             quantize(x, granularity=granularity, fmt=E4M3, rows=False, cols_t=True, col_amax_bits=bits)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_row_scales_alone_take_one_pass(gen: torch.Generator, fmt: Fp8Format, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows alone (with or without the column sums) run the one-pass kernel, not the stats and cast
+    passes, and give the reference's bits: every edge case, random bf16 and fp32 rows, row counts that
+    leave a program's last rows empty, and a zero-row input."""
+    from gem_precision import fp8_quant_triton
+
+    monkeypatch.setattr(fp8_quant_triton, "_fp8_stats_kernel", None)  # launching either would fail
+    monkeypatch.setattr(fp8_quant_triton, "_fp8_cast_kernel", None)
+    inputs = [*CASES.values(), wide_range_randn(37, 50, generator=gen), wide_range_randn(70, 24, generator=gen).bfloat16()]
+    for x in [*inputs, torch.randn(0, 8)]:
+        for col_sum in (False, True):
+            kwargs = {"granularity": "row", "fmt": fmt, "rows": True, "cols_t": False, "col_sum": col_sum}
+            got, want = quantize_fp8_triton(x, **kwargs), quantize_fp8_reference(x, **kwargs)
+            assert_same(got.rows, want.rows)
+            assert got.cols_t is None and (got.col_sum is None) == (not col_sum)
+            if col_sum and x.isfinite().all():
+                scale = max(want.col_sum.abs().max().item(), 1.0)
+                torch.testing.assert_close(got.col_sum, want.col_sum, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_rows_wider_than_one_pass_take_the_two_passes(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gem_precision import fp8_quant_triton
+
+    monkeypatch.setattr(fp8_quant_triton, "ONE_PASS_MAX_N", 32)
+    monkeypatch.setattr(fp8_quant_triton, "_fp8_rows_once_kernel", None)  # launching it would fail
+    x = wide_range_randn(20, 40, generator=gen)
+    kwargs = {"granularity": "row", "fmt": E4M3, "rows": True, "cols_t": False, "col_sum": True}
+    got, want = quantize_fp8_triton(x, **kwargs), quantize_fp8_reference(x, **kwargs)
+    assert_same(got.rows, want.rows)
+    torch.testing.assert_close(got.col_sum, want.col_sum, rtol=1e-5, atol=1e-5 * want.col_sum.abs().max().item())

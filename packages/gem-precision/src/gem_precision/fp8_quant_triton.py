@@ -20,6 +20,12 @@ The second read mostly hits L2 only for small tensors; for the large ones the co
 the fp8 writes, against ~8 passes unfused. When the kernel that produced ``x`` already wrote its row
 operand and column amaxes (``gem_model.api.PrequantizedRows``, ``col_amax_bits``), only the cast of
 the transposed operand remains: one read.
+
+Row scales alone (no transposed operand: ``fp8_rowwise``'s gradient for ``dx`` under its bf16 weight
+gradient, and its input when no producer wrote the rows) take one pass instead, when a row fits in
+one program's registers (:data:`ONE_PASS_MAX_N` elements): each program reads whole rows, takes their
+amax in registers and writes the e4m3 rows and scales, adding the rows into its column-sum partials
+when the bias gradient is asked for.
 """
 
 from __future__ import annotations
@@ -148,6 +154,76 @@ def _fp8_cast_kernel(
         tl.store(out, bits.to(tl.uint8), mask=(rows < M_PAD)[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _fp8_rows_once_kernel(
+    x_ptr, M, N, stride_xm, q_ptr, q_inv_ptr, col_sum_ptr,
+    COL_SUM: tl.constexpr, FP8_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
+    ROWS_PER_PROG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Row-scaled fp8 of ``ROWS_PER_PROG`` whole rows (``N <= BLOCK_N``), ``BLOCK_M`` at a time, in one
+    read; with ``COL_SUM`` this program's column sums into ``col_sum [programs, N]``."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    sum_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in tl.range(0, ROWS_PER_PROG, BLOCK_M):
+        rows = pid * ROWS_PER_PROG + i + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        scale, inv, bad = _pow2_scale(tl.max(abs_bits(x), axis=1), EMAX)
+        bits = cast_to_fp8_bits(x * scale[:, None], FP8_E5M2, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
+        bits = tl.where(bad[:, None], 127, bits.to(tl.int32))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], bits.to(tl.uint8), mask=mask)
+        tl.store(q_inv_ptr + rows, inv, mask=rmask)
+        if COL_SUM:
+            sum_acc += x
+    if COL_SUM:  # reduced across the tile's rows once, after the loop (see the stats kernel)
+        tl.store(col_sum_ptr + pid * N + cols, tl.sum(sum_acc, axis=0), mask=cmask)
+
+
+ONE_PASS_MAX_N = 4096
+"""Widest row the one-pass row quantization takes (its rows are held in registers whole)."""
+
+
+ONE_PASS_TILE = (4096, 4)
+"""(elements a step, warps) of the one-pass row kernel on a GPU. sm_90 compiles (no spills): 4096
+elements on 4 warps take 137-168 registers with the column sums, 3 programs an SM, 24 KB of loads in
+flight an SM; 8192 on 8 warps 162-178 registers, one program, 16 KB."""
+
+
+def _one_pass_tiles(n: int) -> tuple[int, int, int, int]:
+    """(ROWS_PER_PROG, BLOCK_M, BLOCK_N, warps) of the one-pass row kernel for rows of ``n`` elements:
+    128 rows a program as in the stats pass, so that the column-sum partials stay small."""
+    if interpreting():
+        block_n = triton.next_power_of_2(max(n, 1))
+        return 16, max(1, 256 // block_n), block_n, 4
+    elements, warps = ONE_PASS_TILE
+    block_n = triton.next_power_of_2(max(n, 16))
+    return 128, max(1, elements // block_n), block_n, warps
+
+
+def _quantize_rows_once(x: torch.Tensor, fmt: Fp8Format, *, col_sum: bool, software_round: bool | None) -> Fp8Pair:
+    m, n = x.shape
+    rows_per_prog, block_m, block_n, warps = _one_pass_tiles(n)
+    programs = triton.cdiv(m, rows_per_prog)
+    q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
+    q_inv = torch.empty(m, dtype=torch.float32, device=x.device)
+    sums = torch.empty((programs, n) if col_sum else (1, 1), dtype=torch.float32, device=x.device)
+    if m and n:
+        _fp8_rows_once_kernel[(programs,)](
+            x, m, n, x.stride(0), q, q_inv, sums, COL_SUM=col_sum, **fp8_kernel_constants(fmt),
+            SOFTWARE_ROUND=software_rounding_default() if software_round is None else software_round,
+            ROWS_PER_PROG=rows_per_prog, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )  # fmt: skip
+    elif col_sum:
+        sums = torch.zeros((1, n), dtype=torch.float32, device=x.device)
+    rows_op = Fp8Operand(q.view(fmt.dtype), q_inv.view(-1, 1))
+    return Fp8Pair(rows_op, None, sums.sum(dim=0) if col_sum else None)
+
+
 def _cast_software_round(asked: bool | None, tensorwise: bool, rows: bool, cols_t: bool) -> bool:
     """The rounding path of the cast kernel. Tensor scales with both outputs use the software
     rounding: on the H200 (Triton 3.6) the hardware cast then wrote wrong bytes into some rows of
@@ -180,7 +256,8 @@ def quantize_fp8_triton(
     software_round: bool | None = None,
     col_amax_bits: torch.Tensor | None = None,
 ) -> Fp8Pair:
-    """Same contract and bits as :func:`quantize_fp8_reference`, in two fused passes; with
+    """Same contract and bits as :func:`quantize_fp8_reference`, in two fused passes (one for row scales
+    alone, rows up to :data:`ONE_PASS_MAX_N` wide); with
     ``col_amax_bits`` (the producer's column maxima) the stats pass drops them, and runs not at all
     when nothing else is asked of it (``rows`` false, no ``col_sum``)."""
     check_triton_device(x, "quantize_fp8_triton")
@@ -190,6 +267,8 @@ def quantize_fp8_triton(
         raise ValueError(f"quantize_fp8_triton: granularity must be 'tensor' or 'row', got {granularity!r}")
     check_col_amax_bits(col_amax_bits, x, granularity, "quantize_fp8_triton")
     m, n = x.shape
+    if rows and not cols_t and granularity == "row" and n <= ONE_PASS_MAX_N:
+        return _quantize_rows_once(x, fmt, col_sum=col_sum, software_round=software_round)
     m_pad = round_up(m, pad_to)
     dev = x.device
     tensorwise = granularity == "tensor"
