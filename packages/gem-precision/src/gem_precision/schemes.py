@@ -213,9 +213,9 @@ class Fp8RowwiseScheme(_Fp8Scheme):
             "and the bf16 grad_output (torchao's rowwise_with_gw_hp recipe); the forward and the input gradient "
             "stay fp8, and no operand is quantized along the tokens. fp8: both operands quantized along the "
             "tokens (their transposed operands: x's made by the forward and saved, grad_output's in backward), "
-            "which costs a stats and a cast pass over each. On one H200, big config, against bf16: bf16 here "
-            "with producer_quantization 1.026x, 1.027x and 1.039x on three input mixes, fp8 here 0.975x "
-            "(benchmarks/results/e2e_ab.md, 2026-12-02)",
+            "which costs a stats and a cast pass over each. On one H200, big config, against bf16 batch by batch: "
+            "bf16 here with producer_quantization 1.059x and 1.062x on two input mixes (1.026-1.039x before "
+            "grad_output's rows took one pass), fp8 here 0.975x (benchmarks/results/e2e_ab.md, 2026-12-02)",
         )
 
 
