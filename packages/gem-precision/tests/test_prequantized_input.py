@@ -10,11 +10,9 @@ import torch
 from torch import nn
 
 from gem_model.api import PrequantizedRows, RowQuantization
-from gem_precision.formats import E4M3
-from gem_precision.fp8_reference import quantize_fp8_reference
 from gem_precision.recipes import Fp8Recipe
 from gem_precision.schemes import Fp8RowwiseScheme, Fp8TensorwiseScheme, MXFP8Scheme
-from gem_precision.testing import wide_range_randn
+from gem_precision.testing import producer_rows, wide_range_randn
 
 CPU = torch.device("cpu")
 
@@ -24,15 +22,6 @@ def rowwise(linear: nn.Linear, fqn: str = "blocks.0.uvqk") -> nn.Module:
     (test_weight_gradient covers the default bf16 weight gradient, which asks for the rows alone)."""
     config = Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=True, weight_gradient="fp8")
     return Fp8RowwiseScheme(config).convert_linear(linear, fqn)
-
-
-def producer_rows(x: torch.Tensor, *, column_amax: bool) -> PrequantizedRows:
-    """What a producing kernel writes for ``x``: the reference's e4m3 rows, and its column maxima."""
-    x2 = x.reshape(-1, x.shape[-1])
-    op = quantize_fp8_reference(x2, granularity="row", fmt=E4M3).rows
-    assert op is not None
-    amax = (x2.float().view(torch.int32) & 0x7FFFFFFF).amax(0) if column_amax else None
-    return PrequantizedRows(op.data, op.scale_inv.view(-1), amax)
 
 
 def test_fp8_rowwise_asks_for_rows_and_column_maxima_only_when_a_weight_gradient_follows():

@@ -21,13 +21,12 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from gem_model.api import PrequantizedRows, RowQuantization
+from gem_model.api import RowQuantization
 from gem_precision import gemm_rates
 from gem_precision.formats import E4M3
-from gem_precision.fp8_reference import quantize_fp8_reference
 from gem_precision.recipes import Fp8Recipe
 from gem_precision.schemes import Fp8RowwiseScheme, Fp8TensorwiseScheme, MXFP8Scheme
-from gem_precision.testing import rel_err
+from gem_precision.testing import producer_rows, rel_err
 
 CPU = torch.device("cpu")
 IN, OUT, BATCH, TOKENS = 96, 48, 2, 25  # 50 rows: x's transposed operand [96, 50] is unlike W's [96, 48]
@@ -64,15 +63,6 @@ def run(module: nn.Module, x: torch.Tensor, gy: torch.Tensor, *, x_grad: bool = 
 def bf16_weight_grad(x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
     """The reference: what the bf16 scheme computes for ``dW`` (bf16 GEMM), in float32 master dtype."""
     return (gy.reshape(-1, OUT).bfloat16().t() @ x.reshape(-1, IN).bfloat16()).float()
-
-
-def producer_rows(x: torch.Tensor, *, column_amax: bool) -> PrequantizedRows:
-    """What a producing kernel writes for ``x`` (as in test_prequantized_input.py)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    op = quantize_fp8_reference(x2, granularity="row", fmt=E4M3).rows
-    assert op is not None
-    amax = (x2.float().view(torch.int32) & 0x7FFFFFFF).amax(0) if column_amax else None
-    return PrequantizedRows(op.data, op.scale_inv.view(-1), amax)
 
 
 @contextmanager

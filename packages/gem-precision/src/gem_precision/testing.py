@@ -98,3 +98,17 @@ def counting_packs() -> Iterator[list[torch.Size]]:
         yield packed
     finally:
         Fp8SavedTensors.pack = pack  # type: ignore[method-assign]
+
+
+def producer_rows(x: torch.Tensor, *, column_amax: bool):
+    """What a kernel that produces a linear's input ``x`` hands the linear (``gem_model.api.PrequantizedRows``):
+    the reference's e4m3 rows of ``x`` (leading dims flattened) and, with ``column_amax``, its column maxima."""
+    from gem_model.api import PrequantizedRows
+    from gem_precision.formats import E4M3
+    from gem_precision.fp8_reference import quantize_fp8_reference
+
+    x2 = x.reshape(-1, x.shape[-1])
+    op = quantize_fp8_reference(x2, granularity="row", fmt=E4M3).rows
+    assert op is not None
+    amax = (x2.float().view(torch.int32) & 0x7FFFFFFF).amax(0) if column_amax else None
+    return PrequantizedRows(op.data, op.scale_inv.view(-1), amax)
