@@ -220,14 +220,14 @@ def switch_bf16_lookup(run: object) -> Callable[[], None]:
 
 def switch_fp8_two_pass_rows(run: object) -> Callable[[], None]:
     """Row-scaled fp8 alone through the stats and cast passes, as before the one-pass kernel
-    (``gem_precision.fp8_quant_triton.ONE_PASS_MAX_N = 0``)."""
-    from gem_precision import fp8_quant_triton
+    (``gem_precision.fp8_rows_triton.ONE_PASS_MAX_N = 0``)."""
+    from gem_precision import fp8_rows_triton
 
-    before = fp8_quant_triton.ONE_PASS_MAX_N
-    fp8_quant_triton.ONE_PASS_MAX_N = 0
+    before = fp8_rows_triton.ONE_PASS_MAX_N
+    fp8_rows_triton.ONE_PASS_MAX_N = 0
 
     def undo() -> None:
-        fp8_quant_triton.ONE_PASS_MAX_N = before
+        fp8_rows_triton.ONE_PASS_MAX_N = before
 
     return undo
 

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
-from gem_precision import fp8_quant_triton
+from gem_precision import fp8_rows_triton
 from gem_precision.formats import E4M3
 from gem_precision.fp8_quant_triton import quantize_fp8_triton
 from gem_precision.fp8_reference import quantize_fp8_reference
 
 SHAPES = [(200_000, 4096), (200_000, 1024)]  # the big config's uvqk and out gradients (rows ~ tokens)
 VARIANTS = {  # name -> (ONE_PASS_MAX_N, ONE_PASS_TILE)
-    "two_pass": (0, fp8_quant_triton.ONE_PASS_TILE),
+    "two_pass": (0, fp8_rows_triton.ONE_PASS_TILE),
     "one_pass_4096x4": (4096, (4096, 4)),
     "one_pass_8192x8": (4096, (8192, 8)),
     "one_pass_8192x16": (4096, (8192, 16)),
@@ -37,7 +37,7 @@ VARIANTS = {  # name -> (ONE_PASS_MAX_N, ONE_PASS_TILE)
 
 
 def use(name: str) -> None:
-    fp8_quant_triton.ONE_PASS_MAX_N, fp8_quant_triton.ONE_PASS_TILE = VARIANTS[name]
+    fp8_rows_triton.ONE_PASS_MAX_N, fp8_rows_triton.ONE_PASS_TILE = VARIANTS[name]
 
 
 def quantize(x: torch.Tensor):
@@ -93,7 +93,7 @@ def main() -> int:
     shapes = [(300, 96), (70, 40)] if args.smoke else SHAPES
     torch.manual_seed(args.seed)
     rows = []
-    saved = (fp8_quant_triton.ONE_PASS_MAX_N, fp8_quant_triton.ONE_PASS_TILE)
+    saved = (fp8_rows_triton.ONE_PASS_MAX_N, fp8_rows_triton.ONE_PASS_TILE)
     try:
         for m, n in shapes:
             x = torch.randn(m, n, device=device).mul_(torch.rand(m, 1, device=device) * 8).bfloat16()
@@ -111,13 +111,13 @@ def main() -> int:
                              "tb_per_s_min_traffic": moved / statistics.median(ts) / 1e9,
                              "col_sum_error": errors[name]})  # fmt: skip
     finally:
-        fp8_quant_triton.ONE_PASS_MAX_N, fp8_quant_triton.ONE_PASS_TILE = saved
+        fp8_rows_triton.ONE_PASS_MAX_N, fp8_rows_triton.ONE_PASS_TILE = saved
     if args.smoke:
         print(f"smoke: every variant equals the reference on {[r['shape'] for r in rows]}")
     else:
         print(f"{'shape':>14} {'variant':<18} {'median ms':>10} {'q1-q3 ms':>15} {'vs two-pass':>11} {'TB/s*':>6}")
         for r in rows:
-            print(f"{str(tuple(r['shape'])):>14} {r['variant']:<18} {r['median_ms']:>10.3f} "
+            print(f"{tuple(r['shape'])!s:>14} {r['variant']:<18} {r['median_ms']:>10.3f} "
                   f"{r['q1_ms']:>7.3f}-{r['q3_ms']:<7.3f} {r['speedup_over_two_pass']:>10.2f}x "
                   f"{r['tb_per_s_min_traffic']:>6.2f}")  # fmt: skip
         print("* one bf16 read and one e4m3 write of the tensor per call, over the median time")

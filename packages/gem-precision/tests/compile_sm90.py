@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gem_precision import fp8_quant_triton, mx_gemm, mx_triton
+from gem_precision import fp8_quant_triton, fp8_rows_triton, mx_gemm, mx_triton
 from gem_precision.formats import E4M3
 from gem_precision.triton_common import fp8_kernel_constants
 
@@ -68,12 +68,13 @@ def main() -> None:
         {"ROWS": False, "SOFTWARE_ROUND": False, "BLOCK_C": 32, "NB": 2, "PACK_WORDS": True},
         1,
     )  # fmt: skip
+    elements, rows_warps = fp8_rows_triton.ONE_PASS_TILE  # a 4096-wide gradient with its column sums
     report["fp8_rows"] = build(
-        fp8_quant_triton._fp8_rows_kernel,
-        {"x_ptr": "*bf16", "M": i32, "N": i32, "stride_xm": i32, "q_ptr": u8, "q_inv_ptr": f32},
-        {**{k: v for k, v in fp8_kernel_constants(E4M3).items() if k != "FP8_E5M2"}, "SOFTWARE_ROUND": False,
-         "BLOCK_M": 16, "BLOCK_N": 512, "ONE_CHUNK": True},
-        8,
+        fp8_rows_triton._fp8_rows_kernel,
+        {"x_ptr": "*bf16", "M": i32, "N": i32, "stride_xm": i32, "q_ptr": u8, "q_inv_ptr": f32, "col_sum_ptr": f32},
+        {"COL_SUM": True, **fp8_kernel_constants(E4M3), "SOFTWARE_ROUND": False, "ROWS_PER_PROG": 128,
+         "BLOCK_M": max(1, elements // 4096), "BLOCK_N": 4096, "ONE_CHUNK": True},
+        rows_warps,
     )  # fmt: skip
     report["mx_dequantize"] = build(
         mx_triton._mx_dequantize_kernel,

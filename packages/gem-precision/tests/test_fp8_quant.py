@@ -184,11 +184,13 @@ def test_row_scales_alone_take_one_pass(gen: torch.Generator, fmt: Fp8Format, mo
 
 
 def test_rows_wider_than_one_pass_take_the_two_passes(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gem_precision import fp8_quant_triton
+    from gem_precision import fp8_rows_triton
 
-    monkeypatch.setattr(fp8_quant_triton, "ONE_PASS_MAX_N", 32)
-    monkeypatch.setattr(fp8_quant_triton, "_fp8_rows_once_kernel", None)  # launching it would fail
+    monkeypatch.setattr(fp8_rows_triton, "ONE_PASS_MAX_N", 32)
     x = wide_range_randn(20, 40, generator=gen)
+    with pytest.raises(ValueError, match="column sums need rows of at most 32 elements, got 40"):
+        fp8_rows_triton.quantize_rows(x, E4M3, col_sum=True)
+    monkeypatch.setattr(fp8_rows_triton, "_fp8_rows_kernel", None)  # launching it would fail
     kwargs = {"granularity": "row", "fmt": E4M3, "rows": True, "cols_t": False, "col_sum": True}
     got, want = quantize_fp8_triton(x, **kwargs), quantize_fp8_reference(x, **kwargs)
     assert_same(got.rows, want.rows)

@@ -12,8 +12,8 @@ import torch
 
 from gem_precision.checks import check_mx_quantization, compare_operands, summarize
 from gem_precision.formats import E4M3
-from gem_precision.fp8_quant_triton import dequantize_fp8_rows_triton, quantize_fp8_rows_triton
 from gem_precision.fp8_reference import quantize_fp8_reference
+from gem_precision.fp8_rows_triton import dequantize_fp8_rows_triton, quantize_fp8_rows_triton
 from gem_precision.mx_triton import mx_quantize_triton
 from gem_precision.saved_tensors import Fp8SavedTensors
 from gem_precision.testing import mx_edge_cases, wide_range_randn

@@ -25,7 +25,7 @@ neither is a kernel of the gap's own (compressing it here would be a pass of its
 The forward outputs are those of the plain gap (``post`` is silu of the exact ``pre``); the gradients
 see ``pre`` rounded to e4m3 (3 mantissa bits: at most 2**-4 relative error per element). The scale
 rule and the bytes are gem-precision's row quantizer's (``gem_precision.fp8_reference``, row
-granularity; its Triton form is ``gem_precision.fp8_quant_triton._fp8_rows_kernel``): gem-kernels
+granularity; its Triton form is ``gem_precision.fp8_rows_triton._fp8_rows_kernel``): gem-kernels
 cannot import gem-precision, so the few lines of that rule are repeated here, and a root test checks
 the bytes against the reference.
 """

@@ -23,9 +23,7 @@ the transposed operand remains: one read.
 
 Row scales alone (no transposed operand: ``fp8_rowwise``'s gradient for ``dx`` under its bf16 weight
 gradient, and its input when no producer wrote the rows) take one pass instead, when a row fits in
-one program's registers (:data:`ONE_PASS_MAX_N` elements): each program reads whole rows, takes their
-amax in registers and writes the e4m3 rows and scales, adding the rows into its column-sum partials
-when the bias gradient is asked for.
+one program's registers (:mod:`gem_precision.fp8_rows_triton`).
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_precision import fp8_rows_triton
 from gem_precision.formats import Fp8Format
 from gem_precision.fp8_reference import Fp8Operand, Fp8Pair, Granularity, check_col_amax_bits, round_up
 from gem_precision.triton_common import (
@@ -42,6 +41,7 @@ from gem_precision.triton_common import (
     check_triton_device,
     fp8_kernel_constants,
     interpreting,
+    pow2_scale,
     software_rounding_default,
 )
 
@@ -86,19 +86,6 @@ def _fp8_stats_kernel(
 
 
 @triton.jit
-def _pow2_scale(amax_bits, EMAX: tl.constexpr):
-    """(2**s, 2**-s, non-finite) with s the largest integer such that amax * 2**s <= fp8 max."""
-    floor_log2 = (amax_bits >> 23) - 127
-    s = EMAX - floor_log2 - ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # max = 1.75 * 2**EMAX
-    s = tl.minimum(tl.maximum(s, -126), 126)
-    nonfinite = amax_bits >= 0x7F800000
-    # NaN as explicit bits (formats.FP32_NAN_BITS), the same payload the reference writes
-    scale = tl.where(nonfinite, 0x7FC00000, (127 + s) << 23).to(tl.float32, bitcast=True)
-    scale_inv = tl.where(nonfinite, 0x7FC00000, (127 - s) << 23).to(tl.float32, bitcast=True)
-    return scale, scale_inv, nonfinite
-
-
-@triton.jit
 def _fp8_cast_kernel(
     x_ptr, M, N, stride_xm,
     row_amax_ptr, col_amax_ptr, tensor_amax_ptr,
@@ -119,7 +106,7 @@ def _fp8_cast_kernel(
     )
     x = x.to(tl.float32)
     if TENSORWISE:
-        t_scale, t_inv, t_bad = _pow2_scale(tl.load(tensor_amax_ptr), EMAX)
+        t_scale, t_inv, t_bad = pow2_scale(tl.load(tensor_amax_ptr), EMAX)
     if ROWS:
         if TENSORWISE:
             scale, inv, bad = t_scale, t_inv, t_bad
@@ -128,7 +115,7 @@ def _fp8_cast_kernel(
             if (pid_m == 0) & (pid_n == 0):
                 tl.store(q_inv_ptr, inv)
         else:
-            scale, inv, bad = _pow2_scale(tl.load(row_amax_ptr + rows, mask=rmask, other=0), EMAX)
+            scale, inv, bad = pow2_scale(tl.load(row_amax_ptr + rows, mask=rmask, other=0), EMAX)
             bits = cast_to_fp8_bits(x * scale[:, None], FP8_E5M2, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
             bits = tl.where(bad[:, None], 127, bits.to(tl.int32))
             if pid_n == 0:
@@ -143,7 +130,7 @@ def _fp8_cast_kernel(
             if (pid_m == 0) & (pid_n == 0):
                 tl.store(qt_inv_ptr, inv)
         else:
-            scale, inv, bad = _pow2_scale(tl.load(col_amax_ptr + cols, mask=cmask, other=0), EMAX)
+            scale, inv, bad = pow2_scale(tl.load(col_amax_ptr + cols, mask=cmask, other=0), EMAX)
             bits = cast_to_fp8_bits(x * scale[None, :], FP8_E5M2, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
             bits = tl.where(bad[None, :], 127, bits.to(tl.int32))
             if pid_m == 0:
@@ -152,76 +139,6 @@ def _fp8_cast_kernel(
         bits = tl.where(rmask[:, None], bits, 0)
         out = qt_ptr + cols[None, :].to(tl.int64) * M_PAD + rows[:, None]
         tl.store(out, bits.to(tl.uint8), mask=(rows < M_PAD)[:, None] & cmask[None, :])
-
-
-@triton.jit
-def _fp8_rows_once_kernel(
-    x_ptr, M, N, stride_xm, q_ptr, q_inv_ptr, col_sum_ptr,
-    COL_SUM: tl.constexpr, FP8_E5M2: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
-    MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
-    ROWS_PER_PROG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Row-scaled fp8 of ``ROWS_PER_PROG`` whole rows (``N <= BLOCK_N``), ``BLOCK_M`` at a time, in one
-    read; with ``COL_SUM`` this program's column sums into ``col_sum [programs, N]``."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    sum_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in tl.range(0, ROWS_PER_PROG, BLOCK_M):
-        rows = pid * ROWS_PER_PROG + i + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        scale, inv, bad = _pow2_scale(tl.max(abs_bits(x), axis=1), EMAX)
-        bits = cast_to_fp8_bits(x * scale[:, None], FP8_E5M2, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
-        bits = tl.where(bad[:, None], 127, bits.to(tl.int32))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], bits.to(tl.uint8), mask=mask)
-        tl.store(q_inv_ptr + rows, inv, mask=rmask)
-        if COL_SUM:
-            sum_acc += x
-    if COL_SUM:  # reduced across the tile's rows once, after the loop (see the stats kernel)
-        tl.store(col_sum_ptr + pid * N + cols, tl.sum(sum_acc, axis=0), mask=cmask)
-
-
-ONE_PASS_MAX_N = 4096
-"""Widest row the one-pass row quantization takes (its rows are held in registers whole)."""
-
-
-ONE_PASS_TILE = (4096, 4)
-"""(elements a step, warps) of the one-pass row kernel on a GPU. sm_90 compiles (no spills): 4096
-elements on 4 warps take 137-168 registers with the column sums, 3 programs an SM, 24 KB of loads in
-flight an SM; 8192 on 8 warps 162-178 registers, one program, 16 KB."""
-
-
-def _one_pass_tiles(n: int) -> tuple[int, int, int, int]:
-    """(ROWS_PER_PROG, BLOCK_M, BLOCK_N, warps) of the one-pass row kernel for rows of ``n`` elements:
-    128 rows a program as in the stats pass, so that the column-sum partials stay small."""
-    if interpreting():
-        block_n = triton.next_power_of_2(max(n, 1))
-        return 16, max(1, 256 // block_n), block_n, 4
-    elements, warps = ONE_PASS_TILE
-    block_n = triton.next_power_of_2(max(n, 16))
-    return 128, max(1, elements // block_n), block_n, warps
-
-
-def _quantize_rows_once(x: torch.Tensor, fmt: Fp8Format, *, col_sum: bool, software_round: bool | None) -> Fp8Pair:
-    m, n = x.shape
-    rows_per_prog, block_m, block_n, warps = _one_pass_tiles(n)
-    programs = triton.cdiv(m, rows_per_prog)
-    q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
-    q_inv = torch.empty(m, dtype=torch.float32, device=x.device)
-    sums = torch.empty((programs, n) if col_sum else (1, 1), dtype=torch.float32, device=x.device)
-    if m and n:
-        _fp8_rows_once_kernel[(programs,)](
-            x, m, n, x.stride(0), q, q_inv, sums, COL_SUM=col_sum, **fp8_kernel_constants(fmt),
-            SOFTWARE_ROUND=software_rounding_default() if software_round is None else software_round,
-            ROWS_PER_PROG=rows_per_prog, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )  # fmt: skip
-    elif col_sum:
-        sums = torch.zeros((1, n), dtype=torch.float32, device=x.device)
-    rows_op = Fp8Operand(q.view(fmt.dtype), q_inv.view(-1, 1))
-    return Fp8Pair(rows_op, None, sums.sum(dim=0) if col_sum else None)
 
 
 def _cast_software_round(asked: bool | None, tensorwise: bool, rows: bool, cols_t: bool) -> bool:
@@ -257,7 +174,7 @@ def quantize_fp8_triton(
     col_amax_bits: torch.Tensor | None = None,
 ) -> Fp8Pair:
     """Same contract and bits as :func:`quantize_fp8_reference`, in two fused passes (one for row scales
-    alone, rows up to :data:`ONE_PASS_MAX_N` wide); with
+    alone, rows up to ``fp8_rows_triton.ONE_PASS_MAX_N`` wide); with
     ``col_amax_bits`` (the producer's column maxima) the stats pass drops them, and runs not at all
     when nothing else is asked of it (``rows`` false, no ``col_sum``)."""
     check_triton_device(x, "quantize_fp8_triton")
@@ -267,8 +184,8 @@ def quantize_fp8_triton(
         raise ValueError(f"quantize_fp8_triton: granularity must be 'tensor' or 'row', got {granularity!r}")
     check_col_amax_bits(col_amax_bits, x, granularity, "quantize_fp8_triton")
     m, n = x.shape
-    if rows and not cols_t and granularity == "row" and n <= ONE_PASS_MAX_N:
-        return _quantize_rows_once(x, fmt, col_sum=col_sum, software_round=software_round)
+    if rows and not cols_t and granularity == "row" and n <= fp8_rows_triton.ONE_PASS_MAX_N:
+        return fp8_rows_triton.quantize_rows(x, fmt, col_sum=col_sum, software_round=software_round)
     m_pad = round_up(m, pad_to)
     dev = x.device
     tensorwise = granularity == "tensor"
@@ -309,94 +226,3 @@ def quantize_fp8_triton(
     rows_op = Fp8Operand(q.view(fmt.dtype), q_inv.view(scale_shape)) if rows else None
     cols_op = Fp8Operand(qt.view(fmt.dtype), qt_inv.view(scale_shape)) if cols_t else None
     return Fp8Pair(rows_op, cols_op, sums.sum(dim=0) if col_sum else None)
-
-
-# ------------------------------------------- one-pass row-wise quantize / dequantize (saved tensors)
-
-
-@triton.jit
-def _fp8_rows_kernel(
-    x_ptr, M, N, stride_xm, q_ptr, q_inv_ptr,
-    EMAX: tl.constexpr, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr,
-    SOFTWARE_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_CHUNK: tl.constexpr,
-):  # fmt: skip
-    # e4m3 with one scale per row, every row in this program: the amax is a register reduction, not
-    # a second kernel and atomics. When a row fits one chunk (ONE_CHUNK) x is read once; otherwise
-    # the second read of this program's rows comes from L2.
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    q_rows = q_ptr + rows[:, None].to(tl.int64) * N
-    cols = tl.arange(0, BLOCK_N)
-    if ONE_CHUNK:
-        x = tl.load(x_rows + cols[None, :], mask=rmask[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
-        amax = tl.max(abs_bits(x), axis=1)
-    else:
-        amax = tl.zeros([BLOCK_M], dtype=tl.int32)
-        for n0 in range(0, N, BLOCK_N):
-            mask = rmask[:, None] & (n0 + cols < N)[None, :]
-            x = tl.load(x_rows + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(abs_bits(x), axis=1))
-    scale, inv, bad = _pow2_scale(amax, EMAX)
-    tl.store(q_inv_ptr + rows, inv, mask=rmask)
-    if ONE_CHUNK:
-        bits = cast_to_fp8_bits(x * scale[:, None], False, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
-        bits = tl.where(bad[:, None], 127, bits.to(tl.int32))
-        tl.store(q_rows + cols[None, :], bits.to(tl.uint8), mask=rmask[:, None] & (cols < N)[None, :])
-    else:
-        for n0 in range(0, N, BLOCK_N):
-            mask = rmask[:, None] & (n0 + cols < N)[None, :]
-            x = tl.load(x_rows + n0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            bits = cast_to_fp8_bits(x * scale[:, None], False, MBITS, MIN_NORMAL, MAGIC, SOFTWARE_ROUND)
-            bits = tl.where(bad[:, None], 127, bits.to(tl.int32))
-            tl.store(q_rows + n0 + cols[None, :], bits.to(tl.uint8), mask=mask)
-
-
-@triton.jit
-def _fp8_rows_dequantize_kernel(q_ptr, q_inv_ptr, out_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    inv = tl.load(q_inv_ptr + rows, mask=rows < M, other=1.0)
-    tl.store(out_ptr + offs, (q * inv[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_ROW_CHUNK = 4096  # elements of a row per chunk (fp32 in registers: BLOCK_M * BLOCK_N <= 8192)
-
-
-def quantize_fp8_rows_triton(x: torch.Tensor, *, software_round: bool | None = None) -> Fp8Operand:
-    """e4m3 with one power-of-two scale per row, in one kernel: the bits of
-    ``quantize_fp8_reference(x, granularity="row", fmt=E4M3).rows`` (rows only, no padding)."""
-    from gem_precision.formats import E4M3
-
-    check_triton_device(x, "quantize_fp8_rows_triton")
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"quantize_fp8_rows_triton: expected 2-d with contiguous rows, got {x.shape} {x.stride()}")
-    m, n = x.shape
-    q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
-    q_inv = torch.empty(m, dtype=torch.float32, device=x.device)
-    block_n = min(triton.next_power_of_2(max(n, 1)), 64 if interpreting() else _ROW_CHUNK)
-    block_m = max(1, min(64, (256 if interpreting() else 8192) // block_n))
-    if m and n:
-        _fp8_rows_kernel[(triton.cdiv(m, block_m),)](
-            x, m, n, x.stride(0), q, q_inv, **{k: v for k, v in fp8_kernel_constants(E4M3).items() if k != "FP8_E5M2"},
-            SOFTWARE_ROUND=software_rounding_default() if software_round is None else software_round,
-            BLOCK_M=block_m, BLOCK_N=block_n, ONE_CHUNK=n <= block_n, num_warps=4 if block_m * block_n <= 2048 else 8,
-        )  # fmt: skip
-    return Fp8Operand(q.view(E4M3.dtype), q_inv.view(-1, 1))
-
-
-def dequantize_fp8_rows_triton(op: Fp8Operand, dtype: torch.dtype) -> torch.Tensor:
-    """``op.dequantize(dtype)`` for a row-scaled e4m3 operand, in one pass (no float32 copy)."""
-    check_triton_device(op.data, "dequantize_fp8_rows_triton")
-    m, n = op.data.shape
-    out = torch.empty((m, n), dtype=dtype, device=op.data.device)
-    bm, bn = (16, 64) if interpreting() else (32, 256)
-    if m and n:
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        _fp8_rows_dequantize_kernel[grid](
-            op.data.view(torch.uint8), op.scale_inv.reshape(-1), out, m, n, BLOCK_M=bm, BLOCK_N=bn, num_warps=4
-        )
-    return out

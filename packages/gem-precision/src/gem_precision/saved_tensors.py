@@ -220,7 +220,7 @@ class Fp8SavedTensors:
                 return mx_quantize_triton(t2d)[0]  # type: ignore[return-value]
             return mx_quantize(t2d)
         if on_gpu:  # one kernel: row amax in registers, no stats pass, no atomics
-            from gem_precision.fp8_quant_triton import quantize_fp8_rows_triton
+            from gem_precision.fp8_rows_triton import quantize_fp8_rows_triton
 
             return quantize_fp8_rows_triton(t2d)
         return quantize_fp8_reference(t2d, granularity="row", fmt=E4M3).rows  # type: ignore[return-value]
@@ -230,7 +230,7 @@ class Fp8SavedTensors:
         on_gpu = use_triton(operand.data)
         if isinstance(operand, Fp8Operand):
             if on_gpu:  # one pass to ``dtype``; the torch path builds a float32 copy of the whole tensor
-                from gem_precision.fp8_quant_triton import dequantize_fp8_rows_triton
+                from gem_precision.fp8_rows_triton import dequantize_fp8_rows_triton
 
                 return dequantize_fp8_rows_triton(operand, dtype)
             return operand.dequantize(dtype)

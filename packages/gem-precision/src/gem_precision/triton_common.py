@@ -95,3 +95,16 @@ def e8m0_to_float(code):
     bits = tl.where(code == 0, 0x00400000, code << 23)
     bits = tl.where(code == 255, 0x7FC00000, bits)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_scale(amax_bits, EMAX: tl.constexpr):
+    """(2**s, 2**-s, non-finite) with s the largest integer such that amax * 2**s <= fp8 max."""
+    floor_log2 = (amax_bits >> 23) - 127
+    s = EMAX - floor_log2 - ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # max = 1.75 * 2**EMAX
+    s = tl.minimum(tl.maximum(s, -126), 126)
+    nonfinite = amax_bits >= 0x7F800000
+    # NaN as explicit bits (formats.FP32_NAN_BITS), the same payload the reference writes
+    scale = tl.where(nonfinite, 0x7FC00000, (127 + s) << 23).to(tl.float32, bitcast=True)
+    scale_inv = tl.where(nonfinite, 0x7FC00000, (127 - s) << 23).to(tl.float32, bitcast=True)
+    return scale, scale_inv, nonfinite
