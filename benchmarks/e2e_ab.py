@@ -217,6 +217,7 @@ def worker(args: argparse.Namespace) -> None:
             for index in range(args.warmup, args.warmup + min(args.steady, args.steps)):
                 current[0] = index
                 run.core_step(step)
+                collector.after_step(step)
                 step += 1
             sync()
             wall = time.perf_counter() - t0
