@@ -232,6 +232,20 @@ def switch_fp8_two_pass_rows(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_fp8_own_grad_rows(run: object) -> Callable[[], None]:
+    """fp8_rowwise's linears quantize their output gradient themselves (one-pass rows), as before the
+    fused gap offered the ``uvqk`` gradient's rows (``ScaledLinear.grad_rows_slot`` makes no slot)."""
+    from gem_precision.scaled_linear import ScaledLinear
+
+    before = ScaledLinear.grad_rows_slot
+    ScaledLinear.grad_rows_slot = lambda self, device: None  # type: ignore[method-assign]
+
+    def undo() -> None:
+        ScaledLinear.grad_rows_slot = before  # type: ignore[method-assign]
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -253,6 +267,7 @@ VARIANTS: dict[str, Switch] = {
     "fp8_rowwise_gw_bf16": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=False),
     "fp8_rowwise_gw_bf16_producers": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=True),
     "fp8_two_pass_rows": switch_fp8_two_pass_rows,
+    "fp8_own_grad_rows": switch_fp8_own_grad_rows,
     "fp8_saved": _fp8_saved(in_kernels=True),
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
 }

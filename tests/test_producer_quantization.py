@@ -9,6 +9,10 @@ e4m3 rows of their outputs, and fp8_rowwise's linears read them instead of quant
   operands are the same bytes either way, and the interpreter runs the kernels' programs in order, so
   nothing else can differ. (On a GPU the attention's atomic dq, when chosen, can reorder sums between
   any two runs; benchmarks/producer_quantization.py checks the H200 run.)
+- In backward (bf16 weight gradient), the gap's last pass writes the e4m3 rows of the ``uvqk`` linear's
+  output gradient, bit-identical to the reference's, with its column sums, and the linear takes them
+  (``gem_model.api.GradRowsSlot``): the same bits again, except the bias gradient, whose float32 sums
+  run in another order (to 1e-6).
 - Linears without the method (bf16) or that decline (fp8_tensorwise) get plain calls.
 
 Triton runs in its interpreter (the root conftest.py sets it on a machine without a GPU).
@@ -21,12 +25,13 @@ import torch
 
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.hstu_block import hstu_block_triton
+from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
 from gem_kernels.norm_gate import TritonNormGate
 from gem_kernels.norm_gate_triton import NormGateFunction
 from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS, RowsOut
 from gem_kernels.testing import offsets_from_lengths
-from gem_model.api import AttentionExtras, PrequantizedRows, RowQuantization, wanted_quantization
+from gem_model.api import AttentionExtras, GradRowsSlot, PrequantizedRows, RowQuantization, wanted_quantization
 from gem_model.model.hstu import GATE_EPS, HSTUBlock
 from gem_precision.formats import E4M3
 from gem_precision.fp8_reference import quantize_fp8_reference
@@ -142,20 +147,43 @@ def test_fused_block_with_producer_quantization_is_bit_identical(gen, monkeypatc
         monkeypatch.setattr(Fp8Recipe, name, lambda self, t, *a, _n=name, _f=real, **kw: calls.append(
             kw.get("role", _n)) or _f(self, t, *a, **kw))  # fmt: skip
     produced = run_block(b, x, dy, producers=True)
-    assert calls.count("quantize_prequantized") == 2 and "input" not in calls  # both linears took the rows
+    assert "input" not in calls  # both linears took the forward's rows
+    # with the bf16 weight gradient uvqk also took its output gradient's rows from the gap
+    assert calls.count("quantize_prequantized") == (3 if weight_gradient == "bf16" else 2)
+    assert calls.count("grad") == (1 if weight_gradient == "bf16" else 2)
     calls.clear()
     themselves = run_block(b, x, dy, producers=False)
-    assert calls.count("input") == 2 and "quantize_prequantized" not in calls
+    assert calls.count("input") == 2 and calls.count("grad") == 2 and "quantize_prequantized" not in calls
     names = ["y", "x", *(n for n, _ in b.named_parameters())]
     for name, got, want in zip(names, produced, themselves):
-        assert torch.equal(got, want), f"{name} differs"
+        if name == "uvqk.bias" and weight_gradient == "bf16":  # the gap's column sums: another order
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, want), f"{name} differs"
 
 
-@pytest.mark.parametrize("scheme", [Bf16Scheme(), Fp8TensorwiseScheme(Fp8TensorwiseScheme.Config(backend="emulated"))],
-                         ids=lambda s: s.name)  # fmt: skip
-def test_linears_that_take_no_rows_get_plain_calls(gen, scheme):
-    b = block(scheme)
-    x, dy = random_block_inputs(b, gen)
-    assert wanted_quantization(b.uvqk, x.device) is None and wanted_quantization(b.out, x.device) is None
-    for got, want in zip(run_block(b, x, dy, producers=True), run_block(b, x, dy, producers=False)):
-        assert torch.equal(got, want)
+def test_the_gaps_gradient_rows_are_the_reference_bits(gen):
+    """The rows the gap offers the uvqk linear are the reference's e4m3 rows of the gradient it returns,
+    and its column sums that gradient's; a NaN in the last sequence (one row long, so that the
+    attention keeps it to that row) makes that row all NaN bytes, as the reference's."""
+    heads, dqk, dv = 2, 16, 16
+    width = heads * (2 * dv + 2 * dqk)
+    offsets = offsets_from_lengths([7, 0, 11, 1])
+    pre = (torch.randn(19, width, generator=gen) * 2).bfloat16().requires_grad_()
+    weight, bias = 1 + 0.1 * torch.randn(heads * dv, generator=gen), 0.1 * torch.randn(heads * dv, generator=gen)
+    dy = torch.randn(19, heads * dv, generator=gen).bfloat16()
+    dy[18, 3] = float("nan")
+    slot = GradRowsSlot(column_sum=True)
+    y, _ = hstu_gap_triton(pre, weight, bias, offsets, num_heads=heads, attention_dim=dqk, value_dim=dv, max_seq_len=16,
+                           alpha=0.25, eps=GATE_EPS, dq_mode="atomic", grad_rows=slot)  # fmt: skip
+    (d_pre,) = torch.autograd.grad(y, pre, dy)
+    offered = slot.take(d_pre)
+    assert offered is not None
+    assert d_pre[:18].float().isfinite().all() and d_pre[18].float().isnan().any()
+    want = quantize_fp8_reference(d_pre, granularity="row", fmt=E4M3).rows
+    assert torch.equal(offered.rows.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(offered.rows.scale_inv.view(torch.int32), want.scale_inv.reshape(-1).view(torch.int32))
+    finite_cols = d_pre[18].float().isfinite()
+    torch.testing.assert_close(offered.column_sum[finite_cols], d_pre.double().sum(0)[finite_cols].float(),
+                               rtol=1e-6, atol=1e-5)  # fmt: skip
+    assert offered.column_sum[~finite_cols].isnan().all()

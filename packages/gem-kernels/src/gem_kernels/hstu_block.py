@@ -17,6 +17,10 @@ norm-gate's, instead of quantizing them itself (one read of the activation, or t
 its pre-activation in e4m3 rows (:mod:`gem_kernels.hstu_gap_saved`), and the layer norm, whose
 backward then reads ``ln`` (kept by ``uvqk`` anyway) instead of ``x``: ``x`` is not kept at all.
 (``wanted_quantization``'s rows are asked for only under ``fp8_rowwise``'s ``producer_quantization``.)
+
+In backward, a ``uvqk`` linear that makes a ``gem_model.api.GradRowsSlot`` (``grad_rows_slot``: the same
+scheme, with its bf16 weight gradient) gets its output gradient's e4m3 rows, and column sums for its
+bias, from the gap's last backward pass (:mod:`gem_kernels.hstu_gap_grad_rows`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
-from gem_model.api import bias_grad_elsewhere, call_linear, wanted_quantization
+from gem_model.api import bias_grad_elsewhere, call_linear, grad_rows_slot, wanted_quantization
 
 
 def hstu_block_triton(
@@ -50,7 +54,8 @@ def hstu_block_triton(
     keep_output = gap_options.get("saved_format") is not None
     ln, skip, ln_rows = norm_fork(x, quantize=wanted_quantization(uvqk, x.device), keep_output=keep_output)
     with bias_grad_elsewhere(uvqk) if bias_grad_in_gap else nullcontext() as pre_bias:
-        pre = call_linear(uvqk, ln, ln_rows)
+        slot = grad_rows_slot(uvqk, x.device)  # asked with the bias lent, so no column sums for it
+        pre = call_linear(uvqk, ln, ln_rows, slot)
     y, y_rows = hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets, quantize=wanted_quantization(out, x.device),
-                                pre_bias=pre_bias, **gap_options)  # fmt: skip
+                                pre_bias=pre_bias, grad_rows=slot, **gap_options)  # fmt: skip
     return skip + call_linear(out, y, y_rows).to(x.dtype)

@@ -54,10 +54,11 @@ from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
 from gem_kernels.hstu_gap_bias import silu_grad_columns
+from gem_kernels.hstu_gap_grad_rows import fits, silu_grad_rows
 from gem_kernels.hstu_gap_saved import expand_rows, load_pre, silu_quantize_rows
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
 from gem_kernels.quantized_rows_triton import RowsOut
-from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, PrequantizedRows, RowQuantization
+from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, GradRowsSlot, PrequantizedRows, RowQuantization
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 
@@ -174,11 +175,12 @@ class HSTUGapFunction(torch.autograd.Function):
         d_pre = torch.empty(pre.shape, dtype=u.dtype, device=pre.device)
         # the column sums of d_pre, from the passes that write it: the uvqk bias's gradient (hstu_gap_bias)
         sums = None if ctx.pre_bias_dtype is None else torch.empty(pre.shape[1], dtype=torch.float32, device=pre.device)
+        grad_rows: GradRowsSlot | None = options["grad_rows"] if fits(pre.shape[1]) else None
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
             du_out=d_pre[:, :hv],
         )
-        if sums is not None:  # the u columns by a reduction of their own (see hstu_gap_bias: registers)
+        if sums is not None and grad_rows is None:  # the u columns by a reduction of their own (hstu_gap_bias)
             torch.sum(d_pre[:, :hv], 0, dtype=torch.float32, out=sums[:hv])
         del u  # the expanded gate's memory is free for the attention backward
 
@@ -202,6 +204,9 @@ class HSTUGapFunction(torch.autograd.Function):
             query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
             passes = [(every, d_pre[:, every])]
+        if grad_rows is not None:  # one pass over whole rows, writing d_pre's e4m3 rows too (hstu_gap_grad_rows)
+            sums = _complete_with_rows(pre, d_pre, hv, grad_rows, dq_accum, q_cols, scale_inv, sums is not None)
+            passes = []
         for cols, grad in passes:
             if sums is None:
                 silu_columns(pre[:, cols], d_pre[:, cols], grad=grad, scale_inv=scale_inv)
@@ -210,6 +215,19 @@ class HSTUGapFunction(torch.autograd.Function):
         d_position, d_time = grads.result(bias, kernel["max_seq_len"])
         d_pre_bias = None if sums is None else sums.to(ctx.pre_bias_dtype)
         return d_pre, d_weight, d_gate_bias, d_position, d_time, d_pre_bias, None, None, None, None, None
+
+
+def _complete_with_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, slot: GradRowsSlot,
+                        dq_accum: torch.Tensor | None, q_cols: slice, scale_inv: torch.Tensor | None,
+                        bias_sums: bool) -> torch.Tensor | None:  # fmt: skip
+    """The silu gradient pass over whole rows, offering ``d_pre``'s e4m3 rows (and column sums, when the
+    slot asks) to the ``uvqk`` linear's backward; returns the column sums when ``bias_sums`` (the gap
+    sums the lent bias's gradient), else None."""
+    rows_out = RowsOut.allocate(pre.shape[0], pre.shape[1], pre.device, RowQuantization())
+    dq = None if dq_accum is None else (dq_accum.view(pre.shape[0], -1), q_cols)
+    col_sum = silu_grad_rows(pre, d_pre, hv, rows_out, dq=dq, scale_inv=scale_inv, col_sum=bias_sums or slot.column_sum)
+    slot.offer(d_pre, rows_out.result(), col_sum if slot.column_sum else None)
+    return col_sum if bias_sums else None
 
 
 def _kernel_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +253,7 @@ def hstu_gap_triton(
     saved_format: str | None = None,
     fp8_forward: bool = False,
     pre_bias: torch.Tensor | None = None,
+    grad_rows: GradRowsSlot | None = None,
 ) -> tuple[torch.Tensor, PrequantizedRows | None]:
     """The fused gap ``pre -> y`` (``[L, H (2 Dv + 2 Dqk)] -> [L, H Dv]``); attention arguments as in
     :func:`gem_kernels.attention_triton_autograd.jagged_attention_triton`, ``eps`` the norm-gate's.
@@ -243,7 +262,11 @@ def hstu_gap_triton(
     keeps ``pre`` in e4m3 rows instead (:mod:`gem_kernels.hstu_gap_saved`; ignored without grad).
     ``fp8_forward``: the attention's ``q k^T`` in e4m3, quantized by the silu pass (:mod:`gem_kernels.attention_fp8`).
     ``pre_bias``: the bias already added into ``pre`` (the ``uvqk`` linear's, lent by
-    ``gem_model.api.bias_grad_elsewhere``), whose gradient the backward then sums (:mod:`gem_kernels.hstu_gap_bias`)."""
+    ``gem_model.api.bias_grad_elsewhere``), whose gradient the backward then sums (:mod:`gem_kernels.hstu_gap_bias`).
+    ``grad_rows``: the ``uvqk`` linear's slot (``gem_model.api.GradRowsSlot``), offered the e4m3 rows of
+    ``pre``'s gradient by the backward's last pass (:mod:`gem_kernels.hstu_gap_grad_rows`)."""
+    if grad_rows is not None and not isinstance(grad_rows, GradRowsSlot):
+        raise TypeError(f"hstu_gap: grad_rows must be a gem_model.api.GradRowsSlot, got {type(grad_rows).__name__}")
     if saved_format not in (None, E4M3_ROW):
         raise ValueError(f"hstu_gap: saved_format must be None or {E4M3_ROW!r}, got {saved_format!r}")
     if fp8_forward:
@@ -263,7 +286,7 @@ def hstu_gap_triton(
     num_targets = num_targets.contiguous() if num_targets is not None else None
     bias = prepare_bias(position_bias, time_bias, extras.timestamps, extras.query_timestamps, max_seq_len)
     options = dict(max_seq_len=max_seq_len, alpha=float(alpha), max_attn_len=max_attn_len, blocks=blocks,
-                   dq_mode=dq_mode, eps=eps, quantize=quantize, fp8_forward=fp8_forward,
+                   dq_mode=dq_mode, eps=eps, quantize=quantize, fp8_forward=fp8_forward, grad_rows=grad_rows,
                    saved_format=saved_format if torch.is_grad_enabled() else None)  # fmt: skip
     if pre_bias is not None and pre_bias.shape != (width,):
         raise ValueError(f"hstu_gap: pre_bias must be [{width}] (uvqk's bias), got {tuple(pre_bias.shape)}")

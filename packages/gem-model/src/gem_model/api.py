@@ -28,6 +28,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.prequantized": (
         "PrequantizedInputLinear", "PrequantizedRows", "RowQuantization", "call_linear", "wanted_quantization",
     ),
+    # ... and the backward's side: a linear whose output gradient arrives quantized by its producer
+    "gem_model.grad_rows": ("GradRows", "GradRowsSlot", "grad_rows_slot"),
     "gem_model.linear_bias": ("bias_grad_elsewhere",),  # a linear whose bias gradient a fused kernel sums
     "gem_model.results": ("ReportSection", "RunSummary", "StepResult"),  # what a run hands back
     # the parallel degrees, their runtime view, the run a planner lays out, a planner's decision
@@ -99,6 +101,8 @@ __all__ = [
     "GemError",
     "GemModel",
     "GemPluginManager",
+    "GradRows",
+    "GradRowsSlot",
     "JaggedAttentionKernel",
     "Kernel",
     "KernelUnavailableError",
@@ -150,6 +154,7 @@ __all__ = [
     "count_flops",
     "dims_of",
     "gather_bias",
+    "grad_rows_slot",
     "hookimpl",
     "load_config",
     "offsets_of",
@@ -241,6 +246,7 @@ if TYPE_CHECKING:
         ParallelDims,
         dims_of,
     )
+    from gem_model.grad_rows import GradRows, GradRowsSlot, grad_rows_slot
     from gem_model.linear_bias import bias_grad_elsewhere
     from gem_model.plan import DensePlacement, Plan, TablePlacement
     from gem_model.plugins import GemPluginManager

@@ -29,10 +29,10 @@ bit patterns (non-negative floats order as their bits; a NaN sorts above infinit
 the rows of each column.
 
 Forward only. The backward's gradients cannot ride this contract: autograd hands one plain tensor from
-a function's backward to the next, so the kernel that writes a gradient whole per row (the next
-block's layer norm backward, for this block's output linear) has no way to hand its quantized rows to
-the linear's backward, nor to know that the gradient it wrote is all the linear will get (autograd sums
-the gradients of every use of a tensor). That needs a channel set up in the forward across the blocks.
+a function's backward to the next, so the kernel that writes a gradient whole per row has no way to
+hand its quantized rows to the linear's backward, nor to know that the gradient it wrote is all the
+linear will get (autograd sums the gradients of every use of a tensor). They travel through a slot
+set up in the forward instead: :mod:`gem_model.grad_rows`.
 """
 
 from __future__ import annotations
@@ -142,6 +142,14 @@ def wanted_quantization(linear: Callable[..., Any], device: torch.device) -> Row
     return wanted
 
 
-def call_linear(linear: Callable[..., torch.Tensor], x: torch.Tensor, rows: PrequantizedRows | None) -> torch.Tensor:
-    """``linear(x)``, handing it ``rows`` (``x`` quantized as it asked) when there are some."""
-    return linear(x) if rows is None else linear(x, prequantized=rows)
+def call_linear(
+    linear: Callable[..., torch.Tensor], x: torch.Tensor, rows: PrequantizedRows | None, grad_rows: Any = None
+) -> torch.Tensor:
+    """``linear(x)``, handing it ``rows`` (``x`` quantized as it asked) when there are some, and
+    ``grad_rows`` (the :class:`gem_model.grad_rows.GradRowsSlot` it made) when given."""
+    kwargs: dict[str, Any] = {}
+    if rows is not None:
+        kwargs["prequantized"] = rows
+    if grad_rows is not None:
+        kwargs["grad_rows"] = grad_rows
+    return linear(x, **kwargs)

@@ -66,8 +66,15 @@ class LinearRecipe(ABC):
     def quantize_prequantized(self, t: torch.Tensor, rows: PrequantizedRows, *, cols_t: bool) -> Quantized:
         """The input ``t`` quantized as :meth:`quantize` with ``role="input", rows=True`` would, its row
         operand taken from ``rows`` (the bits the producer wrote); only the transposed operand (for the
-        weight gradient) is computed here."""
+        weight gradient) is computed here. Also a gradient's rows (``cols_t=False``) when
+        :attr:`grad_rows_in_rule`: the same rule then."""
         raise NotImplementedError(f"{self!r} takes no pre-quantized rows")
+
+    @property
+    def grad_rows_in_rule(self) -> bool:
+        """Whether this recipe quantizes ``grad_output``'s rows by ``gem_model.api.RowQuantization``'s rule
+        (e4m3, a power-of-two scale per row), so that the rows its producer wrote can stand for them."""
+        return False
 
     @property
     def high_precision_weight_grad(self) -> bool:
@@ -132,6 +139,11 @@ class Fp8Recipe(LinearRecipe):
     def high_precision_weight_grad(self) -> bool:
         """As the scheme asks (``fp8_rowwise``'s ``weight_gradient: bf16``)."""
         return self._high_precision_weight_grad
+
+    @property
+    def grad_rows_in_rule(self) -> bool:
+        """Row scales and e4m3 gradients (``fp8_rowwise``'s default ``grad_format``)."""
+        return self.granularity == "row" and self.grad_format == E4M3
 
     def quantize_prequantized(self, t: torch.Tensor, rows: PrequantizedRows, *, cols_t: bool) -> Quantized:
         if not self.takes_prequantized_rows:

@@ -15,6 +15,11 @@ Under ``fp8_rowwise`` the row operand of ``x`` may come from the kernel that pro
 ``x``'s transposed operand is made here, by its cast pass alone when the producer wrote the column
 maxima too.
 
+Under ``fp8_rowwise`` with ``weight_gradient: bf16`` and e4m3 gradients, the row operand of ``g`` (and
+its column sums, for the bias) may come from the kernel that wrote ``g`` in backward
+(``gem_model.api.GradRowsSlot``, made by :meth:`ScaledLinear.grad_rows_slot`): then backward quantizes
+nothing.
+
 Under ``fp8_rowwise`` with ``weight_gradient: bf16`` (:attr:`LinearRecipe.high_precision_weight_grad`)
 the weight gradient is a plain GEMM in the activation dtype, ``dW = g.T @ x`` with float32
 accumulation, as the ``bf16`` scheme computes it: the forward quantizes only ``x``'s rows (or takes
@@ -33,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_model.api import PrequantizedRows, RowQuantization
+from gem_model.api import GradRows, GradRowsSlot, PrequantizedRows, RowQuantization
 from gem_precision.recipes import LinearRecipe, Quantized
 
 
@@ -46,6 +51,7 @@ class ScaledLinearFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         recipe: LinearRecipe,
         prequantized: PrequantizedRows | None = None,
+        grad_rows: GradRowsSlot | None = None,
     ) -> torch.Tensor:
         out_features, in_features = weight.shape
         x2d = x.reshape(-1, in_features).contiguous()
@@ -60,7 +66,7 @@ class ScaledLinearFunction(torch.autograd.Function):
         if need_dx:
             saved += wq.cols_t.tensors()
         ctx.save_for_backward(*saved)
-        ctx.recipe, ctx.hp_dw = recipe, hp_dw
+        ctx.recipe, ctx.hp_dw, ctx.grad_rows = recipe, hp_dw, grad_rows
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], out_features)
@@ -72,7 +78,11 @@ class ScaledLinearFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         w_t = recipe.operand_type(*saved[-2:]) if need_dx else None
         g2d = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
-        gq = _quantize_grad(recipe, g2d, rows=need_dx, cols_t=need_dw and not ctx.hp_dw, col_sum=need_db)
+        cols_t = need_dw and not ctx.hp_dw
+        offered = ctx.grad_rows.take(g2d) if ctx.grad_rows is not None else None
+        gq = _offered_grad(recipe, g2d, offered, cols_t=cols_t, col_sum=need_db)
+        if gq is None:
+            gq = _quantize_grad(recipe, g2d, rows=need_dx, cols_t=cols_t, col_sum=need_db)
         dx = dw = db = None
         if need_dx:
             dx = recipe.mm(gq.rows, w_t, out_dtype=ctx.x_dtype, role="grad_input").view(ctx.x_shape)
@@ -83,7 +93,7 @@ class ScaledLinearFunction(torch.autograd.Function):
             dw = recipe.mm(gq.cols_t, x_t, out_dtype=torch.float32, role="grad_weight").to(ctx.w_dtype)
         if need_db:
             db = gq.col_sum.to(ctx.bias_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def _quantize_input(
@@ -102,6 +112,18 @@ def _quantize_grad(recipe: LinearRecipe, g2d: torch.Tensor, *, rows: bool, cols_
     if not (rows or cols_t or col_sum):
         return Quantized(None, None)
     return recipe.quantize(g2d, role="grad", rows=rows, cols_t=cols_t, col_sum=col_sum)
+
+
+def _offered_grad(
+    recipe: LinearRecipe, g2d: torch.Tensor, offered: GradRows | None, *, cols_t: bool, col_sum: bool
+) -> Quantized | None:
+    """``g``'s row operand and column sums as its producer wrote them (``offered``), when they are all
+    backward needs of ``g``; None when there is no offer, or backward needs more (a transposed operand,
+    or column sums the offer lacks)."""
+    if offered is None or cols_t or (col_sum and offered.column_sum is None):
+        return None
+    rows = recipe.quantize_prequantized(g2d, offered.rows, cols_t=False).rows
+    return Quantized(rows, None, offered.column_sum if col_sum else None)
 
 
 def _high_precision_weight_grad(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
@@ -153,10 +175,23 @@ class ScaledLinear(nn.Module):
             return RowQuantization(column_amax=False)
         return RowQuantization(column_amax=torch.is_grad_enabled() and self.weight.requires_grad)
 
-    def forward(self, x: torch.Tensor, *, prequantized: PrequantizedRows | None = None) -> torch.Tensor:
+    def grad_rows_slot(self, device: torch.device) -> GradRowsSlot | None:
+        """The slot through which this linear's backward takes its output gradient's e4m3 rows (and column
+        sums, when the bias takes a gradient) from the kernel that wrote that gradient
+        (``gem_model.api.GradRowsSlot``): under ``fp8_rowwise`` with producer quantization, the bf16
+        weight gradient (no transposed operand of the gradient is made) and e4m3 gradients; else None."""
+        recipe = self.recipe(device)
+        if not (recipe.takes_prequantized_rows and recipe.high_precision_weight_grad and recipe.grad_rows_in_rule):
+            return None
+        return GradRowsSlot(column_sum=self.bias is not None and self.bias.requires_grad)
+
+    def forward(
+        self, x: torch.Tensor, *, prequantized: PrequantizedRows | None = None, grad_rows: GradRowsSlot | None = None
+    ) -> torch.Tensor:
         """``prequantized``: ``x`` quantized as :meth:`input_quantization` asked, by the kernel that wrote
         ``x``; the forward GEMM then uses those bits and only the weight gradient's operand is made here
-        (the same bits and outputs as without them)."""
+        (the same bits and outputs as without them). ``grad_rows``: the slot :meth:`grad_rows_slot` made,
+        which backward takes the output gradient's rows from when its producer offered them."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.fqn}: expected input with last dim {self.in_features}, got shape {tuple(x.shape)}")
         if x.numel() == 0:  # nothing to scale; keeps empty batches out of the kernels
@@ -170,7 +205,9 @@ class ScaledLinear(nn.Module):
                     "pre-quantized input rows (its input_quantization is None); call it with x alone"
                 )
             prequantized.check_input(x, self.fqn)
-        return ScaledLinearFunction.apply(x, self.weight, self.bias, recipe, prequantized)
+        if grad_rows is not None and not isinstance(grad_rows, GradRowsSlot):
+            raise TypeError(f"{self.fqn}: grad_rows must be a GradRowsSlot, got {type(grad_rows).__name__}")
+        return ScaledLinearFunction.apply(x, self.weight, self.bias, recipe, prequantized, grad_rows)
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,153 @@
+"""The fused HSTU gap's last backward pass with the ``uvqk`` gradient's e4m3 rows written in it, against
+the in-place ``silu'`` passes followed by the linear's one-pass row quantization, interleaved on the
+same inputs.
+
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/grad_rows.py --out grad_rows.json
+    TRITON_INTERPRET=1 python benchmarks/grad_rows.py --smoke      # a CPU check of the script
+
+Shapes of ``configs/h200-large.yaml`` (8 heads of 128: ``d_pre`` is ``[L, 4096]``, ``u`` its first 1024
+columns), with ``dq`` in place (``dq: separate``, what ``auto`` picks there) and from the atomic mode's
+float32 accumulator. Every variant's gradient, bytes and scales are checked equal to the separate
+passes' (the column sums within 1e-5) on fresh random data; then each call is timed alone with CUDA
+events (the gradient reset from a pristine copy before it, outside the events), the variants in
+rotated order round after round, and reported as medians with their spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gem_kernels import hstu_gap_grad_rows
+from gem_kernels.hstu_gap_grad_rows import silu_grad_rows
+from gem_kernels.hstu_gap_triton import silu_columns
+from gem_kernels.quantized_rows_triton import RowsOut
+from gem_model.api import RowQuantization
+from gem_precision.formats import E4M3
+from gem_precision.fp8_rows_triton import quantize_rows
+
+HV, HQ = 1024, 1024  # 8 heads of 128: u, v, q, k columns 1024 wide each
+WIDTH = 2 * HV + 2 * HQ
+Q_COLS = slice(2 * HV, 2 * HV + HQ)
+WARPS = [4, 8, 16]
+
+
+def separate(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | None) -> tuple:
+    """Today's passes: ``silu'`` in place (q from the accumulator), then the linear's one-pass rows."""
+    if dq is None:
+        silu_columns(pre[:, HV:], d_pre[:, HV:], grad=d_pre[:, HV:])
+    else:
+        silu_columns(pre[:, Q_COLS], d_pre[:, Q_COLS], grad=dq)
+        for c in (slice(HV, 2 * HV), slice(2 * HV + HQ, WIDTH)):
+            silu_columns(pre[:, c], d_pre[:, c], grad=d_pre[:, c])
+    pair = quantize_rows(d_pre, E4M3, col_sum=True)
+    return pair.rows.data.view(torch.uint8), pair.rows.scale_inv.reshape(-1), pair.col_sum
+
+
+def whole_rows(warps: int) -> Callable[..., tuple]:
+    def run(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | None) -> tuple:
+        hstu_gap_grad_rows.WARPS_WIDE = warps
+        out = RowsOut.allocate(pre.shape[0], WIDTH, pre.device, RowQuantization())
+        sums = silu_grad_rows(pre, d_pre, HV, out, dq=None if dq is None else (dq, Q_COLS), col_sum=True)
+        return out.data, out.scale_inv, sums
+
+    return run
+
+
+def variants() -> dict[str, Callable[..., tuple]]:
+    return {"separate": separate, **{f"whole_rows_w{w}": whole_rows(w) for w in WARPS}}
+
+
+def inputs(rows: int, device: str, with_dq: bool, gen: torch.Generator) -> tuple:
+    pre = (torch.randn(rows, WIDTH, generator=gen) * 2).bfloat16().to(device)
+    d_pre = (torch.randn(rows, WIDTH, generator=gen) * torch.rand(rows, 1, generator=gen) * 4).bfloat16().to(device)
+    dq = torch.randn(rows, HQ, generator=gen).to(device) if with_dq else None
+    return pre, d_pre, dq
+
+
+def check(pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | None) -> dict[str, float]:
+    want_grad = pristine.clone()
+    want = separate(pre, want_grad, dq)
+    errors = {}
+    for name, fn in variants().items():
+        got_grad = pristine.clone()
+        got = fn(pre, got_grad, dq)
+        same = torch.equal(got_grad, want_grad) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        err = ((got[2] - want[2]).abs().max() / want[2].abs().max().clamp_min(1e-30)).item()
+        if not same or err > 1e-5:
+            raise SystemExit(f"{name}: differs from the separate passes (gradient and rows equal: {same}, sums {err:.1e})")
+        errors[name] = err
+    return errors
+
+
+def time_rounds(pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | None, rounds: int) -> dict[str, list[float]]:
+    fns = variants()
+    names = list(fns)
+    d_pre = pristine.clone()
+    for name in names:  # warm-up: compiles every variant
+        fns[name](pre, d_pre, dq)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            d_pre.copy_(pristine)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name](pre, d_pre, dq)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=200_000)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="a few rows, one check (CPU under TRITON_INTERPRET=1)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    gen = torch.Generator().manual_seed(args.seed)
+    saved = hstu_gap_grad_rows.WARPS_WIDE
+    results = []
+    try:
+        for with_dq in (False, True):
+            pre, pristine, dq = inputs(5 if args.smoke else args.rows, device, with_dq, gen)
+            errors = check(pre, pristine, dq)
+            if args.smoke:
+                continue
+            times = time_rounds(pre, pristine, dq, args.rounds)
+            base = statistics.median(times["separate"])
+            for name, ts in times.items():
+                q = statistics.quantiles(ts, n=4)
+                results.append({"rows": args.rows, "dq": "accumulator" if with_dq else "in_place", "variant": name,
+                                "median_ms": statistics.median(ts), "q1_ms": q[0], "q3_ms": q[2],
+                                "speedup_over_separate": base / statistics.median(ts), "col_sum_error": errors[name]})  # fmt: skip
+    finally:
+        hstu_gap_grad_rows.WARPS_WIDE = saved
+    if args.smoke:
+        print("smoke: every variant equals the separate passes")
+        return 0
+    print(f"{'dq':<12} {'variant':<16} {'median ms':>10} {'q1-q3 ms':>15} {'vs separate':>11}")
+    for r in results:
+        print(f"{r['dq']:<12} {r['variant']:<16} {r['median_ms']:>10.3f} {r['q1_ms']:>7.3f}-{r['q3_ms']:<7.3f} "
+              f"{r['speedup_over_separate']:>10.3f}x")  # fmt: skip
+    if args.out:
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+                "rounds": args.rounds, "seed": args.seed}  # fmt: skip
+        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

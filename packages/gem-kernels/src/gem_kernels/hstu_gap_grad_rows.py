@@ -1,0 +1,111 @@
+"""The fused HSTU gap's last backward pass, writing the e4m3 rows of the gradient it completes (imports triton).
+
+The gradient of the gap's input, ``d_pre [L, W]`` (``W = H (2 Dv + 2 Dqk)``, columns ``u, v, q, k``), is
+the ``uvqk`` projection's output gradient. Under ``fp8_rowwise`` that linear's backward quantizes its
+rows for ``dx`` (one more read of the block's widest gradient) and sums its columns for the bias. Its
+rows are all written by the gap's backward: the ``u`` columns by the norm-gate backward, then ``v, q,
+k`` by the pass that multiplies the attention's gradients by ``silu'(pre)``.
+
+When the linear asks (``gem_model.api.GradRowsSlot``), that last pass runs here over whole rows
+(:func:`silu_grad_rows`): each program holds one row of ``W`` columns in registers, multiplies its ``v,
+q, k`` columns (``q`` read from the atomic ``dq``'s float32 accumulator, when it has one) by
+``silu'(pre)`` and stores them, reads the ``u`` columns as the norm-gate backward stored them, and
+writes the row's e4m3 bytes and scale from the values as stored (the bits of gem-precision's row
+quantizer: :func:`gem_kernels.quantized_rows_triton.write_e4m3_rows`), with the column sums of the
+whole gradient when asked. The gap then offers them to the slot, and the linear quantizes nothing.
+
+Per token at the big config (W = 4096, bf16) this pass moves 26 KiB, where the plain in-place pass
+and the linear's one-pass row quantization moved 32 (the ``u`` columns are read once more; the
+gradient's second read and the bias's separate sum of the ``u`` columns are gone).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
+from gem_kernels.hstu_gap_saved import load_pre
+from gem_kernels.quantized_rows_triton import RowsOut, write_e4m3_rows
+
+MAX_WIDTH = 8192
+"""Widest gradient row held in registers whole; a wider gap leaves the quantization to the linear."""
+ROWS_PER_PROGRAM = 8 if INTERPRET else 128
+"""Rows a program walks (few programs, so that the column-sum partials stay small)."""
+WARPS_WIDE = 8
+"""Warps of a program whose rows are 4096 or more wide (narrower rows take 4)."""
+
+
+@triton.jit
+def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_pre, stride_dq, num_rows, hv,
+                    q_lo, q_hi, rows_per_program, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
+                    HAS_DQ: tl.constexpr, E4M3: tl.constexpr, COL_SUM: tl.constexpr,
+                    INTERP: tl.constexpr):  # fmt: skip
+    """``D_PRE[:, hv:] *= silu'(PRE[:, hv:])`` (the ``q`` columns ``[q_lo, q_hi)`` taken from ``DQ`` when
+    ``HAS_DQ``), the e4m3 rows of the whole ``D_PRE`` as stored into ``Q``/``Q_INV``, and with ``COL_SUM``
+    this program's column sums into ``SUMS[program]``."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_W)
+    cols_ok = cols < W
+    grad_cols = cols_ok & (cols >= hv)
+    in_q = (cols >= q_lo) & (cols < q_hi)
+    sums = tl.zeros([BLOCK_W], dtype=tl.float32)
+    for t in range(0, rows_per_program, ROWS):
+        rows = (pid * rows_per_program + t + tl.arange(0, ROWS)).to(tl.int64)
+        rows_ok = rows < num_rows
+        inside = rows_ok[:, None] & cols_ok[None, :]
+        d_ptrs = D_PRE + rows[:, None] * stride_d + cols[None, :]
+        if HAS_DQ:
+            g = tl.load(d_ptrs, mask=inside & (~in_q)[None, :], other=0.0).to(tl.float32)
+            dq = tl.load(DQ + rows[:, None] * stride_dq + (cols - q_lo)[None, :], mask=inside & in_q[None, :], other=0.0)
+            g = tl.where(in_q[None, :], dq.to(tl.float32), g)
+        else:
+            g = tl.load(d_ptrs, mask=inside, other=0.0).to(tl.float32)
+        z = load_pre(PRE, SCALE_INV, rows, cols, rows_ok, inside & grad_cols[None, :], stride_pre, E4M3)
+        stored = cast(tl.where(grad_cols[None, :], g * silu_grad(z), g), D_PRE.dtype.element_ty, INTERP)
+        tl.store(d_ptrs, stored, mask=inside & grad_cols[None, :])
+        y = stored.to(tl.float32)
+        write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, W)
+        if COL_SUM:
+            sums += tl.sum(tl.where(inside, y, 0.0), 0)
+    if COL_SUM:
+        tl.store(SUMS + pid * W + cols, sums, mask=cols_ok)
+
+
+def fits(width: int) -> bool:
+    """Whether a gradient row this wide is quantized here (else the linear does it)."""
+    return width <= MAX_WIDTH
+
+
+def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut, *,
+                   dq: tuple[torch.Tensor, slice] | None = None, scale_inv: torch.Tensor | None = None,
+                   col_sum: bool = False) -> torch.Tensor | None:  # fmt: skip
+    """Complete ``d_pre [L, W]`` in place: its columns from ``hv`` on times ``silu'(pre)`` (with ``dq`` =
+    ``(accumulator [L, q columns], the q columns' slice)``, those columns read from the accumulator
+    instead), the ``hv`` before them taken as stored; write its e4m3 rows into ``out``; return the float32
+    column sums ``[W]`` of ``d_pre`` as stored when ``col_sum``, else None. ``scale_inv [L]``: ``pre`` is
+    e4m3 rows, each standing for itself times its factor (:mod:`gem_kernels.hstu_gap_saved`)."""
+    num_rows, width = d_pre.shape
+    if not fits(width):
+        raise ValueError(f"silu_grad_rows: rows of at most {MAX_WIDTH} columns, got {width}")
+    if pre.shape != d_pre.shape or d_pre.stride(1) != 1 or pre.stride(1) != 1:
+        raise ValueError(f"silu_grad_rows: pre {tuple(pre.shape)} and d_pre {tuple(d_pre.shape)} must be the same "
+                         "shape with contiguous rows")  # fmt: skip
+    if out.data.shape != (num_rows, width) or out.column_amax_bits is not None:
+        raise ValueError(f"silu_grad_rows: out must hold [{num_rows}, {width}] rows without column maxima")
+    programs = max(1, triton.cdiv(num_rows, ROWS_PER_PROGRAM))
+    sums = torch.empty((programs, width) if col_sum else (1,), dtype=torch.float32, device=d_pre.device)
+    if not num_rows:
+        return sums.zero_()[0] if col_sum else None
+    accum, q_cols = dq if dq is not None else (d_pre, slice(0, 0))
+    e4m3 = scale_inv is not None
+    block_w = triton.next_power_of_2(width)
+    with device_guard(d_pre.device):
+        _silu_grad_rows[(programs,)](
+            d_pre, pre.view(torch.uint8) if e4m3 else pre, scale_inv if e4m3 else pre, accum, out.data,
+            out.scale_inv, sums, d_pre.stride(0), pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start,
+            q_cols.stop, ROWS_PER_PROGRAM, W=width, BLOCK_W=block_w, ROWS=2 if INTERPRET else 1,
+            HAS_DQ=dq is not None, E4M3=e4m3, COL_SUM=col_sum, INTERP=INTERPRET, num_warps=WARPS_WIDE if block_w >= 4096 else 4,
+        )  # fmt: skip
+    return sums.sum(0) if col_sum else None
