@@ -1,12 +1,13 @@
-"""The fused HSTU gap's last backward pass with the ``uvqk`` gradient's e4m3 rows written in it, against
-the in-place ``silu'`` passes followed by the linear's one-pass row quantization, interleaved on the
-same inputs.
+"""The output gradients' e4m3 rows written by the kernels that write the gradients, against the linear's
+own one-pass row quantization after them, interleaved on the same inputs: the fused HSTU gap's last
+backward pass (the ``uvqk`` gradient, against the in-place ``silu'`` passes and the rows) and the layer
+norm's backward (the previous block's ``out`` gradient, through the residual add).
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/grad_rows.py --out grad_rows.json
     TRITON_INTERPRET=1 python benchmarks/grad_rows.py --smoke      # a CPU check of the script
 
 Shapes of ``configs/h200-large.yaml`` (8 heads of 128: ``d_pre`` is ``[L, 4096]``, ``u`` its first 1024
-columns), with ``dq`` in place (``dq: separate``, what ``auto`` picks there) and from the atomic mode's
+columns; the layer norm's gradient ``[L, 1024]``, with the residual's), with ``dq`` in place (``dq: separate``, what ``auto`` picks there) and from the atomic mode's
 float32 accumulator. Every variant's gradient, bytes and scales are checked equal to the separate
 passes' (the column sums within 1e-5) on fresh random data; then each call is timed alone with CUDA
 events (the gradient reset from a pristine copy before it, outside the events), the variants in
@@ -28,8 +29,9 @@ import torch
 from gem_kernels import hstu_gap_grad_rows
 from gem_kernels.hstu_gap_grad_rows import silu_grad_rows
 from gem_kernels.hstu_gap_triton import silu_columns
+from gem_kernels.layer_norm_triton import norm_fork
 from gem_kernels.quantized_rows_triton import RowsOut
-from gem_model.api import RowQuantization
+from gem_model.api import GradRowsSlot, RowQuantization
 from gem_precision.formats import E4M3
 from gem_precision.fp8_rows_triton import quantize_rows
 
@@ -53,7 +55,7 @@ def separate(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | None) ->
 
 def whole_rows(warps: int) -> Callable[..., tuple]:
     def run(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | None) -> tuple:
-        hstu_gap_grad_rows.WARPS_WIDE = warps
+        hstu_gap_grad_rows.WARPS_WIDE = {False: warps, True: warps}
         out = RowsOut.allocate(pre.shape[0], WIDTH, pre.device, RowQuantization())
         sums = silu_grad_rows(pre, d_pre, HV, out, dq=None if dq is None else (dq, Q_COLS), col_sum=True)
         return out.data, out.scale_inv, sums
@@ -107,6 +109,53 @@ def time_rounds(pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | No
     return times
 
 
+def layer_norm_variants(rows: int, device: str, gen: torch.Generator) -> tuple[dict[str, Callable[[], tuple]], float]:
+    """The layer norm's backward (its autograd node, called directly) without and with the rows, on one
+    forward's saved state; checked equal first. Returns the variants and the column sums' error."""
+    x = (torch.randn(rows, HV, generator=gen) * 3 + 1).bfloat16().to(device).requires_grad_()
+    d_ln = torch.randn(rows, HV, generator=gen).bfloat16().to(device)
+    d_skip = torch.randn(rows, HV, generator=gen).bfloat16().to(device)
+    node = norm_fork(x)[0].grad_fn
+
+    def separate_ln() -> tuple:
+        node.grad_rows = None
+        dx = node.apply(d_ln, d_skip)[0]
+        pair = quantize_rows(dx, E4M3, col_sum=True)
+        return dx, pair.rows.data.view(torch.uint8), pair.rows.scale_inv.reshape(-1), pair.col_sum
+
+    def in_norm() -> tuple:
+        node.grad_rows = slot = GradRowsSlot(column_sum=True)
+        dx = node.apply(d_ln, d_skip)[0]
+        offered = slot.take(dx)
+        assert offered is not None and offered.column_sum is not None
+        return dx, offered.rows.data.view(torch.uint8), offered.rows.scale_inv, offered.column_sum
+
+    want, got = separate_ln(), in_norm()
+    same = all(torch.equal(a, b) for a, b in zip(want[:3], got[:3]))
+    err = ((got[3] - want[3]).abs().max() / want[3].abs().max().clamp_min(1e-30)).item()
+    if not same or err > 1e-5:
+        raise SystemExit(f"layer norm rows: differ from the separate pass (gradient and rows equal: {same}, sums {err:.1e})")
+    return {"separate": separate_ln, "in_layer_norm": in_norm}, err
+
+
+def time_plain(fns: dict[str, Callable[[], tuple]], rounds: int) -> dict[str, list[float]]:
+    """Each call alone with CUDA events, the variants rotated round after round (after a warm-up)."""
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return times
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=200_000)
@@ -117,7 +166,7 @@ def main() -> int:
     args = p.parse_args()
     device = "cpu" if args.smoke else "cuda"
     gen = torch.Generator().manual_seed(args.seed)
-    saved = hstu_gap_grad_rows.WARPS_WIDE
+    saved = dict(hstu_gap_grad_rows.WARPS_WIDE)
     results = []
     try:
         for with_dq in (False, True):
@@ -132,10 +181,19 @@ def main() -> int:
                 results.append({"rows": args.rows, "dq": "accumulator" if with_dq else "in_place", "variant": name,
                                 "median_ms": statistics.median(ts), "q1_ms": q[0], "q3_ms": q[2],
                                 "speedup_over_separate": base / statistics.median(ts), "col_sum_error": errors[name]})  # fmt: skip
+        ln_fns, ln_err = layer_norm_variants(13 if args.smoke else args.rows, device, gen)
+        if not args.smoke:
+            times = time_plain(ln_fns, args.rounds)
+            base = statistics.median(times["separate"])
+            for name, ts in times.items():
+                q = statistics.quantiles(ts, n=4)
+                results.append({"rows": args.rows, "dq": "layer_norm", "variant": name, "median_ms": statistics.median(ts),
+                                "q1_ms": q[0], "q3_ms": q[2], "speedup_over_separate": base / statistics.median(ts),
+                                "col_sum_error": ln_err})  # fmt: skip
     finally:
         hstu_gap_grad_rows.WARPS_WIDE = saved
     if args.smoke:
-        print("smoke: every variant equals the separate passes")
+        print("smoke: every variant equals the separate passes (the gap's and the layer norm's)")
         return 0
     print(f"{'dq':<12} {'variant':<16} {'median ms':>10} {'q1-q3 ms':>15} {'vs separate':>11}")
     for r in results:

@@ -10,9 +10,9 @@ e4m3 rows of their outputs, and fp8_rowwise's linears read them instead of quant
   nothing else can differ. (On a GPU the attention's atomic dq, when chosen, can reorder sums between
   any two runs; benchmarks/producer_quantization.py checks the H200 run.)
 - In backward (bf16 weight gradient), the gap's last pass writes the e4m3 rows of the ``uvqk`` linear's
-  output gradient, bit-identical to the reference's, with its column sums, and the linear takes them
-  (``gem_model.api.GradRowsSlot``): the same bits again, except the bias gradient, whose float32 sums
-  run in another order (to 1e-6).
+  output gradient, bit-identical to the reference's, with its column sums, and the next block's layer
+  norm backward those of the ``out`` linear's; the linears take them (``gem_model.api.GradRowsSlot``):
+  the same bits again, except those biases' gradients, whose float32 sums run in another order (to 1e-6).
 - Linears without the method (bf16) or that decline (fp8_tensorwise) get plain calls.
 
 Triton runs in its interpreter (the root conftest.py sets it on a machine without a GPU).
@@ -31,7 +31,14 @@ from gem_kernels.norm_gate import TritonNormGate
 from gem_kernels.norm_gate_triton import NormGateFunction
 from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS, RowsOut
 from gem_kernels.testing import offsets_from_lengths
-from gem_model.api import AttentionExtras, GradRowsSlot, PrequantizedRows, RowQuantization, wanted_quantization
+from gem_model.api import (
+    AttentionExtras,
+    GradRowsSlot,
+    PrequantizedRows,
+    RowQuantization,
+    grad_rows_slot,
+    wanted_quantization,
+)
 from gem_model.model.hstu import GATE_EPS, HSTUBlock
 from gem_precision.formats import E4M3
 from gem_precision.fp8_reference import quantize_fp8_reference
@@ -113,53 +120,74 @@ def block(scheme) -> HSTUBlock:
     return b.to(torch.bfloat16)
 
 
-def run_block(b: HSTUBlock, x: torch.Tensor, dy: torch.Tensor, *, producers: bool) -> list[torch.Tensor]:
-    """Output and gradients of the fused block; without ``producers`` its linears are handed over as plain
-    callables, which have no ``input_quantization``, so they quantize their inputs themselves."""
+def run_blocks(blocks: list[HSTUBlock], x: torch.Tensor, dy: torch.Tensor, *, producers: bool) -> list[torch.Tensor]:
+    """Output and gradients of fused blocks in a row; without ``producers`` their linears are handed over
+    as plain callables, which have neither ``input_quantization`` nor ``grad_rows_slot``, so they quantize
+    their inputs and output gradients themselves."""
     offsets, targets = offsets_from_lengths([6, 0, 11, 3]), torch.tensor([1, 0, 2, 1])
     xi = x.clone().requires_grad_()
-    if producers:
-        y = b(xi, offsets, targets)
-    else:
-        y = hstu_block_triton(xi, lambda t: b.uvqk(t), lambda t: b.out(t), b.gate_weight, b.gate_bias, offsets,
-                              num_heads=2, attention_dim=16, value_dim=16, max_seq_len=16, alpha=0.25, eps=GATE_EPS,
-                              extras=AttentionExtras(num_targets=targets, position_bias=b.position_bias))  # fmt: skip
-    return [y, *torch.autograd.grad(y, [xi, *b.parameters()], dy)]
+    y = xi
+    for b in blocks:
+        if producers:
+            y = b(y, offsets, targets)
+        else:
+            y = hstu_block_triton(y, lambda t, b=b: b.uvqk(t), lambda t, b=b: b.out(t), b.gate_weight, b.gate_bias,
+                                  offsets, num_heads=2, attention_dim=16, value_dim=16, max_seq_len=16, alpha=0.25,
+                                  eps=GATE_EPS, extras=AttentionExtras(num_targets=targets, position_bias=b.position_bias))  # fmt: skip
+    params = [p for b in blocks for p in b.parameters()]
+    return [y, *torch.autograd.grad(y, [xi, *params], dy)]
 
 
-def random_block_inputs(b: HSTUBlock, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_block_inputs(blocks: list[HSTUBlock], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        for p in b.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.5))
+        for b in blocks:
+            for p in b.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.5))
     return torch.randn(20, 32, generator=gen).bfloat16(), torch.randn(20, 32, generator=gen).bfloat16()
 
 
 @pytest.mark.parametrize("weight_gradient", ["bf16", "fp8"])
-def test_fused_block_with_producer_quantization_is_bit_identical(gen, monkeypatch, weight_gradient):
-    """The producers' rows (and, for an fp8 weight gradient, column maxima) give the linears' own results."""
+def test_fused_blocks_with_producer_quantization_are_bit_identical(gen, monkeypatch, weight_gradient):
+    """Two blocks in a row. The producers' rows (and, for an fp8 weight gradient, column maxima) give the
+    linears' own results. With the bf16 weight gradient the output gradients' rows come from their
+    producers too: the gap's for each ``uvqk``, the second block's layer norm backward for the first
+    block's ``out`` (through the residual add); the last ``out`` quantizes its own."""
     config = Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=True, weight_gradient=weight_gradient)
-    b = block(Fp8RowwiseScheme(config))
-    x, dy = random_block_inputs(b, gen)
-    assert wanted_quantization(b.uvqk, x.device) == RowQuantization(column_amax=weight_gradient == "fp8")
+    blocks = [block(Fp8RowwiseScheme(config)) for _ in range(2)]
+    x, dy = random_block_inputs(blocks, gen)
+    assert wanted_quantization(blocks[0].uvqk, x.device) == RowQuantization(column_amax=weight_gradient == "fp8")
     calls: list[str] = []
     for name in ("quantize", "quantize_prequantized"):
         real = getattr(Fp8Recipe, name)
         monkeypatch.setattr(Fp8Recipe, name, lambda self, t, *a, _n=name, _f=real, **kw: calls.append(
             kw.get("role", _n)) or _f(self, t, *a, **kw))  # fmt: skip
-    produced = run_block(b, x, dy, producers=True)
-    assert "input" not in calls  # both linears took the forward's rows
-    # with the bf16 weight gradient uvqk also took its output gradient's rows from the gap
-    assert calls.count("quantize_prequantized") == (3 if weight_gradient == "bf16" else 2)
-    assert calls.count("grad") == (1 if weight_gradient == "bf16" else 2)
+    produced = run_blocks(blocks, x, dy, producers=True)
+    assert "input" not in calls  # every linear took the forward's rows
+    bf16_dw = weight_gradient == "bf16"
+    assert calls.count("quantize_prequantized") == (7 if bf16_dw else 4)
+    assert calls.count("grad") == (1 if bf16_dw else 4)
     calls.clear()
-    themselves = run_block(b, x, dy, producers=False)
-    assert calls.count("input") == 2 and calls.count("grad") == 2 and "quantize_prequantized" not in calls
-    names = ["y", "x", *(n for n, _ in b.named_parameters())]
-    for name, got, want in zip(names, produced, themselves):
-        if name == "uvqk.bias" and weight_gradient == "bf16":  # the gap's column sums: another order
+    themselves = run_blocks(blocks, x, dy, producers=False)
+    assert calls.count("input") == 4 and calls.count("grad") == 4 and "quantize_prequantized" not in calls
+    names = ["y", "x", *(f"{i}.{n}" for i, b in enumerate(blocks) for n, _ in b.named_parameters())]
+    summed_elsewhere = {"0.uvqk.bias", "1.uvqk.bias", "0.out.bias"} if bf16_dw else set()
+    for name, got, want in zip(names, produced, themselves, strict=True):
+        if name in summed_elsewhere:  # the producers' float32 column sums: another order
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         else:
             assert torch.equal(got, want), f"{name} differs"
+
+
+@pytest.mark.parametrize("scheme", [Bf16Scheme(), Fp8TensorwiseScheme(Fp8TensorwiseScheme.Config(backend="emulated"))],
+                         ids=lambda s: s.name)  # fmt: skip
+def test_linears_that_take_no_rows_get_plain_calls(gen, scheme):
+    blocks = [block(scheme)]
+    x, dy = random_block_inputs(blocks, gen)
+    b = blocks[0]
+    assert wanted_quantization(b.uvqk, x.device) is None and wanted_quantization(b.out, x.device) is None
+    assert grad_rows_slot(b.uvqk, x.device) is None and grad_rows_slot(b.out, x.device) is None
+    for got, want in zip(run_blocks(blocks, x, dy, producers=True), run_blocks(blocks, x, dy, producers=False)):
+        assert torch.equal(got, want)
 
 
 def test_the_gaps_gradient_rows_are_the_reference_bits(gen):

@@ -1,6 +1,7 @@
 """The producers' quantized rows (gem_kernels.quantized_rows_triton): the layer norm fork and the norm-gate
 forward, asked for their output's e4m3 rows, write the same output and gradients as without, and rows
-that stand for that output: column maxima equal to the output's, every byte within e4m3 rounding of
+that stand for that output (the layer norm's backward likewise for the gradient it writes, offered to
+the upstream linear's slot): column maxima equal to the output's, every byte within e4m3 rounding of
 ``y / scale_inv``. (Their bits against gem-precision's reference quantizer: the root
 tests/test_producer_quantization.py, where both packages are installed.)
 
@@ -16,11 +17,11 @@ import pytest
 import torch
 
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
-from gem_kernels.layer_norm_triton import norm_fork
+from gem_kernels.layer_norm_triton import ROWS_PER_PROGRAM_WITH_ROWS, norm_fork
 from gem_kernels.norm_gate_triton import NormGateFunction
 from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS, RowsOut
 from gem_kernels.testing import offsets_from_lengths
-from gem_model.api import PrequantizedRows, RowQuantization
+from gem_model.api import GradRowsSlot, PrequantizedRows, RowQuantization
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -94,3 +95,30 @@ def test_the_gap_returns_its_rows_and_the_same_output_and_gradients(gen):
     assert all(torch.equal(a, b) for a, b in zip(grads_q, grads))
     assert not rows.data.requires_grad and not rows.scale_inv.requires_grad
     assert_stands_for(rows, y, column_amax=True)
+
+
+@pytest.mark.parametrize("column_sum", [True, False])
+@pytest.mark.parametrize("with_skip", [True, False])
+def test_norm_fork_backward_offers_its_gradients_rows_and_writes_the_same_gradient(gen, column_sum, with_skip):
+    """Given the slot of the linear upstream, the layer norm's backward writes the same ``dx`` and offers
+    e4m3 rows standing for it (and its column sums), over several programs, the last one short."""
+    rows = 2 * ROWS_PER_PROGRAM_WITH_ROWS + 3
+    x = (torch.randn(rows, WIDTH, generator=gen) * 3 + 1).bfloat16()
+    d_ln, d_skip = torch.randn(rows, WIDTH, generator=gen).bfloat16(), torch.randn(rows, WIDTH, generator=gen).bfloat16()
+    results = []
+    for slot in (None, GradRowsSlot(column_sum=column_sum)):
+        xi = x.clone().requires_grad_()
+        ln, skip, _ = norm_fork(xi, grad_rows=slot)
+        outputs, grads = ([ln, skip], [d_ln, d_skip]) if with_skip else ([ln], [d_ln])
+        results.append((slot, torch.autograd.grad(outputs, xi, grads)[0]))
+    (_, dx), (slot, dx_s) = results
+    assert torch.equal(dx_s, dx)
+    offered = slot.take(dx_s)
+    assert offered is not None
+    assert_stands_for(offered.rows, dx, column_amax=False)
+    if column_sum:
+        torch.testing.assert_close(offered.column_sum, dx.double().sum(0).float(), rtol=1e-6, atol=1e-5)
+    else:
+        assert offered.column_sum is None
+    with pytest.raises(TypeError, match="GradRowsSlot"):
+        norm_fork(x, grad_rows="slot")

@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 import torch
 
-from gem_model.api import GradRows, GradRowsSlot, PrequantizedRows, call_linear, grad_rows_slot
+from gem_model.api import (
+    GradRows,
+    GradRowsSlot,
+    PrequantizedRows,
+    attach_grad_rows,
+    attached_grad_rows,
+    call_linear,
+    grad_rows_slot,
+)
 
 
 def rows_for(g: torch.Tensor) -> PrequantizedRows:
@@ -142,3 +150,14 @@ def test_grad_rows_slot_asks_the_linear_and_call_linear_hands_the_slot_over():
     assert linear.calls == [["grad_rows"], []]
     with pytest.raises(TypeError, match="SlotLinear.grad_rows_slot returned str; expected GradRowsSlot or None"):
         grad_rows_slot(SlotLinear("slot"), torch.device("cpu"))
+
+
+def test_a_tensor_tagged_with_a_slot_carries_it_and_ops_on_it_do_not():
+    slot = GradRowsSlot()
+    t = torch.randn(3, 4)
+    assert attached_grad_rows(t) is None
+    attach_grad_rows(t, slot)
+    assert attached_grad_rows(t) is slot
+    assert attached_grad_rows(t + 0) is None and attached_grad_rows(t.view(3, 4)) is None
+    with pytest.raises(TypeError, match="expected a GradRowsSlot, got dict"):
+        attach_grad_rows(t, {})

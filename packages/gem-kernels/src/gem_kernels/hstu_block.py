@@ -18,9 +18,13 @@ its pre-activation in e4m3 rows (:mod:`gem_kernels.hstu_gap_saved`), and the lay
 backward then reads ``ln`` (kept by ``uvqk`` anyway) instead of ``x``: ``x`` is not kept at all.
 (``wanted_quantization``'s rows are asked for only under ``fp8_rowwise``'s ``producer_quantization``.)
 
-In backward, a ``uvqk`` linear that makes a ``gem_model.api.GradRowsSlot`` (``grad_rows_slot``: the same
-scheme, with its bf16 weight gradient) gets its output gradient's e4m3 rows, and column sums for its
-bias, from the gap's last backward pass (:mod:`gem_kernels.hstu_gap_grad_rows`).
+In backward, a linear that makes a ``gem_model.api.GradRowsSlot`` (``grad_rows_slot``: the same scheme,
+with its bf16 weight gradient) gets its output gradient's e4m3 rows, and column sums for its bias,
+from the kernel that wrote that gradient: ``uvqk`` from the gap's last backward pass
+(:mod:`gem_kernels.hstu_gap_grad_rows`), ``out`` from the next block's layer norm backward, through
+the residual add, which hands the gradient on unchanged (the block's output carries ``out``'s slot,
+``attach_grad_rows``; the last block's output goes elsewhere, and its ``out`` quantizes its gradient
+itself).
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ import torch
 
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
-from gem_model.api import bias_grad_elsewhere, call_linear, grad_rows_slot, wanted_quantization
+from gem_model.api import (
+    attach_grad_rows,
+    attached_grad_rows,
+    bias_grad_elsewhere,
+    call_linear,
+    grad_rows_slot,
+    wanted_quantization,
+)
 
 
 def hstu_block_triton(
@@ -52,10 +63,15 @@ def hstu_block_triton(
     of ``uvqk``'s bias as they write its output's gradient, and ``uvqk`` does not (:mod:`gem_kernels.hstu_gap_bias`)."""
     # under a saved-activation format the layer norm's backward reads ln (which uvqk keeps anyway), not x
     keep_output = gap_options.get("saved_format") is not None
-    ln, skip, ln_rows = norm_fork(x, quantize=wanted_quantization(uvqk, x.device), keep_output=keep_output)
+    ln, skip, ln_rows = norm_fork(x, quantize=wanted_quantization(uvqk, x.device), keep_output=keep_output,
+                                  grad_rows=attached_grad_rows(x))  # the previous block's out linear's slot
     with bias_grad_elsewhere(uvqk) if bias_grad_in_gap else nullcontext() as pre_bias:
         slot = grad_rows_slot(uvqk, x.device)  # asked with the bias lent, so no column sums for it
         pre = call_linear(uvqk, ln, ln_rows, slot)
     y, y_rows = hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets, quantize=wanted_quantization(out, x.device),
                                 pre_bias=pre_bias, grad_rows=slot, **gap_options)  # fmt: skip
-    return skip + call_linear(out, y, y_rows).to(x.dtype)
+    out_slot = grad_rows_slot(out, x.device)
+    result = skip + call_linear(out, y, y_rows, out_slot).to(x.dtype)
+    if out_slot is not None:  # the next block's layer norm writes result's gradient: out's, through the add
+        attach_grad_rows(result, out_slot)
+    return result

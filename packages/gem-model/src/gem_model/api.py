@@ -29,7 +29,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "PrequantizedInputLinear", "PrequantizedRows", "RowQuantization", "call_linear", "wanted_quantization",
     ),
     # ... and the backward's side: a linear whose output gradient arrives quantized by its producer
-    "gem_model.grad_rows": ("GradRows", "GradRowsSlot", "grad_rows_slot"),
+    "gem_model.grad_rows": ("GradRows", "GradRowsSlot", "attach_grad_rows", "attached_grad_rows", "grad_rows_slot"),
     "gem_model.linear_bias": ("bias_grad_elsewhere",),  # a linear whose bias gradient a fused kernel sums
     "gem_model.results": ("ReportSection", "RunSummary", "StepResult"),  # what a run hands back
     # the parallel degrees, their runtime view, the run a planner lays out, a planner's decision
@@ -148,6 +148,8 @@ __all__ = [
     "TablePlacement",
     "TrainPipeline",
     "UnknownNameError",
+    "attach_grad_rows",
+    "attached_grad_rows",
     "batch_tensors",
     "bias_grad_elsewhere",
     "call_linear",
@@ -246,7 +248,7 @@ if TYPE_CHECKING:
         ParallelDims,
         dims_of,
     )
-    from gem_model.grad_rows import GradRows, GradRowsSlot, grad_rows_slot
+    from gem_model.grad_rows import GradRows, GradRowsSlot, attach_grad_rows, attached_grad_rows, grad_rows_slot
     from gem_model.linear_bias import bias_grad_elsewhere
     from gem_model.plan import DensePlacement, Plan, TablePlacement
     from gem_model.plugins import GemPluginManager

@@ -19,7 +19,11 @@ through a :class:`GradRowsSlot` set up in the forward by the code that calls bot
   a hook replaced or changed the gradient, ``take`` returns None and the linear quantizes what it got.
 
 :func:`grad_rows_slot` is the producer side's whole use of it: a callable without the method gets no
-slot. The rows follow :class:`~gem_model.prequantized.RowQuantization`'s rule (e4m3, a power-of-two
+slot. When the producer is the next op rather than a kernel of the caller's own (the next HSTU block's
+layer norm writes the gradient of this block's output, which the residual add hands on unchanged to
+the output projection), the caller tags the tensor whose gradient that is with the slot
+(:func:`attach_grad_rows`) and the next op looks it up (:func:`attached_grad_rows`); the tag dies with
+the tensor, and any op in between makes a new tensor without it. The rows follow :class:`~gem_model.prequantized.RowQuantization`'s rule (e4m3, a power-of-two
 scale per row), of the gradient as stored; the column sums are float32 sums of its columns as stored.
 """
 
@@ -96,3 +100,20 @@ def grad_rows_slot(linear: Callable[..., Any], device: torch.device) -> GradRows
     if slot is not None and not isinstance(slot, GradRowsSlot):
         raise TypeError(f"{type(linear).__name__}.grad_rows_slot returned {type(slot).__name__}; expected GradRowsSlot or None")
     return slot
+
+
+_ATTACHED = "_gem_grad_rows_slot"
+
+
+def attach_grad_rows(t: torch.Tensor, slot: GradRowsSlot) -> None:
+    """Tag ``t``: whatever writes ``t``'s gradient may offer its rows to ``slot``, whose linear's output
+    gets that gradient unchanged (``t = skip + linear(y)``: the add hands its gradient on as is)."""
+    if not isinstance(slot, GradRowsSlot):
+        raise TypeError(f"attach_grad_rows: expected a GradRowsSlot, got {type(slot).__name__}")
+    setattr(t, _ATTACHED, slot)
+
+
+def attached_grad_rows(t: torch.Tensor) -> GradRowsSlot | None:
+    """The slot :func:`attach_grad_rows` tagged ``t`` with, or None."""
+    slot = getattr(t, _ATTACHED, None)
+    return slot if isinstance(slot, GradRowsSlot) else None
