@@ -84,12 +84,16 @@ def check(pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | None) ->
         same = torch.equal(got_grad, want_grad) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         err = ((got[2] - want[2]).abs().max() / want[2].abs().max().clamp_min(1e-30)).item()
         if not same or err > 1e-5:
-            raise SystemExit(f"{name}: differs from the separate passes (gradient and rows equal: {same}, sums {err:.1e})")
+            raise SystemExit(
+                f"{name}: differs from the separate passes (gradient and rows equal: {same}, sums {err:.1e})"
+            )
         errors[name] = err
     return errors
 
 
-def time_rounds(pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | None, rounds: int) -> dict[str, list[float]]:
+def time_rounds(
+    pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | None, rounds: int
+) -> dict[str, list[float]]:
     fns = variants()
     names = list(fns)
     d_pre = pristine.clone()
@@ -134,7 +138,9 @@ def layer_norm_variants(rows: int, device: str, gen: torch.Generator) -> tuple[d
     same = all(torch.equal(a, b) for a, b in zip(want[:3], got[:3]))
     err = ((got[3] - want[3]).abs().max() / want[3].abs().max().clamp_min(1e-30)).item()
     if not same or err > 1e-5:
-        raise SystemExit(f"layer norm rows: differ from the separate pass (gradient and rows equal: {same}, sums {err:.1e})")
+        raise SystemExit(
+            f"layer norm rows: differ from the separate pass (gradient and rows equal: {same}, sums {err:.1e})"
+        )
     return {"separate": separate_ln, "in_layer_norm": in_norm}, err
 
 
@@ -200,7 +206,7 @@ def main() -> int:
         print(f"{r['dq']:<12} {r['variant']:<16} {r['median_ms']:>10.3f} {r['q1_ms']:>7.3f}-{r['q3_ms']:<7.3f} "
               f"{r['speedup_over_separate']:>10.3f}x")  # fmt: skip
     if args.out:
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
                 "rounds": args.rounds, "seed": args.seed}  # fmt: skip
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

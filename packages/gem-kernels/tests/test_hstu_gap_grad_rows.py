@@ -16,7 +16,7 @@ from gem_kernels.hstu_gap_grad_rows import ROWS_PER_PROGRAM, silu_grad_rows
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.hstu_gap_triton import hstu_gap_triton, silu_columns
 from gem_kernels.quantized_rows_triton import RowsOut
-from gem_kernels.testing import offsets_from_lengths
+from gem_kernels.testing import assert_rows_stand_for, offsets_from_lengths
 from gem_model.api import GradRowsSlot, PrequantizedRows, RowQuantization
 
 pytestmark = pytest.mark.usefixtures("poison")
@@ -24,18 +24,6 @@ pytestmark = pytest.mark.usefixtures("poison")
 HV, HQ = 24, 16  # v and u columns 24 wide, q and k 16: W = 80, not a power of two (the tile's tail is masked)
 WIDTH = 2 * HV + 2 * HQ
 Q_COLS = slice(2 * HV, 2 * HV + HQ)
-
-
-def assert_stands_for(rows: PrequantizedRows, y: torch.Tensor) -> None:
-    """One power of two per row, every value within e4m3's rounding of ``y``, the row's max near 448."""
-    y = y.float()
-    assert rows.data.shape == y.shape and rows.column_amax_bits is None
-    mantissa, _ = torch.frexp(rows.scale_inv)
-    assert (mantissa == 0.5).all(), "scales are powers of two"
-    back = rows.data.float() * rows.scale_inv[:, None]
-    assert (back - y).abs().le(y.abs() * 2.0**-4 + rows.scale_inv[:, None] * 2.0**-9).all()
-    amax = y.abs().amax(1)
-    assert (amax / rows.scale_inv <= RowQuantization.MAX).all() and (amax / rows.scale_inv > RowQuantization.MAX / 4).all()
 
 
 def plain_passes(pre, d_pre, dq, scale_inv=None) -> torch.Tensor:
@@ -63,7 +51,7 @@ def test_whole_rows_pass_writes_the_plain_passes_gradient_its_rows_and_sums(gen,
     out = RowsOut.allocate(rows, WIDTH, pre.device, RowQuantization())
     sums = silu_grad_rows(pre, d_pre, HV, out, dq=None if dq is None else (dq, Q_COLS), col_sum=True)
     assert torch.equal(d_pre, want)
-    assert_stands_for(out.result(), want)
+    assert_rows_stand_for(out.result(), want)
     torch.testing.assert_close(sums, want.double().sum(0).float(), rtol=1e-6, atol=1e-5)
     assert silu_grad_rows(pre, d_pre.clone(), HV, out, dq=None if dq is None else (dq, Q_COLS)) is None
 
@@ -77,7 +65,7 @@ def test_whole_rows_pass_reads_pre_from_its_e4m3_rows(gen):
     out = RowsOut.allocate(21, WIDTH, pre.device, RowQuantization())
     silu_grad_rows(data, d_pre, HV, out, dq=(dq, Q_COLS), scale_inv=scale_inv)
     assert torch.equal(d_pre, want)
-    assert_stands_for(out.result(), want)
+    assert_rows_stand_for(out.result(), want)
 
 
 def test_a_row_with_a_nan_or_an_infinity_is_all_nan_bytes(gen):
@@ -92,7 +80,7 @@ def test_a_row_with_a_nan_or_an_infinity_is_all_nan_bytes(gen):
     for row in (1, 3):
         assert (data[row] == RowQuantization.NAN_BYTE).all() and scale_inv[row].isnan()
     assert (data[4] & 0x7F == 0).all() and scale_inv[4].isfinite()  # zeros (-0 where silu' < 0)
-    assert_stands_for(PrequantizedRows(data[[0, 2]].view(RowQuantization.DTYPE), scale_inv[[0, 2]]), d_pre[[0, 2]])
+    assert_rows_stand_for(PrequantizedRows(data[[0, 2]].view(RowQuantization.DTYPE), scale_inv[[0, 2]]), d_pre[[0, 2]])
 
 
 def test_bad_arguments_are_named(gen):
@@ -125,7 +113,7 @@ def test_the_gap_offers_its_gradients_rows_and_its_gradients_are_unchanged(gen, 
     assert torch.equal(y_s, y) and all(torch.equal(a, b) for a, b in zip(grads_s, grads))
     offered = slot.take(grads_s[0])  # autograd handed the gap's d_pre on as the leaf's gradient, unchanged
     assert offered is not None
-    assert_stands_for(offered.rows, grads[0])
+    assert_rows_stand_for(offered.rows, grads[0])
     if column_sum:
         torch.testing.assert_close(offered.column_sum, grads[0].double().sum(0).float(), rtol=1e-6, atol=1e-5)
     else:

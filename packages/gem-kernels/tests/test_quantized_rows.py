@@ -20,34 +20,13 @@ from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import ROWS_PER_PROGRAM_WITH_ROWS, norm_fork
 from gem_kernels.norm_gate_triton import NormGateFunction
 from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS, RowsOut
-from gem_kernels.testing import offsets_from_lengths
-from gem_model.api import GradRowsSlot, PrequantizedRows, RowQuantization
+from gem_kernels.testing import assert_rows_stand_for, offsets_from_lengths
+from gem_model.api import GradRowsSlot, RowQuantization
 
 pytestmark = pytest.mark.usefixtures("poison")
 
 ROWS = 2 * ROWS_PER_PROGRAM_WITH_COLUMNS + 5  # three programs merge their column maxima, the last one short
 WIDTH = 40  # not a power of two: the tile's last columns are masked
-
-
-def abs_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.float().view(torch.int32) & 0x7FFFFFFF
-
-
-def assert_stands_for(rows: PrequantizedRows, y: torch.Tensor, *, column_amax: bool) -> None:
-    """``rows`` hold ``y`` to e4m3's rounding with one power of two per row, and its column maxima."""
-    y = y.reshape(-1, y.shape[-1]).float()
-    assert rows.data.shape == y.shape and rows.scale_inv.shape == (y.shape[0],)
-    scale_inv = rows.scale_inv
-    mantissa, _ = torch.frexp(scale_inv)
-    assert (mantissa == 0.5).all(), "scales are powers of two"
-    back = rows.data.float() * scale_inv[:, None]
-    assert (back - y).abs().le(y.abs() * 2.0**-4 + scale_inv[:, None] * 2.0**-9).all()
-    amax = y.abs().amax(1)
-    assert (amax / scale_inv <= RowQuantization.MAX).all() and (amax / scale_inv > RowQuantization.MAX / 4).all()
-    if column_amax:
-        assert torch.equal(rows.column_amax_bits, abs_bits(y).amax(0))
-    else:
-        assert rows.column_amax_bits is None
 
 
 @pytest.mark.parametrize("column_amax", [True, False])
@@ -63,7 +42,7 @@ def test_norm_fork_writes_its_rows_and_the_same_output_and_gradient(gen, dtype, 
     (ln, none, dx), (ln_q, rows, dx_q) = results
     assert none is None
     assert torch.equal(ln_q, ln) and torch.equal(dx_q, dx)
-    assert_stands_for(rows, ln, column_amax=column_amax)
+    assert_rows_stand_for(rows, ln, column_amax=column_amax)
 
 
 @pytest.mark.parametrize("silu_gate", [True, False])
@@ -75,7 +54,7 @@ def test_norm_gate_forward_writes_its_rows_and_the_same_output(gen, silu_gate):
     out = RowsOut.allocate(ROWS, WIDTH, x.device, RowQuantization(column_amax=True))
     y_q, mean_q, rstd_q = NormGateFunction.run_forward(x, u, weight, bias, 1e-6, silu_gate=silu_gate, rows_out=out)
     assert torch.equal(y_q, y) and torch.equal(mean_q, mean) and torch.equal(rstd_q, rstd)
-    assert_stands_for(out.result(), y, column_amax=True)
+    assert_rows_stand_for(out.result(), y, column_amax=True)
 
 
 def test_the_gap_returns_its_rows_and_the_same_output_and_gradients(gen):
@@ -94,7 +73,7 @@ def test_the_gap_returns_its_rows_and_the_same_output_and_gradients(gen):
     assert none is None and torch.equal(y_q, y)
     assert all(torch.equal(a, b) for a, b in zip(grads_q, grads))
     assert not rows.data.requires_grad and not rows.scale_inv.requires_grad
-    assert_stands_for(rows, y, column_amax=True)
+    assert_rows_stand_for(rows, y, column_amax=True)
 
 
 @pytest.mark.parametrize("column_sum", [True, False])
@@ -115,7 +94,7 @@ def test_norm_fork_backward_offers_its_gradients_rows_and_writes_the_same_gradie
     assert torch.equal(dx_s, dx)
     offered = slot.take(dx_s)
     assert offered is not None
-    assert_stands_for(offered.rows, dx, column_amax=False)
+    assert_rows_stand_for(offered.rows, dx, column_amax=False)
     if column_sum:
         torch.testing.assert_close(offered.column_sum, dx.double().sum(0).float(), rtol=1e-6, atol=1e-5)
     else:

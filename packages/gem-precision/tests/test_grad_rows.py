@@ -64,7 +64,11 @@ def run(linear: nn.Module, x: torch.Tensor, gy: torch.Tensor, *, offered_scale: 
 
 def problem(gen: torch.Generator) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    return nn.Linear(IN, OUT), torch.randn(TOKENS, IN, generator=gen).bfloat16(), torch.randn(TOKENS, OUT, generator=gen).bfloat16()
+    return (
+        nn.Linear(IN, OUT),
+        torch.randn(TOKENS, IN, generator=gen).bfloat16(),
+        torch.randn(TOKENS, OUT, generator=gen).bfloat16(),
+    )
 
 
 @pytest.fixture

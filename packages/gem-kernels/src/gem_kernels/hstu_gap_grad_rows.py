@@ -61,7 +61,9 @@ def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_
         d_ptrs = D_PRE + rows[:, None] * stride_d + cols[None, :]
         if HAS_DQ:
             g = tl.load(d_ptrs, mask=inside & (~in_q)[None, :], other=0.0).to(tl.float32)
-            dq = tl.load(DQ + rows[:, None] * stride_dq + (cols - q_lo)[None, :], mask=inside & in_q[None, :], other=0.0)
+            dq = tl.load(
+                DQ + rows[:, None] * stride_dq + (cols - q_lo)[None, :], mask=inside & in_q[None, :], other=0.0
+            )
             g = tl.where(in_q[None, :], dq.to(tl.float32), g)
         else:
             g = tl.load(d_ptrs, mask=inside, other=0.0).to(tl.float32)

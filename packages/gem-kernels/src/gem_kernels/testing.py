@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gem_kernels.reference import jagged_attention_reference
-from gem_model.api import AttentionExtras
+from gem_model.api import AttentionExtras, PrequantizedRows, RowQuantization
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -84,3 +84,21 @@ def block_output_and_grads(
     leaf = x.clone().requires_grad_()
     y = block(leaf, offsets, num_targets)
     return y, torch.autograd.grad(y, [leaf, *block.parameters()], dy)
+
+
+def assert_rows_stand_for(rows: PrequantizedRows, y: torch.Tensor, *, column_amax: bool = False) -> None:
+    """``rows`` hold ``y`` (leading dims flattened) to e4m3's rounding with one power of two per row, each
+    row's maximum near 448; with ``column_amax`` also ``y``'s column maxima (as int32 bits), else none."""
+    y = y.reshape(-1, y.shape[-1]).float()
+    assert rows.data.shape == y.shape and rows.scale_inv.shape == (y.shape[0],)
+    scale_inv = rows.scale_inv
+    mantissa, _ = torch.frexp(scale_inv)
+    assert (mantissa == 0.5).all(), "scales are powers of two"
+    back = rows.data.float() * scale_inv[:, None]
+    assert (back - y).abs().le(y.abs() * 2.0**-4 + scale_inv[:, None] * 2.0**-9).all()
+    amax = y.abs().amax(1)
+    assert (amax / scale_inv <= RowQuantization.MAX).all() and (amax / scale_inv > RowQuantization.MAX / 4).all()
+    if column_amax:
+        assert torch.equal(rows.column_amax_bits, (y.view(torch.int32) & 0x7FFFFFFF).amax(0))
+    else:
+        assert rows.column_amax_bits is None

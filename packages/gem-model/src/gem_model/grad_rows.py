@@ -98,7 +98,9 @@ def grad_rows_slot(linear: Callable[..., Any], device: torch.device) -> GradRows
         return None
     slot = ask(device)
     if slot is not None and not isinstance(slot, GradRowsSlot):
-        raise TypeError(f"{type(linear).__name__}.grad_rows_slot returned {type(slot).__name__}; expected GradRowsSlot or None")
+        raise TypeError(
+            f"{type(linear).__name__}.grad_rows_slot returned {type(slot).__name__}; expected GradRowsSlot or None"
+        )
     return slot
 
 
