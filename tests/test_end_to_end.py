@@ -35,24 +35,34 @@ def test_plugins_lists_all_five_packages_and_their_names():
         assert f"  {name}" in out
 
 
-def test_default_run_trains_and_prints_the_summary(tmp_path):
-    proc = gem_train("run", "trainer.steps=20", f"trainer.output_dir={tmp_path}/{{name}}")
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> tuple[tuple[str, ...], subprocess.CompletedProcess[str], Path]:
+    """The main command (the default run, 20 steps) in a fresh output directory: its arguments, its
+    process and the run's directory (for the first two tests: the second runs it again)."""
+    out = tmp_path_factory.mktemp("default")
+    args = ("run", "trainer.steps=20", f"trainer.output_dir={out}/{{name}}")
+    return args, gem_train(*args), out / "gem-tiny"
+
+
+def test_default_run_trains_and_prints_the_summary(default_run):
+    _, proc, out = default_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== summary" in proc.stdout and "MFU" in proc.stdout
     assert_quiet(proc)
-    records = [json.loads(x) for x in (tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"]
 
 
-def test_the_main_command_twice_in_a_row(tmp_path):
-    args = ("run", "trainer.steps=6", f"trainer.output_dir={tmp_path}/{{name}}")
-    first = gem_train(*args)
+def test_the_main_command_twice_in_a_row(default_run):
+    args, first, out = default_run
     assert first.returncode == 0, first.stderr[-3000:]
+    logged = (out / "metrics.jsonl").read_text()
     second = gem_train(*args)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "nothing to train" in second.stdout and "step 6 of trainer.steps=6" in second.stdout
+    assert "nothing to train" in second.stdout and "step 20 of trainer.steps=20" in second.stdout
     assert_quiet(second)
-    assert len((tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()) == 1  # log_every 10: step 6 only
+    # log_every 10: steps 10 and 20, from the first run; the second logs nothing
+    assert len(logged.splitlines()) == 2 and (out / "metrics.jsonl").read_text() == logged
 
 
 COMMON = ["trainer.steps=4", "trainer.log_every=1", "data.global_batch_size=16", "trainer.checkpoint_at_end=false"]
