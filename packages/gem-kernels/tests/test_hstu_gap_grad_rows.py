@@ -95,9 +95,11 @@ def test_bad_arguments_are_named(gen):
                         attention_dim=16, value_dim=16, max_seq_len=4, alpha=0.25, eps=1e-6, grad_rows=object())  # fmt: skip
 
 
-@pytest.mark.parametrize("dq_mode", ["atomic", "separate"])
-@pytest.mark.parametrize("column_sum", [True, False])
-def test_the_gap_offers_its_gradients_rows_and_its_gradients_are_unchanged(gen, dq_mode, column_sum):
+@pytest.mark.parametrize(
+    ("dq_mode", "column_sum", "saved_format"),
+    [("atomic", True, None), ("separate", False, None), ("separate", True, "e4m3_row"), ("atomic", False, "e4m3_row")],
+)
+def test_the_gap_offers_its_gradients_rows_and_its_gradients_are_unchanged(gen, dq_mode, column_sum, saved_format):
     heads, dqk, dv = 2, 16, 16
     offsets = offsets_from_lengths([5, 0, 9])
     pre = (torch.randn(14, heads * (2 * dv + 2 * dqk), generator=gen) * 2).bfloat16()
@@ -107,7 +109,7 @@ def test_the_gap_offers_its_gradients_rows_and_its_gradients_are_unchanged(gen, 
     for slot in (None, GradRowsSlot(column_sum=column_sum)):
         leaves = [t.clone().requires_grad_() for t in (pre, weight, bias)]
         y, _ = hstu_gap_triton(*leaves, offsets, num_heads=heads, attention_dim=dqk, value_dim=dv, max_seq_len=16,
-                               alpha=1 / math.sqrt(dqk), eps=1e-6, dq_mode=dq_mode, grad_rows=slot)  # fmt: skip
+                               alpha=1 / math.sqrt(dqk), eps=1e-6, dq_mode=dq_mode, grad_rows=slot, saved_format=saved_format)  # fmt: skip
         results.append((y, slot, torch.autograd.grad(y, leaves, dy)))
     (y, _, grads), (y_s, slot, grads_s) = results
     assert torch.equal(y_s, y) and all(torch.equal(a, b) for a, b in zip(grads_s, grads))
