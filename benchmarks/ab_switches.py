@@ -246,6 +246,26 @@ def switch_fp8_own_grad_rows(run: object) -> Callable[[], None]:
     return undo
 
 
+def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
+    """The next-item loss's shared-negative plan with coarser buckets and bigger chunks
+    (``gem_model.model.next_item_plan``'s constants, read at call time): fewer chunks, so fewer small
+    kernels for the host to launch in the loss's backward (where the device waits for it), for more
+    padded slots."""
+
+    def apply(run: object) -> Callable[[], None]:
+        from gem_model.model import next_item_plan as plan
+
+        before = plan.BUCKET_GROWTH, plan.SMALL_BUCKET, plan.CHUNK_ELEMENTS
+        plan.BUCKET_GROWTH, plan.SMALL_BUCKET, plan.CHUNK_ELEMENTS = growth, small, chunk_elements
+
+        def undo() -> None:
+            plan.BUCKET_GROWTH, plan.SMALL_BUCKET, plan.CHUNK_ELEMENTS = before
+
+        return undo
+
+    return apply
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -258,6 +278,8 @@ VARIANTS: dict[str, Switch] = {
     "host_syncs": switch_host_syncs,
     "whole_bags": switch_whole_bags,
     "bf16_lookup": switch_bf16_lookup,
+    "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),
+    "loss_buckets_2": _loss_plan(growth=2.0, small=128, chunk_elements=1 << 27),
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
