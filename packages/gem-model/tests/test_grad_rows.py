@@ -53,16 +53,18 @@ def test_another_or_a_changed_gradient_takes_nothing(other):
     assert slot.take(got) is None
 
 
-def test_column_sums_are_carried_when_asked_and_required():
+def test_column_sums_are_carried_when_asked_and_offered():
     g = torch.randn(6, 8)
     slot = GradRowsSlot(column_sum=True)
-    with pytest.raises(ValueError, match=r"float32 column sums \[8\], got None"):
-        slot.offer(g, rows_for(g))
-    with pytest.raises(ValueError, match=r"column sums \[8\], got torch.float64"):
+    with pytest.raises(ValueError, match=r"column sums must be float32 \[8\], got torch.float64 \(8,\)"):
         slot.offer(g, rows_for(g), g.double().sum(0))
+    with pytest.raises(ValueError, match=r"column sums must be float32 \[8\], got torch.float32 \(7,\)"):
+        slot.offer(g, rows_for(g), g[:, :7].sum(0))
     sums = g.sum(0)
     slot.offer(g, rows_for(g), sums)
     assert slot.take(g).column_sum is sums
+    slot.offer(g, rows_for(g))  # a producer may leave the sums to the linear
+    assert slot.take(g).column_sum is None
     unasked = GradRowsSlot()
     unasked.offer(g, rows_for(g), sums)
     assert unasked.take(g).column_sum is None  # not asked for: not handed on

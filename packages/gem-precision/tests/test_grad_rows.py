@@ -32,23 +32,26 @@ def rowwise(**options: Any) -> Fp8RowwiseScheme:
 
 class Producer(torch.autograd.Function):
     """Identity forward; backward writes ``scale * g`` (as a kernel writes a gradient) and offers the
-    reference's e4m3 rows and float32 column sums of ``offered_scale * g`` through the slot."""
+    reference's e4m3 rows and (``with_sums``) float32 column sums of ``offered_scale * g`` through the slot."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, slot: GradRowsSlot, offered_scale: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.slot, ctx.offered_scale = slot, offered_scale
+    def forward(
+        ctx: Any, y: torch.Tensor, slot: GradRowsSlot, offered_scale: float, with_sums: bool = True
+    ) -> torch.Tensor:  # type: ignore[override]
+        ctx.slot, ctx.offered_scale, ctx.with_sums = slot, offered_scale, with_sums
         return y.clone()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         written = g.clone()
         stands_for = written if ctx.offered_scale == 1 else written * ctx.offered_scale
-        sums = stands_for.float().sum(0) if ctx.slot.column_sum else None
+        sums = stands_for.float().sum(0) if ctx.slot.column_sum and ctx.with_sums else None
         ctx.slot.offer(written, producer_rows(stands_for, column_amax=False), sums)
-        return written, None, None
+        return written, None, None, None
 
 
-def run(linear: nn.Module, x: torch.Tensor, gy: torch.Tensor, *, offered_scale: float | None) -> list[torch.Tensor]:
+def run(linear: nn.Module, x: torch.Tensor, gy: torch.Tensor, *, offered_scale: float | None,
+        with_sums: bool = True) -> list[torch.Tensor]:  # fmt: skip
     """Output and gradients of ``x``, weight and bias; the gradient reaches the linear through a producer
     that offers rows (``offered_scale`` None: no slot, no producer)."""
     xi = x.detach().clone().requires_grad_()
@@ -57,7 +60,7 @@ def run(linear: nn.Module, x: torch.Tensor, gy: torch.Tensor, *, offered_scale: 
     else:
         slot = linear.grad_rows_slot(CPU)
         assert slot is not None
-        y = Producer.apply(linear(xi, grad_rows=slot), slot, offered_scale)
+        y = Producer.apply(linear(xi, grad_rows=slot), slot, offered_scale, with_sums)
     y.backward(gy)
     return [y.detach(), xi.grad, linear.weight.grad, linear.bias.grad]
 
@@ -105,6 +108,23 @@ def test_offered_rows_and_sums_give_bitwise_the_linears_own_results_and_nothing_
     assert "grad" not in roles  # backward quantized nothing
     for name, got, want in zip(["y", "dx", "dW", "db"], taken, own):
         assert torch.equal(got, want), f"{name} differs"
+
+
+def test_rows_offered_without_column_sums_leave_the_bias_gradient_to_the_linear(gen, monkeypatch):
+    """The layer norm's backward offers rows alone: the linear takes them for ``dx`` (bitwise its own) and
+    sums the gradient for the bias itself, without quantizing anything (the sums to fp32 rounding)."""
+    linear, x, gy = problem(gen)
+    module = rowwise().convert_linear(linear, "blocks.0.uvqk")
+    own = run(copy.deepcopy(module), x, gy, offered_scale=None)
+    roles: list[str] = []
+    real = Fp8Recipe.quantize
+    monkeypatch.setattr(Fp8Recipe, "quantize", lambda self, t, **kw: roles.append(kw["role"]) or real(self, t, **kw))
+    taken = run(copy.deepcopy(module), x, gy, offered_scale=1, with_sums=False)
+    assert "grad" not in roles
+    for name, got, want in zip(["y", "dx", "dW"], taken, own):
+        assert torch.equal(got, want), f"{name} differs"
+    torch.testing.assert_close(taken[3], gy.double().sum(0).float(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(taken[3], own[3], rtol=1e-6, atol=1e-5)
 
 
 def test_dx_is_computed_from_the_offered_rows(gen):

@@ -12,8 +12,11 @@ and both gradients. No affine parameters (the block's layer norm has none).
 The gradient the backward writes is the gradient of ``x``, the previous block's output, which that
 block's residual add hands on unchanged to its output projection. Given that linear's slot
 (``gem_model.api.GradRowsSlot``, found on ``x`` by ``attached_grad_rows``), the backward also writes
-the gradient's e4m3 rows and column sums (its programs then walk :data:`ROWS_PER_PROGRAM_WITH_ROWS`
-rows each, to keep the column-sum partials small) and offers them, and the linear quantizes nothing.
+the gradient's e4m3 rows and offers them, and the linear quantizes nothing. It offers no column sums
+(the linear's bias gradient): summed here, with each program walking 128 rows to keep the partial sums
+few, the pass took 9.3 ms a step on the H200's big config against 2.9 ms without rows (2026-12-03,
+``benchmarks/results/e2e_ab.md``), more than the linear's own one-pass rows and sums; the linear sums
+the gradient itself (one torch reduction).
 """
 
 from __future__ import annotations
@@ -30,8 +33,6 @@ from gem_model.api import GradRowsSlot, PrequantizedRows, RowQuantization
 
 MAX_DIM = 16384
 """Rows are held in registers whole."""
-ROWS_PER_PROGRAM_WITH_ROWS = 8 if INTERPRET else 128
-"""Rows a backward program walks when it writes the gradient's e4m3 rows and column sums."""
 
 
 def _rows_per_program(block_d: int) -> int:
@@ -39,9 +40,26 @@ def _rows_per_program(block_d: int) -> int:
 
 
 @triton.jit
-def _norm_fwd(X, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_y, num_rows, eps,
-              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-              QUANT: tl.constexpr, COLUMN_AMAX: tl.constexpr, INTERP: tl.constexpr):
+def _norm_fwd(
+    X,
+    Y,
+    MEAN,
+    RSTD,
+    Q,
+    Q_INV,
+    COL_AMAX,
+    stride_x,
+    stride_y,
+    num_rows,
+    eps,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    TILES: tl.constexpr,
+    QUANT: tl.constexpr,
+    COLUMN_AMAX: tl.constexpr,
+    INTERP: tl.constexpr,
+):
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
     col_max = tl.zeros([BLOCK_D], dtype=tl.int32)
@@ -64,40 +82,31 @@ def _norm_fwd(X, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_y, num_rows
 
 
 @triton.jit
-def _norm_bwd(X, DY, DSKIP, DX, MEAN, RSTD, Q, Q_INV, SUMS, stride_x, stride_dy, stride_skip, stride_dx, num_rows,
-              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-              HAS_SKIP: tl.constexpr, XHAT_GIVEN: tl.constexpr, QUANT: tl.constexpr, COL_SUM: tl.constexpr,
-              INTERP: tl.constexpr):  # fmt: skip
+def _norm_bwd(X, DY, DSKIP, DX, MEAN, RSTD, Q, Q_INV, stride_x, stride_dy, stride_skip, stride_dx, num_rows,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
+              XHAT_GIVEN: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """``XHAT_GIVEN``: ``X`` is the forward's output (the normalised rows) rather than its input; ``MEAN``
-    is then unused. ``QUANT``: also the e4m3 rows of ``DX`` as stored, into ``Q``/``Q_INV``, and with
-    ``COL_SUM`` this program's column sums of it into ``SUMS[program]``."""
+    is then unused. ``QUANT``: also the e4m3 rows of ``DX`` as stored, into ``Q``/``Q_INV``."""
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
-    sums = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for tile in range(TILES):
-        rows = ((tl.program_id(0) * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        rows_ok = rows < num_rows
-        inside = rows_ok[:, None] & cols_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
-        if XHAT_GIVEN:
-            xhat = x
-        else:
-            mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
-            xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
-        dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
-        if HAS_SKIP:
-            dx += tl.load(DSKIP + rows[:, None] * stride_skip + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        stored = cast(dx, DX.dtype.element_ty, INTERP)
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], stored, mask=inside)
-        if QUANT:  # the e4m3 rows of the gradient as stored, for the linear whose output it is the gradient of
-            y = stored.to(tl.float32)
-            write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, D)
-            if COL_SUM:
-                sums += tl.sum(tl.where(inside, y, 0.0), 0)
-    if COL_SUM:
-        tl.store(SUMS + tl.program_id(0) * D + cols, sums, mask=cols_ok)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    rows_ok = rows < num_rows
+    inside = rows_ok[:, None] & cols_ok[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
+    if XHAT_GIVEN:
+        xhat = x
+    else:
+        mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
+        xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
+    dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
+    if HAS_SKIP:
+        dx += tl.load(DSKIP + rows[:, None] * stride_skip + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    stored = cast(dx, DX.dtype.element_ty, INTERP)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], stored, mask=inside)
+    if QUANT:  # the e4m3 rows of the gradient as stored, for the linear whose output it is the gradient of
+        write_e4m3_rows(stored.to(tl.float32), rows, cols, rows_ok, cols_ok, Q, Q_INV, D)
 
 
 def _launch_shape(dim: int, backward: bool = False) -> tuple[int, int, int]:
@@ -116,7 +125,11 @@ class NormFork(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, eps: float, quantize: RowQuantization | None, keep_output: bool = False,
+        ctx: Any,
+        x: torch.Tensor,
+        eps: float,
+        quantize: RowQuantization | None,
+        keep_output: bool = False,
         grad_rows: GradRowsSlot | None = None,
     ) -> tuple[torch.Tensor | None, ...]:
         x2 = x.reshape(-1, x.shape[-1])
@@ -166,29 +179,27 @@ class NormFork(torch.autograd.Function):
         dx = torch.empty((rows, dim), dtype=ctx.dtype, device=x2.device)
         block_d, per, warps = _launch_shape(dim, backward=True)
         slot: GradRowsSlot | None = ctx.grad_rows
-        tiles = 1 if slot is None else triton.cdiv(ROWS_PER_PROGRAM_WITH_ROWS, per)
-        programs = triton.cdiv(rows, per * tiles)
         q = None if slot is None else RowsOut.allocate(rows, dim, x2.device, RowQuantization())
-        sums = torch.empty((programs, dim) if slot is not None and slot.column_sum else (1,), dtype=torch.float32,
-                           device=x2.device)  # fmt: skip
         if rows:
             with device_guard(x2.device):
-                _norm_bwd[(programs,)](
+                _norm_bwd[(triton.cdiv(rows, per),)](
                     x2, dy2, skip if skip is not None else dy2, dx, mean, rstd,
-                    *((q.data, q.scale_inv) if q is not None else (dx, mean)), sums, x2.stride(0), dy2.stride(0),
+                    *((q.data, q.scale_inv) if q is not None else (dx, mean)), x2.stride(0), dy2.stride(0),
                     (skip if skip is not None else dy2).stride(0), dx.stride(0), rows,
-                    D=dim, BLOCK_D=block_d, ROWS=per, TILES=tiles, HAS_SKIP=skip is not None,
-                    XHAT_GIVEN=ctx.keep_output, QUANT=q is not None, COL_SUM=sums.dim() == 2, INTERP=INTERPRET,
-                    num_warps=warps,
+                    D=dim, BLOCK_D=block_d, ROWS=per, HAS_SKIP=skip is not None, XHAT_GIVEN=ctx.keep_output,
+                    QUANT=q is not None, INTERP=INTERPRET, num_warps=warps,
                 )  # fmt: skip
         if slot is not None and q is not None:
-            column_sum = sums.sum(0) if sums.dim() == 2 else None  # zeros without rows
-            slot.offer(dx, q.result(), column_sum)
+            slot.offer(dx, q.result())  # no column sums: the linear sums dx for its bias (module docstring)
         return dx.view(ctx.shape), None, None, None, None
 
 
 def norm_fork(
-    x: torch.Tensor, eps: float = 1e-5, *, quantize: RowQuantization | None = None, keep_output: bool = False,
+    x: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    quantize: RowQuantization | None = None,
+    keep_output: bool = False,
     grad_rows: GradRowsSlot | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, PrequantizedRows | None]:
     """``(layer_norm(x), x, rows)``, differentiable, with one fused backward for both (see the module
@@ -197,8 +208,8 @@ def norm_fork(
     ``keep_output``: the backward reads ``layer_norm(x)`` (rounded to ``x``'s dtype) instead of ``x``, so
     that ``x`` need not be kept when the next op keeps ``layer_norm(x)`` anyway (the fused block under a
     saved-activation format). ``grad_rows``: the slot of the linear whose output gets ``x``'s gradient
-    unchanged (``gem_model.api.attached_grad_rows(x)``), offered that gradient's e4m3 rows (and column
-    sums) by the backward's pass."""
+    unchanged (``gem_model.api.attached_grad_rows(x)``), offered that gradient's e4m3 rows by the
+    backward's pass."""
     if x.shape[-1] > MAX_DIM:
         raise ValueError(f"norm_fork: rows of at most {MAX_DIM} elements, got {x.shape[-1]}")
     if grad_rows is not None and not isinstance(grad_rows, GradRowsSlot):

@@ -24,7 +24,8 @@ layer norm writes the gradient of this block's output, which the residual add ha
 the output projection), the caller tags the tensor whose gradient that is with the slot
 (:func:`attach_grad_rows`) and the next op looks it up (:func:`attached_grad_rows`); the tag dies with
 the tensor, and any op in between makes a new tensor without it. The rows follow :class:`~gem_model.prequantized.RowQuantization`'s rule (e4m3, a power-of-two
-scale per row), of the gradient as stored; the column sums are float32 sums of its columns as stored.
+scale per row), of the gradient as stored; the column sums, when offered, are float32 sums of its
+columns as stored.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from gem_model.prequantized import PrequantizedRows
 @dataclass(frozen=True)
 class GradRows:
     """What a producer offers for a gradient ``g [M, N]``: its e4m3 rows and, when the slot asked for
-    them, the float32 column sums ``[N]`` (the linear's bias gradient)."""
+    them and the producer summed them, the float32 column sums ``[N]`` (the linear's bias gradient;
+    None: the linear sums ``g`` itself)."""
 
     rows: PrequantizedRows
     column_sum: torch.Tensor | None = None
@@ -51,8 +53,10 @@ class GradRowsSlot:
     """One backward's hand-over of a gradient's quantized rows from the kernel that wrote the gradient
     to the linear whose output it is the gradient of (see the module docstring).
 
-    ``column_sum``: the linear needs the gradient's column sums too (its bias takes a gradient), so an
-    offer must carry them. The slot keeps the offered gradient alive until it is taken, so that no other
+    ``column_sum``: the linear needs the gradient's column sums too (its bias takes a gradient). An offer
+    may carry them (one pass of the linear saved) or not (the linear sums the gradient itself: a producer
+    for which the sums cost more than that pass, such as the layer norm's backward, leaves them out).
+    The slot keeps the offered gradient alive until it is taken, so that no other
     tensor can take its place in memory meanwhile.
     """
 
@@ -66,11 +70,10 @@ class GradRowsSlot:
             raise ValueError(f"GradRowsSlot.offer: the gradient must be [M, N] with contiguous rows, got "
                              f"{tuple(grad.shape)} strides {grad.stride()}")  # fmt: skip
         rows.check_input(grad, "GradRowsSlot.offer")
-        if self.column_sum:
-            n = grad.shape[1]
-            if column_sum is None or column_sum.dtype != torch.float32 or column_sum.shape != (n,):
-                got = None if column_sum is None else f"{column_sum.dtype} {tuple(column_sum.shape)}"
-                raise ValueError(f"GradRowsSlot.offer: the slot asks for the float32 column sums [{n}], got {got}")
+        n = grad.shape[1]
+        if column_sum is not None and (column_sum.dtype != torch.float32 or column_sum.shape != (n,)):
+            raise ValueError(f"GradRowsSlot.offer: column sums must be float32 [{n}], got {column_sum.dtype} "
+                             f"{tuple(column_sum.shape)}")  # fmt: skip
         self._offer = (grad, grad._version, GradRows(rows, column_sum if self.column_sum else None))
 
     def take(self, grad: torch.Tensor) -> GradRows | None:

@@ -117,13 +117,16 @@ def _quantize_grad(recipe: LinearRecipe, g2d: torch.Tensor, *, rows: bool, cols_
 def _offered_grad(
     recipe: LinearRecipe, g2d: torch.Tensor, offered: GradRows | None, *, cols_t: bool, col_sum: bool
 ) -> Quantized | None:
-    """``g``'s row operand and column sums as its producer wrote them (``offered``), when they are all
-    backward needs of ``g``; None when there is no offer, or backward needs more (a transposed operand,
-    or column sums the offer lacks)."""
-    if offered is None or cols_t or (col_sum and offered.column_sum is None):
+    """``g``'s row operand as its producer wrote it (``offered``), with the column sums it offered (or,
+    when it left them out, summed here: one torch reduction, no quantization pass); None when there is
+    no offer, or backward needs a transposed operand."""
+    if offered is None or cols_t:
         return None
     rows = recipe.quantize_prequantized(g2d, offered.rows, cols_t=False).rows
-    return Quantized(rows, None, offered.column_sum if col_sum else None)
+    sums = None
+    if col_sum:
+        sums = offered.column_sum if offered.column_sum is not None else g2d.sum(0, dtype=torch.float32)
+    return Quantized(rows, None, sums)
 
 
 def _high_precision_weight_grad(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
