@@ -246,6 +246,20 @@ def switch_fp8_own_grad_rows(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_fp8_gap_grad_rows_only(run: object) -> Callable[[], None]:
+    """Only the gap offers gradient rows (to ``uvqk``); each block's ``out`` quantizes its own output
+    gradient, as the layer norm backward offers it nothing (``hstu_block.attached_grad_rows`` -> None)."""
+    from gem_kernels import hstu_block
+
+    before = hstu_block.attached_grad_rows
+    hstu_block.attached_grad_rows = lambda t: None  # type: ignore[assignment]
+
+    def undo() -> None:
+        hstu_block.attached_grad_rows = before  # type: ignore[assignment]
+
+    return undo
+
+
 def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
     """The next-item loss's shared-negative plan with coarser buckets and bigger chunks
     (``gem_model.model.next_item_plan``'s constants, read at call time): fewer chunks, so fewer small
@@ -290,6 +304,7 @@ VARIANTS: dict[str, Switch] = {
     "fp8_rowwise_gw_bf16_producers": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=True),
     "fp8_two_pass_rows": switch_fp8_two_pass_rows,
     "fp8_own_grad_rows": switch_fp8_own_grad_rows,
+    "fp8_gap_grad_rows_only": switch_fp8_gap_grad_rows_only,
     "fp8_saved": _fp8_saved(in_kernels=True),
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
 }
