@@ -97,34 +97,24 @@ def test_the_slot_is_made_only_where_the_rows_stand_for_the_linears_own():
     assert slot(MXFP8Scheme(MXFP8Scheme.Config(backend="emulated"))) is None
 
 
-def test_offered_rows_and_sums_give_bitwise_the_linears_own_results_and_nothing_is_quantized(gen, monkeypatch):
+@pytest.mark.parametrize("with_sums", [True, False])
+def test_offered_rows_give_bitwise_the_linears_own_results_and_nothing_is_quantized(gen, monkeypatch, with_sums):
+    """With the column sums offered too, every result is bitwise the linear's own; rows offered alone (as
+    the layer norm's backward does) leave the bias gradient to the linear, which sums the gradient itself
+    (to fp32 rounding), still without quantizing anything."""
     linear, x, gy = problem(gen)
     module = rowwise().convert_linear(linear, "blocks.0.uvqk")
     own = run(copy.deepcopy(module), x, gy, offered_scale=None)
     roles: list[str] = []
     real = Fp8Recipe.quantize
     monkeypatch.setattr(Fp8Recipe, "quantize", lambda self, t, **kw: roles.append(kw["role"]) or real(self, t, **kw))
-    taken = run(copy.deepcopy(module), x, gy, offered_scale=1)
+    taken = run(copy.deepcopy(module), x, gy, offered_scale=1, with_sums=with_sums)
     assert "grad" not in roles  # backward quantized nothing
-    for name, got, want in zip(["y", "dx", "dW", "db"], taken, own):
+    for name, got, want in zip(["y", "dx", "dW", "db"][: 4 if with_sums else 3], taken, own):
         assert torch.equal(got, want), f"{name} differs"
-
-
-def test_rows_offered_without_column_sums_leave_the_bias_gradient_to_the_linear(gen, monkeypatch):
-    """The layer norm's backward offers rows alone: the linear takes them for ``dx`` (bitwise its own) and
-    sums the gradient for the bias itself, without quantizing anything (the sums to fp32 rounding)."""
-    linear, x, gy = problem(gen)
-    module = rowwise().convert_linear(linear, "blocks.0.uvqk")
-    own = run(copy.deepcopy(module), x, gy, offered_scale=None)
-    roles: list[str] = []
-    real = Fp8Recipe.quantize
-    monkeypatch.setattr(Fp8Recipe, "quantize", lambda self, t, **kw: roles.append(kw["role"]) or real(self, t, **kw))
-    taken = run(copy.deepcopy(module), x, gy, offered_scale=1, with_sums=False)
-    assert "grad" not in roles
-    for name, got, want in zip(["y", "dx", "dW"], taken, own):
-        assert torch.equal(got, want), f"{name} differs"
-    torch.testing.assert_close(taken[3], gy.double().sum(0).float(), rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(taken[3], own[3], rtol=1e-6, atol=1e-5)
+    if not with_sums:
+        torch.testing.assert_close(taken[3], gy.double().sum(0).float(), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(taken[3], own[3], rtol=1e-6, atol=1e-5)
 
 
 def test_dx_is_computed_from_the_offered_rows(gen):
