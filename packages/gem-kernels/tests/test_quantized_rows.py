@@ -84,10 +84,7 @@ def test_norm_fork_backward_offers_its_gradients_rows_and_writes_the_same_gradie
     the linear, whether the slot's linear takes them or not."""
     rows = 2 * _launch_shape(WIDTH, backward=True)[1] + 3
     x = (torch.randn(rows, WIDTH, generator=gen) * 3 + 1).bfloat16()
-    d_ln, d_skip = (
-        torch.randn(rows, WIDTH, generator=gen).bfloat16(),
-        torch.randn(rows, WIDTH, generator=gen).bfloat16(),
-    )
+    d_ln, d_skip = torch.randn(rows, WIDTH, generator=gen).bfloat16(), torch.randn(rows, WIDTH, generator=gen).bfloat16()
     results = []
     for slot in (None, GradRowsSlot(column_sum=column_sum)):
         xi = x.clone().requires_grad_()

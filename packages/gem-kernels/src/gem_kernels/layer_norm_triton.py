@@ -40,26 +40,9 @@ def _rows_per_program(block_d: int) -> int:
 
 
 @triton.jit
-def _norm_fwd(
-    X,
-    Y,
-    MEAN,
-    RSTD,
-    Q,
-    Q_INV,
-    COL_AMAX,
-    stride_x,
-    stride_y,
-    num_rows,
-    eps,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr,
-    TILES: tl.constexpr,
-    QUANT: tl.constexpr,
-    COLUMN_AMAX: tl.constexpr,
-    INTERP: tl.constexpr,
-):
+def _norm_fwd(X, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_y, num_rows, eps,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+              QUANT: tl.constexpr, COLUMN_AMAX: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
     col_max = tl.zeros([BLOCK_D], dtype=tl.int32)
@@ -125,13 +108,9 @@ class NormFork(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        eps: float,
-        quantize: RowQuantization | None,
-        keep_output: bool = False,
+        ctx: Any, x: torch.Tensor, eps: float, quantize: RowQuantization | None, keep_output: bool = False,
         grad_rows: GradRowsSlot | None = None,
-    ) -> tuple[torch.Tensor | None, ...]:
+    ) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
         x2 = x.reshape(-1, x.shape[-1])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         rows, dim = x2.shape
@@ -195,13 +174,9 @@ class NormFork(torch.autograd.Function):
 
 
 def norm_fork(
-    x: torch.Tensor,
-    eps: float = 1e-5,
-    *,
-    quantize: RowQuantization | None = None,
-    keep_output: bool = False,
+    x: torch.Tensor, eps: float = 1e-5, *, quantize: RowQuantization | None = None, keep_output: bool = False,
     grad_rows: GradRowsSlot | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, PrequantizedRows | None]:
+) -> tuple[torch.Tensor, torch.Tensor, PrequantizedRows | None]:  # fmt: skip
     """``(layer_norm(x), x, rows)``, differentiable, with one fused backward for both (see the module
     docstring). ``eps`` is ``F.layer_norm``'s default. ``rows``: with ``quantize``, ``layer_norm(x)``
     quantized as it says (:mod:`gem_kernels.quantized_rows_triton`), written by the same pass; else None.

@@ -56,8 +56,8 @@ class GradRowsSlot:
     ``column_sum``: the linear needs the gradient's column sums too (its bias takes a gradient). An offer
     may carry them (one pass of the linear saved) or not (the linear sums the gradient itself: a producer
     for which the sums cost more than that pass, such as the layer norm's backward, leaves them out).
-    The slot keeps the offered gradient alive until it is taken, so that no other
-    tensor can take its place in memory meanwhile.
+    The slot keeps the offered gradient alive until it is taken, so that no other tensor can take its
+    place in memory meanwhile.
     """
 
     def __init__(self, *, column_sum: bool = False):
