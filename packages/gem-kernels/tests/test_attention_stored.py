@@ -18,19 +18,25 @@ from gem_kernels.testing import offsets_from_lengths, random_qkv
 pytestmark = pytest.mark.usefixtures("poison")
 
 
-def packed_offsets(lengths: list[int], heads: int) -> list[list[list[int]]]:
-    """Where row i of (sequence, head) starts, written out row by row: rows padded to multiples of 8."""
-    starts, at = [], 0
+def packed_offsets(lengths: list[int], heads: int) -> list[list[dict[tuple[int, int], int]]]:
+    """Each allowed-or-not (key j, query i >= floor8(j)) position of every (sequence, head), written
+    out key row by key row: row j holds queries floor8(j) .. ceil8(n) - 1."""
+    where, at = [], 0
     for n in lengths:
         per_head = []
         for _ in range(heads):
-            rows = []
-            for i in range(n):
-                rows.append(at)
-                at += -(-(i + 1) // 8) * 8
-            per_head.append(rows)
-        starts.append(per_head)
-    return starts
+            cells = {}
+            for j in range(n):
+                for i in range(j // 8 * 8, -(-n // 8) * 8):
+                    cells[(j, i)] = at
+                    at += 1
+            per_head.append(cells)
+        where.append(per_head)
+    return where
+
+
+def packed_total(lengths: list[int], heads: int) -> int:
+    return heads * sum(n * (-(-n // 8) * 8) - sum(j // 8 * 8 for j in range(n)) for n in lengths)
 
 
 def expected_ds(q, k, v, g, lengths, targets, window, alpha):  # type: ignore[no-untyped-def]
@@ -65,16 +71,17 @@ def test_packed_layout_holds_every_allowed_ds(gen: torch.Generator, monkeypatch:
     key_major(q, k, v, g, offsets, targets, None, max_seq_len=max_len, alpha=alpha, max_attn_len=window, ds=ds)
     want = expected_ds(q, k, v, g, lengths, targets, window, alpha)
     mask = attention_mask(torch.tensor(lengths), targets, window, max(lengths))
-    starts = packed_offsets(lengths, heads)
+    cells = packed_offsets(lengths, heads)
+    assert sum(len(c) for per_head in cells for c in per_head) == packed_total(lengths, heads)
     checked = 0
     for b, n in enumerate(lengths):
         for h in range(heads):
             for i in range(n):
-                cols = torch.nonzero(mask[b, i, :n]).flatten()
-                assert int(cols.max()) <= i  # the mask never reaches right of the diagonal
-                got = ds[starts[b][h][i] + cols]
+                cols = torch.nonzero(mask[b, i, :n]).flatten().tolist()
+                assert max(cols) <= i  # the mask never reaches right of the diagonal
+                got = ds[[cells[b][h][(j, i)] for j in cols]]
                 torch.testing.assert_close(got.double(), want[b][h, i, cols], rtol=1e-5, atol=1e-6)
-                checked += cols.numel()
+                checked += len(cols)
     assert checked == int(mask.sum()) * heads
 
 
@@ -93,12 +100,12 @@ def test_dq_with_partial_capacity(gen: torch.Generator, dtype: torch.dtype, monk
     options = dict(max_seq_len=max_len, alpha=0.25, max_attn_len=0)
     dk0, dv0 = key_major(q, k, v, g, offsets, targets, None, **options)
     dq0 = query_major(q, k, v, g, offsets, targets, **options)
-    needed = sum(heads * sum(-(-(i + 1) // 8) * 8 for i in range(n)) for n in lengths)
+    needed = packed_total(lengths, heads)
     assert needed <= stored.capacity(q.shape[0], heads, max_len, q.element_size())
     sentinel = 12345.0
     for size in (needed, needed // 2, 0):
-        buffer = torch.full((size + 64,), sentinel, dtype=dtype)
-        ds = buffer[:size] if size else buffer[:1]
+        buffer = torch.full((size + stored.SLACK + 1,), sentinel, dtype=dtype)
+        ds = buffer[: max(size, 1)]
         dk, dv = key_major(q, k, v, g, offsets, targets, None, ds=ds, **options)
         dq = query_major(q, k, v, g, offsets, targets, ds=ds, **options)
         assert torch.equal(dk, dk0) and torch.equal(dv, dv0)  # storing changes nothing else
@@ -108,9 +115,8 @@ def test_dq_with_partial_capacity(gen: torch.Generator, dtype: torch.dtype, monk
 
 
 def test_capacity_bounds_the_packed_size() -> None:
-    for lengths, max_len in (([1, 2, 3], 3), ([4096] * 3, 4096), ([0, 17, 9, 64, 65], 65), ([1] * 100, 1)):
-        needed = sum(sum(-(-(i + 1) // 8) * 8 for i in range(n)) for n in lengths)
-        assert needed <= stored.capacity(sum(lengths), 1, max_len, 2), (lengths, max_len)
+    for lengths, max_len in (([1, 2, 3], 3), ([4096] * 3, 4096), ([0, 17, 9, 64, 65], 65), ([1] * 100, 1), ([9], 9)):
+        assert packed_total(lengths, 1) <= stored.capacity(sum(lengths), 1, max_len, 2), (lengths, max_len)
     assert stored.capacity(200_000, 8, 4096, 2, budget_bytes=2**30) == 2**29  # the budget caps it
 
 
@@ -118,7 +124,11 @@ def test_bad_buffers_are_refused() -> None:
     q = torch.zeros(4, 1, 16)
     offsets = torch.tensor([0, 4])
     options = dict(max_seq_len=4, alpha=1.0, max_attn_len=0)
-    with pytest.raises(ValueError, match="ds is for dq"):
-        query_major(q, q, q, None, offsets, None, ds=torch.zeros(8), **options)
-    with pytest.raises(ValueError, match="ds must be a 1-d torch.float32 buffer"):
+    with pytest.raises(ValueError, match="is for dq; the forward was asked for"):
+        query_major(q, q, q, None, offsets, None, ds=stored.allocate(q, 4), **options)
+    with pytest.raises(ValueError, match="ds must be a contiguous 1-d torch.float32 buffer"):
         key_major(q, q, q, q, offsets, None, None, ds=torch.zeros(8, dtype=torch.bfloat16), **options)
+    with pytest.raises(ValueError, match="256 elements of storage past its end"):
+        key_major(q, q, q, q, offsets, None, None, ds=torch.zeros(8), **options)  # no slack
+    with pytest.raises(ValueError, match="exclude each other"):
+        key_major(q, q, q, q, offsets, None, torch.zeros(4, 1, 16), ds=stored.allocate(q, 4), **options)

@@ -71,7 +71,7 @@ from gem_kernels.attention_triton_common import (
     silu_and_grad_biased,
     silu_mode,
 )
-from gem_kernels.attention_triton_stored import chunk_sizes, row_starts, sequence_base
+from gem_kernels.attention_triton_stored import check_buffer, chunk_sizes, key_rows, sequence_base
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for Hopper-class GPUs. Each is a compile
@@ -174,21 +174,63 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
 
 
 @triton.jit
-def _stored_ds_step(acc, k_ptrs, ds_rows, start, stride_km, queries, rows_ok, offs_n, d_qk_ok, seq_len,
+def _stored_ds_step(acc, k_ptrs, DS, ds_base, start, stride_km, queries, rows_ok, offs_n, d_qk_ok, seq_len,
                     history_len, max_attn_len, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     CHECK_QK: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
     """``acc += ds k`` for one key block, ``ds`` read back from the dk/dv pass's stores
-    (:mod:`gem_kernels.attention_triton_stored`): only allowed pairs are read, the rest count as 0."""
+    (:mod:`gem_kernels.attention_triton_stored`). Masked blocks read the allowed pairs only; unmasked
+    ones read whole columns of queries, padding rows included (their sums are never stored)."""
     keys = start + offs_n
     keys_ok = keys < seq_len
-    ds_ptrs = ds_rows[:, None] + keys[None, :]
+    ds_ptrs = DS + key_rows(ds_base, keys, seq_len)[None, :] + queries[:, None]
     if MASKED:
         keep = allowed(queries[:, None], keys[None, :], history_len, max_attn_len, HAS_WINDOW)
         ds = tl.load(ds_ptrs, mask=keep & rows_ok[:, None] & keys_ok[None, :], other=0.0)
     else:
-        ds = tl.load(ds_ptrs, mask=rows_ok[:, None], other=0.0)
+        ds = tl.load(ds_ptrs)
     k = load_tile(k_ptrs + start * stride_km, keys_ok, d_qk_ok, MASKED, CHECK_QK)
     return dot(ds, k, acc, IEEE, INTERP)
+
+
+@triton.jit
+def _tile_loops(acc, ranges, step_args, COMPUTE_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
+                INTERP: tl.constexpr, CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr, FP8: tl.constexpr,
+                STORED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Every key block of one query tile: the unmasked ones, then the masked ones (``ranges`` from
+    ``_query_block_ranges``); with ``STORED``, ``dq`` from the stored score gradients."""
+    full_lo, full_hi, left, diag_lo, n_left, n_hist, n_diag = ranges
+    (q, do, k_ptrs, v_ptrs, stride_km, stride_vm, queries, rows_ok, offs_n, d_qk_ok, d_v_ok, seq_len, history_len,
+     max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets, key_scales, stride_dom,
+     DS, ds_base) = step_args  # fmt: skip
+    for start in range(full_lo, full_hi, BLOCK_N):
+        if STORED:
+            acc = _stored_ds_step(acc, k_ptrs, DS, ds_base, start, stride_km, queries, rows_ok, offs_n, d_qk_ok,
+                                  seq_len, history_len, max_attn_len, False, HAS_WINDOW, CHECK_QK, IEEE, INTERP)  # fmt: skip
+        else:
+            acc = _query_block_step(
+                acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok, d_v_ok, seq_len,
+                history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets,
+                key_scales, stride_dom, False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE,
+                INTERP, CHECK_QK, CHECK_V, FP8,
+            )
+    for i in range(0, n_left + n_hist + n_diag):
+        start = tl.where(
+            i < n_left,
+            left + i * BLOCK_N,
+            tl.where(i < n_left + n_hist, full_hi + (i - n_left) * BLOCK_N, diag_lo + (i - n_left - n_hist) * BLOCK_N),
+        )
+        if STORED:
+            acc = _stored_ds_step(acc, k_ptrs, DS, ds_base, start, stride_km, queries, rows_ok, offs_n, d_qk_ok,
+                                  seq_len, history_len, max_attn_len, True, HAS_WINDOW, CHECK_QK, IEEE, INTERP)  # fmt: skip
+        else:
+            acc = _query_block_step(
+                acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok, d_v_ok, seq_len,
+                history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets,
+                key_scales, stride_dom, True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE,
+                INTERP, CHECK_QK, CHECK_V, FP8,
+            )
+    return acc
 
 
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
@@ -233,7 +275,7 @@ def query_major_kernel(
                 tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_M
             )
             use_stored = False
-            ds_base = stored_before
+            ds_base = stored_before  # (unused unless STORED_DS)
             if STORED_DS:
                 ds_base, use_stored = sequence_base(sizes, tiles_end, tile, stored_before, seq_len, head, num_heads,
                                                     ds_capacity)  # fmt: skip
@@ -270,43 +312,20 @@ def query_major_kernel(
                 m0, seq_len, history_len, max_attn_len, HAS_WINDOW, BLOCK_M, BLOCK_N
             )
             acc = tl.zeros([BLOCK_M, BLOCK_OUT], dtype=tl.float32)
-            if use_stored:
-                ds_rows = DS + row_starts(ds_base, queries)
-                for start in range(full_lo, full_hi, BLOCK_N):
-                    acc = _stored_ds_step(acc, k_ptrs, ds_rows, start, stride_km, queries, rows_ok, offs_n, d_qk_ok,
-                                          seq_len, history_len, max_attn_len, False, HAS_WINDOW, CHECK_QK, IEEE,
-                                          INTERP)  # fmt: skip
-                for i in range(0, n_left + n_hist + n_diag):
-                    start = tl.where(
-                        i < n_left,
-                        left + i * BLOCK_N,
-                        tl.where(i < n_left + n_hist, full_hi + (i - n_left) * BLOCK_N,
-                                 diag_lo + (i - n_left - n_hist) * BLOCK_N),
-                    )
-                    acc = _stored_ds_step(acc, k_ptrs, ds_rows, start, stride_km, queries, rows_ok, offs_n, d_qk_ok,
-                                          seq_len, history_len, max_attn_len, True, HAS_WINDOW, CHECK_QK, IEEE,
-                                          INTERP)  # fmt: skip
+            ranges = (full_lo, full_hi, left, diag_lo, n_left, n_hist, n_diag)
+            step_args = (q, do, k_ptrs, v_ptrs, stride_km, stride_vm, queries, rows_ok, offs_n, d_qk_ok, d_v_ok,
+                         seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
+                         pos_offset, num_buckets, key_scales, stride_dom, DS, ds_base)  # fmt: skip
+            if STORED_DS:
+                if use_stored:
+                    acc = _tile_loops(acc, ranges, step_args, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU,
+                                      IEEE, INTERP, CHECK_QK, CHECK_V, FP8, True, BLOCK_N)  # fmt: skip
+                else:
+                    acc = _tile_loops(acc, ranges, step_args, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU,
+                                      IEEE, INTERP, CHECK_QK, CHECK_V, FP8, False, BLOCK_N)  # fmt: skip
             else:
-                for start in range(full_lo, full_hi, BLOCK_N):
-                    acc = _query_block_step(
-                        acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
-                        d_v_ok, seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
-                        pos_offset, num_buckets, key_scales, stride_dom, False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS,
-                        HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK, CHECK_V, FP8,
-                    )
-                for i in range(0, n_left + n_hist + n_diag):
-                    start = tl.where(
-                        i < n_left,
-                        left + i * BLOCK_N,
-                        tl.where(i < n_left + n_hist, full_hi + (i - n_left) * BLOCK_N,
-                                 diag_lo + (i - n_left - n_hist) * BLOCK_N),
-                    )
-                    acc = _query_block_step(
-                        acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
-                        d_v_ok, seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
-                        pos_offset, num_buckets, key_scales, stride_dom, True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS,
-                        HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK, CHECK_V, FP8,
-                    )
+                acc = _tile_loops(acc, ranges, step_args, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE,
+                                  INTERP, CHECK_QK, CHECK_V, FP8, False, BLOCK_N)  # fmt: skip
             out_ptrs = (OUT + seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om
                         + offs_out[None, :])
             out_mask = rows_ok[:, None] & (offs_out < D_OUT)[None, :]
@@ -369,9 +388,10 @@ def query_major(
             f"{num_heads}, 2]; got q {q.dtype}, k {k.dtype}, scales {fp8_scales.dtype} {tuple(fp8_scales.shape)}, "
             f"grad_out {'given' if compute_dq else 'None'}"
         )
-    if ds is not None and (not compute_dq or ds.dtype != q.dtype or ds.dim() != 1):
-        raise ValueError(f"query_major: ds is for dq, a 1-d {q.dtype} buffer; got {ds.dtype} {tuple(ds.shape)}, "
-                         f"grad_out {'given' if compute_dq else 'None'}")  # fmt: skip
+    if ds is not None:
+        if not compute_dq:
+            raise ValueError("query_major: ds (stored score gradients) is for dq; the forward was asked for")
+        check_buffer(ds, q.dtype, "query_major")
     dim_out = dim_qk if compute_dq else dim_v
     if out is None:
         out = torch.empty((num_rows, num_heads, dim_out), dtype=q.dtype if compute_dq else v.dtype, device=q.device)

@@ -49,7 +49,7 @@ from gem_kernels.attention_triton_common import (
     silu_and_grad_biased,
     silu_mode,
 )
-from gem_kernels.attention_triton_stored import chunk_sizes, row_starts, sequence_base
+from gem_kernels.attention_triton_stored import check_buffer, chunk_sizes, key_rows, sequence_base
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
 
 # (BLOCK_M queries per step, BLOCK_N keys per tile, num_warps, num_stages, programs per SM): from
@@ -100,7 +100,7 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 @triton.jit
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
-                    PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_base, ds_fits,
+                    PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_keys, ds_fits,
                     MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
@@ -138,8 +138,8 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     ds_t = cast(ds_t, q.dtype, INTERP)
     dk = dot(ds_t, q, dk, IEEE, INTERP)
     if STORE_DS:
-        if ds_fits:  # the allowed pairs only (attention_triton_stored): every one of them lies in its row
-            ds_ptrs = DS + row_starts(ds_base, queries)[None, :] + keys[:, None]
+        if ds_fits:  # the allowed pairs only (attention_triton_stored), along the queries of each key row
+            ds_ptrs = DS + ds_keys[:, None] + (tl.multiple_of(start, BLOCK_M) + offs_m)[None, :]
             if MASKED:
                 tl.store(ds_ptrs, ds_t, mask=keep & queries_ok[None, :] & (keys < seq_len)[:, None])
             else:
@@ -195,12 +195,13 @@ def key_major_kernel(
             seq, seq_start, seq_len, head, block, _ = locate_tile(
                 tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_N
             )
-            ds_base, ds_fits = stored_before, False
+            n0 = block * BLOCK_N
+            keys = n0 + offs_n
+            ds_keys, ds_fits = keys, False
             if STORE_DS:
                 ds_base, ds_fits = sequence_base(sizes, tiles_end, tile, stored_before, seq_len, head, num_heads,
                                                  ds_capacity)  # fmt: skip
-            n0 = block * BLOCK_N
-            keys = n0 + offs_n
+                ds_keys = key_rows(ds_base, keys, seq_len)
             keys_ok = keys < seq_len
             k_rows = K + seq_start * stride_km + head * stride_kh + keys[:, None] * stride_km
             v_rows = V + seq_start * stride_vm + head * stride_vh + keys[:, None] * stride_vm
@@ -229,7 +230,7 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_base, ds_fits, False, ATOMIC_DQ,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_keys, ds_fits, False, ATOMIC_DQ,
                     STORE_DS, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
@@ -239,7 +240,7 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_base, ds_fits, True, ATOMIC_DQ,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_keys, ds_fits, True, ATOMIC_DQ,
                     STORE_DS, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
@@ -303,9 +304,10 @@ def key_major(
         return dk, dv
     device = q.device
     atomic = dq_accum is not None
-    if ds is not None and (atomic or ds.dtype != q.dtype or ds.dim() != 1):
-        raise ValueError(f"key_major: ds must be a 1-d {q.dtype} buffer, without dq_accum; got {ds.dtype} "
-                         f"{tuple(ds.shape)}, dq_accum {'given' if atomic else 'None'}")  # fmt: skip
+    if ds is not None:
+        if atomic:
+            raise ValueError("key_major: ds (stored score gradients) and dq_accum (atomic dq) exclude each other")
+        check_buffer(ds, q.dtype, "key_major")
     dq = dq_accum if dq_accum is not None else dk  # unused without ATOMIC_DQ: any tensor of the row layout
     has_targets = num_targets is not None
     has_window = max_attn_len > 0

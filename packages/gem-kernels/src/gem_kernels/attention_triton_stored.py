@@ -10,21 +10,28 @@ stored values are the very ``ds`` the atomic mode multiplies by ``k``: the three
 in the order of the fp32 sums.
 
 Layout. Only pairs with ``j <= i`` are ever allowed (KERNELS.md's mask), so each (sequence, head)
-keeps the lower triangle of its ``[n, n]`` score matrix, row by row, each row padded to a multiple of
-8 elements (16-byte aligned rows, so whole tiles load and store in vectors)::
+keeps, key by key, the queries that may see that key: key row ``j`` holds queries ``floor8(j) ..
+ceil8(n) - 1`` (its width a multiple of 8, so rows stay 16-byte aligned)::
 
-    row i of sequence s, head h  at  H * before(s) + h * tri8(n_s) + tri8(i),   tri8(i) = sum_{r<i} ceil8(r + 1)
+    (j, i) of sequence s, head h  at  H * before(s) + h * size(n_s) + key_row(j) + i
+    key_row(j) = sum_{r<j} (ceil8(n) - floor8(r)) - floor8(j),   size(n) = sum_{r<n} (ceil8(n) - floor8(r))
 
-``before(s)`` sums ``tri8(n)`` over the sequences before ``s``; the kernels add it up while they scan
-``seq_offsets`` (no host sync, no offsets tensor). Only the allowed positions are written and read.
+Key rows, because the dk/dv pass holds ``ds`` as ``[keys, queries]`` with the queries along each
+thread's registers: its stores then run along the queries, contiguous in memory (a layout with the
+keys contiguous made them scattered 2-byte stores: the pass took 1.49x its time without stores on the
+H200). The dq pass reads ``[queries, keys]`` tiles of it transposed, through shared memory as any
+MMA operand. ``before(s)`` sums ``size(n)`` over the sequences before ``s``; the kernels add it up
+while they scan ``seq_offsets`` (no host sync, no offsets tensor). Only the allowed positions are
+written; the dq pass reads them, and on unmasked tiles also padding rows (queries past the sequence,
+whose results are never stored), which the buffer's slack keeps inside the allocation.
 
 Capacity. The buffer is sized on the host from what it knows without a sync: ``L`` rows and
-``max_seq_len`` bound the sum of ``tri8(n)`` (:func:`capacity`), and a budget caps it. A sequence
+``max_seq_len`` bound the sum of ``size(n)`` (:func:`capacity`), and a budget caps it. A sequence
 whose rows would end past the capacity (one longer than ``max_seq_len``, or past the budget) is
 not stored: the dk/dv pass skips its stores and the dq pass recomputes its scores for it, as the
 separate mode does. So every input stays correct; only the speed depends on what fits.
 
-Memory: ``H * (L * N / 2 + 8 L)`` elements at most, e.g. 6.6 GB for 200,000 rows of up to 4,096
+Memory: ``H * (L * N / 2 + 15 L)`` elements at most, e.g. 6.6 GB for 200,000 rows of up to 4,096
 with 8 heads in bf16, held from the dk/dv pass to the end of the dq pass.
 """
 
@@ -41,50 +48,74 @@ DS_BUDGET_BYTES = 16 * 2**30
 def capacity(num_rows: int, num_heads: int, max_seq_len: int, element_size: int,
              budget_bytes: int = DS_BUDGET_BYTES) -> int:  # fmt: skip
     """Elements of a ``ds`` buffer that holds every sequence of a batch of ``num_rows`` rows whose
-    sequences are at most ``max_seq_len`` long (``sum tri8(n) <= sum n (n - 1) / 2 + 8 n <= L N / 2 + 8 L``),
-    capped by ``budget_bytes``."""
-    bound = num_heads * (num_rows * max(max_seq_len, 1) // 2 + 8 * num_rows)
+    sequences are at most ``max_seq_len`` long, capped by ``budget_bytes``: a key row is at most
+    ``n - j + 14`` wide, so ``size(n) <= n (n + 1) / 2 + 14 n`` and the sum is at most ``L N / 2 + 15 L``."""
+    bound = num_heads * (num_rows * max(max_seq_len, 1) // 2 + 15 * num_rows)
     return max(0, min(bound, budget_bytes // element_size))
+
+
+SLACK = 256
+"""Elements past the capacity that unmasked tiles of the dq pass may read (padding rows of a query
+block: at most ``BLOCK_M`` past the last key row's end)."""
 
 
 def allocate(q: torch.Tensor, max_seq_len: int, budget_bytes: int = DS_BUDGET_BYTES) -> torch.Tensor:
     """An uninitialised ``ds`` buffer for the batch of ``q`` ``[L, H, D]`` (the kernels write before
-    they read, and read only what they wrote)."""
+    they read; what they read unwritten lands only in rows they never store): ``capacity`` elements,
+    a view of an allocation with :data:`SLACK` more."""
     size = capacity(q.shape[0], q.shape[1], max_seq_len, q.element_size(), budget_bytes)
-    return torch.empty(max(size, 1), dtype=q.dtype, device=q.device)
+    return torch.empty(size + SLACK, dtype=q.dtype, device=q.device)[: max(size, 1)]
+
+
+def check_buffer(ds: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+    """A ``ds`` buffer is 1-d, of the inputs' dtype, and has :data:`SLACK` elements of storage past its end."""
+    spare = ds.untyped_storage().nbytes() // ds.element_size() - ds.storage_offset() - ds.numel()
+    if ds.dim() != 1 or ds.dtype != dtype or not ds.is_contiguous() or spare < SLACK:
+        raise ValueError(
+            f"{where}: ds must be a contiguous 1-d {dtype} buffer with {SLACK} elements of storage past its end "
+            f"(gem_kernels.attention_triton_stored.allocate); got {ds.dtype} {tuple(ds.shape)} with {spare} spare"
+        )
 
 
 @triton.jit
-def tri8(n):
-    """Elements of rows ``0 .. n - 1`` of the packed triangle, row ``i`` padded to ``ceil8(i + 1)``:
-    ``8 n + 8 sum_{r<n} floor(r / 8)`` (int64)."""
+def _rows_before(j, c):
+    """``sum_{r<j} (c - floor8(r))`` (int64), ``c = ceil8(n)``: where key row ``j`` starts."""
+    a = j // 8
+    return 8 * a * c - 32 * a * (a - 1) + (j - 8 * a) * (c - 8 * a)
+
+
+@triton.jit
+def packed_size(n):
+    """Elements of one (sequence, head) of length ``n``: its ``n`` key rows (int64)."""
     n = n.to(tl.int64)
-    a = n // 8
-    return 8 * n + 32 * a * (a - 1) + 8 * a * (n - 8 * a)
+    return _rows_before(n, (n + 7) // 8 * 8)
+
+
+@triton.jit
+def key_rows(base, keys, seq_len):
+    """Where (key ``j``, query 0) would sit, for the keys ``keys`` (int32 vector, local to the
+    sequence) of the (sequence, head) at ``base``: add a query index to reach its element."""
+    j = keys.to(tl.int64)
+    c = (seq_len.to(tl.int64) + 7) // 8 * 8
+    return tl.multiple_of(base + _rows_before(j, c) - j // 8 * 8, 8)
 
 
 @triton.jit
 def chunk_sizes(SEQ_OFFSETS, chunk0, num_seqs, CHUNK: tl.constexpr):
-    """``tri8(n)`` of the sequences ``chunk0 .. chunk0 + CHUNK`` (0 past the last)."""
+    """:func:`packed_size` of the sequences ``chunk0 .. chunk0 + CHUNK`` (0 past the last)."""
     seqs = chunk0 + tl.arange(0, CHUNK)
     inside = seqs < num_seqs
     starts = tl.load(SEQ_OFFSETS + seqs, mask=inside, other=0)
     ends = tl.load(SEQ_OFFSETS + seqs + 1, mask=inside, other=0)
-    return tri8(ends - starts)
+    return packed_size(ends - starts)
 
 
 @triton.jit
 def sequence_base(sizes, tiles_end, tile, stored_before, seq_len, head, num_heads, capacity):
     """The first element of (this tile's sequence, ``head``) in the buffer, and whether the whole
     sequence fits. ``sizes``: the chunk's :func:`chunk_sizes`; ``tiles_end``: the chunk's scan (as
-    given to ``locate_tile``); ``stored_before``: ``sum tri8`` of the chunks before."""
+    given to ``locate_tile``); ``stored_before``: the sizes of the chunks before, summed."""
     before = stored_before + tl.sum(tl.where(tiles_end <= tile, sizes, 0))
-    own = tri8(seq_len)
+    own = packed_size(seq_len)
     fits = num_heads * (before + own) <= capacity
     return num_heads * before + head * own, fits
-
-
-@triton.jit
-def row_starts(base, rows):
-    """Where rows ``rows`` (int32 vector, local to the sequence) start, from the (sequence, head)'s ``base``."""
-    return tl.multiple_of(base + tri8(rows), 8)
