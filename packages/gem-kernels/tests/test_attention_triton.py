@@ -62,7 +62,7 @@ def check(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dq", ["atomic", "separate", "stored"])
+@pytest.mark.parametrize("dq", ["atomic", "separate"])
 @pytest.mark.parametrize("mask", ["causal", "targets", "window_targets"])
 def test_random_batches(gen: torch.Generator, dtype: torch.dtype, dq: str, mask: str) -> None:
     lengths = random_lengths(gen, 4, 40)

@@ -134,7 +134,7 @@ def test_block_shapes(gen: torch.Generator, blocks: tuple[int, int]) -> None:
           window=int(torch.randint(1, 50, (1,), generator=gen)), config=config)
 
 
-@pytest.mark.parametrize("dq", ["atomic", "separate", "stored"])
+@pytest.mark.parametrize("dq", ["atomic", "separate"])
 def test_unordered_times(gen: torch.Generator, dq: str) -> None:
     """Times in no order: negative differences, and rows of a tile spread over many buckets."""
     lengths = random_lengths(gen, 3, 40)

@@ -71,7 +71,6 @@ from gem_kernels.attention_triton_common import (
     silu_and_grad_biased,
     silu_mode,
 )
-from gem_kernels.attention_triton_stored import check_buffer, chunk_sizes, key_rows, sequence_base
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for Hopper-class GPUs. Each is a compile
@@ -90,18 +89,14 @@ FORWARD_CONFIGS: list[Config] = [
 DQ_CONFIGS: list[Config] = [
     (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 2), (64, 32, 4, 2, 2),
 ]
-# dq from stored score gradients: one MMA per tile pair and no scores in registers, so wider key blocks fit
-STORED_DQ_CONFIGS: list[Config] = [*DQ_CONFIGS, (128, 128, 8, 2, 1), (128, 64, 8, 4, 1)]
 WIDE_CONFIGS: list[Config] = [(128, 32, 8, 2, 1), (64, 64, 8, 2, 1), (32, 64, 4, 2, 2)]  # head dims above 128
 INTERPRETER_CONFIGS: list[Config] = [(16, 16, 1, 1, 1)]
 
 
-def make_configs(wide: bool, compute_dq: bool, stored: bool = False) -> list[Config]:
+def make_configs(wide: bool, compute_dq: bool) -> list[Config]:
     if INTERPRET:
         return INTERPRETER_CONFIGS
-    if wide:
-        return WIDE_CONFIGS
-    return (STORED_DQ_CONFIGS if stored else DQ_CONFIGS) if compute_dq else FORWARD_CONFIGS
+    return WIDE_CONFIGS if wide else (DQ_CONFIGS if compute_dq else FORWARD_CONFIGS)
 
 
 KEY_NAMES = ("dtype", "dqk", "dv", "targets", "window", "bias", "chunk", "blocks", "n_bucket", "mean_bucket")
@@ -173,85 +168,23 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
     return dot(cast(w, rhs.dtype, INTERP), rhs, acc, IEEE, INTERP)
 
 
-@triton.jit
-def _stored_ds_step(acc, k_ptrs, DS, ds_base, start, stride_km, queries, rows_ok, offs_n, d_qk_ok, seq_len,
-                    history_len, max_attn_len, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    CHECK_QK: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr):
-    """``acc += ds k`` for one key block, ``ds`` read back from the dk/dv pass's stores
-    (:mod:`gem_kernels.attention_triton_stored`). Masked blocks read the allowed pairs only; unmasked
-    ones read whole columns of queries, padding rows included (their sums are never stored)."""
-    keys = start + offs_n
-    keys_ok = keys < seq_len
-    ds_ptrs = DS + key_rows(ds_base, keys, seq_len)[None, :] + queries[:, None]
-    if MASKED:
-        keep = allowed(queries[:, None], keys[None, :], history_len, max_attn_len, HAS_WINDOW)
-        ds = tl.load(ds_ptrs, mask=keep & rows_ok[:, None] & keys_ok[None, :], other=0.0)
-    else:
-        ds = tl.load(ds_ptrs)
-    k = load_tile(k_ptrs + start * stride_km, keys_ok, d_qk_ok, MASKED, CHECK_QK)
-    return dot(ds, k, acc, IEEE, INTERP)
-
-
-@triton.jit
-def _tile_loops(acc, ranges, step_args, COMPUTE_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
-                INTERP: tl.constexpr, CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr, FP8: tl.constexpr,
-                STORED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Every key block of one query tile: the unmasked ones, then the masked ones (``ranges`` from
-    ``_query_block_ranges``); with ``STORED``, ``dq`` from the stored score gradients."""
-    full_lo, full_hi, left, diag_lo, n_left, n_hist, n_diag = ranges
-    (q, do, k_ptrs, v_ptrs, stride_km, stride_vm, queries, rows_ok, offs_n, d_qk_ok, d_v_ok, seq_len, history_len,
-     max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets, key_scales, stride_dom,
-     DS, ds_base) = step_args  # fmt: skip
-    for start in range(full_lo, full_hi, BLOCK_N):
-        if STORED:
-            acc = _stored_ds_step(acc, k_ptrs, DS, ds_base, start, stride_km, queries, rows_ok, offs_n, d_qk_ok,
-                                  seq_len, history_len, max_attn_len, False, HAS_WINDOW, CHECK_QK, IEEE, INTERP)  # fmt: skip
-        else:
-            acc = _query_block_step(
-                acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok, d_v_ok, seq_len,
-                history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets,
-                key_scales, stride_dom, False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE,
-                INTERP, CHECK_QK, CHECK_V, FP8,
-            )
-    for i in range(0, n_left + n_hist + n_diag):
-        start = tl.where(
-            i < n_left,
-            left + i * BLOCK_N,
-            tl.where(i < n_left + n_hist, full_hi + (i - n_left) * BLOCK_N, diag_lo + (i - n_left - n_hist) * BLOCK_N),
-        )
-        if STORED:
-            acc = _stored_ds_step(acc, k_ptrs, DS, ds_base, start, stride_km, queries, rows_ok, offs_n, d_qk_ok,
-                                  seq_len, history_len, max_attn_len, True, HAS_WINDOW, CHECK_QK, IEEE, INTERP)  # fmt: skip
-        else:
-            acc = _query_block_step(
-                acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok, d_v_ok, seq_len,
-                history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets,
-                key_scales, stride_dom, True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE,
-                INTERP, CHECK_QK, CHECK_V, FP8,
-            )
-    return acc
-
-
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
-@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets", "ds_capacity"])
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets"])
 def query_major_kernel(
-    Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DS,
+    Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
     stride_dom, stride_doh, stride_om, stride_oh,
-    num_seqs, num_heads, alpha, out_scale, max_attn_len, pos_offset, num_buckets, ds_capacity,
+    num_seqs, num_heads, alpha, out_scale, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV: tl.constexpr, D_OUT: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_OUT: tl.constexpr,
-    COMPUTE_DQ: tl.constexpr, STORED_DS: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue. ``PB``,
     ``TB``: position and time bias tables; ``EDGES``: the time buckets' edge table; ``TS``, ``QTS``:
-    int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias).
-    ``STORED_DS`` (with ``COMPUTE_DQ``): ``dq`` from the score gradients the dk/dv pass stored in ``DS``
-    (``ds_capacity`` elements), for every sequence that fits there; the others recompute them."""
+    int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -263,22 +196,13 @@ def query_major_kernel(
     CHECK_V: tl.constexpr = DV != BLOCK_DV
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
-    stored_before = tiles_before.to(tl.int64)
     for chunk0 in range(0, num_seqs, CHUNK):
         tiles, tiles_end = scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before, BLOCK_M, CHUNK)
         chunk_end = tiles_before + tl.sum(tiles)
-        sizes = tiles
-        if STORED_DS:
-            sizes = chunk_sizes(SEQ_OFFSETS, chunk0, num_seqs, CHUNK)
         while tile < chunk_end:
             seq, seq_start, seq_len, head, block, blocks = locate_tile(
                 tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_M
             )
-            use_stored = False
-            ds_base = stored_before  # (unused unless STORED_DS)
-            if STORED_DS:
-                ds_base, use_stored = sequence_base(sizes, tiles_end, tile, stored_before, seq_len, head, num_heads,
-                                                    ds_capacity)  # fmt: skip
             m0 = (blocks - 1 - block) * BLOCK_M  # last rows see the most keys: start them first
             queries = m0 + offs_m
             rows_ok = queries < seq_len
@@ -312,38 +236,39 @@ def query_major_kernel(
                 m0, seq_len, history_len, max_attn_len, HAS_WINDOW, BLOCK_M, BLOCK_N
             )
             acc = tl.zeros([BLOCK_M, BLOCK_OUT], dtype=tl.float32)
-            ranges = (full_lo, full_hi, left, diag_lo, n_left, n_hist, n_diag)
-            step_args = (q, do, k_ptrs, v_ptrs, stride_km, stride_vm, queries, rows_ok, offs_n, d_qk_ok, d_v_ok,
-                         seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
-                         pos_offset, num_buckets, key_scales, stride_dom, DS, ds_base)  # fmt: skip
-            if STORED_DS:
-                if use_stored:
-                    acc = _tile_loops(acc, ranges, step_args, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU,
-                                      IEEE, INTERP, CHECK_QK, CHECK_V, FP8, True, BLOCK_N)  # fmt: skip
-                else:
-                    acc = _tile_loops(acc, ranges, step_args, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU,
-                                      IEEE, INTERP, CHECK_QK, CHECK_V, FP8, False, BLOCK_N)  # fmt: skip
-            else:
-                acc = _tile_loops(acc, ranges, step_args, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE,
-                                  INTERP, CHECK_QK, CHECK_V, FP8, False, BLOCK_N)  # fmt: skip
+            for start in range(full_lo, full_hi, BLOCK_N):
+                acc = _query_block_step(
+                    acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
+                    d_v_ok, seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
+                    pos_offset, num_buckets, key_scales, stride_dom, False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS,
+                    HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK, CHECK_V, FP8,
+                )
+            for i in range(0, n_left + n_hist + n_diag):
+                start = tl.where(
+                    i < n_left,
+                    left + i * BLOCK_N,
+                    tl.where(i < n_left + n_hist, full_hi + (i - n_left) * BLOCK_N,
+                             diag_lo + (i - n_left - n_hist) * BLOCK_N),
+                )
+                acc = _query_block_step(
+                    acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
+                    d_v_ok, seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
+                    pos_offset, num_buckets, key_scales, stride_dom, True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS,
+                    HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK, CHECK_V, FP8,
+                )
             out_ptrs = (OUT + seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om
                         + offs_out[None, :])
             out_mask = rows_ok[:, None] & (offs_out < D_OUT)[None, :]
             tl.store(out_ptrs, cast(acc * out_scale, OUT.dtype.element_ty, INTERP), mask=out_mask)
             tile = next_tile
         tiles_before = chunk_end
-        if STORED_DS:
-            stored_before += tl.sum(sizes)
     release_queue(COUNTER)
 
 
-_POINTERS = ("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES", "TS", "QTS",
-             "DS")
+_POINTERS = ("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES", "TS", "QTS")
 FORWARD = TunedKernel("forward", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"),
                       key_names=KEY_NAMES)
 DQ = TunedKernel("dq", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"), key_names=KEY_NAMES)
-DQ_STORED = TunedKernel("dq_stored", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"),
-                        key_names=KEY_NAMES)
 
 
 def query_major(
@@ -361,7 +286,6 @@ def query_major(
     bias: RelativeBias = NO_BIAS,
     out: torch.Tensor | None = None,
     fp8_scales: torch.Tensor | None = None,
-    ds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The forward output, or ``dq`` when ``grad_out`` is given. Inputs have unit last-dim stride;
     ``bias`` comes from :func:`gem_kernels.attention_triton_bias.prepare_bias`. ``out``: where to
@@ -371,11 +295,7 @@ def query_major(
     0, None]`` and ``k * fp8_scales[..., 1, None]`` (float32 ``[L, H, 2]``, unit last stride; written by
     :mod:`gem_kernels.attention_fp8`); ``v`` stays in the activation dtype. The kernel reads them through
     its ``DO`` pointer, which the forward does not otherwise use: so the default path's signature, and
-    its compiled code, are those of the kernel without the fp8 mode.
-
-    ``ds`` (``dq`` only): the buffer :func:`~gem_kernels.attention_triton_bwd.key_major` stored the
-    score gradients into (:mod:`gem_kernels.attention_triton_stored`); ``dq`` then costs one MMA per
-    tile pair instead of three."""
+    its compiled code, are those of the kernel without the fp8 mode."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     compute_dq = grad_out is not None
@@ -388,10 +308,6 @@ def query_major(
             f"{num_heads}, 2]; got q {q.dtype}, k {k.dtype}, scales {fp8_scales.dtype} {tuple(fp8_scales.shape)}, "
             f"grad_out {'given' if compute_dq else 'None'}"
         )
-    if ds is not None:
-        if not compute_dq:
-            raise ValueError("query_major: ds (stored score gradients) is for dq; the forward was asked for")
-        check_buffer(ds, q.dtype, "query_major")
     dim_out = dim_qk if compute_dq else dim_v
     if out is None:
         out = torch.empty((num_rows, num_heads, dim_out), dtype=q.dtype if compute_dq else v.dtype, device=q.device)
@@ -411,7 +327,7 @@ def query_major(
     def constexprs() -> dict:
         return dict(
             DQK=dim_qk, DV=dim_v, D_OUT=dim_out, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v),
-            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, STORED_DS=ds is not None, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
+            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
             HAS_POS_BIAS=bias.position is not None, HAS_TIME_BIAS=bias.time is not None,
             SILU=silu_mode(v.dtype), IEEE=v.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, FP8=fp8,
         )
@@ -423,18 +339,17 @@ def query_major(
         counter = queue_counter(device)
         args = (
             q, k, v, do, out, seq_offsets, num_targets if num_targets is not None else seq_offsets, counter,
-            *bias.pointers(q), ds if ds is not None else out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            *bias.pointers(q), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), out.stride(0), out.stride(1),
             num_seqs, num_heads, alpha, scale, max_attn_len, max_seq_len - 1, bias.num_buckets,
-            ds.numel() if ds is not None else 0,
         )
         if blocks is not None:
             configs = [fixed_config(*blocks)]
             buckets: tuple[int, int] = (0, 0)
         else:
-            configs = make_configs(max(dim_qk, dim_v) > 128, compute_dq, ds is not None)
+            configs = make_configs(max(dim_qk, dim_v) > 128, compute_dq)
             buckets = length_buckets(max_seq_len, num_rows, num_seqs)
-        (FORWARD if not compute_dq else DQ if ds is None else DQ_STORED).launch(
+        (DQ if compute_dq else FORWARD).launch(
             args, constexprs, variant=variant, buckets=buckets, configs=configs, device=device,
             tile_bound=tile_bound,
         )

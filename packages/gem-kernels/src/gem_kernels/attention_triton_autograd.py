@@ -7,14 +7,13 @@ from typing import Any, Literal
 import torch
 
 from gem_kernels import attention_triton, attention_triton_bwd
-from gem_kernels import attention_triton_stored as stored_ds
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias, prepare_bias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.launcher import config_str, key_label
 from gem_model.api import NO_EXTRAS, AttentionExtras
 
-DqMode = Literal["auto", "atomic", "separate", "stored"]
+DqMode = Literal["auto", "atomic", "separate"]
 
 ATOMIC_DQ_BELOW_PAIRS = 2**24
 """``auto`` takes atomic dq below this many (query, key) pairs, estimated as ``H L^2 / (2 B)``.
@@ -28,8 +27,7 @@ zeroed fp32 buffer and its cast); the two small batches, where the second kernel
 drain do not pay off, favour atomics. 2^24 sits between the two groups."""
 
 
-def resolve_dq_mode(dq_mode: DqMode, num_rows: int, num_seqs: int,
-                    num_heads: int) -> Literal["atomic", "separate", "stored"]:  # fmt: skip
+def resolve_dq_mode(dq_mode: DqMode, num_rows: int, num_seqs: int, num_heads: int) -> Literal["atomic", "separate"]:
     if dq_mode != "auto":
         return dq_mode
     pairs = num_heads * num_rows * num_rows / (2 * max(1, num_seqs))
@@ -131,15 +129,13 @@ def attention_backward(
     grad_out = _unit_stride(grad_out)
     options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias)
     grads = BiasGrads.zeros(bias, needs_position, needs_time, max_seq_len, q.device)
-    mode = resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1])
-    if mode == "atomic":
+    if resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "atomic":
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, bias_grads=grads, **options)
         dq = dq_accum.to(q.dtype)
     else:
-        ds = stored_ds.allocate(q, max_seq_len) if mode == "stored" else None
-        dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, bias_grads=grads, ds=ds, **options)
-        dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, ds=ds, **options)
+        dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, bias_grads=grads, **options)
+        dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, **options)
     d_position, d_time = grads.result(bias, max_seq_len)
     return dq, dk, dv, d_position, d_time
 
@@ -195,8 +191,6 @@ KERNELS = {
     "dq": attention_triton.DQ,
     "dkdv": attention_triton_bwd.DKDV,
     "dkdv_atomic": attention_triton_bwd.DKDV_ATOMIC,
-    "dkdv_store": attention_triton_bwd.DKDV_STORE,
-    "dq_stored": attention_triton.DQ_STORED,
 }
 
 

@@ -6,8 +6,7 @@ math, the diagonal, window-edge and target blocks masked. Five MMAs per (query b
 pair: ``s^T = k q^T``, ``dp^T = v g^T``, ``dv += silu(s)^T g``, ``dk += ds^T q`` and, with
 ``ATOMIC_DQ``, ``dq += ds k`` added into an fp32 buffer with relaxed atomics (concurrent tiles are
 neighbouring key blocks of the same sequence, so those atomics stay in L2). Without ``ATOMIC_DQ`` a
-query-major pass computes ``dq`` instead (three more MMAs: ``s``, ``dp`` are recomputed), or, with a
-``ds`` buffer, from the ``ds`` tiles this pass stores (one more MMA: :mod:`gem_kernels.attention_triton_stored`).
+query-major pass computes ``dq`` instead (three more MMAs: ``s``, ``dp`` are recomputed).
 The queue is the forward's, over key blocks, first key block (the one most queries see) first.
 With relative biases, each (query block, key block) pair also adds its share of the bias gradients
 (pre-reduced in the tile: :func:`gem_kernels.attention_triton_bias.position_grad` and ``time_grad``).
@@ -49,7 +48,6 @@ from gem_kernels.attention_triton_common import (
     silu_and_grad_biased,
     silu_mode,
 )
-from gem_kernels.attention_triton_stored import check_buffer, chunk_sizes, key_rows, sequence_base
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
 
 # (BLOCK_M queries per step, BLOCK_N keys per tile, num_warps, num_stages, programs per SM): from
@@ -100,8 +98,8 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 @triton.jit
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
-                    PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_keys, ds_fits,
-                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, STORE_DS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
+                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                     CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr,
@@ -124,7 +122,6 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     else:
         silu_t, grad_t = silu_and_grad(s_t, alpha, SILU)
     ds_t = dot(v, tl.trans(do), None, IEEE, INTERP) * grad_t
-    keep = queries_ok[None, :]  # (unused unless MASKED)
     if MASKED:
         keep = allowed(queries[None, :], keys[:, None], history_len, max_attn_len, HAS_WINDOW)
         silu_t = tl.where(keep, silu_t, 0.0)
@@ -137,13 +134,6 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     dv = dot(cast(silu_t, do.dtype, INTERP), do, dv, IEEE, INTERP)
     ds_t = cast(ds_t, q.dtype, INTERP)
     dk = dot(ds_t, q, dk, IEEE, INTERP)
-    if STORE_DS:
-        if ds_fits:  # the allowed pairs only (attention_triton_stored), along the queries of each key row
-            ds_ptrs = DS + ds_keys[:, None] + (tl.multiple_of(start, BLOCK_M) + offs_m)[None, :]
-            if MASKED:
-                tl.store(ds_ptrs, ds_t, mask=keep & queries_ok[None, :] & (keys < seq_len)[:, None])
-            else:
-                tl.store(ds_ptrs, ds_t)
     if ATOMIC_DQ:
         # Scaled here so that the buffer only needs a cast afterwards, not another full read and write.
         dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP) * (alpha / max_seq_len)
@@ -153,14 +143,14 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
 
 
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
-@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets", "ds_capacity"])
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets"])
 def key_major_kernel(
-    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB, DS,
+    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-    num_seqs, num_heads, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets, ds_capacity,
+    num_seqs, num_heads, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, STORE_DS: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
@@ -168,8 +158,7 @@ def key_major_kernel(
 ):
     """dk, dv (and dq with ``ATOMIC_DQ``) for every (sequence, head, key block) tile; with ``POS_GRAD`` /
     ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
-    ``[TIME_STRIPES, num_buckets]``; with ``STORE_DS`` the allowed ``ds`` into ``DS`` (``ds_capacity``
-    elements, :mod:`gem_kernels.attention_triton_stored`). Bias arguments as in ``query_major_kernel``."""
+    ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -184,24 +173,15 @@ def key_major_kernel(
         DTB = DTB + (tl.program_id(0) % TIME_STRIPES) * num_buckets
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
-    stored_before = tiles_before.to(tl.int64)
     for chunk0 in range(0, num_seqs, CHUNK):
         tiles, tiles_end = scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before, BLOCK_N, CHUNK)
         chunk_end = tiles_before + tl.sum(tiles)
-        sizes = tiles
-        if STORE_DS:
-            sizes = chunk_sizes(SEQ_OFFSETS, chunk0, num_seqs, CHUNK)
         while tile < chunk_end:
             seq, seq_start, seq_len, head, block, _ = locate_tile(
                 tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_N
             )
             n0 = block * BLOCK_N
             keys = n0 + offs_n
-            ds_keys, ds_fits = keys, False
-            if STORE_DS:
-                ds_base, ds_fits = sequence_base(sizes, tiles_end, tile, stored_before, seq_len, head, num_heads,
-                                                 ds_capacity)  # fmt: skip
-                ds_keys = key_rows(ds_base, keys, seq_len)
             keys_ok = keys < seq_len
             k_rows = K + seq_start * stride_km + head * stride_kh + keys[:, None] * stride_km
             v_rows = V + seq_start * stride_vm + head * stride_vh + keys[:, None] * stride_vm
@@ -230,8 +210,7 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_keys, ds_fits, False, ATOMIC_DQ,
-                    STORE_DS, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, False, ATOMIC_DQ, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -240,8 +219,7 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, DS, ds_keys, ds_fits, True, ATOMIC_DQ,
-                    STORE_DS, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, True, ATOMIC_DQ, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -253,19 +231,14 @@ def key_major_kernel(
                      mask=keys_ok[:, None] & d_v_ok[None, :])
             tile = next_tile
         tiles_before = chunk_end
-        if STORE_DS:
-            stored_before += tl.sum(sizes)
     release_queue(COUNTER)
 
 
 _POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES",
-             "TS", "QTS", "DPB", "DTB", "DS")
+             "TS", "QTS", "DPB", "DTB")
 DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES)
 DKDV_ATOMIC = TunedKernel(
     "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES
-)
-DKDV_STORE = TunedKernel(
-    "dkdv_store", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES
 )
 
 
@@ -285,13 +258,10 @@ def key_major(
     bias: RelativeBias = NO_BIAS,
     bias_grads: BiasGrads | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it, and
     with ``bias_grads`` (zeroed, :meth:`BiasGrads.zeros`) the bias gradients times ``max_seq_len``.
-    ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors.
-    ``ds``: a buffer from :func:`gem_kernels.attention_triton_stored.allocate`, into which the pass
-    stores the score gradients for :func:`~gem_kernels.attention_triton.query_major`'s ``dq``."""
+    ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     if out is not None:
@@ -304,10 +274,6 @@ def key_major(
         return dk, dv
     device = q.device
     atomic = dq_accum is not None
-    if ds is not None:
-        if atomic:
-            raise ValueError("key_major: ds (stored score gradients) and dq_accum (atomic dq) exclude each other")
-        check_buffer(ds, q.dtype, "key_major")
     dq = dq_accum if dq_accum is not None else dk  # unused without ATOMIC_DQ: any tensor of the row layout
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
@@ -320,7 +286,6 @@ def key_major(
     def constexprs() -> dict:
         return dict(
             DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
-            STORE_DS=ds is not None,
             HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
@@ -339,11 +304,10 @@ def key_major(
         counter = queue_counter(device)
         args = (
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
-            counter, *bias.pointers(q), *grads.pointers(dq), ds if ds is not None else dk, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            counter, *bias.pointers(q), *grads.pointers(dq), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, float(alpha),
             float(max_seq_len), max_attn_len, max_seq_len - 1, bias.num_buckets,
-            ds.numel() if ds is not None else 0,
         )
         if blocks is not None:
             configs = [fixed_config(*blocks)]
@@ -351,7 +315,7 @@ def key_major(
         else:
             configs = _configs(max(dim_qk, dim_v) > 128)
             buckets = length_buckets(max_seq_len, num_rows, num_seqs)
-        (DKDV_ATOMIC if atomic else DKDV_STORE if ds is not None else DKDV).launch(
+        (DKDV_ATOMIC if atomic else DKDV).launch(
             args, constexprs, variant=variant, buckets=buckets, configs=configs, device=device,
             tile_bound=tile_bound, after_tuning=restore,
         )

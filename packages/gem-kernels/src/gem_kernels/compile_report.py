@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from gem_kernels import attention_triton, attention_triton_bias, attention_triton_bwd
 from gem_kernels.attention_triton_common import CHUNK, INTERPRET, dim_block
 
-KERNELS = ("forward", "dq", "dq_stored", "dkdv", "dkdv_atomic", "dkdv_store")
+KERNELS = ("forward", "dq", "dkdv", "dkdv_atomic")
 TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -47,10 +47,10 @@ class Variant:
 
 
 def configs(kernel: str, wide: bool) -> list[tuple[int, int, int, int, int]]:
-    if kernel in ("forward", "dq", "dq_stored"):
+    if kernel in ("forward", "dq"):
         if wide:
             return attention_triton.WIDE_CONFIGS
-        return attention_triton.make_configs(False, kernel != "forward", kernel == "dq_stored")
+        return attention_triton.DQ_CONFIGS if kernel == "dq" else attention_triton.FORWARD_CONFIGS
     return attention_triton_bwd.WIDE_CONFIGS if wide else attention_triton_bwd.CONFIGS
 
 
@@ -69,17 +69,16 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
     )
     offsets = {"SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "PB": "*fp32", "TB": "*fp32",
                "EDGES": "*i64", "TS": "*i64", "QTS": "*i64"}
-    if variant.kernel in ("forward", "dq", "dq_stored"):
+    if variant.kernel in ("forward", "dq"):
         fn = attention_triton.query_major_kernel
-        dim_out = variant.dim_v if variant.kernel == "forward" else variant.dim_qk
+        dim_out = variant.dim_qk if variant.kernel == "dq" else variant.dim_v
         if variant.fp8 and variant.kernel != "forward":
             raise ValueError(f"fp8 is a mode of the forward only, not of {variant.kernel}")
         constants = dict(
             DQK=variant.dim_qk, DV=variant.dim_v, D_OUT=dim_out, BLOCK_DV=dim_block(variant.dim_v),
-            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel != "forward",
-            STORED_DS=variant.kernel == "dq_stored", FP8=variant.fp8, **common,
+            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", FP8=variant.fp8, **common,
         )
-        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT", "DS")} | offsets
+        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT")} | offsets
         if variant.fp8:
             pointers |= {"Q": "*fp8e4nv", "K": "*fp8e4nv", "DO": "*fp32"}
         signature = _signature(fn, pointers, ("alpha", "out_scale"))
@@ -87,11 +86,11 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
         fn = attention_triton_bwd.key_major_kernel
         constants = dict(
             DQK=variant.dim_qk, DV_DIM=variant.dim_v, BLOCK_DV=dim_block(variant.dim_v),
-            ATOMIC_DQ=variant.kernel == "dkdv_atomic", STORE_DS=variant.kernel == "dkdv_store", POS_GRAD=variant.position_bias, TIME_GRAD=variant.time_bias,
+            ATOMIC_DQ=variant.kernel == "dkdv_atomic", POS_GRAD=variant.position_bias, TIME_GRAD=variant.time_bias,
             POS_STRIPES=attention_triton_bias.POSITION_STRIPES, TIME_STRIPES=attention_triton_bias.TIME_STRIPES,
             **common,
         )
-        pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV", "DS")} | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32"}
+        pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV")} | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32"}
                     | offsets)
         signature = _signature(fn, pointers, ("alpha", "max_seq_len"))
     return {"variant": variant, "config": config, **compile_kernel(fn, signature, constants, warps, stages, arch)}

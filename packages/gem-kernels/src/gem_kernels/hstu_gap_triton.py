@@ -47,7 +47,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels import attention_triton_stored as stored_ds
 from gem_kernels.attention_fp8 import quantize_qk, silu_quantize_qk
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_autograd import DqMode, resolve_dq_mode
@@ -196,15 +195,13 @@ class HSTUGapFunction(torch.autograd.Function):
         d_attn = d_attn.view(rows, heads, dv)
         mode = resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads)
         dq_accum = torch.zeros((rows, heads, dqk), dtype=torch.float32, device=pre.device) if mode == "atomic" else None
-        ds = stored_ds.allocate(q, kernel["max_seq_len"]) if mode == "stored" else None
         key_major(q, k, v, d_attn, seq_offsets, num_targets, dq_accum, bias=bias, bias_grads=grads,
-                  out=(d_k, d_v), ds=ds, **kernel)  # fmt: skip
+                  out=(d_k, d_v), **kernel)  # fmt: skip
         q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
         if dq_accum is not None:
             passes = [(q_cols, dq_accum.view(rows, hq))] + [(c, d_pre[:, c]) for c in (v_cols, k_cols)]
         else:
-            query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, ds=ds, **kernel)
-            del ds
+            query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
             passes = [(every, d_pre[:, every])]
         if grad_rows is not None:  # one pass over whole rows, writing d_pre's e4m3 rows too (hstu_gap_grad_rows)
