@@ -260,15 +260,6 @@ def switch_fp8_gap_grad_rows_only(run: object) -> Callable[[], None]:
     return undo
 
 
-def switch_late_backward(run: object) -> Callable[[], None]:
-    """The backward launched only after the host has read the loss (``trainer.early_backward=false``), as
-    before that option: the device runs dry at the loss check and waits for the loss's backward launches."""
-    early = run.core_step.early  # type: ignore[attr-defined]
-    was = early.on
-    early.switch(False)
-    return lambda: early.switch(was)
-
-
 def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
     """The next-item loss's shared-negative plan with coarser buckets and bigger chunks
     (``gem_model.model.next_item_plan``'s constants, read at call time): fewer chunks, so fewer small
@@ -299,7 +290,6 @@ VARIANTS: dict[str, Switch] = {
     "fp8_attention": _attention_option(fp8_forward=True),
     "bias_grad_in_gap": _attention_option(bias_grad_in_gap=True),
     "host_syncs": switch_host_syncs,
-    "late_backward": switch_late_backward,
     "whole_bags": switch_whole_bags,
     "bf16_lookup": switch_bf16_lookup,
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),

@@ -212,12 +212,6 @@ class TrainerConfig(Strict):
         "update (parameters and optimizer state unchanged) and halt after non_finite_max_skips in a row",
     )
     non_finite_max_skips: int = Field(3, ge=1, description="with non_finite=skip: halt at this many consecutive skips")
-    early_backward: bool = Field(
-        True,
-        description="launch the backward before the host reads the loss for the non-finite check, so the "
-        "device does not run dry at that sync; tables whose optimizer is fused into backward are updated only "
-        "after the check (gem_model.train.early_backward). Used where the train pipeline allows it (sequential)",
-    )
     loss_spike_factor: float | None = Field(
         10.0,
         gt=1.0,

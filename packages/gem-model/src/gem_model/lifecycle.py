@@ -32,13 +32,7 @@ class TrainPipeline(Component):
     normalised loss, then (after clipping) :meth:`optimizer_step`. A pipeline that overlaps stages
     of consecutive steps (torchrec's ``TrainPipelineSparseDist``) owns the batches through
     :meth:`next_batch` and may start the next batch's input transfer there.
-
-    ``early_backward``: whether :meth:`backward` may run before the loss check (``trainer.early_backward``):
-    it applies no update itself (the core cuts fused tables off the graph and updates them after the
-    check, :mod:`gem_model.train.early_backward`), and nothing in it depends on the check's outcome.
     """
-
-    early_backward: ClassVar[bool] = False
 
     def setup(self, *, model: nn.Module, optimizers: Optimizers, feed: object, layout: Layout) -> None:
         """Called once the model is wrapped and the optimizers exist; ``feed`` has ``get(step)``

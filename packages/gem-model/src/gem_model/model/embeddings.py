@@ -60,10 +60,6 @@ class SparseArch(nn.Module):
         super().__init__()
         self.spec = spec
         self.grad_scale = 1.0
-        # trainer.early_backward with fused tables: the lookups' outputs reach the dense model as leaf
-        # copies; ``cut`` holds the (output, leaf) pairs of the latest forward (gem_model.train.early_backward)
-        self.cut_outputs = False
-        self.cut: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lookup_bags_per_sample = lookup_bags_per_sample
         self.on_meta = on_meta
         if on_meta and sequence_init_std is not None:
@@ -146,26 +142,16 @@ class SparseArch(nn.Module):
         # a pipelined table (trainer.pipeline sparse_dist) looks up what torchrec distributed ahead, whatever
         # it is given here: batch.lookup_sequence, which GemModel.prepare_table_inputs attached
         pipelined = getattr(self.ec, "is_pipelined", False)
-        self.cut.clear()
         looked_up = self.ec(sequence if bags is None or pipelined else even_bags(sequence, bags))
         lengths = lengths_by_key(sequence)  # the batch's own bags: the lookup's may be re-split
         seq = {
-            k: JaggedTensor(values=scale_grad(self._cut(jt.values()), self.grad_scale), lengths=lengths[k])
+            k: JaggedTensor(values=scale_grad(jt.values(), self.grad_scale), lengths=lengths[k])
             for k, jt in looked_up.items()
         }
         pooled_out: dict[str, torch.Tensor] = {}
         if self.ebc is not None:
-            pooled_out = {k: scale_grad(self._cut(v), self.grad_scale) for k, v in self.ebc(pooled).to_dict().items()}
+            pooled_out = {k: scale_grad(v, self.grad_scale) for k, v in self.ebc(pooled).to_dict().items()}
         return seq, pooled_out
-
-    def _cut(self, out: torch.Tensor) -> torch.Tensor:
-        """With ``cut_outputs`` (and autograd recording), a leaf copy of a lookup's output for the dense
-        model, the pair kept in ``cut`` (:mod:`gem_model.train.early_backward`)."""
-        if not (self.cut_outputs and out.requires_grad and torch.is_grad_enabled()):
-            return out
-        leaf = out.detach().requires_grad_()
-        self.cut.append((out, leaf))
-        return leaf
 
     def item_table(self) -> torch.Tensor:
         """The item table's weights (unsharded runs only; used by full-catalogue evaluation)."""

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 class SequentialPipeline(TrainPipeline):
     name: ClassVar[str] = "sequential"
-    early_backward: ClassVar[bool] = True  # zero_grad and loss.backward(): no update of its own
 
     def forward_and_loss(self, batch: Batch) -> object:
         self.model.train()

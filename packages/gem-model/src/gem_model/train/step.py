@@ -21,7 +21,6 @@ from gem_model.layout import Layout
 from gem_model.lifecycle import TrainPipeline
 from gem_model.results import StepResult
 from gem_model.train.clip import clip_grad_norm
-from gem_model.train.early_backward import EarlyBackward, device_loss
 from gem_model.train.metrics import StepClock
 from gem_model.train.optim import set_learning_rate, warmup_factor
 from gem_model.train.peers import collective
@@ -49,9 +48,6 @@ class CoreStep:
         self.optimizers, self.dense_parameters, self.device = optimizers, dense_parameters, device
         self.resume_point, self.first_non_finite = resume_point, first_non_finite
         self.stop = stop if stop is not None else StopRequest()  # set by SIGTERM / SIGINT (train.signals)
-        # trainer.early_backward, where the pipeline allows it: the backward is launched before the loss check
-        self.early = EarlyBackward(getattr(pipeline, "model", None), optimizers)
-        self.early.switch(config.trainer.early_backward and getattr(pipeline, "early_backward", False))
         self.clock = StepClock()
         self.deadline: float | None = None  # perf_counter() time when trainer.time_limit_s runs out
         self.skipped_in_a_row = 0  # steps whose update trainer.non_finite=skip skipped, consecutively
@@ -60,8 +56,7 @@ class CoreStep:
         """Forward, global loss reduction (and non-finite check) before any update, backward, update.
 
         One host synchronisation: the read of the all-reduced loss sums. Nothing else in the step
-        waits for the device; the batch was built (and, on CUDA, copied) ahead by the feed. With
-        ``trainer.early_backward`` the backward is launched before that read (train.early_backward).
+        waits for the device; the batch was built (and, on CUDA, copied) ahead by the feed.
         """
         tc, mc = self.config.trainer, self.config.model
         self.clock.begin()
@@ -77,20 +72,15 @@ class CoreStep:
         losses = [out.task_loss_sum.detach(), out.next_item_loss_sum.detach(), out.next_item_count]  # type: ignore[attr-defined]
         local = torch.cat([torch.stack([x.double() for x in losses]), _to_device(host, self.device)])
         # The step's one host sync, and it has to stay: whether this step's update may be applied is
-        # decided from the global loss before any update, and torchrec fuses the table optimizer into
-        # backward (an update, once that backward ran, cannot be undone): without early_backward the
-        # whole backward waits for this read; with it only the fused tables' part does. One read of
-        # one small tensor carries the loss sums and everything the metric record needs. The sums run
-        # over the data x context ranks: the ranks of one tensor-parallel group hold the same samples.
+        # decided from the global loss before backward, because torchrec fuses the table optimizer
+        # into backward (an update, once backward ran, cannot be undone). One read of one small
+        # tensor carries the loss sums and everything the metric record needs. The sums run over
+        # the data x context ranks: the ranks of one tensor-parallel group hold the same samples.
         timeout = tc.collective_timeout_s
         if self.layout.loss_degree > 1:
             with collective(f"all_reduce of the loss sums (step {step + 1}, the loss group)", rank=self.layout.rank,
                             timeout_s=timeout):  # fmt: skip
                 local = self.comm.all_reduce_sum(local, group=self.layout.loss_group)
-        ranks = self.layout.loss_degree
-        early = self.early.on
-        if early:  # launched while the device still runs the forward; no update in it (train.early_backward)
-            self.pipeline.backward(device_loss(out, local, ranks, mc.task_weight, mc.next_item_weight))
         task_sum, next_sum, next_count, samples, tokens, total_flops, late_ranks, stop_ranks = local.tolist()
         task_loss = task_sum / samples
         next_loss = next_sum / max(next_count, 1.0)
@@ -113,8 +103,6 @@ class CoreStep:
             value = math.nan if nan_ranks else math.inf
         if not math.isfinite(value):
             # every rank sees the same reduced loss (or flags), so every rank skips or halts at the same step
-            if early:
-                self.early.discard()
             self.skipped_in_a_row += 1
             if tc.non_finite == "skip" and self.skipped_in_a_row < tc.non_finite_max_skips:
                 return StepResult(
@@ -134,14 +122,12 @@ class CoreStep:
                 f"parameter or gradient on this rank: {first}. {self.resume_point(step + 1, value)}"
             )
         self.skipped_in_a_row = 0
-        if early:
-            self.early.finish()  # the fused tables' backward, now that the loss is known finite
-        else:
-            # Normalised by global counts: the data-parallel gradient mean then equals the one-process gradient.
-            loss = mc.task_weight * out.task_loss_sum / (samples / ranks) + mc.next_item_weight * (  # type: ignore[attr-defined]
-                out.next_item_loss_sum / (max(next_count, 1.0) / ranks)  # type: ignore[attr-defined]
-            )
-            self.pipeline.backward(loss)
+        ranks = self.layout.loss_degree
+        # Normalised by global counts: the data-parallel gradient mean then equals the one-process gradient.
+        loss = mc.task_weight * out.task_loss_sum / (samples / ranks) + mc.next_item_weight * (  # type: ignore[attr-defined]
+            out.next_item_loss_sum / (max(next_count, 1.0) / ranks)  # type: ignore[attr-defined]
+        )
+        self.pipeline.backward(loss)
         if tc.grad_clip is not None:
             clip_grad_norm(self.dense_parameters, tc.grad_clip)  # DTensors on several meshes too (FSDP2 + TP)
         self.pipeline.optimizer_step()
