@@ -20,6 +20,10 @@ Protocol:
   sync makes the host wait for the device, so in steady state this is the device's step time), and
   device time from CUDA events: the forward (to the loss) and the backward-and-update spans, whose
   sum is the device's work span without the wait at the loss check. Idle = wall - device.
+* ``--steady N``: then N consecutive steps per variant without a sync between them (as training runs),
+  and with ``--profile-steady`` those steps again under the profiler for the profiled variants: their
+  device-busy time on the same batches, against the unprofiled steady wall time (the idle of issue 29's
+  requirement 4; the gaps inside profiled steps overstate it, the profiler slowing the host).
 * Reported per variant: median and interquartile range of wall and device ms, tokens/s and MFU
   (our convention: backward twice the forward; NVIDIA's: attention backward 2.5x its forward) over
   the medians, peak memory. An A/A pair (the same variant under two names) shows the resolution.
@@ -224,6 +228,32 @@ def worker(args: argparse.Namespace) -> None:
             spans = events.take()
             steady[row.name] = {"steps": len(spans), "wall_ms_per_step": 1e3 * wall / len(spans),
                                 "device_ms_per_step": sum(spans) / len(spans)}  # fmt: skip
+        for row in rows if args.steady and args.profile_steady else ():
+            if row.name not in args.profile.split(","):
+                continue
+            # the same consecutive steps again, under the profiler: the device's busy time (merged kernel
+            # intervals) on exactly the batches the steady wall time was taken on; the profiler slows the
+            # host, not the kernels, so idle = 1 - busy / (the unprofiled steady wall)
+            indices = list(range(args.warmup, args.warmup + min(args.steady, args.steps)))
+            use(row)
+            sync()
+
+            def consecutive(indices: list[int] = indices) -> None:
+                nonlocal step
+                for index in indices:
+                    current[0] = index
+                    run.core_step(step)
+                    collector.after_step(step)
+                    step += 1
+                sync()
+
+            prof = profile_steps(consecutive, steps=1)
+            events.take()
+            busy = prof["busy_ms_per_step"] / len(indices)
+            st = steady[row.name]
+            st["busy_ms_per_step"] = busy
+            st["idle_vs_busy"] = 1 - busy / st["wall_ms_per_step"]
+            st["categories_ms_per_step"] = {k: v / len(indices) for k, v in prof["categories_ms_per_step"].items()}
         syncs: dict[str, int] = {}
         if args.sync_debug and device.type == "cuda":
             # one step of the first variant with CUDA's sync debugging: every host sync warns, from the
@@ -323,6 +353,9 @@ def main() -> int:
                    help="then N consecutive steps per variant without a sync per step: the idle share a run sees")
     p.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step (CUDA)")
     p.add_argument("--profile", default="", metavar="VARIANTS", help="profile two steps of these variants")
+    p.add_argument("--profile-steady", action="store_true",
+                   help="with --steady: also profile the profiled variants' steady steps, for their device-busy "
+                   "time on the same batches (idle = 1 - busy / steady wall)")
     p.add_argument("--set", action="append", default=[], help="a config override (key=value)")
     p.add_argument("--gc-every", type=int, default=0, metavar="N",
                    help="trainer.gc_every's schedule for the whole process (0: Python's own collection)")
@@ -347,6 +380,10 @@ def main() -> int:
         for name, st in raw["steady"].items():
             print(f"steady {name}: {st['steps']} steps, wall {st['wall_ms_per_step']:.1f} ms/step, device "
                   f"{st['device_ms_per_step']:.1f} ms/step, idle {100 * (1 - st['device_ms_per_step'] / st['wall_ms_per_step']):.1f} %")
+            if "busy_ms_per_step" in st:
+                cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(st["categories_ms_per_step"].items(), key=lambda kv: -kv[1]))
+                print(f"steady {name} profiled again: device busy {st['busy_ms_per_step']:.1f} ms/step ({cats}); "
+                      f"idle against the unprofiled wall {100 * st['idle_vs_busy']:.1f} %")
         if args.out:
             meta = {
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
