@@ -76,7 +76,7 @@ kernels = {
                          dict(D=128, BLOCK_D=128, ROWS=fp8.ROWS, SILU=True), 4),
 }
 for name, (fn, pointers, constants, warps) in kernels.items():
-    constants = {**constants, "INTERP": False, **({"SOFTWARE_ROUND": False} if fn is saved._silu_quantize else {})}
+    constants = {**constants, "INTERP": False}
     signature = {n: pointers.get(n, "i32") for n in fn.arg_names if n not in constants}
     print(json.dumps({"kernel": name, **compile_kernel(fn, signature, constants, warps)}))
 """

@@ -87,7 +87,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, dim_block
-from gem_kernels.quantized_rows_triton import NAN_BYTE, _abs_bits, _e4m3_bits, _pow2_scale
+from gem_kernels.quantized_rows_triton import NAN_BYTE, abs_bits, e4m3_bits, pow2_scale
 
 E4M3 = torch.float8_e4m3fn
 ROWS = 4 if INTERPRET else 32
@@ -112,9 +112,9 @@ def _quantize_heads(X, POST, DATA, SCALES, stride_xm, stride_xg, stride_pm, stri
         x = cast(z * tl.sigmoid(z), POST.dtype.element_ty, INTERP)
         tl.store(POST + rows[:, None] * stride_pm + group * stride_pg + cols[None, :], x, mask=inside)
     y = x.to(tl.float32)
-    bits = tl.where(inside, _abs_bits(y), 0)
-    scale, scale_inv, nonfinite = _pow2_scale(tl.max(bits, 1))
-    q = tl.where(nonfinite[:, None], NAN_BYTE, _e4m3_bits(y * scale[:, None]))
+    bits = tl.where(inside, abs_bits(y), 0)
+    scale, scale_inv, nonfinite = pow2_scale(tl.max(bits, 1))
+    q = tl.where(nonfinite[:, None], NAN_BYTE, e4m3_bits(y * scale[:, None]))
     tl.store(DATA + rows[:, None] * stride_dm + group * D + cols[None, :], q.to(tl.uint8), mask=inside)
     head = group % num_heads
     which = which0 + group // num_heads

@@ -26,8 +26,8 @@ The forward outputs are those of the plain gap (``post`` is silu of the exact ``
 see ``pre`` rounded to e4m3 (3 mantissa bits: at most 2**-4 relative error per element). The scale
 rule and the bytes are gem-precision's row quantizer's (``gem_precision.fp8_reference``, row
 granularity; its Triton form is ``gem_precision.fp8_rows_triton._fp8_rows_kernel``): gem-kernels
-cannot import gem-precision, so the few lines of that rule are repeated here, and a root test checks
-the bytes against the reference.
+cannot import gem-precision, so the rule's Triton lines are :mod:`gem_kernels.quantized_rows_triton`'s,
+the producers' (one copy in gem-kernels), and a root test checks the bytes against the reference.
 """
 
 from __future__ import annotations
@@ -37,12 +37,9 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
+from gem_kernels.quantized_rows_triton import NAN_BYTE, e4m3_bits, pow2_scale
 
 # constexpr: compiled kernels read only constexpr globals
-E4M3_EMAX = tl.constexpr(8)  # the largest e4m3 value is 448 = 1.75 * 2**8
-E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
-E4M3_SUBNORMAL_MAGIC = tl.constexpr(1.5 * 2.0 ** (23 - 9))  # adding and subtracting it rounds to e4m3's 2**-9 spacing
-NAN_BYTE = tl.constexpr(0x7F)  # every byte of a row holding a NaN or an infinity, as the reference writes it
 ROW_CHUNK = 64 if INTERPRET else 4096
 """Columns of a row held in registers at once: wider rows are read twice (the second from L2)."""
 EXPAND_TILE = (4, 64) if INTERPRET else (16, 256)
@@ -60,37 +57,8 @@ def load_pre(PRE, SCALE_INV, rows, cols, rows_ok, inside, stride_pre, E4M3: tl.c
 
 
 @triton.jit
-def _e4m3_scale(amax_bits):
-    """(2**s, 2**-s, non-finite) with s the largest integer such that amax * 2**s <= 448, clamped to
-    [-126, 126]; a NaN scale for a non-finite amax (gem_precision.fp8_quant_triton._pow2_scale)."""
-    floor_log2 = (amax_bits >> 23) - 127
-    s = E4M3_EMAX - floor_log2 - ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # 448 = 1.75 * 2**8
-    s = tl.minimum(tl.maximum(s, -126), 126)
-    nonfinite = amax_bits >= 0x7F800000
-    scale = tl.where(nonfinite, 0x7FC00000, (127 + s) << 23).to(tl.float32, bitcast=True)
-    scale_inv = tl.where(nonfinite, 0x7FC00000, (127 - s) << 23).to(tl.float32, bitcast=True)
-    return scale, scale_inv, nonfinite
-
-
-@triton.jit
-def _e4m3_bits(v, SOFTWARE_ROUND: tl.constexpr):
-    """float32 ``v`` (|v| <= 448) -> e4m3 bytes, round to nearest even. The GPU's cast does that; the
-    interpreter's does not, so there ``v`` is first put on the e4m3 grid exactly
-    (gem_precision.triton_common.round_to_fp8_grid)."""
-    if SOFTWARE_ROUND:
-        b = v.to(tl.int32, bitcast=True)
-        lsb = (b >> 20) & 1
-        normal = ((b + 0x7FFFF + lsb) & -(1 << 20)).to(tl.float32, bitcast=True)
-        sub = (v + E4M3_SUBNORMAL_MAGIC) - E4M3_SUBNORMAL_MAGIC
-        sub = (sub.to(tl.int32, bitcast=True) | ((b >> 31) << 31)).to(tl.float32, bitcast=True)
-        v = tl.where(tl.abs(v) < E4M3_MIN_NORMAL, sub, normal)
-    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def _store_chunk(z, rows, cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post,
-                 SOFTWARE_ROUND: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    bits = tl.where(nonfinite[:, None], NAN_BYTE, _e4m3_bits(z * scale[:, None], SOFTWARE_ROUND).to(tl.int32))
+def _store_chunk(z, rows, cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post, INTERP: tl.constexpr):
+    bits = tl.where(nonfinite[:, None], NAN_BYTE, e4m3_bits(z * scale[:, None]))
     tl.store(Q + rows[:, None] * width + cols[None, :], bits.to(tl.uint8), mask=inside)
     post_cols = tl.where(cols >= hv, cols - hv, 0)
     tl.store(POST + rows[:, None] * stride_post + post_cols[None, :], cast(z * tl.sigmoid(z), POST.dtype.element_ty, INTERP),
@@ -99,8 +67,7 @@ def _store_chunk(z, rows, cols, inside, scale, nonfinite, Q, POST, width, hv, st
 
 @triton.jit
 def _silu_quantize(PRE, POST, Q, SCALE_INV, stride_pre, stride_post, num_rows, width, hv,
-                   ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, SOFTWARE_ROUND: tl.constexpr,
-                   INTERP: tl.constexpr):  # fmt: skip
+                   ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_CHUNK: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """``POST = silu(PRE[:, hv:])``; ``Q``, ``SCALE_INV``: ``PRE`` in e4m3 rows. Each program owns ``ROWS``
     whole rows."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -117,16 +84,15 @@ def _silu_quantize(PRE, POST, Q, SCALE_INV, stride_pre, stride_post, num_rows, w
             inside = rows_ok[:, None] & (c0 + cols < width)[None, :]
             z = tl.load(pre_rows + c0 + cols[None, :], mask=inside, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(z.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
-    scale, scale_inv, nonfinite = _e4m3_scale(amax)
+    scale, scale_inv, nonfinite = pow2_scale(amax)
     tl.store(SCALE_INV + rows, scale_inv, mask=rows_ok)
     if ONE_CHUNK:
-        _store_chunk(z, rows, cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post, SOFTWARE_ROUND, INTERP)
+        _store_chunk(z, rows, cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post, INTERP)
     else:
         for c0 in range(0, width, BLOCK):
             inside = rows_ok[:, None] & (c0 + cols < width)[None, :]
             z = tl.load(pre_rows + c0 + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-            _store_chunk(z, rows, c0 + cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post, SOFTWARE_ROUND,
-                         INTERP)  # fmt: skip
+            _store_chunk(z, rows, c0 + cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post, INTERP)
 
 
 @triton.jit
@@ -172,8 +138,7 @@ def silu_quantize_rows(pre: torch.Tensor, post: torch.Tensor, hv: int, *, chunk:
         with device_guard(pre.device):
             _silu_quantize[(triton.cdiv(num_rows, rows_per_program),)](
                 pre, post, data.view(torch.uint8), scale_inv, pre.stride(0), post.stride(0), num_rows, width, hv,
-                ROWS=rows_per_program, BLOCK=block, ONE_CHUNK=width <= block, SOFTWARE_ROUND=INTERPRET,
-                INTERP=INTERPRET, num_warps=8 if rows_per_program * block >= 4096 else 4,
+                ROWS=rows_per_program, BLOCK=block, ONE_CHUNK=width <= block, INTERP=INTERPRET, num_warps=8 if rows_per_program * block >= 4096 else 4,
             )  # fmt: skip
     return data, scale_inv
 

@@ -52,12 +52,12 @@ interpreter's tests see several programs merge theirs on a few dozen rows)."""
 
 
 @triton.jit
-def _abs_bits(x):
+def abs_bits(x):
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
-def _pow2_scale(amax_bits):
+def pow2_scale(amax_bits):
     """(2**s, 2**-s, non-finite), s the largest integer with amax * 2**s <= 448, within +-126."""
     floor_log2 = (amax_bits >> 23) - 127
     s = EMAX - floor_log2 - ((amax_bits & 0x7FFFFF) > MAX_FRACTION_BITS).to(tl.int32)
@@ -69,7 +69,7 @@ def _pow2_scale(amax_bits):
 
 
 @triton.jit
-def _e4m3_bits(v):
+def e4m3_bits(v):
     """Finite float32 ``v`` with |v| <= 448 -> e4m3 bytes (as int32), rounded to nearest even."""
     if SOFTWARE_ROUND:
         b = v.to(tl.int32, bitcast=True)
@@ -87,9 +87,9 @@ def write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, D: tl.constexpr):
     the real ones) into ``Q`` (bytes ``[num_rows, D]``, contiguous) and ``Q_INV`` (float32, one per
     row); returns the tile's column maxima of ``|y|`` as int32 bits (0 outside)."""
     inside = rows_ok[:, None] & cols_ok[None, :]
-    bits = tl.where(inside, _abs_bits(y), 0)
-    scale, scale_inv, nonfinite = _pow2_scale(tl.max(bits, 1))
-    q = tl.where(nonfinite[:, None], NAN_BYTE, _e4m3_bits(y * scale[:, None]))
+    bits = tl.where(inside, abs_bits(y), 0)
+    scale, scale_inv, nonfinite = pow2_scale(tl.max(bits, 1))
+    q = tl.where(nonfinite[:, None], NAN_BYTE, e4m3_bits(y * scale[:, None]))
     tl.store(Q + rows[:, None] * D + cols[None, :], q.to(tl.uint8), mask=inside)
     tl.store(Q_INV + rows, scale_inv, mask=rows_ok)
     return tl.max(bits, 0)
