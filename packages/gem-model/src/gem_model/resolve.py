@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from gem_model.data.batch import FeatureSpec
     from gem_model.protocols import ShardableModel
+    from gem_model.run_shape import RunShape
 
 
 @dataclass
