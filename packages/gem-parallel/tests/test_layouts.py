@@ -1,6 +1,6 @@
 """Every layout of the ``fsdp`` planner on 4 gloo processes trains like one process and resumes exactly.
 
-Four torchrun starts train them (``layouts_worker.py``), each start its layouts in turn; the dense layouts:
+One torchrun start per layout trains it (``layouts_worker.py``); the dense layouts:
 each dimension alone (FSDP2 ``dp_shard``, HSDP's replicas ``dp_replicate``, ``tp`` and ``cp`` in the
 HSTU blocks) and the combinations ``dp_replicate x dp_shard``, ``dp_shard x tp`` and ``dp_shard x cp``;
 one for the tables sharded by torchrec's DMP (over all ranks) beside FSDP2 and TP, and within two
@@ -8,8 +8,9 @@ sparse groups of 2 ranks, replicated across them (2-D sparse parallelism, SGD ta
 checkpointed after step 2 and resumed from there. (A start costs ~20 s of CPU, most of it importing
 torch and torchrec, and the test that first needs a start pays for it: the seven dense layouts in one
 start took 62.7 s, the four sparse ones 60.9 s, on a 2-core machine running two test environments at
-once (2026-12-02); four layouts in one start took up to 74.5 s on a slower one. Hence six starts of at
-most two layouts, ~13 s a layout after the start's ~20 s.)
+once (2026-12-02); four layouts in one start took up to 74.5 s on a slower one; two layouts a start
+took 41 s on 2026-12-03 and 55.6 s in the next run of the same matrix. Hence one layout a start, ~35 s
+each: a start's ~20 s and ~13 s a layout, well inside the 60 s a test may take on a loaded machine.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from layouts_worker import CHECKPOINT_AT, STEPS
 
 from gem_model import testing
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # four 4-process starts: ~30 s of CPU each
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # eleven 4-process starts
 
 WORLD = 4
 # 4 heads, so that tp can take all 4 ranks; the rest is gem_model.testing's tiny run
@@ -76,9 +77,8 @@ RTOL = 1e-5
 
 SPARSE = [name for name in LAYOUTS if name.startswith("sparse")]
 DENSE = [name for name in LAYOUTS if name not in SPARSE]
-GROUPS = {f"{kind}_{i // 2}": names[i : i + 2] for kind, names in (("dense", DENSE), ("sparse", SPARSE))
-          for i in range(0, len(names), 2)}  # fmt: skip
-"""The layouts of each torchrun start: two at most."""
+GROUPS = {name: [name] for name in DENSE + SPARSE}
+"""The layouts of each torchrun start: one each."""
 
 
 def start(out: Path, names: list[str]) -> dict:
