@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 from ab_switches import VARIANTS  # beside this script
-from profiling import print_profile  # beside this script
+from profiling import print_profile, profile_steps  # beside this script
 from step_measures import EventPipeline, GcPauses  # beside this script
 
 
@@ -79,40 +79,6 @@ def tuning_bucket(tokens: int, samples: int) -> int:
     """The mean-length bucket of the attention kernels' tuning key (``length_buckets``)."""
     mean = -(-tokens // max(1, samples))
     return max(16, 1 << max(0, mean - 1).bit_length())
-
-
-def profile_steps(step: Callable[[], None], steps: int) -> dict:
-    """Device time per kernel category and the top kernels of ``steps`` profiled steps."""
-    from profiling import (  # benchmarks/profiling.py, beside this script
-        device_events,
-        device_gaps,
-        device_idle,
-        gap_histogram,
-        host_during_gaps,
-        idle_by_launcher,
-        top_kernels,
-        trace_events,
-    )
-
-    from gem_model.profiling.step_time import KERNEL_CATEGORIES, categorize
-
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-    trace = trace_events(prof)
-    events = device_events(trace)
-    categories: dict[str, float] = {}
-    for e in events:
-        c = categorize(e["name"], KERNEL_CATEGORIES)
-        categories[c] = categories.get(c, 0.0) + e.get("dur", 0) / 1e3 / steps
-    idle = device_idle(events)
-    return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
-            "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events),
-            "gap_histogram": gap_histogram(events, steps), "host_during_gaps": host_during_gaps(trace),
-            "idle_by_launcher": idle_by_launcher(trace, steps)}  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -211,19 +177,25 @@ def worker(args: argparse.Namespace) -> None:
             for j in range(len(rows)):
                 one(index, rows[(j + k) % len(rows)], timed=True)
         steady: dict[str, dict[str, float]] = {}
-        for row in rows if args.steady else ():
-            # consecutive steps without a sync between them, as training runs: the host may run ahead,
-            # so idle here is what a real run sees (the A/B steps above each pay a restart)
-            use(row)
-            sync()
-            events.take()
-            t0 = time.perf_counter()
-            for index in range(args.warmup, args.warmup + min(args.steady, args.steps)):
+        steady_batches = list(range(args.warmup, args.warmup + min(args.steady, args.steps)))
+
+        def consecutive() -> None:
+            """The steady batches in a row without a sync between them, as training runs (the host may
+            run ahead, so idle here is what a real run sees; the A/B steps above each pay a restart)."""
+            nonlocal step
+            for index in steady_batches:
                 current[0] = index
                 run.core_step(step)
                 collector.after_step(step)
                 step += 1
             sync()
+
+        for row in rows if args.steady else ():
+            use(row)
+            sync()
+            events.take()
+            t0 = time.perf_counter()
+            consecutive()
             wall = time.perf_counter() - t0
             spans = events.take()
             steady[row.name] = {"steps": len(spans), "wall_ms_per_step": 1e3 * wall / len(spans),
@@ -231,29 +203,18 @@ def worker(args: argparse.Namespace) -> None:
         for row in rows if args.steady and args.profile_steady else ():
             if row.name not in args.profile.split(","):
                 continue
-            # the same consecutive steps again, under the profiler: the device's busy time (merged kernel
-            # intervals) on exactly the batches the steady wall time was taken on; the profiler slows the
-            # host, not the kernels, so idle = 1 - busy / (the unprofiled steady wall)
-            indices = list(range(args.warmup, args.warmup + min(args.steady, args.steps)))
+            # the same steps again, under the profiler: the device's busy time (merged kernel intervals)
+            # on exactly the batches the steady wall time was taken on; the profiler slows the host, not
+            # the kernels, so idle = 1 - busy / (the unprofiled steady wall)
             use(row)
             sync()
-
-            def consecutive(indices: list[int] = indices) -> None:
-                nonlocal step
-                for index in indices:
-                    current[0] = index
-                    run.core_step(step)
-                    collector.after_step(step)
-                    step += 1
-                sync()
-
             prof = profile_steps(consecutive, steps=1)
             events.take()
-            busy = prof["busy_ms_per_step"] / len(indices)
+            n = len(steady_batches)
             st = steady[row.name]
-            st["busy_ms_per_step"] = busy
-            st["idle_vs_busy"] = 1 - busy / st["wall_ms_per_step"]
-            st["categories_ms_per_step"] = {k: v / len(indices) for k, v in prof["categories_ms_per_step"].items()}
+            st["busy_ms_per_step"] = prof["busy_ms_per_step"] / n
+            st["idle_vs_busy"] = 1 - st["busy_ms_per_step"] / st["wall_ms_per_step"]
+            st["categories_ms_per_step"] = {k: v / n for k, v in prof["categories_ms_per_step"].items()}
         syncs: dict[str, int] = {}
         if args.sync_debug and device.type == "cuda":
             # one step of the first variant with CUDA's sync debugging: every host sync warns, from the

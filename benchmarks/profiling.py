@@ -2,7 +2,7 @@
 
 Only the trace's kernel, copy and memset events count as device work. The profiler also puts its
 own annotations (``ProfilerStep#N``, module names) on the device timeline; counting those as kernels
-would make the device look busy while it waits. Shared by ``e2e.py`` and ``step_idle.py``.
+would make the device look busy while it waits. Shared by ``e2e.py``, ``e2e_ab.py`` and ``step_idle.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -226,3 +227,27 @@ def print_profile(name: str, prof: dict) -> None:
         for g in hosts:
             seen = g["host_covering"] or ["(none) ended inside: " + "; ".join(g["host_ended_inside"])]
             print(f"  {g['ms']:8.3f} ms  {' < '.join(seen)[:200]}")
+
+
+def profile_steps(step: Callable[[], None], steps: int) -> dict:
+    """Device time per kernel category, the top kernels and where the device waited, over ``steps``
+    calls of ``step`` under ``torch.profiler`` (per call)."""
+    from gem_model.profiling.step_time import KERNEL_CATEGORIES, categorize
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+    trace = trace_events(prof)
+    events = device_events(trace)
+    categories: dict[str, float] = {}
+    for e in events:
+        c = categorize(e["name"], KERNEL_CATEGORIES)
+        categories[c] = categories.get(c, 0.0) + e.get("dur", 0) / 1e3 / steps
+    idle = device_idle(events)
+    return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
+            "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events),
+            "gap_histogram": gap_histogram(events, steps), "host_during_gaps": host_during_gaps(trace),
+            "idle_by_launcher": idle_by_launcher(trace, steps)}  # fmt: skip

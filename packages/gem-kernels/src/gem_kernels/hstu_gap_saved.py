@@ -138,7 +138,8 @@ def silu_quantize_rows(pre: torch.Tensor, post: torch.Tensor, hv: int, *, chunk:
         with device_guard(pre.device):
             _silu_quantize[(triton.cdiv(num_rows, rows_per_program),)](
                 pre, post, data.view(torch.uint8), scale_inv, pre.stride(0), post.stride(0), num_rows, width, hv,
-                ROWS=rows_per_program, BLOCK=block, ONE_CHUNK=width <= block, INTERP=INTERPRET, num_warps=8 if rows_per_program * block >= 4096 else 4,
+                ROWS=rows_per_program, BLOCK=block, ONE_CHUNK=width <= block, INTERP=INTERPRET,
+                num_warps=8 if rows_per_program * block >= 4096 else 4,
             )  # fmt: skip
     return data, scale_inv
 
