@@ -164,6 +164,7 @@ def main() -> int:
     m = sub.add_parser("matrix", help="run the CI matrix")
     m.add_argument("--only", help="comma-separated environments (default: all six)")
     m.add_argument("--jobs", type=int, default=2, help="environments at a time (default 2)")
+    m.add_argument("--keep", action="store_true", help="keep each environment under .venvs/ after its tests")
     m.add_argument("pytest_args", nargs="*", help="passed to pytest")
     q = sub.add_parser("quick", help="the tests marked neither slow nor multiprocess, in one full environment")
     q.add_argument("--env", type=Path, default=ROOT / ".venv", help="made with `setup ENV --all` when missing")
@@ -188,7 +189,7 @@ def main() -> int:
         return 0
     if args.cmd == "quick":
         return matrix.quick(args.env, args.pytest_args, args.jobs)
-    return matrix.matrix(args.only.split(",") if args.only else None, args.pytest_args, args.jobs)
+    return matrix.matrix(args.only.split(",") if args.only else None, args.pytest_args, args.jobs, args.keep)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import threading
 import time
@@ -91,13 +92,20 @@ class Outcome:
     failed: int = 0
     skipped: list[str] = field(default_factory=list)
     durations: list[tuple[float, str]] = field(default_factory=list)
+    unreadable: str = ""
+    """Why the report could not be read (pytest killed, a full disk): the environment then fails."""
 
     @classmethod
     def read(cls, junit: Path) -> Outcome:
         out = cls()
         if not junit.exists():
             return out
-        for case in ET.parse(junit).getroot().iter("testcase"):
+        try:
+            root = ET.parse(junit).getroot()
+        except ET.ParseError as exc:
+            out.unreadable = f"{junit.name}: {exc} ({junit.stat().st_size} bytes)"
+            return out
+        for case in root.iter("testcase"):
             module = case.get("classname", "").replace(".", "/")
             test = f"{module}.py::{case.get('name')}" if module else f"{case.get('name')} (the whole module)"
             out.durations.append((float(case.get("time") or 0), test))
@@ -155,11 +163,30 @@ def check_core_alone(env_dir: Path, out: IO[str]) -> None:
         raise SystemExit(f"core alone: `gem-train run` exited {proc.returncode}; expected 2 naming every provider")
 
 
-def run_env(name: str, pytest_args: list[str], out: IO[str]) -> dict[str, object]:
-    """Install environment ``name`` afresh, check its plugins, run its selection; fails on any skip."""
+def free_disk(path: Path) -> str:
+    """The free space on ``path``'s file system, in words (every environment takes 1-2.1 GB)."""
+    while not path.exists():
+        path = path.parent
+    return f"{shutil.disk_usage(path).free / 2**30:.1f} GiB free on the disk of {path}"
+
+
+def run_env(name: str, pytest_args: list[str], out: IO[str], keep: bool = False) -> dict[str, object]:
+    """Install environment ``name`` afresh, check its plugins, run its selection; fails on any skip.
+    The environment is deleted afterwards (its log and report stay) unless ``keep``: six at once take
+    ~9 GB, two at a time at most ~3.5 GB."""
     spec, env_dir = MATRIX[name], ROOT / ".venvs" / name
+    try:
+        return install_and_test(name, spec, env_dir, pytest_args, out)
+    except (SystemExit, subprocess.CalledProcessError, OSError) as exc:
+        raise SystemExit(f"{exc} ({free_disk(env_dir)})") from exc
+    finally:
+        if not keep:
+            shutil.rmtree(env_dir, ignore_errors=True)
+
+
+def install_and_test(name: str, spec: MatrixEnv, env_dir: Path, pytest_args: list[str], out: IO[str]) -> dict[str, object]:
     start = time.time()
-    log(f"==== {name}: installing {' '.join(spec.packages)} into a fresh environment", out)
+    log(f"==== {name}: installing {' '.join(spec.packages)} into a fresh environment ({free_disk(env_dir)})", out)
     setup(env_dir, spec.packages, editable=False, extras=spec.extras, fresh=True, optional=spec.optional, out=out)
     installed = time.time()
     expected = {p for p in spec.packages if p.startswith("gem-")} | ({"gem-plugin-example"} if EXAMPLE in spec.packages else set())
@@ -170,6 +197,8 @@ def run_env(name: str, pytest_args: list[str], out: IO[str]) -> dict[str, object
         check_core_alone(env_dir, out)
     rc, outcome = run_pytest(env_dir, name, pytest_args, LOGS / f"{name}.xml", out)
     problems = [f"pytest exited {rc}"] if rc else []
+    if outcome.unreadable:
+        problems.append(f"pytest's report is unreadable: {outcome.unreadable}; {free_disk(env_dir)}")
     if outcome.skipped:  # a skip hides code that nothing tested: the owner must install what the test needs
         problems.append(f"{len(outcome.skipped)} test(s) skipped in the environment that owns them:")
         problems += [f"  {s}" for s in outcome.skipped]
@@ -193,8 +222,8 @@ def in_parallel(names: list[str], job, jobs: int, prefix: str = "") -> list[dict
         with path.open("w") as out:
             try:
                 result = job(name, out)
-            except (SystemExit, subprocess.CalledProcessError) as exc:
-                log(f"{name}: FAILED: {exc}", out)
+            except (SystemExit, Exception) as exc:  # one environment's failure, reported; the others go on
+                log(f"{name}: FAILED: {type(exc).__name__}: {exc}", out)
                 result = {"env": name, "ok": False, "error": str(exc)}
         with lock:
             print(f"\n{'=' * 30} {name}: {'pass' if result['ok'] else 'FAIL'} ({path.relative_to(ROOT)}) {'=' * 30}")
@@ -218,7 +247,7 @@ def report(results: list[dict[str, object]], wall: float, what: str) -> None:
     log(f"{what}: {wall:.0f} s")
 
 
-def matrix(only: list[str] | None, pytest_args: list[str], jobs: int = 2) -> int:
+def matrix(only: list[str] | None, pytest_args: list[str], jobs: int = 2, keep: bool = False) -> int:
     names = only or list(MATRIX)
     unknown = [n for n in names if n not in MATRIX]
     if unknown:
@@ -226,7 +255,7 @@ def matrix(only: list[str] | None, pytest_args: list[str], jobs: int = 2) -> int
     for folder in test_folders():
         owner(folder)  # every test folder has its environment before anything is installed
     start = time.time()
-    results = in_parallel(names, lambda name, out: run_env(name, pytest_args, out), jobs)
+    results = in_parallel(names, lambda name, out: run_env(name, pytest_args, out, keep), jobs)
     report(results, time.time() - start, "whole matrix")
     (ROOT / ".venvs" / "matrix.json").write_text(json.dumps(results, indent=1))
     return 0 if all(r["ok"] for r in results) else 1

@@ -74,3 +74,42 @@ def test_a_skip_is_read_with_its_reason(tmp_path):
     assert len(skipped) == 2, skipped
     assert "test_needs_x" in skipped[0] and "x is not installed" in skipped[0]
     assert "test_b (the whole module)" in skipped[1] and "no_such_module_here" in skipped[1]
+
+
+def test_an_unreadable_report_fails_its_environment_with_the_reason(tmp_path):
+    junit = tmp_path / "core.xml"
+    junit.write_text("")  # what a pytest killed before writing its report, or a full disk, leaves
+    outcome = matrix.Outcome.read(junit)
+    assert (outcome.passed, outcome.failed) == (0, 0)
+    assert "core.xml: no element found" in outcome.unreadable and "(0 bytes)" in outcome.unreadable
+
+
+def test_an_environment_that_fails_is_reported_and_deleted_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(matrix, "ROOT", tmp_path)
+    monkeypatch.setattr(matrix, "LOGS", tmp_path / ".venvs" / "logs")
+
+    def install_and_test(name, spec, env_dir, pytest_args, out):  # stands in for the install: fills, then fails
+        env_dir.mkdir(parents=True)
+        (env_dir / "site-packages").write_bytes(b"0" * 1024)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matrix, "install_and_test", install_and_test)
+
+    def job(name, out):
+        return {"env": name, "ok": True} if name == "core" else matrix.run_env(name, [], out)
+
+    results = matrix.in_parallel(["core+comm", "core"], job, jobs=2)
+    assert [r["ok"] for r in results] == [False, True]
+    assert "No space left on device" in results[0]["error"] and "GiB free on the disk of" in results[0]["error"]
+    assert not (tmp_path / ".venvs" / "core+comm").exists()  # deleted, its log kept
+    assert "No space left on device" in (tmp_path / ".venvs" / "logs" / "core+comm.log").read_text()
+    printed = capsys.readouterr().out
+    assert "core+comm: FAIL" in printed and "core: pass" in printed
+
+
+def test_an_environment_is_kept_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setattr(matrix, "ROOT", tmp_path)
+    monkeypatch.setattr(matrix, "install_and_test", lambda name, spec, env_dir, args, out: env_dir.mkdir(parents=True) or {"ok": True})
+    matrix.run_env("core", [], sys.stdout, keep=True)
+    matrix.run_env("core+comm", [], sys.stdout)
+    assert (tmp_path / ".venvs" / "core").is_dir() and not (tmp_path / ".venvs" / "core+comm").exists()
