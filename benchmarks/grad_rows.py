@@ -1,7 +1,9 @@
 """The output gradients' e4m3 rows written by the kernels that write the gradients, against the linear's
 own one-pass row quantization after them, interleaved on the same inputs: the fused HSTU gap's last
-backward pass (the ``uvqk`` gradient, against the in-place ``silu'`` passes and the rows) and the layer
-norm's backward (the previous block's ``out`` gradient, through the residual add).
+backward pass (the ``uvqk`` gradient, against the in-place ``silu'`` passes and the rows), the same pass
+summing the bias gradient of a bf16 step without rows (``bias_grad_in_gap``, against the ``silu'`` pass
+and the linear's own reduction), and the layer norm's backward (the previous block's ``out`` gradient,
+through the residual add).
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/grad_rows.py --out grad_rows.json
     TRITON_INTERPRET=1 python benchmarks/grad_rows.py --smoke      # a CPU check of the script
@@ -92,9 +94,10 @@ def check(pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | None) ->
 
 
 def time_rounds(
-    pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | None, rounds: int
+    pre: torch.Tensor, pristine: torch.Tensor, dq: torch.Tensor | None, rounds: int,
+    fns: dict[str, Callable[..., tuple]] | None = None,
 ) -> dict[str, list[float]]:
-    fns = variants()
+    fns = fns or variants()
     names = list(fns)
     d_pre = pristine.clone()
     for name in names:  # warm-up: compiles every variant
@@ -111,6 +114,37 @@ def time_rounds(
             end.synchronize()
             times[name].append(start.elapsed_time(end))
     return times
+
+
+def bias_separate(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | None) -> tuple:
+    """The bf16 step today: the in-place ``silu'`` pass, then the ``uvqk`` linear's bias gradient, its own
+    reduction over the whole gradient (``grad.sum(0)`` in the gradient's dtype, as the linear's backward)."""
+    silu_columns(pre[:, HV:], d_pre[:, HV:], grad=d_pre[:, HV:])
+    return (d_pre.sum(0),)
+
+
+def bias_whole_rows(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | None) -> tuple:
+    """``bias_grad_in_gap`` in a bf16 step: one pass over whole rows, no e4m3 rows, the column sums."""
+    return (silu_grad_rows(pre, d_pre, HV, None, col_sum=True).to(d_pre.dtype),)
+
+
+BIAS_VARIANTS = {"separate": bias_separate, "bias_whole_rows": bias_whole_rows}
+
+
+def check_bias(pre: torch.Tensor, pristine: torch.Tensor) -> float:
+    """Both bias variants write the same gradient; the sums' largest error against float64, relative."""
+    want_grad = pristine.clone()
+    bias_separate(pre, want_grad, None)
+    exact = want_grad.double().sum(0)
+    worst = 0.0
+    for name, fn in BIAS_VARIANTS.items():
+        got_grad = pristine.clone()
+        (sums,) = fn(pre, got_grad, None)
+        err = ((sums.double() - exact).abs().max() / exact.abs().max().clamp_min(1e-30)).item()
+        if not torch.equal(got_grad, want_grad) or err > 1e-2:  # bf16 sums: a rounding step is 2**-8
+            raise SystemExit(f"bias {name}: gradient equal {torch.equal(got_grad, want_grad)}, sums' error {err:.1e}")
+        worst = max(worst, err)
+    return worst
 
 
 def layer_norm_variants(rows: int, device: str, gen: torch.Generator) -> tuple[dict[str, Callable[[], tuple]], float]:
@@ -198,6 +232,16 @@ def main() -> int:
                 results.append({"rows": args.rows, "dq": "accumulator" if with_dq else "in_place", "variant": name,
                                 "median_ms": statistics.median(ts), "q1_ms": q[0], "q3_ms": q[2],
                                 "speedup_over_separate": base / statistics.median(ts), "col_sum_error": errors[name]})  # fmt: skip
+        pre, pristine, _ = inputs(5 if args.smoke else args.rows, device, False, gen)
+        bias_err = check_bias(pre, pristine)
+        if not args.smoke:
+            times = time_rounds(pre, pristine, None, args.rounds, BIAS_VARIANTS)
+            base = statistics.median(times["separate"])
+            for name, ts in times.items():
+                q = statistics.quantiles(ts, n=4)
+                results.append({"rows": args.rows, "dq": "bf16_bias", "variant": name, "median_ms": statistics.median(ts),
+                                "q1_ms": q[0], "q3_ms": q[2], "speedup_over_separate": base / statistics.median(ts),
+                                "col_sum_error": bias_err})  # fmt: skip
         ln_fns, ln_err = layer_norm_variants(13 if args.smoke else args.rows, device, gen)
         if not args.smoke:
             times = time_plain(ln_fns, args.rounds)
@@ -210,7 +254,7 @@ def main() -> int:
     finally:
         hstu_gap_grad_rows.WARPS_WIDE = saved
     if args.smoke:
-        print("smoke: every variant equals the separate passes (the gap's and the layer norm's)")
+        print("smoke: every variant equals the separate passes (the gap's, the bf16 bias sums' and the layer norm's)")
         return 0
     print(f"{'dq':<12} {'variant':<16} {'median ms':>10} {'q1-q3 ms':>15} {'vs separate':>11}")
     for r in results:

@@ -137,6 +137,8 @@ def run_pytest(env_dir: Path, name: str, args: list[str], junit: Path, out: IO[s
     # (set on the CI machine; Docker images often set it). The first process compiles what it imports.
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = str(env_dir / "pycache")
+    # torch.compile's kernel cache (hundreds of MB) also lives and goes with the environment, not in /tmp
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(env_dir / "inductor"))
     junit.unlink(missing_ok=True)
     cmd = pytest_command(env_dir / "bin" / "python", name, junit, args)
     log(f"{name}: {shlex.join(cmd[1:])}", out)

@@ -1,7 +1,7 @@
 """The uvqk bias gradient summed by the fused gap's own backward passes (gem_kernels.hstu_gap_bias):
 the ``silu'`` pass with column sums against the plain pass and torch, and the whole fused block with
-``bias_grad_in_gap`` against the block without it
-(forward and every gradient). Triton runs in its interpreter; fresh memory is NaN (``poison``)."""
+``bias_grad_in_gap`` against the block without it (forward and every gradient), by both of its paths:
+one pass over whole rows, and per column block for rows too wide to hold. Triton runs in its interpreter; fresh memory is NaN (``poison``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.hstu_gap_bias import silu_grad_columns
+from gem_kernels.hstu_gap_grad_rows import silu_grad_rows
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.hstu_gap_triton import silu_columns
 from gem_kernels.norm_gate import TritonNormGate
@@ -57,13 +58,25 @@ def block(**options) -> HSTUBlock:
                      dropout=0.0, attention=attention, norm_gate=TritonNormGate())  # fmt: skip
 
 
-@pytest.mark.parametrize("dq", ["atomic", "separate"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_block_with_the_bias_gradient_in_the_gap_matches_the_block_without(gen, dq, dtype, monkeypatch):
+@pytest.mark.parametrize(("dtype", "dq", "path"), [
+    (torch.float32, "atomic", "whole_rows"), (torch.float32, "separate", "whole_rows"),
+    (torch.bfloat16, "atomic", "whole_rows"), (torch.bfloat16, "separate", "whole_rows"),
+    (torch.bfloat16, "atomic", "column_blocks"),  # three passes: q from the accumulator, v and k in place
+])  # fmt: skip
+def test_the_block_with_the_bias_gradient_in_the_gap_matches_the_block_without(gen, dq, dtype, path, monkeypatch):
     import gem_kernels.hstu_gap_triton as gap
 
     calls = []
-    monkeypatch.setattr(gap, "silu_grad_columns", lambda *a, **k: calls.append(1) or silu_grad_columns(*a, **k))
+    if path == "whole_rows":  # rows that fit: one pass over whole rows, no e4m3 rows written (hstu_gap_grad_rows)
+        def rows_pass(pre, d_pre, hv, out, **kw):
+            assert out is None and kw["col_sum"] and (kw["dq"] is not None) == (dq == "atomic")
+            calls.append(1)
+            return silu_grad_rows(pre, d_pre, hv, out, **kw)
+
+        monkeypatch.setattr(gap, "silu_grad_rows", rows_pass)
+    else:  # rows too wide for registers: the silu' pass per column block, the u columns by a torch sum
+        monkeypatch.setattr(gap, "fits", lambda width: False)
+        monkeypatch.setattr(gap, "silu_grad_columns", lambda *a, **k: calls.append(1) or silu_grad_columns(*a, **k))
     summing = block(dq=dq, bias_grad_in_gap=True)
     with torch.no_grad():
         for p in summing.parameters():
@@ -79,7 +92,8 @@ def test_the_block_with_the_bias_gradient_in_the_gap_matches_the_block_without(g
         results.append(block_output_and_grads(b.to(dtype), x, dy, offsets, targets))
         assert type(b.uvqk.bias) is torch.nn.Parameter and b.uvqk.bias.requires_grad  # given back after the call
     (y_s, g_s), (y_p, g_p) = results
-    assert len(calls) == (3 if dq == "atomic" else 1)  # the summing passes ran for the first block only
+    # the summing passes ran for the first block only
+    assert len(calls) == (3 if dq == "atomic" and path == "column_blocks" else 1)
     assert torch.equal(y_s, y_p)  # the forward is the same computation
     names = ["x", *(n for n, _ in summing.named_parameters())]
     for name, a, c in zip(names, g_s, g_p):

@@ -120,3 +120,17 @@ def test_the_gap_offers_its_gradients_rows_and_its_gradients_are_unchanged(gen, 
         torch.testing.assert_close(offered.column_sum, grads[0].double().sum(0).float(), rtol=1e-6, atol=1e-5)
     else:
         assert offered.column_sum is None
+
+
+@pytest.mark.parametrize("with_dq", [True, False], ids=["dq_accumulator", "dq_in_place"])
+def test_whole_rows_pass_without_rows_writes_the_gradient_and_its_sums(gen, with_dq):
+    rows = ROWS_PER_PROGRAM + 5  # two programs, the second short
+    pre = (torch.randn(rows, WIDTH, generator=gen) * 2).bfloat16()
+    d_pre = torch.randn(rows, WIDTH, generator=gen).bfloat16()
+    dq = torch.randn(rows, HQ, generator=gen) if with_dq else None
+    want = plain_passes(pre, d_pre, dq)
+    sums = silu_grad_rows(pre, d_pre, HV, None, dq=None if dq is None else (dq, Q_COLS), col_sum=True)
+    assert torch.equal(d_pre, want)
+    torch.testing.assert_close(sums, want.double().sum(0).float(), rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="neither rows nor column sums"):
+        silu_grad_rows(pre, d_pre, HV, None)

@@ -17,10 +17,13 @@ own ``grad.sum(0)`` up to the order of the fp32 additions.
 The linear must then not sum again: :func:`gem_model.api.bias_grad_elsewhere` lends the fused block
 the linear with its bias detached (the GEMM still adds it in its epilogue), and the gap returns the
 bias gradient as the gradient of an input of its own. An option, ``kernels.jagged_attention.options.
-bias_grad_in_gap``, off: measured on an H200 (big config, 2026-12-02), the step was 0.946x the step
-without it. At 80 registers on 8 warps three programs fit on an SM, each with one tile in flight,
-against six of the plain pass (79 registers on 4 warps): half the loads in flight for a pass bound by
-them, and a cross-warp reduction per tile (``benchmarks/results/e2e_ab.md``).
+bias_grad_in_gap``, off: with this module's pass the step measured 0.946x the step without it on an
+H200 (big config, 2026-12-02). At 80 registers on 8 warps three programs fit on an SM, each with one
+tile in flight, against six of the plain pass (79 registers on 4 warps): half the loads in flight for a
+pass bound by them, and a cross-warp reduction per tile (``benchmarks/results/e2e_ab.md``). So rows
+that fit in registers whole (up to 8,192 wide) now take the fp8 path's pass over whole rows instead,
+without its e4m3 rows (:func:`gem_kernels.hstu_gap_grad_rows.silu_grad_rows`), which sums the ``u``
+columns too; this module's pass stays for wider rows. The whole-row path awaits its GPU measurement.
 """
 
 from __future__ import annotations

@@ -43,11 +43,11 @@ accumulator 1.696 ms on 4 (1.939 on 8, 1.828 on 16; separate 1.711)."""
 @triton.jit
 def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_pre, stride_dq, num_rows, hv,
                     q_lo, q_hi, rows_per_program, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
-                    HAS_DQ: tl.constexpr, E4M3: tl.constexpr, COL_SUM: tl.constexpr,
+                    HAS_DQ: tl.constexpr, E4M3: tl.constexpr, ROWS_OUT: tl.constexpr, COL_SUM: tl.constexpr,
                     INTERP: tl.constexpr):  # fmt: skip
     """``D_PRE[:, hv:] *= silu'(PRE[:, hv:])`` (the ``q`` columns ``[q_lo, q_hi)`` taken from ``DQ`` when
-    ``HAS_DQ``), the e4m3 rows of the whole ``D_PRE`` as stored into ``Q``/``Q_INV``, and with ``COL_SUM``
-    this program's column sums into ``SUMS[program]``."""
+    ``HAS_DQ``), with ``ROWS_OUT`` the e4m3 rows of the whole ``D_PRE`` as stored into ``Q``/``Q_INV``, and
+    with ``COL_SUM`` this program's column sums into ``SUMS[program]``."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_W)
     cols_ok = cols < W
@@ -71,7 +71,8 @@ def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_
         stored = cast(tl.where(grad_cols[None, :], g * silu_grad(z), g), D_PRE.dtype.element_ty, INTERP)
         tl.store(d_ptrs, stored, mask=inside & grad_cols[None, :])
         y = stored.to(tl.float32)
-        write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, W)
+        if ROWS_OUT:
+            write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, W)
         if COL_SUM:
             sums += tl.sum(tl.where(inside, y, 0.0), 0)
     if COL_SUM:
@@ -83,22 +84,25 @@ def fits(width: int) -> bool:
     return width <= MAX_WIDTH
 
 
-def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut, *,
+def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut | None, *,
                    dq: tuple[torch.Tensor, slice] | None = None, scale_inv: torch.Tensor | None = None,
                    col_sum: bool = False) -> torch.Tensor | None:  # fmt: skip
     """Complete ``d_pre [L, W]`` in place: its columns from ``hv`` on times ``silu'(pre)`` (with ``dq`` =
     ``(accumulator [L, q columns], the q columns' slice)``, those columns read from the accumulator
-    instead), the ``hv`` before them taken as stored; write its e4m3 rows into ``out``; return the float32
-    column sums ``[W]`` of ``d_pre`` as stored when ``col_sum``, else None. ``scale_inv [L]``: ``pre`` is
-    e4m3 rows, each standing for itself times its factor (:mod:`gem_kernels.hstu_gap_saved`)."""
+    instead), the ``hv`` before them taken as stored; write its e4m3 rows into ``out`` (None: no rows, the
+    bf16 step's bias sums alone); return the float32 column sums ``[W]`` of ``d_pre`` as stored when
+    ``col_sum``, else None. ``scale_inv [L]``: ``pre`` is e4m3 rows, each standing for itself times its
+    factor (:mod:`gem_kernels.hstu_gap_saved`)."""
     num_rows, width = d_pre.shape
     if not fits(width):
         raise ValueError(f"silu_grad_rows: rows of at most {MAX_WIDTH} columns, got {width}")
     if pre.shape != d_pre.shape or d_pre.stride(1) != 1 or pre.stride(1) != 1:
         raise ValueError(f"silu_grad_rows: pre {tuple(pre.shape)} and d_pre {tuple(d_pre.shape)} must be the same "
                          "shape with contiguous rows")  # fmt: skip
-    if out.data.shape != (num_rows, width) or out.column_amax_bits is not None:
+    if out is not None and (out.data.shape != (num_rows, width) or out.column_amax_bits is not None):
         raise ValueError(f"silu_grad_rows: out must hold [{num_rows}, {width}] rows without column maxima")
+    if out is None and not col_sum:
+        raise ValueError("silu_grad_rows: neither rows nor column sums asked for (the plain pass is silu_columns)")
     programs = max(1, triton.cdiv(num_rows, ROWS_PER_PROGRAM))
     sums = torch.empty((programs, width) if col_sum else (1,), dtype=torch.float32, device=d_pre.device)
     if not num_rows:
@@ -108,9 +112,10 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
     block_w = triton.next_power_of_2(width)
     with device_guard(d_pre.device):
         _silu_grad_rows[(programs,)](
-            d_pre, pre.view(torch.uint8) if e4m3 else pre, scale_inv if e4m3 else pre, accum, out.data,
-            out.scale_inv, sums, d_pre.stride(0), pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start,
-            q_cols.stop, ROWS_PER_PROGRAM, W=width, BLOCK_W=block_w, ROWS=2 if INTERPRET else 1,
-            HAS_DQ=dq is not None, E4M3=e4m3, COL_SUM=col_sum, INTERP=INTERPRET, num_warps=WARPS_WIDE[dq is not None] if block_w >= 4096 else 4,
+            d_pre, pre.view(torch.uint8) if e4m3 else pre, scale_inv if e4m3 else pre, accum,
+            sums if out is None else out.data, sums if out is None else out.scale_inv, sums, d_pre.stride(0),
+            pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, ROWS_PER_PROGRAM, W=width,
+            BLOCK_W=block_w, ROWS=2 if INTERPRET else 1, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
+            COL_SUM=col_sum, INTERP=INTERPRET, num_warps=WARPS_WIDE[dq is not None] if block_w >= 4096 else 4,
         )  # fmt: skip
     return sums.sum(0) if col_sum else None

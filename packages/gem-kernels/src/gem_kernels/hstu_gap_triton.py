@@ -180,7 +180,10 @@ class HSTUGapFunction(torch.autograd.Function):
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
             du_out=d_pre[:, :hv],
         )
-        if sums is not None and grad_rows is None:  # the u columns by a reduction of their own (hstu_gap_bias)
+        # the bias sums without rows: one pass over whole rows when they fit (hstu_gap_bias), else per column block
+        # with the u columns by a reduction of their own
+        sum_rows = sums is not None and grad_rows is None and fits(pre.shape[1])
+        if sums is not None and grad_rows is None and not sum_rows:
             torch.sum(d_pre[:, :hv], 0, dtype=torch.float32, out=sums[:hv])
         del u  # the expanded gate's memory is free for the attention backward
 
@@ -206,6 +209,10 @@ class HSTUGapFunction(torch.autograd.Function):
             passes = [(every, d_pre[:, every])]
         if grad_rows is not None:  # one pass over whole rows, writing d_pre's e4m3 rows too (hstu_gap_grad_rows)
             sums = _complete_with_rows(pre, d_pre, hv, grad_rows, dq_accum, q_cols, scale_inv, sums is not None)
+            passes = []
+        elif sum_rows:  # the same pass without rows: the column sums of the whole gradient
+            dq = None if dq_accum is None else (dq_accum.view(rows, hq), q_cols)
+            sums = silu_grad_rows(pre, d_pre, hv, None, dq=dq, scale_inv=scale_inv, col_sum=True)
             passes = []
         for cols, grad in passes:
             if sums is None:
