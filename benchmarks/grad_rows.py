@@ -207,6 +207,17 @@ def time_plain(fns: dict[str, Callable[[], tuple]], rounds: int) -> dict[str, li
     return times
 
 
+def rows_of(times: dict[str, list[float]], rows: int, case: str, errors: dict[str, float]) -> list[dict]:
+    """One result row per variant: median and quartiles, and the speed-up over ``separate``."""
+    base = statistics.median(times["separate"])
+    out = []
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=4)
+        out.append({"rows": rows, "dq": case, "variant": name, "median_ms": statistics.median(ts), "q1_ms": q[0],
+                    "q3_ms": q[2], "speedup_over_separate": base / statistics.median(ts), "col_sum_error": errors[name]})  # fmt: skip
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=200_000)
@@ -223,34 +234,18 @@ def main() -> int:
         for with_dq in (False, True):
             pre, pristine, dq = inputs(5 if args.smoke else args.rows, device, with_dq, gen)
             errors = check(pre, pristine, dq)
-            if args.smoke:
-                continue
-            times = time_rounds(pre, pristine, dq, args.rounds)
-            base = statistics.median(times["separate"])
-            for name, ts in times.items():
-                q = statistics.quantiles(ts, n=4)
-                results.append({"rows": args.rows, "dq": "accumulator" if with_dq else "in_place", "variant": name,
-                                "median_ms": statistics.median(ts), "q1_ms": q[0], "q3_ms": q[2],
-                                "speedup_over_separate": base / statistics.median(ts), "col_sum_error": errors[name]})  # fmt: skip
+            if not args.smoke:
+                times = time_rounds(pre, pristine, dq, args.rounds)
+                results += rows_of(times, args.rows, "accumulator" if with_dq else "in_place", errors)
         pre, pristine, _ = inputs(5 if args.smoke else args.rows, device, False, gen)
         bias_err = check_bias(pre, pristine)
         if not args.smoke:
             times = time_rounds(pre, pristine, None, args.rounds, BIAS_VARIANTS)
-            base = statistics.median(times["separate"])
-            for name, ts in times.items():
-                q = statistics.quantiles(ts, n=4)
-                results.append({"rows": args.rows, "dq": "bf16_bias", "variant": name, "median_ms": statistics.median(ts),
-                                "q1_ms": q[0], "q3_ms": q[2], "speedup_over_separate": base / statistics.median(ts),
-                                "col_sum_error": bias_err})  # fmt: skip
+            results += rows_of(times, args.rows, "bf16_bias", dict.fromkeys(times, bias_err))
         ln_fns, ln_err = layer_norm_variants(13 if args.smoke else args.rows, device, gen)
         if not args.smoke:
             times = time_plain(ln_fns, args.rounds)
-            base = statistics.median(times["separate"])
-            for name, ts in times.items():
-                q = statistics.quantiles(ts, n=4)
-                results.append({"rows": args.rows, "dq": "layer_norm", "variant": name, "median_ms": statistics.median(ts),
-                                "q1_ms": q[0], "q3_ms": q[2], "speedup_over_separate": base / statistics.median(ts),
-                                "col_sum_error": ln_err})  # fmt: skip
+            results += rows_of(times, args.rows, "layer_norm", dict.fromkeys(times, ln_err))
     finally:
         hstu_gap_grad_rows.WARPS_WIDE = saved
     if args.smoke:
