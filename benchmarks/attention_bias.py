@@ -30,8 +30,8 @@ import torch
 
 from gem_kernels import attention_torch
 from gem_kernels.attention_torch import LayoutCache, jagged_attention_torch
-from gem_model.api import AttentionExtras
 from gem_model import jagged
+from gem_model.api import AttentionExtras
 
 
 def main() -> None:

@@ -43,15 +43,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jagged_attention import CASES, SEED, Case, make_inputs  # noqa: E402
+from jagged_attention import CASES, SEED, Case, make_inputs
 
-from gem_kernels.attention_fp8 import quantize_qk  # noqa: E402
-from gem_kernels.attention_triton import query_major  # noqa: E402
-from gem_kernels.attention_triton_autograd import jagged_attention_triton  # noqa: E402
-from gem_kernels.hstu_gap_triton import hstu_gap_triton  # noqa: E402
-from gem_kernels.reference import jagged_attention_reference  # noqa: E402
-from gem_kernels.testing import relative_error  # noqa: E402
-from gem_model.api import AttentionExtras  # noqa: E402
+from gem_kernels.attention_fp8 import quantize_qk
+from gem_kernels.attention_triton import query_major
+from gem_kernels.attention_triton_autograd import jagged_attention_triton
+from gem_kernels.hstu_gap_triton import hstu_gap_triton
+from gem_kernels.reference import jagged_attention_reference
+from gem_kernels.testing import relative_error
+from gem_model.api import AttentionExtras
 
 DEFAULT_CASES = ("big_config", "fixed1024", "fixed2048", "fixed4096")
 SMOKE_CASE = Case(3, 2, 32, 48, 0.95, lengths="powerlaw")

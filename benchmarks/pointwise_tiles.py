@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 import triton
+from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
 from gem_kernels import hstu_gap_triton as gap
 from gem_kernels import layer_norm_triton as ln
 from gem_kernels import norm_gate_triton as ng
 from gem_kernels.attention_triton_common import INTERPRET, num_programs
-from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
 D, WIDTH = 1024, 4096
 

@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
-
 ITEM_FEATURES = ("seq_item", "neg_item", "cand_item")
 """The features the model looks up in its item table (gem_model.model.embeddings)."""
 
@@ -82,7 +81,7 @@ def build(rows: int, dim: int, device: torch.device, bf16_out: bool, seed: int, 
     ec = EmbeddingCollection(
         tables=[EmbeddingConfig(name="item_table", embedding_dim=dim, num_embeddings=rows,
                                 feature_names=list(ITEM_FEATURES),
-                                weight_init_min=-bound, weight_init_max=bound)],  # fmt: skip
+                                weight_init_min=-bound, weight_init_max=bound)],
         device=torch.device("meta"),
     )
     fused_cls, fused_kwargs = sparse_optimizer_spec(TrainerConfig(sparse_lr=0.005)).fused()

@@ -66,7 +66,7 @@ def test_every_branch_of_the_rule_gives_the_reference_bits() -> None:
 
 def test_the_gap_silu_pass_quantizes_what_it_writes(gen: torch.Generator) -> None:
     rows, heads, dim = 13, 2, 24
-    pre = with_special_heads((torch.randn(rows, 2 * heads, dim, generator=gen) * 3)).bfloat16().reshape(rows, -1)
+    pre = with_special_heads(torch.randn(rows, 2 * heads, dim, generator=gen) * 3).bfloat16().reshape(rows, -1)
     post = torch.full((rows, 2 * heads * dim + 8), float("nan"), dtype=torch.bfloat16)
     q8, k8, scales = silu_quantize_qk(pre, post[:, 8:], heads)
     plain = silu_columns(pre, torch.empty(rows, 2 * heads * dim, dtype=torch.bfloat16))

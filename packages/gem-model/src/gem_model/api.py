@@ -225,6 +225,7 @@ if TYPE_CHECKING:
         PluginError,
         UnknownNameError,
     )
+    from gem_model.grad_rows import GradRows, GradRowsSlot, attach_grad_rows, attached_grad_rows, grad_rows_slot
     from gem_model.jagged import (
         TIME_BUCKET_STEP,
         gather_bias,
@@ -237,6 +238,7 @@ if TYPE_CHECKING:
     )
     from gem_model.layout import Layout
     from gem_model.lifecycle import Callback, TrainPipeline
+    from gem_model.linear_bias import bias_grad_elsewhere
     from gem_model.model.flops import count_flops
     from gem_model.model.gem import GemModel
     from gem_model.parallel_dims import (
@@ -248,8 +250,6 @@ if TYPE_CHECKING:
         ParallelDims,
         dims_of,
     )
-    from gem_model.grad_rows import GradRows, GradRowsSlot, attach_grad_rows, attached_grad_rows, grad_rows_slot
-    from gem_model.linear_bias import bias_grad_elsewhere
     from gem_model.plan import DensePlacement, Plan, TablePlacement
     from gem_model.plugins import GemPluginManager
     from gem_model.precision import PrecisionPolicy, precision_plan, set_submodule

@@ -362,7 +362,7 @@ def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
         summary=summary,
         tables=[ProfileTable("torch.profiler breakdown", ["category", "ms / step", "% of step"], rows)] + ([
             ProfileTable("device kernels with the most time", ["kernel", "category", "ms / step", "calls / step"],
-                         top_kernels(probe.kernels, n))] if probe.kernels else []),  # fmt: skip
+                         top_kernels(probe.kernels, n))] if probe.kernels else []),
         series={"breakdown_ms_per_step": {k: parts[k] / max(n, 1) * 1e3 for k in ORDER},
                 "unprofiled_step_ms": summary.get("unprofiled_step_ms")},
         recommendations=recs,

@@ -35,8 +35,7 @@ from gem_model.layout import Layout
 from gem_model.model.gem import GemModel
 from gem_model.plan import Plan
 from gem_model.precision import PrecisionPolicy, apply_precision, precision_plan, set_submodule
-from gem_model.resolve import Components
-from gem_model.resolve import run_shape
+from gem_model.resolve import Components, run_shape
 from gem_model.train.optim import sparse_optimizer_spec
 
 __all__ = [
