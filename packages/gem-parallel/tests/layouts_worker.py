@@ -5,12 +5,11 @@ for each layout, 4 steps of the tiny run under ``parallel.planner=fsdp`` with a 
 step 2, then a second run in the same processes that resumes that checkpoint and trains steps 3-4.
 Rank 0 writes ``OUT/results.json``: per layout, the step losses of both runs and the layout and
 placement each run reported, and every rank's digest of its dense weights before the first step
-(whole tensors: DTensors gathered) and of its table shards after the last. (One start for all layouts: a process group costs seconds to make.)
+(whole tensors: DTensors gathered) and of its table shards after the last.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ import gem_parallel.plugin
 from gem_model import testing
 from gem_model.checks import check_run
 from gem_model.config_io import load_config
-from gem_model.distributed import init_distributed, teardown
+from gem_model.distributed import init_distributed, leave_rank, teardown
 from gem_model.plugins import GemPluginManager
 from gem_model.resolve import resolve_components
 from gem_model.results import RunSummary
@@ -102,20 +101,10 @@ def main(out: Path, layouts: list[str], common: list[str]) -> None:
         teardown(env)
 
 
-def leave() -> None:
-    """End the rank as ``gem-train run`` ends a torchrun-launched one (``gem_model.cli._leave_rank``): a
-    torchrec-sharded run keeps a reference to its gloo group that Python cannot reach, and torn down with
-    the interpreter the group's threads abort the rank now and then (SIGABRT, "terminate called without
-    an active exception", seen once in ~40 starts of this worker on the 2-core CI machine) after
-    everything was written. The runs are collected first; then the process leaves without the teardown."""
-    gc.collect()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
     out_dir, rest = Path(sys.argv[1]), sys.argv[2:]
     split = rest.index("--")
     main(out_dir, rest[:split], rest[split + 1 :])
-    leave()
+    # as gem-train run ends a torchrun rank: the torchrec gloo group torn down with the interpreter aborts
+    # the rank now and then (SIGABRT, seen once in ~40 starts of this worker), after everything was written
+    leave_rank(0)

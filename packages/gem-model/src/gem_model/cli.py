@@ -21,14 +21,11 @@ Exit status:
 from __future__ import annotations
 
 import argparse
-import atexit
 import gc
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from gem_model._deps import TorchrecImportError, import_torchrec
 from gem_model.errors import (
@@ -144,23 +141,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     del components
     gc.collect()
     if launched:
-        _leave_rank(0)
+        from gem_model.distributed import leave_rank
+
+        leave_rank(0)
     return 0
-
-
-def _leave_rank(code: int) -> NoReturn:
-    """End a torchrun-launched rank whose run finished, without the interpreter's teardown.
-
-    After a torchrec-sharded run one reference to its gloo group survives that Python cannot reach
-    (every Python reference dropped and collected, the group destroyed); torn down with the interpreter,
-    the group's threads abort the rank now and then (SIGABRT, "terminate called without an active
-    exception") although the run succeeded. Everything the run wrote is closed by then; the atexit
-    handlers still run, and logging and the standard streams are flushed."""
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -91,3 +95,18 @@ def teardown(env: DistEnv, *, clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def leave_rank(code: int) -> NoReturn:
+    """End a torchrun-launched rank whose run finished, without the interpreter's teardown.
+
+    After a torchrec-sharded run one reference to its gloo group survives that Python cannot reach
+    (every Python reference dropped and collected, the group destroyed); torn down with the interpreter,
+    the group's threads abort the rank now and then (SIGABRT, "terminate called without an active
+    exception") although the run succeeded. Everything the run wrote is closed by then; the atexit
+    handlers still run, and logging and the standard streams are flushed."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
