@@ -128,7 +128,24 @@ def bias_whole_rows(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | N
     return (silu_grad_rows(pre, d_pre, HV, None, col_sum=True).to(d_pre.dtype),)
 
 
-BIAS_VARIANTS = {"separate": bias_separate, "bias_whole_rows": bias_whole_rows}
+def bias_tiled(warps: int, rows_at_once: int) -> Callable[..., tuple]:
+    """``bias_whole_rows`` on ``warps`` warps loading ``rows_at_once`` rows an iteration (the shipped
+    tile is 8 warps, one row)."""
+
+    def run(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | None) -> tuple:
+        hstu_gap_grad_rows.WARPS_WIDE = {False: warps, True: warps}
+        hstu_gap_grad_rows.ROWS_AT_ONCE = rows_at_once
+        try:
+            return bias_whole_rows(pre, d_pre, dq)
+        finally:
+            hstu_gap_grad_rows.WARPS_WIDE, hstu_gap_grad_rows.ROWS_AT_ONCE = dict(SHIPPED[0]), SHIPPED[1]
+
+    return run
+
+
+SHIPPED = (dict(hstu_gap_grad_rows.WARPS_WIDE), hstu_gap_grad_rows.ROWS_AT_ONCE)
+BIAS_VARIANTS = {"separate": bias_separate, "bias_whole_rows": bias_whole_rows,
+                 **{f"bias_w{w}_r{r}": bias_tiled(w, r) for w in WARPS for r in (1, 2) if (w, r) != (8, 1)}}  # fmt: skip
 
 
 def check_bias(pre: torch.Tensor, pristine: torch.Tensor) -> float:
@@ -179,12 +196,16 @@ def layer_norm_variants(rows: int, device: str, gen: torch.Generator) -> tuple[d
     # GPU (288 of 200M on the H200, 2026-12-03): the rows must be the reference's of the dx it stored
     own = quantize_rows(got[0], E4M3, col_sum=False)
     same = torch.equal(got[1], own.rows.data.view(torch.uint8)) and torch.equal(got[2], own.rows.scale_inv.reshape(-1))
-    close = torch.allclose(got[0].float(), want[0].float(), rtol=2**-7, atol=0)
+    # one bf16 step, and near zero (where dx is a difference of larger fp32 terms whose order of
+    # summation differs between the two compilations) 2**-12 of the largest |dx|: a run on the H200
+    # (2026-12-03) failed the check with no absolute floor
+    g, w = got[0].float(), want[0].float()
+    far = (g - w).abs() > 2**-7 * w.abs() + 2**-12 * w.abs().max()
     err = ((got[3] - want[3]).abs().max() / want[3].abs().max().clamp_min(1e-30)).item()
-    if not same or not close or err > 1e-4:
+    if not same or bool(far.any()) or err > 1e-4:
         raise SystemExit(
-            f"layer norm rows: rows are its dx's {same}, dx within a bf16 step of the separate pass's {close}, "
-            f"sums {err:.1e}"
+            f"layer norm rows: rows are its dx's {same}; dx values beyond a bf16 step of the separate pass's: "
+            f"{int(far.sum())} of {far.numel()} (largest difference {(g - w).abs().max().item():.2e}); sums {err:.1e}"
         )
     return {"separate": separate_ln, "in_layer_norm": in_norm}, err
 

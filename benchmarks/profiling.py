@@ -176,28 +176,69 @@ def _launchers(events: list[dict], times: list[tuple[float, object]]) -> dict[ob
     return out
 
 
+def _launch_queries(events: list[dict], work: list[dict]) -> list[tuple[float, object] | None]:
+    """For each device event of ``work``, the ``(host time, tid)`` of the CUDA runtime call that launched
+    it (matched by the trace's correlation id), or None when the trace has no such call."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}  # fmt: skip
+    out: list[tuple[float, object] | None] = []
+    for e in work:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        out.append((launch["ts"], launch.get("tid")) if launch else None)
+    return out
+
+
+def _launcher_key(names: list[str], forward_scope: str = "outermost") -> tuple[str, str]:
+    """``(innermost operator, scope)`` of a launch whose open operators are ``names`` (outermost first):
+    the scope is the backward node it runs in; in the forward, the outermost operator (``outermost``) or
+    the innermost one that is not an ``aten::`` operator, such as an autograd Function (``innermost``)."""
+    if not names:
+        return "(no host operator)", "(no host operator)"
+    backward = [n for n in names if n.startswith("autograd::engine::evaluate_function:")]
+    if backward:
+        return names[-1], backward[-1].split(": ", 1)[-1]
+    if forward_scope == "innermost":
+        named = [n for n in names[:-1] if not n.startswith("aten::")]
+        return names[-1], named[-1] if named else names[0]
+    return names[-1], names[0]
+
+
 def idle_by_launcher(events: list[dict], steps: int, limit: int = 15) -> list[dict]:
     """Device idle per step, summed by who launched the work that ended each gap: the host operator open
     at that launch (innermost), and its scope (the backward node it runs in, else its outermost
     operator). Where many short gaps share a launcher, that stretch of the step is launch-bound."""
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}  # fmt: skip
-    gaps: list[tuple[float, tuple[float, object] | None]] = []
-    for lo, hi, _, after in gap_windows(events):
-        launch = launches.get(after.get("args", {}).get("correlation"))
-        gaps.append((hi - lo, (launch["ts"], launch.get("tid")) if launch else None))
-    open_ops = _launchers(events, [q for _, q in gaps if q is not None])
+    windows = gap_windows(events)
+    queries = _launch_queries(events, [after for _, _, _, after in windows])
+    open_ops = _launchers(events, [q for q in queries if q is not None])
     per: dict[tuple[str, str], list[float]] = {}
-    for width, query in gaps:
-        names = open_ops.get(query, []) if query is not None else []
-        backward = [n for n in names if n.startswith("autograd::engine::evaluate_function:")]
-        scope = backward[-1].split(": ", 1)[-1] if backward else (names[0] if names else "(no host operator)")
-        key = (names[-1] if names else "(no host operator)", scope)
-        per.setdefault(key, []).append(width)
+    for (lo, hi, _, _), query in zip(windows, queries, strict=True):
+        key = _launcher_key(open_ops.get(query, []) if query is not None else [])
+        per.setdefault(key, []).append(hi - lo)
     ranked = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:limit]
     per_step = max(steps, 1)
     return [{"launcher": op[:70], "scope": scope[:70], "gaps_per_step": len(ws) / per_step,
              "idle_ms_per_step": sum(ws) / 1e3 / per_step} for (op, scope), ws in ranked]  # fmt: skip
+
+
+def work_by_launcher(events: list[dict], steps: int, keep: Callable[[str], bool] = lambda _: True,
+                     limit: int = 30) -> list[dict]:  # fmt: skip
+    """Device time per step of the kernels whose names ``keep`` accepts, summed by the host operator that
+    launched them (innermost) and its scope (the backward node, else the innermost non-``aten::``
+    operator, such as an autograd Function): which part of the model a torch kernel in the top list
+    belongs to, and so which fusion would remove it."""
+    work = [e for e in events if e.get("cat") in DEVICE_WORK and keep(e.get("name", ""))]
+    queries = _launch_queries(events, work)
+    open_ops = _launchers(events, [q for q in queries if q is not None])
+    per: dict[tuple[str, str], dict[str, float]] = {}
+    for e, query in zip(work, queries, strict=True):
+        key = _launcher_key(open_ops.get(query, []) if query is not None else [], forward_scope="innermost")
+        kernels = per.setdefault(key, {})
+        kernels[e["name"]] = kernels.get(e["name"], 0.0) + e.get("dur", 0)
+    ranked = sorted(per.items(), key=lambda kv: -sum(kv[1].values()))[:limit]
+    per_step = max(steps, 1)
+    return [{"launcher": op[:70], "scope": scope[:70], "ms_per_step": sum(k.values()) / 1e3 / per_step,
+             "kernels": [name[:60] for name, _ in sorted(k.items(), key=lambda kv: -kv[1])[:3]]}
+            for (op, scope), k in ranked]  # fmt: skip
 
 
 def print_profile(name: str, prof: dict) -> None:
@@ -220,6 +261,11 @@ def print_profile(name: str, prof: dict) -> None:
         print("  idle per step by the host operator that launched the work after each gap (and its scope):")
         for r in launchers:
             print(f"  {r['idle_ms_per_step']:8.3f} ms {r['gaps_per_step']:6.1f} gaps  {r['launcher'][:45]:<45}  in {r['scope'][:60]}")
+    work = prof.get("work_by_launcher")
+    if work:
+        print("  torch's own kernels (not Triton's, not GEMMs) per step by the operator that launched them (and its scope):")
+        for r in work:
+            print(f"  {r['ms_per_step']:8.3f} ms  {r['launcher'][:40]:<40}  in {r['scope'][:40]:<40} {', '.join(r['kernels'])[:90]}")
     hosts = prof.get("host_during_gaps")
     if hosts:
         print("  the host during the longest gaps (events covering half the gap, innermost first; else the last"
@@ -227,6 +273,14 @@ def print_profile(name: str, prof: dict) -> None:
         for g in hosts:
             seen = g["host_covering"] or ["(none) ended inside: " + "; ".join(g["host_ended_inside"])]
             print(f"  {g['ms']:8.3f} ms  {' < '.join(seen)[:200]}")
+
+
+def torch_kernel(name: str) -> bool:
+    """A kernel of torch's own (ATen's elementwise, reduction, index and copy kernels, cuBLAS's gemv):
+    not one of our Triton kernels (named ``_...`` or ``..._kernel`` without a namespace) and not a GEMM
+    (``nvjet``, ``cutlass``, ``sm90_``): the work a fusion of ours could take over."""
+    ours = "kernel" in name and "::" not in name and "<" not in name
+    return not (name.startswith(("nvjet", "cutlass", "sm90_", "_")) or ours)
 
 
 def profile_steps(step: Callable[[], None], steps: int) -> dict:
@@ -250,4 +304,5 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
     return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,
             "top_kernels": top_kernels(events, steps, 30), "gaps": device_gaps(events),
             "gap_histogram": gap_histogram(events, steps), "host_during_gaps": host_during_gaps(trace),
-            "idle_by_launcher": idle_by_launcher(trace, steps)}  # fmt: skip
+            "idle_by_launcher": idle_by_launcher(trace, steps),
+            "work_by_launcher": work_by_launcher(trace, steps, keep=torch_kernel)}  # fmt: skip

@@ -75,3 +75,32 @@ def test_idle_is_summed_by_the_operator_that_launched_the_work_after_each_gap():
     gather = by[("aten::index_select", "Model.forward")]
     assert gather["gaps_per_step"] == 1.0 and abs(gather["idle_ms_per_step"] - (20 + 110) / 1e3 / 2) < 1e-9
     assert rows[0]["launcher"] == "aten::mul"  # the most idle first
+
+
+def test_torch_kernels_are_summed_by_the_operator_and_scope_that_launched_them():
+    p = _profiling()
+    add = "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>"
+    trace = [
+        # forward: a cat inside an autograd Function's forward (its name is the scope), a GEMM beside it
+        _op("DistributedDataParallel.forward", 0, 400), _op("_SharedScores", 10, 300), _op("aten::cat", 20, 30),
+        _op("aten::mm", 60, 30), _launch(25, 1), _launch(65, 2),
+        _launched("void at::native::CatArrayBatchedCopy<float>", 100, 40, 1), _launched("nvjet_sm90_tst_256x160", 140, 90, 2),
+        # backward: two adds of the same node, and one of our Triton kernels that is not counted
+        _op("autograd::engine::evaluate_function: AddBackward0", 500, 300, tid=2), _op("aten::add", 510, 100, tid=2),
+        _launch(520, 3, tid=2), _launch(560, 4, tid=2), _op("_norm_bwd_launch", 700, 50, tid=2), _launch(710, 5, tid=2),
+        _launched(add, 600, 20, 3), _launched(add, 630, 30, 4), _launched("_norm_bwd", 700, 60, 5),
+    ]
+    rows = p.work_by_launcher(trace, steps=2, keep=p.torch_kernel)
+    assert [(r["launcher"], r["scope"]) for r in rows] == [("aten::add", "AddBackward0"), ("aten::cat", "_SharedScores")]
+    assert abs(rows[0]["ms_per_step"] - 50 / 1e3 / 2) < 1e-12 and rows[0]["kernels"] == [add[:60]]
+    assert abs(rows[1]["ms_per_step"] - 40 / 1e3 / 2) < 1e-12
+    every = p.work_by_launcher(trace, steps=1)  # without a filter the GEMM and the Triton kernel count too
+    assert abs(sum(r["ms_per_step"] for r in every) - (40 + 90 + 20 + 30 + 60) / 1e3) < 1e-12
+
+
+def test_torch_kernel_tells_torch_kernels_from_ours_and_gemms():
+    p = _profiling()
+    ours = ["query_major_kernel", "_silu_grad_rows", "_norm_gate_bwd", "nvjet_sm90_tst_128x256_64x4", "cutlass_80_tensorop"]
+    torch_own = ["void at::native::reduce_kernel<128, 4>", "Memcpy DtoD (Device -> Device)", "void gemv2T_kernel_val<int>"]
+    assert not any(p.torch_kernel(n) for n in ours)
+    assert all(p.torch_kernel(n) for n in torch_own)

@@ -33,6 +33,8 @@ MAX_WIDTH = 8192
 """Widest gradient row held in registers whole; a wider gap leaves the quantization to the linear."""
 ROWS_PER_PROGRAM = 8 if INTERPRET else 128
 """Rows a program walks (few programs, so that the column-sum partials stay small)."""
+ROWS_AT_ONCE = 2 if INTERPRET else 1
+"""Rows a program loads in one iteration (more loads in flight, more registers)."""
 WARPS_WIDE = {False: 8, True: 4}
 """Warps of a program whose rows are 4096 or more wide (narrower rows take 4), without and with the
 ``dq`` accumulator. Measured on the H200 at 200,000 x 4,096 (``benchmarks/grad_rows.py``, 2026-12-02):
@@ -115,7 +117,7 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
             d_pre, pre.view(torch.uint8) if e4m3 else pre, scale_inv if e4m3 else pre, accum,
             sums if out is None else out.data, sums if out is None else out.scale_inv, sums, d_pre.stride(0),
             pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, ROWS_PER_PROGRAM, W=width,
-            BLOCK_W=block_w, ROWS=2 if INTERPRET else 1, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
+            BLOCK_W=block_w, ROWS=ROWS_AT_ONCE, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
             COL_SUM=col_sum, INTERP=INTERPRET, num_warps=WARPS_WIDE[dq is not None] if block_w >= 4096 else 4,
         )  # fmt: skip
     return sums.sum(0) if col_sum else None
