@@ -130,22 +130,21 @@ def bias_whole_rows(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | N
 
 def bias_tiled(warps: int, rows_at_once: int) -> Callable[..., tuple]:
     """``bias_whole_rows`` on ``warps`` warps loading ``rows_at_once`` rows an iteration (the shipped
-    tile is 8 warps, one row)."""
+    tile: ``WARPS_SUMS_ONLY`` warps, one row)."""
 
     def run(pre: torch.Tensor, d_pre: torch.Tensor, dq: torch.Tensor | None) -> tuple:
-        hstu_gap_grad_rows.WARPS_WIDE = {False: warps, True: warps}
-        hstu_gap_grad_rows.ROWS_AT_ONCE = rows_at_once
+        hstu_gap_grad_rows.WARPS_SUMS_ONLY, hstu_gap_grad_rows.ROWS_AT_ONCE = warps, rows_at_once
         try:
             return bias_whole_rows(pre, d_pre, dq)
         finally:
-            hstu_gap_grad_rows.WARPS_WIDE, hstu_gap_grad_rows.ROWS_AT_ONCE = dict(SHIPPED[0]), SHIPPED[1]
+            hstu_gap_grad_rows.WARPS_SUMS_ONLY, hstu_gap_grad_rows.ROWS_AT_ONCE = SHIPPED
 
     return run
 
 
-SHIPPED = (dict(hstu_gap_grad_rows.WARPS_WIDE), hstu_gap_grad_rows.ROWS_AT_ONCE)
+SHIPPED = (hstu_gap_grad_rows.WARPS_SUMS_ONLY, hstu_gap_grad_rows.ROWS_AT_ONCE)
 BIAS_VARIANTS = {"separate": bias_separate, "bias_whole_rows": bias_whole_rows,
-                 **{f"bias_w{w}_r{r}": bias_tiled(w, r) for w in WARPS for r in (1, 2) if (w, r) != (8, 1)}}  # fmt: skip
+                 **{f"bias_w{w}_r{r}": bias_tiled(w, r) for w in WARPS for r in (1, 2) if (w, r) != SHIPPED}}  # fmt: skip
 
 
 def check_bias(pre: torch.Tensor, pristine: torch.Tensor) -> float:

@@ -33,6 +33,11 @@ MAX_WIDTH = 8192
 """Widest gradient row held in registers whole; a wider gap leaves the quantization to the linear."""
 ROWS_PER_PROGRAM = 8 if INTERPRET else 128
 """Rows a program walks (few programs, so that the column-sum partials stay small)."""
+WARPS_SUMS_ONLY = 16
+"""Warps of a program whose rows are 4096 or more wide when it writes no e4m3 rows and reads no ``dq``
+accumulator (the bf16 step's bias sums, ``bias_grad_in_gap``). Measured on the H200 at 200,000 x 4,096
+(``benchmarks/grad_rows.py``, 2026-12-03): 1.078 ms on 16 warps, 1.251 on 8, 1.422 on 4; two rows an
+iteration 1.098 (8 and 16 warps), 1.671 (4); the in-place ``silu'`` pass and the linear's reduction 1.315."""
 ROWS_AT_ONCE = 2 if INTERPRET else 1
 """Rows a program loads in one iteration (more loads in flight, more registers)."""
 WARPS_WIDE = {False: 8, True: 4}
@@ -81,6 +86,12 @@ def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_
         tl.store(SUMS + pid * W + cols, sums, mask=cols_ok)
 
 
+def _warps(block_w: int, rows_out: bool, has_dq: bool) -> int:
+    if block_w < 4096:
+        return 4
+    return WARPS_WIDE[has_dq] if rows_out or has_dq else WARPS_SUMS_ONLY
+
+
 def fits(width: int) -> bool:
     """Whether a gradient row this wide is quantized here (else the linear does it)."""
     return width <= MAX_WIDTH
@@ -118,6 +129,6 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
             sums if out is None else out.data, sums if out is None else out.scale_inv, sums, d_pre.stride(0),
             pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, ROWS_PER_PROGRAM, W=width,
             BLOCK_W=block_w, ROWS=ROWS_AT_ONCE, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
-            COL_SUM=col_sum, INTERP=INTERPRET, num_warps=WARPS_WIDE[dq is not None] if block_w >= 4096 else 4,
+            COL_SUM=col_sum, INTERP=INTERPRET, num_warps=_warps(block_w, out is not None, dq is not None),
         )  # fmt: skip
     return sums.sum(0) if col_sum else None
