@@ -280,6 +280,20 @@ def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
     return apply
 
 
+def switch_index_add_mean(run: object) -> Callable[[], None]:
+    """The history's mean pooled by ``index_add`` of float32 copies (before: every row of a sequence adds
+    atomically into the same sums) instead of the membership GEMM (``gem_model.jagged.segment_mean``)."""
+    from gem_model import jagged
+
+    before = jagged.MEMBERSHIP_GEMM_ELEMENTS
+    jagged.MEMBERSHIP_GEMM_ELEMENTS = 0
+
+    def undo() -> None:
+        jagged.MEMBERSHIP_GEMM_ELEMENTS = before
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -290,6 +304,7 @@ VARIANTS: dict[str, Switch] = {
     "fp8_attention": _attention_option(fp8_forward=True),
     "bias_grad_in_gap": _attention_option(bias_grad_in_gap=True),
     "host_syncs": switch_host_syncs,
+    "index_add_mean": switch_index_add_mean,
     "whole_bags": switch_whole_bags,
     "bf16_lookup": switch_bf16_lookup,
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),

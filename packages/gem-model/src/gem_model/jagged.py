@@ -144,3 +144,65 @@ def time_bias_matrix(time_bias: torch.Tensor, query_times: torch.Tensor, key_tim
             f"timestamps must be integers (seconds), got {query_times.dtype} and {key_times.dtype}"
         )
     return gather_bias(time_bias, time_bucket_matrix(query_times, key_times, time_bias.numel()))
+
+
+
+MEMBERSHIP_GEMM_ELEMENTS = 1 << 28
+"""Largest ``sequences x rows`` membership matrix (bf16: 512 MiB) that :func:`segment_mean` multiplies
+on a GPU; a larger batch (and any batch on the CPU) sums with ``index_add``. 0 turns the GEMM off."""
+
+
+def _membership(owner: torch.Tensor, sequences: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[sequences, rows]``: 1 where row ``j`` belongs to sequence ``i`` (``owner[j] == i``), else 0."""
+    rows = owner.numel()
+    member = torch.zeros(sequences, rows, dtype=dtype, device=owner.device)
+    one = torch.ones((), dtype=dtype, device=owner.device)
+    return member.index_put_((owner, torch.arange(rows, device=owner.device)), one)
+
+
+def _fp32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit matrices, accumulated and written in float32 (cuBLAS, torch >= 2.8); the same
+    products in float32 where that GEMM is missing."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except TypeError:
+            pass
+    return torch.mm(a.float(), b.float())
+
+
+class _SegmentSum(torch.autograd.Function):
+    """``[sequences, D]`` float32 sums of each sequence's rows of ``values`` (16-bit), as one GEMM with
+    their 0/1 membership matrix. The backward hands each row its sequence's gradient, cast to the rows'
+    dtype (a gather of ``[sequences, D]`` rows)."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, owner: torch.Tensor, sequences: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(owner)
+        ctx.dtype = values.dtype
+        return _fp32_mm(_membership(owner, sequences, values.dtype), values)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (owner,) = ctx.saved_tensors
+        return grad.to(ctx.dtype).index_select(0, owner), None, None
+
+
+def segment_mean(values: torch.Tensor, lengths: torch.Tensor, *, gemm: bool | None = None) -> torch.Tensor:
+    """``[B, D]``: the mean of each sequence's rows of ``values [N, D]`` (the rows of sequence ``i`` are
+    contiguous, in order; ``N = lengths.sum()``), summed in float32 and returned in ``values``' dtype;
+    zeros for an empty sequence.
+
+    On a GPU with 16-bit values the sums are one GEMM with the ``[B, N]`` membership matrix (when it has
+    at most :data:`MEMBERSHIP_GEMM_ELEMENTS` entries): ``index_add`` of float32 copies makes every row of
+    a sequence add atomically into the same ``D`` sums, and needs the copy (``benchmarks/segment_mean.py``
+    measures both). ``gemm`` forces the choice (True: the GEMM also on the CPU, in float32)."""
+    b, n = lengths.numel(), values.shape[0]
+    owner = sequence_ids(lengths, n)
+    if gemm is None:
+        gemm = values.is_cuda and values.dtype in (torch.bfloat16, torch.float16) and b * n <= MEMBERSHIP_GEMM_ELEMENTS
+    if gemm and values.dtype in (torch.bfloat16, torch.float16):
+        sums = _SegmentSum.apply(values, owner, b)
+    else:
+        sums = values.new_zeros(b, values.shape[1], dtype=torch.float32).index_add(0, owner, values.float())
+    return (sums / lengths.clamp(min=1)[:, None]).to(values.dtype)

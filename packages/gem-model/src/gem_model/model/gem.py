@@ -27,7 +27,7 @@ from torch import nn
 from gem_model.components import JaggedAttentionKernel, NormGateKernel
 from gem_model.config import ModelConfig
 from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
-from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, sequence_ids
+from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, segment_mean
 from gem_model.model.embeddings import SparseArch
 from gem_model.model.hstu import HSTUBlock, LayerNorm, TokenMixer
 from gem_model.model.lookup_bags import even_bags
@@ -289,10 +289,8 @@ class GemModel(nn.Module):
             hist_out = x[hist_rows]
         else:
             hist_out = x
-        owner = sequence_ids(hist_lengths, hist_out.shape[0])
         # summed in float32: a bf16 sum over thousands of rows would round away most of them
-        mean = x.new_zeros(b, x.shape[1], dtype=torch.float32).index_add(0, owner, hist_out.float())
-        mean = (mean / hist_lengths.clamp(min=1)[:, None]).to(x.dtype)
+        mean = segment_mean(hist_out, hist_lengths)
         tokens = [summary, mean]
         if cfg.use_side_features:
             if features is None:  # computed after the sequence tower, as before context tokens existed
