@@ -19,8 +19,6 @@ rotated order round after round, and reported as medians with their spread.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -36,6 +34,9 @@ from gem_kernels.quantized_rows_triton import RowsOut
 from gem_model.api import GradRowsSlot, RowQuantization
 from gem_precision.formats import E4M3
 from gem_precision.fp8_rows_triton import quantize_rows
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rounds import rotated_rounds, save_results  # beside this script
 
 HV, HQ = 1024, 1024  # 8 heads of 128: u, v, q, k columns 1024 wide each
 WIDTH = 2 * HV + 2 * HQ
@@ -209,24 +210,6 @@ def layer_norm_variants(rows: int, device: str, gen: torch.Generator) -> tuple[d
     return {"separate": separate_ln, "in_layer_norm": in_norm}, err
 
 
-def time_plain(fns: dict[str, Callable[[], tuple]], rounds: int) -> dict[str, list[float]]:
-    """Each call alone with CUDA events, the variants rotated round after round (after a warm-up)."""
-    names = list(fns)
-    for name in names:
-        fns[name]()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for j in range(len(names)):
-            name = names[(r + j) % len(names)]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name]()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    return times
-
-
 def rows_of(times: dict[str, list[float]], rows: int, case: str, errors: dict[str, float]) -> list[dict]:
     """One result row per variant: median and quartiles, and the speed-up over ``separate``."""
     base = statistics.median(times["separate"])
@@ -264,7 +247,7 @@ def main() -> int:
             results += rows_of(times, args.rows, "bf16_bias", dict.fromkeys(times, bias_err))
         ln_fns, ln_err = layer_norm_variants(13 if args.smoke else args.rows, device, gen)
         if not args.smoke:
-            times = time_plain(ln_fns, args.rounds)
+            times = rotated_rounds(ln_fns, args.rounds)
             results += rows_of(times, args.rows, "layer_norm", dict.fromkeys(times, ln_err))
     finally:
         hstu_gap_grad_rows.WARPS_WIDE = saved
@@ -275,11 +258,7 @@ def main() -> int:
     for r in results:
         print(f"{r['dq']:<12} {r['variant']:<16} {r['median_ms']:>10.3f} {r['q1_ms']:>7.3f}-{r['q3_ms']:<7.3f} "
               f"{r['speedup_over_separate']:>10.3f}x")  # fmt: skip
-    if args.out:
-        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-                "rounds": args.rounds, "seed": args.seed}  # fmt: skip
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    save_results(args.out, results, rounds=args.rounds, seed=args.seed)
     return 0
 
 

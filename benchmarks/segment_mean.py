@@ -14,8 +14,6 @@ are checked against float64 means (within a bf16 step) and their input gradients
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -24,6 +22,9 @@ from pathlib import Path
 import torch
 
 from gem_model.jagged import segment_mean
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rounds import rotated_rounds, save_results  # beside this script
 
 D = 1024
 CASES = {"big": (384, 0.95), "mix2": (256, 0.7)}
@@ -85,19 +86,7 @@ def main() -> int:
         if args.smoke:
             continue
         fns = {"index_add": method(False, values, lengths, grad), "gemm": method(True, values, lengths, grad)}
-        names = list(fns)
-        for f in fns.values():
-            f()
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.rounds):
-            for j in range(len(names)):
-                name = names[(r + j) % len(names)]
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fns[name]()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end))
+        times = rotated_rounds(fns, args.rounds)
         base = statistics.median(times["index_add"])
         for name, ts in times.items():
             q = statistics.quantiles(ts, n=4)
@@ -111,11 +100,7 @@ def main() -> int:
     for r in results:
         print(f"{r['case']:<6} {r['rows']:>8} {r['method']:<10} {r['median_ms']:>10.3f} "
               f"{r['q1_ms']:>7.3f}-{r['q3_ms']:<7.3f} {r['speedup']:>8.2f}x")  # fmt: skip
-    if args.out:
-        meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
-                "rounds": args.rounds, "seed": args.seed}  # fmt: skip
-        Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    save_results(args.out, results, rounds=args.rounds, seed=args.seed)
     return 0
 
 

@@ -1,0 +1,41 @@
+"""Timing helpers shared by the micro-benchmarks: calls timed alone with CUDA events, the variants in
+rotated order round after round (so that none always runs first or after the same one), and the JSON
+result with its date, device and command."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def rotated_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Milliseconds of each call of each variant over ``rounds`` rounds, after one warm-up call each."""
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return times
+
+
+def save_results(path: str | None, results: list[dict], **meta: Any) -> None:
+    """``{"meta": {date, device, torch, command, **meta}, "results": results}`` into ``path`` (if given)."""
+    if not path:
+        return
+    head = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}  # fmt: skip
+    Path(path).write_text(json.dumps({"meta": {**head, **meta}, "results": results}, indent=1))
