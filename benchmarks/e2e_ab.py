@@ -20,7 +20,8 @@ Protocol:
   sync makes the host wait for the device, so in steady state this is the device's step time), and
   device time from CUDA events: the forward (to the loss) and the backward-and-update spans, whose
   sum is the device's work span without the wait at the loss check. Idle = wall - device.
-* ``--steady N``: then N consecutive steps per variant without a sync between them (as training runs),
+* ``--steady N``: then N consecutive steps per variant without a sync between them (as training runs);
+  ``--steady-rounds R`` repeats them R times in rotated order and compares the variants round by round;
   and with ``--profile-steady`` those steps again under the profiler for the profiled variants: their
   device-busy time on the same batches, against the unprofiled steady wall time (the idle of issue 29's
   requirement 4; the gaps inside profiled steps overstate it, the profiler slowing the host).
@@ -99,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
         rows.append(Row(name, switches))
     total = args.warmup + args.steps
     overrides = [*args.set, f"trainer.device={args.device}", "trainer.progress=false", "trainer.checkpoint_at_end=false",
-                 "trainer.eval_at_end=false", f"trainer.steps={(total + args.steady) * len(rows) + 64}",
+                 "trainer.eval_at_end=false", f"trainer.steps={(total + 2 * args.steady * args.steady_rounds) * len(rows) + 64}",
                  f"trainer.output_dir={args.workdir}/ab", "trainer.log_every=1000000", "trainer.resume=false"]  # fmt: skip
     config = load_config(args.config, overrides)
     with started_run(config, GemPluginManager()) as run:
@@ -176,7 +177,7 @@ def worker(args: argparse.Namespace) -> None:
         for k, index in enumerate(range(args.warmup, total)):
             for j in range(len(rows)):
                 one(index, rows[(j + k) % len(rows)], timed=True)
-        steady: dict[str, dict[str, float]] = {}
+        steady: dict[str, dict] = {}
         steady_batches = list(range(args.warmup, args.warmup + min(args.steady, args.steps)))
 
         def consecutive() -> None:
@@ -190,16 +191,23 @@ def worker(args: argparse.Namespace) -> None:
                 step += 1
             sync()
 
-        for row in rows if args.steady else ():
-            use(row)
-            sync()
-            events.take()
-            t0 = time.perf_counter()
-            consecutive()
-            wall = time.perf_counter() - t0
-            spans = events.take()
-            steady[row.name] = {"steps": len(spans), "wall_ms_per_step": 1e3 * wall / len(spans),
-                                "device_ms_per_step": sum(spans) / len(spans)}  # fmt: skip
+        # each round runs every variant's steady steps, the order rotated round by round (A B C, B C A, ...)
+        for r in range(args.steady_rounds) if args.steady else ():
+            for j in range(len(rows)):
+                row = rows[(j + r) % len(rows)]
+                use(row)
+                sync()
+                events.take()
+                t0 = time.perf_counter()
+                consecutive()
+                wall = time.perf_counter() - t0
+                spans = events.take()
+                st = steady.setdefault(row.name, {"steps": len(spans), "rounds_wall_ms": [], "rounds_device_ms": []})
+                st["rounds_wall_ms"].append(1e3 * wall / len(spans))
+                st["rounds_device_ms"].append(sum(spans) / len(spans))
+        for st in steady.values():  # the medians over the rounds
+            st["wall_ms_per_step"] = statistics.median(st["rounds_wall_ms"])
+            st["device_ms_per_step"] = statistics.median(st["rounds_device_ms"])
         for row in rows if args.steady and args.profile_steady else ():
             if row.name not in args.profile.split(","):
                 continue
@@ -289,6 +297,20 @@ def paired(rows: list[dict]) -> None:
         row["paired"] = {"median": med, "q1": q1, "q3": q3, "batches": len(ratios)}
 
 
+def steady_against_first(steady: dict[str, dict]) -> None:
+    """With more than one steady round: each variant's steady wall time against the first variant's,
+    round by round (``wall(first) / wall(variant)``, the same batches in the same round): its median,
+    min and max, into ``steady[name]["against_first"]``."""
+    names = list(steady)
+    if not names or len(steady[names[0]]["rounds_wall_ms"]) < 2:
+        return
+    base = steady[names[0]]["rounds_wall_ms"]
+    for name in names[1:]:
+        ratios = [a / b for a, b in zip(base, steady[name]["rounds_wall_ms"], strict=True)]
+        steady[name]["against_first"] = {"median": statistics.median(ratios), "min": min(ratios),
+                                         "max": max(ratios), "rounds": len(ratios)}  # fmt: skip
+
+
 def print_table(summary: list[dict]) -> None:
     print(f"\n{'variant':<12} {'steps':>5} {'wall ms (q1 / med / q3)':>26} {'span ms med':>13} {'idle':>6} "
           f"{'tokens/s':>11} {'MFU':>7} {'MFU nv':>7} {'peak GiB':>8} {'gc ms mean/max':>15}")  # fmt: skip
@@ -312,6 +334,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=4, help="batches every variant trains before timing")
     p.add_argument("--steady", type=int, default=0, metavar="N",
                    help="then N consecutive steps per variant without a sync per step: the idle share a run sees")
+    p.add_argument("--steady-rounds", type=int, default=1, metavar="R",
+                   help="repeat the steady steps R times, the variants' order rotated each round; each variant's "
+                   "steady figures are the medians over the rounds, compared with the first's round by round")
     p.add_argument("--sync-debug", action="store_true", help="list the host syncs of one step (CUDA)")
     p.add_argument("--profile", default="", metavar="VARIANTS", help="profile two steps of these variants")
     p.add_argument("--profile-steady", action="store_true",
@@ -325,6 +350,8 @@ def main() -> int:
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.steady_rounds < 1:
+        p.error(f"--steady-rounds must be at least 1, got {args.steady_rounds}")
     if args.worker or "LOCAL_RANK" in os.environ:
         import tempfile
 
@@ -338,9 +365,16 @@ def main() -> int:
         print_table(summary)
         for name, prof in raw["profile"].items():
             print_profile(name, prof)
+        steady_against_first(raw["steady"])
         for name, st in raw["steady"].items():
-            print(f"steady {name}: {st['steps']} steps, wall {st['wall_ms_per_step']:.1f} ms/step, device "
-                  f"{st['device_ms_per_step']:.1f} ms/step, idle {100 * (1 - st['device_ms_per_step'] / st['wall_ms_per_step']):.1f} %")
+            rounds = len(st["rounds_wall_ms"])
+            print(f"steady {name}: {st['steps']} steps x {rounds} round(s), wall {st['wall_ms_per_step']:.1f} ms/step, "
+                  f"device {st['device_ms_per_step']:.1f} ms/step, idle "
+                  f"{100 * (1 - st['device_ms_per_step'] / st['wall_ms_per_step']):.1f} %")  # fmt: skip
+            if "against_first" in st:
+                a = st["against_first"]
+                print(f"steady {name} against the first variant, round by round: speed-up median {a['median']:.3f}x "
+                      f"(min {a['min']:.3f}, max {a['max']:.3f}) over {a['rounds']} rounds; > 1 is faster")
             if "busy_ms_per_step" in st:
                 cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(st["categories_ms_per_step"].items(), key=lambda kv: -kv[1]))
                 print(f"steady {name} profiled again: device busy {st['busy_ms_per_step']:.1f} ms/step ({cats}); "

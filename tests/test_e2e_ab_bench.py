@@ -1,0 +1,51 @@
+"""benchmarks/e2e_ab.py on the CPU (one process, the tiny config, the real plugins): every variant trains
+every timed batch, the A/A pair is reported batch by batch, and the steady steps run in rotated rounds
+whose per-round comparison reaches the JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGINS = "gem_kernels.plugin,gem_precision.plugin,gem_parallel.plugin,gem_comm.plugin"
+
+
+def test_two_variants_train_the_same_batches_and_the_steady_rounds_are_compared(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GEM_PLUGINS", PLUGINS)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import e2e_ab
+
+    out = tmp_path / "ab.json"
+    monkeypatch.setattr(sys, "argv", [
+        "e2e_ab.py", "--worker", "--config", str(ROOT / "configs" / "tiny.yaml"), "--device", "cpu",
+        "--warmup", "1", "--steps", "3", "--steady", "2", "--steady-rounds", "3", "--variants", "A=base,B=base",
+        "--out", str(out),
+    ])  # fmt: skip
+    assert e2e_ab.main() == 0
+    printed = capsys.readouterr().out
+    assert "B against A, batch by batch" in printed and "steady B against the first variant, round by round" in printed
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"A", "B"}
+    assert all(len(r["wall_ms"]) == 3 and len(r["losses"]) == 3 for r in rows.values())
+    assert [s["variant"] for s in result["summary"]] == ["A", "B"] and result["summary"][1]["paired"]["batches"] == 3
+    steady = result["meta"]["steady"]
+    assert all(len(st["rounds_wall_ms"]) == 3 and st["steps"] == 2 for st in steady.values())
+    assert steady["B"]["against_first"]["rounds"] == 3 and "against_first" not in steady["A"]
+    a, b = steady["A"]["rounds_wall_ms"], steady["B"]["rounds_wall_ms"]
+    want = sorted(x / y for x, y in zip(a, b, strict=True))[1]
+    assert steady["B"]["against_first"]["median"] == pytest.approx(want)
+
+
+def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import e2e_ab
+
+    monkeypatch.setattr(sys, "argv", ["e2e_ab.py", "--worker", "--steady", "2", "--steady-rounds", "0"])
+    with pytest.raises(SystemExit):
+        e2e_ab.main()
+    assert "--steady-rounds must be at least 1, got 0" in capsys.readouterr().err
