@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from gem_model.host_copy import to_device_async
+
 
 def bag_sizes(length_per_key: list[int], bags: int) -> list[int]:
     """The ids per bag of each feature when its ``length_per_key`` ids are spread over ``bags`` bags:
@@ -45,7 +47,7 @@ def even_bags(kjt: KeyedJaggedTensor, bags_per_sample: int) -> KeyedJaggedTensor
     counts = kjt.length_per_key()
     sizes = bag_sizes(counts, bags)
     device = kjt.lengths().device
-    per_key = torch.tensor([counts, sizes], dtype=kjt.lengths().dtype, device=device)  # [2, F]
+    per_key = to_device_async(torch.tensor([counts, sizes], dtype=kjt.lengths().dtype), device)  # [2, F]
     start = torch.arange(bags, dtype=per_key.dtype, device=device) * per_key[1][:, None]  # [F, bags]
     lengths = torch.minimum((per_key[0][:, None] - start).clamp_(min=0), per_key[1][:, None])
     return KeyedJaggedTensor(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gem_model.host_copy import to_device_async
 from gem_model.jagged import offsets_of
 
 BUCKET_GROWTH = 1.25
@@ -100,9 +101,7 @@ def plan_chunks(lengths: Tensor, dim: int, *, host_lengths: Tensor | None = None
         slot, valid = slot + s * len(seqs), valid + rows
     dev, total, m = lengths.device, valid, len(order)
     table = torch.tensor([order, size, start, chunk_start], dtype=torch.long)
-    if dev.type == "cuda":  # from page-locked memory, so that the copy does not wait for the device
-        table = table.pin_memory()
-    seqs, size_o, start_o, chunk_o = table.to(dev, non_blocking=True).reshape(4, m)
+    seqs, size_o, start_o, chunk_o = to_device_async(table, dev).reshape(4, m)
     first_row = offsets_of(lengths)[:-1]
     first_pred = offsets_of(counts)[:-1]
     n_o, row_o, pred_o = counts[seqs], first_row[seqs], first_pred[seqs]

@@ -17,6 +17,7 @@ from gem_model.components import CommStrategy
 from gem_model.config import RunConfig
 from gem_model.context import Optimizers
 from gem_model.errors import NonFiniteLossError
+from gem_model.host_copy import to_device_async
 from gem_model.layout import Layout
 from gem_model.lifecycle import TrainPipeline
 from gem_model.results import StepResult
@@ -70,7 +71,7 @@ class CoreStep:
         stop = float(self.stop.requested)
         host = torch.tensor([facts.samples, facts.tokens, facts.flops, float(late), stop], dtype=torch.float64)
         losses = [out.task_loss_sum.detach(), out.next_item_loss_sum.detach(), out.next_item_count]  # type: ignore[attr-defined]
-        local = torch.cat([torch.stack([x.double() for x in losses]), _to_device(host, self.device)])
+        local = torch.cat([torch.stack([x.double() for x in losses]), to_device_async(host, self.device)])
         # The step's one host sync, and it has to stay: whether this step's update may be applied is
         # decided from the global loss before backward, because torchrec fuses the table optimizer
         # into backward (an update, once backward ran, cannot be undone). One read of one small
@@ -92,7 +93,7 @@ class CoreStep:
             # same step, and skip or apply the same updates (a NaN on one tp peer alone, which the
             # loss reduction does not reach, would otherwise let the peers' replicas diverge)
             flags = [float(late), stop, nan_ranks, inf_ranks]
-            flags_on_device = _to_device(torch.tensor(flags, dtype=torch.float64), self.device)
+            flags_on_device = to_device_async(torch.tensor(flags, dtype=torch.float64), self.device)
             with collective(f"all_reduce of the stop flags (step {step + 1}, all ranks)", rank=self.layout.rank,
                             timeout_s=timeout):  # fmt: skip
                 every = self.comm.all_reduce_sum(flags_on_device, group=None)
@@ -146,10 +147,3 @@ class CoreStep:
             # FBGEMM takes the rate its zero_grad/step last handed it, and its lookup's forward already
             # fixes the rate that the update inside backward uses: so this comes before the forward
             self.optimizers.sparse.zero_grad()
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without making the host wait (pinned, so truly asynchronous)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
