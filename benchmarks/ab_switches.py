@@ -294,6 +294,20 @@ def switch_index_add_mean(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_pageable_bags(run: object) -> Callable[[], None]:
+    """The even bags' per-key counts copied to the device from pageable memory (before b184563) instead
+    of page-locked memory without blocking (``gem_model.host_copy``)."""
+    from gem_model.model import lookup_bags
+
+    before = lookup_bags.to_device_async
+    lookup_bags.to_device_async = lambda host, device: host.to(device)
+
+    def undo() -> None:
+        lookup_bags.to_device_async = before
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -305,6 +319,7 @@ VARIANTS: dict[str, Switch] = {
     "bias_grad_in_gap": _attention_option(bias_grad_in_gap=True),
     "host_syncs": switch_host_syncs,
     "index_add_mean": switch_index_add_mean,
+    "pageable_bags": switch_pageable_bags,
     "whole_bags": switch_whole_bags,
     "bf16_lookup": switch_bf16_lookup,
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),
