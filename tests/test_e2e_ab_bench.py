@@ -1,5 +1,5 @@
-"""benchmarks/e2e_ab.py on the CPU (one process, the tiny config, the real plugins): every variant trains
-every timed batch, the A/A pair is reported batch by batch, and the steady steps run in rotated rounds
+"""benchmarks/e2e_ab.py on the CPU (one process, the tiny config, the real plugins, a variant with two
+switches applied and undone between steps): every variant trains every timed batch, the A/A pair is reported batch by batch, and the steady steps run in rotated rounds
 whose per-round comparison reaches the JSON."""
 
 from __future__ import annotations
@@ -22,10 +22,17 @@ def test_two_variants_train_the_same_batches_and_the_steady_rounds_are_compared(
     out = tmp_path / "ab.json"
     monkeypatch.setattr(sys, "argv", [
         "e2e_ab.py", "--worker", "--config", str(ROOT / "configs" / "tiny.yaml"), "--device", "cpu",
-        "--warmup", "1", "--steps", "3", "--steady", "2", "--steady-rounds", "3", "--variants", "A=base,B=base",
+        "--warmup", "1", "--steps", "3", "--steady", "2", "--steady-rounds", "3",
+        "--variants", "A=base,B=index_add_mean+pageable_bags",
         "--out", str(out),
     ])  # fmt: skip
+    from gem_model import host_copy, jagged
+    from gem_model.model import lookup_bags
+
+    gemm_limit = jagged.MEMBERSHIP_GEMM_ELEMENTS
     assert e2e_ab.main() == 0
+    # the switches were undone at the end: the module state is as before the run
+    assert jagged.MEMBERSHIP_GEMM_ELEMENTS == gemm_limit and lookup_bags.to_device_async is host_copy.to_device_async
     printed = capsys.readouterr().out
     assert "B against A, batch by batch" in printed and "steady B against the first variant, round by round" in printed
     result = json.loads(out.read_text())
