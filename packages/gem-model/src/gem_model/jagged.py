@@ -146,7 +146,6 @@ def time_bias_matrix(time_bias: torch.Tensor, query_times: torch.Tensor, key_tim
     return gather_bias(time_bias, time_bucket_matrix(query_times, key_times, time_bias.numel()))
 
 
-
 MEMBERSHIP_GEMM_ELEMENTS = 1 << 28
 """Largest ``sequences x rows`` membership matrix (bf16: 512 MiB) that :func:`segment_mean` multiplies
 on a GPU; a larger batch (and any batch on the CPU) sums with ``index_add``. 0 turns the GEMM off."""
@@ -196,7 +195,8 @@ def segment_mean(values: torch.Tensor, lengths: torch.Tensor, *, gemm: bool | No
     On a GPU with 16-bit values the sums are one GEMM with the ``[B, N]`` membership matrix (when it has
     at most :data:`MEMBERSHIP_GEMM_ELEMENTS` entries): ``index_add`` of float32 copies makes every row of
     a sequence add atomically into the same ``D`` sums, and needs the copy (``benchmarks/segment_mean.py``
-    measures both). ``gemm`` forces the choice (True: the GEMM also on the CPU, in float32)."""
+    measures both); without atomics the GPU's result is also the same from run to run. ``gemm`` forces
+    the choice (True: the GEMM also on the CPU, in float32)."""
     b, n = lengths.numel(), values.shape[0]
     owner = sequence_ids(lengths, n)
     if gemm is None:
