@@ -32,10 +32,10 @@ def block(x, w, offsets, targets, position, time, ts, qts, gate_w, gate_b, atten
 
 
 def test_compiled_block_matches_eager_forward_and_backward(gen: torch.Generator, poison: None) -> None:
-    lengths = [5, 17, 1, 24, 9]
+    lengths = [5, 17, 1, 9]  # one sequence of length 1, one over a 16-row tile (the interpreter is slow)
     offsets = offsets_from_lengths(lengths)
     n = int(offsets[-1])
-    targets = torch.tensor([1, 2, 0, 3, 1])
+    targets = torch.tensor([1, 2, 0, 3])
     ts = torch.cumsum(torch.randint(0, 50, (n,), generator=gen), 0)
     qts = ts + torch.randint(0, 5, (n,), generator=gen)
     leaves = {
