@@ -159,15 +159,19 @@ def _membership(owner: torch.Tensor, sequences: int, dtype: torch.dtype) -> torc
     return member.index_put_((owner, torch.arange(rows, device=owner.device)), one)
 
 
-def _fp32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of 16-bit matrices, accumulated and written in float32 (cuBLAS, torch >= 2.8); the same
-    products in float32 where that GEMM is missing."""
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (matrices, or batches of them: ``mm`` or ``bmm``) in ``a``'s dtype with a float32 result:
+    cuBLAS accumulates in float32 and writes float32 (torch >= 2.8); elsewhere the same products of
+    float32 copies."""
+    op = torch.bmm if a.dim() == 3 else torch.mm
+    if a.dtype == torch.float32:
+        return op(a, b)
     if a.is_cuda:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
+            return op(a, b, out_dtype=torch.float32)
         except TypeError:
             pass
-    return torch.mm(a.float(), b.float())
+    return op(a.float(), b.float())
 
 
 class _SegmentSum(torch.autograd.Function):
@@ -179,7 +183,7 @@ class _SegmentSum(torch.autograd.Function):
     def forward(ctx, values: torch.Tensor, owner: torch.Tensor, sequences: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(owner)
         ctx.dtype = values.dtype
-        return _fp32_mm(_membership(owner, sequences, values.dtype), values)
+        return matmul_fp32(_membership(owner, sequences, values.dtype), values)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

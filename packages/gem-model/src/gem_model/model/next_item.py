@@ -58,7 +58,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gem_model.jagged import offsets_of, positions_in_sequence, sequence_ids
+from gem_model.jagged import matmul_fp32, offsets_of, positions_in_sequence, sequence_ids
 from gem_model.model.next_item_plan import (
     BUCKET_GROWTH,
     CHUNK_ELEMENTS,
@@ -136,23 +136,11 @@ def _unit_vjp(grad: Tensor, unit: Tensor, norm: Tensor) -> Tensor:
     return (grad - unit * along).div_(norm.clamp_min(EPS))
 
 
-def _bmm32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` in ``a``'s dtype with an fp32 result."""
-    if a.dtype == torch.float32:
-        return torch.bmm(a, b)
-    if a.is_cuda:
-        try:  # cuBLAS accumulates in fp32 and writes fp32 (torch >= 2.8)
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except TypeError:
-            pass
-    return torch.bmm(a.float(), b.float())  # the same products where there is no fp32-out GEMM
-
-
 def _row_dot(q: Tensor, p: Tensor) -> Tensor:
     """``(q * p).sum(-1)`` in fp32; in lower precision as a batched GEMM (fp32 accumulation, no product tensor)."""
     if q.dtype == torch.float32:
         return (q * p).sum(-1)
-    return _bmm32(q[:, None, :], p[:, :, None]).view(-1)
+    return matmul_fp32(q[:, None, :], p[:, :, None]).view(-1)
 
 
 def _per_row(values: Tensor, rows: Tensor, total: int) -> Tensor:
@@ -188,7 +176,7 @@ class _SharedScores(torch.autograd.Function):
         padded = torch.empty(plan.slot_rows.numel(), k, device=query.device)  # fp32 logits of every slot
         for ch in plan.chunks:
             q = query.index_select(0, plan.slot_rows[ch.slots]).view(ch.count, ch.size, d)
-            padded[ch.slots] = _bmm32(q, neg[ch.seqs].transpose(1, 2)).view(-1, k)
+            padded[ch.slots] = matmul_fp32(q, neg[ch.seqs].transpose(1, 2)).view(-1, k)
         neg_logit = padded.index_select(0, plan.pred_slots)
         del padded
         pos_logit = dot.index_select(0, plan.pred_rows)
@@ -236,7 +224,7 @@ class _SharedScores(torch.autograd.Function):
                 grad_q.index_copy_(0, plan.valid_rows[ch.valid], gq)
             if grad_unit is not None:
                 q = query.index_select(0, plan.slot_rows[ch.slots]).view(ch.count, ch.size, d)
-                gn = _bmm32(gc.transpose(1, 2), q) if l2 else _bmm32(q.transpose(1, 2), gc)
+                gn = matmul_fp32(gc.transpose(1, 2), q) if l2 else matmul_fp32(q.transpose(1, 2), gc)
                 grad_unit.index_copy_(0, plan.seqs[ch.seqs], gn)
         grad_p = torch.zeros_like(items) if need_p else None
         # [rows - 1, 1] per query row, zero where a row predicts nothing
@@ -269,7 +257,7 @@ class _PerPositionScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: Tensor, negatives: Tensor, l2: bool) -> Tensor:  # type: ignore[override]
-        scores = _bmm32(negatives, query.to(negatives.dtype)[:, :, None]).squeeze(-1)
+        scores = matmul_fp32(negatives, query.to(negatives.dtype)[:, :, None]).squeeze(-1)
         norm = None
         if l2:  # u(n) . q = (n . q) / max(|n|, eps): no normalised [P, K, D] copy of the negatives
             norm = torch.linalg.vector_norm(negatives, dim=-1, dtype=torch.float32)
