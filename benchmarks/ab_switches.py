@@ -4,6 +4,7 @@ the function that undoes it, so that every variant of an A/B trains the same mod
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -280,32 +281,16 @@ def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
     return apply
 
 
-def switch_index_add_mean(run: object) -> Callable[[], None]:
-    """The history's mean pooled by ``index_add`` of float32 copies (before: every row of a sequence adds
-    atomically into the same sums) instead of the membership GEMM (``gem_model.jagged.segment_mean``)."""
-    from gem_model import jagged
+def _patched(module: str, name: str, value: object) -> Switch:
+    """``module.name`` set to ``value`` (read where the code calls it), the old value put back on undo."""
 
-    before = jagged.MEMBERSHIP_GEMM_ELEMENTS
-    jagged.MEMBERSHIP_GEMM_ELEMENTS = 0
+    def apply(run: object) -> Callable[[], None]:
+        mod = importlib.import_module(module)
+        before = getattr(mod, name)
+        setattr(mod, name, value)
+        return lambda: setattr(mod, name, before)
 
-    def undo() -> None:
-        jagged.MEMBERSHIP_GEMM_ELEMENTS = before
-
-    return undo
-
-
-def switch_pageable_bags(run: object) -> Callable[[], None]:
-    """The even bags' per-key counts copied to the device from pageable memory (before b184563) instead
-    of page-locked memory without blocking (``gem_model.host_copy``)."""
-    from gem_model.model import lookup_bags
-
-    before = lookup_bags.to_device_async
-    lookup_bags.to_device_async = lambda host, device: host.to(device)
-
-    def undo() -> None:
-        lookup_bags.to_device_async = before
-
-    return undo
+    return apply
 
 
 VARIANTS: dict[str, Switch] = {
@@ -318,8 +303,10 @@ VARIANTS: dict[str, Switch] = {
     "fp8_attention": _attention_option(fp8_forward=True),
     "bias_grad_in_gap": _attention_option(bias_grad_in_gap=True),
     "host_syncs": switch_host_syncs,
-    "index_add_mean": switch_index_add_mean,
-    "pageable_bags": switch_pageable_bags,
+    # the history's mean by index_add of float32 copies (before ca34568) instead of the membership GEMM
+    "index_add_mean": _patched("gem_model.jagged", "MEMBERSHIP_GEMM_ELEMENTS", 0),
+    # the even bags' per-key counts by a pageable copy (before b184563) instead of gem_model.host_copy's
+    "pageable_bags": _patched("gem_model.model.lookup_bags", "to_device_async", lambda host, device: host.to(device)),
     "whole_bags": switch_whole_bags,
     "bf16_lookup": switch_bf16_lookup,
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),
