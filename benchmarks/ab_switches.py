@@ -281,6 +281,22 @@ def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
     return apply
 
 
+def switch_torch_loss(run: object) -> Callable[[], None]:
+    """The next-item loss by gem-model's ``torch`` kernel (``TorchNextItemLoss``, the chunked GEMMs and
+    per-row torch passes of ``gem_model.model.next_item``) instead of the run's ``kernels.next_item_loss``
+    (gem-kernels' ``triton`` in ``configs/h200-large.yaml``): the model's ``loss_kernel`` swapped."""
+    from gem_model.model.next_item import TorchNextItemLoss
+
+    model = run.model  # type: ignore[attr-defined]
+    before = model.loss_kernel
+    model.loss_kernel = TorchNextItemLoss()
+
+    def undo() -> None:
+        model.loss_kernel = before
+
+    return undo
+
+
 def _patched(module: str, name: str, value: object) -> Switch:
     """``module.name`` set to ``value`` (read where the code calls it), the old value put back on undo."""
 
@@ -311,6 +327,8 @@ VARIANTS: dict[str, Switch] = {
     "bf16_lookup": switch_bf16_lookup,
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),
     "loss_buckets_2": _loss_plan(growth=2.0, small=128, chunk_elements=1 << 27),
+    # the next-item loss by gem-model's torch kernel instead of the configured one (triton on the H200)
+    "torch_loss": switch_torch_loss,
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

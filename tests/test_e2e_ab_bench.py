@@ -1,6 +1,7 @@
-"""benchmarks/e2e_ab.py on the CPU (one process, the tiny config, the real plugins, a variant with two
-switches applied and undone between steps): every variant trains every timed batch, the A/A pair is reported batch by batch, and the steady steps run in rotated rounds
-whose per-round comparison reaches the JSON."""
+"""benchmarks/e2e_ab.py on the CPU (one process, the tiny config, the real plugins, a variant with three
+switches applied and undone between steps): every variant trains every timed batch, the A/A pair is
+reported batch by batch, and the steady steps run in rotated rounds whose per-round comparison reaches
+the JSON. The switches of benchmarks/ab_switches.py that change the live model are undone exactly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from gem_model import testing
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = "gem_kernels.plugin,gem_precision.plugin,gem_parallel.plugin,gem_comm.plugin"
@@ -23,7 +26,7 @@ def test_two_variants_train_the_same_batches_and_the_steady_rounds_are_compared(
     monkeypatch.setattr(sys, "argv", [
         "e2e_ab.py", "--worker", "--config", str(ROOT / "configs" / "tiny.yaml"), "--device", "cpu",
         "--warmup", "1", "--steps", "3", "--steady", "2", "--steady-rounds", "3",
-        "--variants", "A=base,B=index_add_mean+pageable_bags",
+        "--variants", "A=base,B=index_add_mean+pageable_bags+torch_loss",
         "--out", str(out),
     ])  # fmt: skip
     from gem_model import host_copy, jagged
@@ -46,6 +49,20 @@ def test_two_variants_train_the_same_batches_and_the_steady_rounds_are_compared(
     a, b = steady["A"]["rounds_wall_ms"], steady["B"]["rounds_wall_ms"]
     want = sorted(x / y for x, y in zip(a, b, strict=True))[1]
     assert steady["B"]["against_first"]["median"] == pytest.approx(want)
+
+
+def test_the_loss_kernel_switch_is_undone(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    from gem_model.model.next_item import TorchNextItemLoss
+
+    run = testing.fake_run_context(output_dir=tmp_path)  # its model is the GemModel itself (inline_single)
+    own = run.model.loss_kernel
+    undo = VARIANTS["torch_loss"](run)
+    assert type(run.model.loss_kernel) is TorchNextItemLoss and run.model.loss_kernel is not own
+    undo()
+    assert run.model.loss_kernel is own
 
 
 def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):

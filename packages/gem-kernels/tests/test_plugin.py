@@ -13,8 +13,10 @@ import torch
 import gem_kernels.plugin
 from gem_kernels import availability
 from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
+from gem_kernels.next_item_loss import TritonNextItemLoss
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
 from gem_model.errors import KernelUnavailableError
+from gem_model.model.next_item import TorchNextItemLoss, next_item_loss
 from gem_model.plugins import GemPluginManager
 
 
@@ -28,6 +30,10 @@ def test_plugin_registers_every_kernel() -> None:
     assert attention.get("triton").cls is TritonJaggedAttention
     assert norm_gate.get("torch").cls is TorchNormGate
     assert norm_gate.get("triton").cls is TritonNormGate
+    loss = pm.kernel_registry("next_item_loss")  # its torch kernel is gem-model's own, registered beside
+    assert loss.names() == ["torch", "triton"]
+    assert loss.get("torch").cls is TorchNextItemLoss and loss.get("torch").provider.distribution == "gem-model"
+    assert loss.get("triton").cls is TritonNextItemLoss
 
 
 def test_plugin_imports_without_triton() -> None:
@@ -56,8 +62,11 @@ def no_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_interpreter")
-@pytest.mark.parametrize("kernel", [TritonJaggedAttention(), TritonNormGate()], ids=["attention", "norm_gate"])
-def test_triton_on_cpu_without_the_interpreter_is_an_error(kernel: TritonJaggedAttention | TritonNormGate) -> None:
+@pytest.mark.parametrize("kernel", [TritonJaggedAttention(), TritonNormGate(), TritonNextItemLoss()],
+                         ids=["attention", "norm_gate", "next_item_loss"])  # fmt: skip
+def test_triton_on_cpu_without_the_interpreter_is_an_error(
+    kernel: TritonJaggedAttention | TritonNormGate | TritonNextItemLoss,
+) -> None:
     with pytest.raises(KernelUnavailableError, match=r"CUDA device.*TRITON_INTERPRET=1"):
         kernel.check_available(torch.device("cpu"))
     if not torch.cuda.is_available():
@@ -73,6 +82,30 @@ def test_calling_triton_on_cpu_tensors_without_the_interpreter_is_an_error() -> 
     x = torch.randn(5, 16)
     with pytest.raises(KernelUnavailableError, match=r"kernels\.norm_gate: 'triton' cannot run here"):
         TritonNormGate()(x, x, torch.ones(16), torch.zeros(16), 1e-5)
+    args, options = loss_inputs(torch.bfloat16, per_position=False)
+    with pytest.raises(KernelUnavailableError, match=r"kernels\.next_item_loss: 'triton' cannot run here"):
+        TritonNextItemLoss()(*args, **options)
+
+
+def loss_inputs(dtype: torch.dtype, *, per_position: bool) -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:
+    """A small next-item batch (lengths 3, 0, 4; 2 negatives per sample or per predicted position)."""
+    g = torch.Generator().manual_seed(0)
+    lengths, k, d = torch.tensor([3, 0, 4]), 2, 16
+    rows, negatives = 7, (5 if per_position else 3) * k
+    args = (torch.randn(rows, d, generator=g).to(dtype), torch.randn(rows, d, generator=g),
+            torch.randn(negatives, d, generator=g), lengths, torch.randint(9, (rows,), generator=g),
+            torch.randint(9, (negatives,), generator=g))  # fmt: skip
+    return args, {"num_negatives": k, "per_position": per_position, "l2_normalize": True, "temperature": 0.05}
+
+
+@pytest.mark.usefixtures("no_interpreter")
+@pytest.mark.parametrize(("dtype", "per_position"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_what_triton_does_not_fuse_is_the_cores_loss_anywhere(dtype: torch.dtype, per_position: bool) -> None:
+    """float32 queries and per-position negatives run the core's torch loss: on CPU without the
+    interpreter too, with its very bits."""
+    args, options = loss_inputs(dtype, per_position=per_position)
+    got, want = TritonNextItemLoss()(*args, **options), next_item_loss(*args, **options)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_missing_triton_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,8 @@ import pytest
 from gem_model.config import RunConfig
 from gem_model.config_io import apply_overrides, load_config
 from gem_model.errors import ConfigError, UnknownNameError
-from gem_model.resolve import resolve_components
+from gem_model.model.next_item import TorchNextItemLoss
+from gem_model.resolve import component_paths, resolve_components
 
 
 def test_defaults_are_the_tiny_cpu_run():
@@ -81,6 +82,25 @@ def test_every_unknown_name_is_reported_at_once(pm, tiny_overrides):
         resolve_components(c, pm)
     assert "precision.scheme: unknown precision scheme 'fp4'" in str(err.value)
     assert "comm.strategy: unknown comm strategy 'carrier_pigeon'" in str(err.value)
+
+
+def test_the_next_item_loss_kernel_defaults_to_the_cores_torch(pm, tiny_overrides):
+    config = load_config(None, tiny_overrides)
+    assert config.kernels.next_item_loss.name == "torch"
+    comps = resolve_components(config, pm)
+    assert type(comps.next_item_loss) is TorchNextItemLoss
+    assert ("kernels.next_item_loss", "torch", comps.next_item_loss) in comps.named()
+    assert (["kernels", "next_item_loss"], comps.next_item_loss) in component_paths(config, comps)
+
+
+def test_an_unknown_next_item_loss_kernel_is_named_with_its_package(pm, tiny_overrides):
+    """'triton' is gem-kernels', not registered here: the error names the slot, what is there and what to install."""
+    config = load_config(None, [*tiny_overrides, "kernels.next_item_loss=triton"])
+    with pytest.raises(UnknownNameError) as err:
+        resolve_components(config, pm)
+    msg = str(err.value)
+    assert "kernels.next_item_loss: unknown kernel next_item_loss 'triton'" in msg
+    assert "provided by gem-kernels, which is not installed" in msg and "torch: from gem-model" in msg
 
 
 def test_override_patterns_resolve_their_schemes(pm, tiny_overrides):

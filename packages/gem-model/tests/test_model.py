@@ -15,6 +15,7 @@ from gem_model.data.validation import validate_batch
 from gem_model.jagged import append_one, gather_rows, offsets_of, positions_in_sequence
 from gem_model.model.flops import attention_pairs, batch_flops
 from gem_model.model.gem import GemModel
+from gem_model.model.next_item import TorchNextItemLoss
 from gem_model.testing import LoopAttention, TorchNormGate
 
 
@@ -41,6 +42,33 @@ def test_forward_backward_reaches_every_parameter():
     (out.task_loss_sum + out.next_item_loss_sum).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert missing == []
+
+
+class TripledLoss(TorchNextItemLoss):
+    """The core's loss times 3: shows which kernel the model called."""
+
+    name = "tripled"
+
+    def __call__(self, *args, **kwargs):
+        total, count = super().__call__(*args, **kwargs)
+        return total * 3.0, count
+
+
+def test_the_next_item_loss_is_computed_by_the_models_kernel():
+    model, data = build()
+    assert type(model.loss_kernel) is TorchNextItemLoss  # not given: the core's torch kernel
+    tripled = TripledLoss()
+    src = SyntheticSource(SyntheticConfig(max_len=31))
+    given = GemModel(ModelConfig(max_seq_len=32), src.feature_spec(), attention=LoopAttention(),
+                     norm_gate=TorchNormGate(), next_item_loss=tripled)  # fmt: skip
+    assert given.loss_kernel is tripled
+    batch = next(data)
+    model.eval()  # no dropout: the same forward twice
+    torch_out = model(batch)
+    model.loss_kernel = tripled
+    tripled_out = model(batch)
+    assert torch.equal(tripled_out.next_item_loss_sum, torch_out.next_item_loss_sum * 3.0)
+    assert torch.equal(tripled_out.next_item_count, torch_out.next_item_count)
 
 
 def test_candidate_sees_history_and_history_never_sees_candidate():

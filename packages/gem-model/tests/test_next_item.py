@@ -41,7 +41,7 @@ def reference_loss(args, per_position: bool, l2: bool, dtype: torch.dtype = torc
     starts = offsets_of(lengths)[:-1]
     rows = torch.cat([s + torch.arange(max(int(n) - 1, 0)) for s, n in zip(starts.tolist(), lengths.tolist())])
     owner = torch.repeat_interleave(torch.arange(lengths.numel()), (lengths - 1).clamp(min=0))
-    unit = (lambda z: F.normalize(z, dim=-1, eps=1e-6)) if l2 else (lambda z: z)
+    unit = (lambda z: F.normalize(z, dim=-1, eps=next_item.L2_EPS)) if l2 else (lambda z: z)
     q, p = unit(query[rows].to(dtype)), unit(items[rows + 1].to(dtype))
     if per_position:
         n, ids = negatives.to(dtype).reshape(-1, K, D), negative_ids.reshape(-1, K)
@@ -138,6 +138,21 @@ def test_no_position_predicted():
         loss, count = new_loss(args, False, True)
         assert float(loss.detach()) == 0.0 and int(count) == 0
         loss.backward()
+
+
+@pytest.mark.parametrize("per_position", [False, True], ids=["shared", "per_position"])
+@pytest.mark.parametrize("l2", [False, True], ids=["dot", "l2"])
+def test_the_torch_kernel_is_the_function(per_position, l2):
+    """``kernels.next_item_loss`` ``torch`` (gem-model's own, the default) returns what
+    :func:`next_item_loss` returns, bit for bit, and so do the gradients; it runs anywhere."""
+    kernel = next_item.TorchNextItemLoss()
+    kernel.check_available(torch.device("cpu"))
+    args = inputs(LENGTHS, per_position, dtype=torch.bfloat16, seed=2)
+    options = {"num_negatives": K, "per_position": per_position, "l2_normalize": l2, "temperature": T}
+    got = kernel(*args, **options, host_lengths=args[3])
+    want = next_item.next_item_loss(*args, **options, host_lengths=args[3])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(g, r) for g, r in zip(grads(got[0], args), grads(want[0], args), strict=True))
 
 
 class _Made(TorchDispatchMode):

@@ -90,7 +90,8 @@ def test_the_pipeline_base_attributes_are_documented():
     "name",
     ["GemPluginManager", "Registry", "Entry", "Provider", "ConfigError", "KernelUnavailableError", "PluginError",
      "UnknownNameError", "DuplicateNameError", "GemError", "FeatureSpec", "PooledFeature", "Batch", "DistEnv",
-     "offsets_of", "time_buckets"],
+     "offsets_of", "time_buckets", "NextItemLossKernel", "next_item_loss", "unit_rows", "unit_rows_vjp", "L2_EPS",
+     "to_device_async"],
 )  # fmt: skip
 def test_the_public_module_exports_what_plugins_reached_into_the_core_for(name):
     assert name in api.__all__ and hasattr(api, name)

@@ -33,6 +33,8 @@ def test_builtins_register_through_the_same_hooks():
     assert pm.data_sources.names() == ["movielens_1m", "parquet", "synthetic"]
     assert pm.load_balancers.names() == ["round_robin"]
     assert pm.data_sources.get("synthetic").provider.distribution == "gem-model"
+    assert pm.kernel_registry("next_item_loss").names() == ["torch"]  # the default of kernels.next_item_loss
+    assert pm.kernel_registry("next_item_loss").get("torch").provider.distribution == "gem-model"
 
 
 def test_inline_plugin_fills_every_registry(pm):

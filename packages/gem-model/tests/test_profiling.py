@@ -75,7 +75,8 @@ def test_static_memory_of_a_tiny_model_by_hand(pm):
     config = load_config(None, TINY)
     c = resolve_components(config, pm)
     plan = offline_plan(config, c, world_size=1)
-    model = GemModel(config.model, c.source.feature_spec(), attention=c.attention, norm_gate=c.norm_gate)
+    model = GemModel(config.model, c.source.feature_spec(), attention=c.attention, norm_gate=c.norm_gate,
+                     next_item_loss=c.next_item_loss)  # fmt: skip
     dense = sum(p.numel() for _, p in model.dense_named_parameters()) * 4
     rows = sum(t.num_embeddings for t in model.table_configs())
     table = sum(t.num_embeddings * t.embedding_dim for t in model.table_configs()) * 4

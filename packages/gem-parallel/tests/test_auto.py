@@ -69,7 +69,7 @@ def test_without_a_profile_the_plan_says_there_is_no_prediction():
     planner, config, components = bound(2)
     env = DistEnv(0, 2, 0, torch.device("cpu"), None)
     model = GemModel(config.model, components.source.feature_spec(), attention=components.attention,
-                     norm_gate=components.norm_gate)  # fmt: skip
+                     norm_gate=components.norm_gate, next_item_loss=components.next_item_loss)  # fmt: skip
     ctx = PlannerContext(env, planner.layout(env), components.comm, sparse_optimizer_spec(config.trainer))
     plan = planner.plan(model, ctx)
     assert plan.planner == "auto" and plan.prediction["communication_seconds"] >= 0
@@ -127,7 +127,7 @@ def test_one_rank_needs_no_node_size_and_plans_as_torchrec_ddp():
     layout = planner.layout(env)
     assert layout.world_size == 1 and layout.mesh_dims == ("dp_replicate",)
     model = GemModel(config.model, components.source.feature_spec(), attention=components.attention,
-                     norm_gate=components.norm_gate)  # fmt: skip
+                     norm_gate=components.norm_gate, next_item_loss=components.next_item_loss)  # fmt: skip
     plan = planner.plan(model, PlannerContext(env, layout, components.comm, sparse_optimizer_spec(config.trainer)))
     assert plan.planner == "auto" and plan.notes[0].startswith("chosen for 1x1 GPUs: ")
     assert {p.strategy for p in plan.dense.values()} == {"replicated"}

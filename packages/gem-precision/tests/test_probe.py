@@ -124,7 +124,7 @@ def tiny_model(pm: GemPluginManager, config_overrides: list[str]) -> GemModel:
     config = load_config(None, config_overrides)
     c = resolve_components(config, pm)
     spec = ShardedLoader(c.source, c.balancer, global_batch_size=config.data.global_batch_size).spec
-    return GemModel(config.model, spec, attention=c.attention, norm_gate=c.norm_gate)
+    return GemModel(config.model, spec, attention=c.attention, norm_gate=c.norm_gate, next_item_loss=c.next_item_loss)
 
 
 def test_measures_the_known_relative_error_of_every_linear(probe_pm):

@@ -151,7 +151,8 @@ def _model_and_batch(pm: GemPluginManager, overrides: list[str]) -> tuple[GemMod
     config = load_config(None, [*TINY, *overrides])
     c = resolve_components(config, pm)
     loader = ShardedLoader(c.source, c.balancer, global_batch_size=config.data.global_batch_size)
-    model = GemModel(config.model, loader.spec, attention=c.attention, norm_gate=c.norm_gate, seed=config.trainer.seed)
+    model = GemModel(config.model, loader.spec, attention=c.attention, norm_gate=c.norm_gate,
+                     next_item_loss=c.next_item_loss, seed=config.trainer.seed)  # fmt: skip
     apply_precision(model, config.precision, c.precision)
     apply_activation(model, config.activation, c.activation)
     return model, loader.batch_at(0), c

@@ -18,8 +18,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # the component interfaces, and what planners and kernels hand back
     "gem_model.components": (
         "GEMM_BITS", "NO_EXTRAS", "ActivationPolicy", "AttentionExtras", "CommStrategy", "Component", "ComponentConfig", "DataSource",
-        "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NormGateKernel", "ParallelPlanner", "PlannerContext",
-        "PrecisionScheme", "PreparedModel", "SparseOptimizerSpec",
+        "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NextItemLossKernel", "NormGateKernel", "ParallelPlanner",
+        "PlannerContext", "PrecisionScheme", "PreparedModel", "SparseOptimizerSpec",
     ),
     "gem_model.context": ("Optimizers", "RunContext"),  # what lifecycle hooks receive
     "gem_model.lifecycle": ("Callback", "TrainPipeline"),  # the step's stages; lifecycle plugins
@@ -56,6 +56,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.data.batch": ("Batch", "FeatureSpec", "PooledFeature"),
     "gem_model.data.loader": ("ShardedLoader",),
     "gem_model.data.prefetch": ("StagedBatch", "batch_tensors"),
+    "gem_model.host_copy": ("to_device_async",),  # a small host tensor on the device without blocking the host
     # jagged sequences and the attention biases' reference math (kernels share them)
     "gem_model.jagged": (
         "TIME_BUCKET_STEP", "gather_bias", "offsets_of", "relative_bias_matrix", "sequence_ids", "time_bias_matrix",
@@ -64,6 +65,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # the model and its cost
     "gem_model.model.gem": ("GemModel",),
     "gem_model.model.flops": ("count_flops",),
+    # the next-item loss (the core's kernel of kernels.next_item_loss) and its L2 normalisation
+    "gem_model.model.next_item": ("L2_EPS", "next_item_loss", "unit_rows", "unit_rows_vjp"),
     "gem_model.profiling.memory": ("MemoryFit", "step_loss"),
     # gem-train profile
     "gem_model.profiling.context": ("MeasuredSteps", "ProfileCommand", "ProfileContext"),
@@ -76,6 +79,7 @@ __all__ = [
     "DATA_DIMS",
     "E4M3_ROW",
     "GEMM_BITS",
+    "L2_EPS",
     "LOSS_DIMS",
     "MESH_DIMS",
     "NO_EXTRAS",
@@ -111,6 +115,7 @@ __all__ = [
     "MeasuredSteps",
     "MemoryFit",
     "ModelConfig",
+    "NextItemLossKernel",
     "NormGateKernel",
     "Optimizers",
     "ParallelDims",
@@ -159,6 +164,7 @@ __all__ = [
     "grad_rows_slot",
     "hookimpl",
     "load_config",
+    "next_item_loss",
     "offsets_of",
     "pick_device",
     "precision_plan",
@@ -172,6 +178,9 @@ __all__ = [
     "time_bias_matrix",
     "time_bucket_matrix",
     "time_buckets",
+    "to_device_async",
+    "unit_rows",
+    "unit_rows_vjp",
     "wanted_quantization",
 ]
 """Every name above; a test checks the list against the table."""
@@ -203,6 +212,7 @@ if TYPE_CHECKING:
         JaggedAttentionKernel,
         Kernel,
         LoadBalancer,
+        NextItemLossKernel,
         NormGateKernel,
         ParallelPlanner,
         PlannerContext,
@@ -226,6 +236,7 @@ if TYPE_CHECKING:
         UnknownNameError,
     )
     from gem_model.grad_rows import GradRows, GradRowsSlot, attach_grad_rows, attached_grad_rows, grad_rows_slot
+    from gem_model.host_copy import to_device_async
     from gem_model.jagged import (
         TIME_BUCKET_STEP,
         gather_bias,
@@ -241,6 +252,7 @@ if TYPE_CHECKING:
     from gem_model.linear_bias import bias_grad_elsewhere
     from gem_model.model.flops import count_flops
     from gem_model.model.gem import GemModel
+    from gem_model.model.next_item import L2_EPS, next_item_loss, unit_rows, unit_rows_vjp
     from gem_model.parallel_dims import (
         DATA_DIMS,
         LOSS_DIMS,

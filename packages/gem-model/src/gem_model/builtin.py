@@ -12,6 +12,13 @@ if TYPE_CHECKING:
 
 
 @hookimpl
+def gem_register_kernels():
+    from gem_model.model.next_item import TorchNextItemLoss  # the default of kernels.next_item_loss
+
+    return [TorchNextItemLoss]
+
+
+@hookimpl
 def gem_register_data_sources():
     from gem_model.data.movielens import MovieLensSource
     from gem_model.data.parquet import ParquetSource  # pyarrow is imported when one is built

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gem_model.component_base import NAME_PATTERN, Component, ComponentConfig
-from gem_model.kernels import NO_EXTRAS, AttentionExtras, JaggedAttentionKernel, Kernel, NormGateKernel
+from gem_model.kernels import (
+    NO_EXTRAS,
+    AttentionExtras,
+    JaggedAttentionKernel,
+    Kernel,
+    NextItemLossKernel,
+    NormGateKernel,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -34,8 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = [  # the kernel interfaces and the base live in their own modules; importable from here too
     "NAME_PATTERN", "NO_EXTRAS", "ActivationPolicy", "AttentionExtras", "CommStrategy", "Component", "ComponentConfig",
-    "DataSource", "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NormGateKernel", "ParallelPlanner",
-    "PlannerContext", "PrecisionScheme", "PreparedModel", "SparseOptimizerSpec",
+    "DataSource", "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NextItemLossKernel", "NormGateKernel",
+    "ParallelPlanner", "PlannerContext", "PrecisionScheme", "PreparedModel", "SparseOptimizerSpec",
 ]  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """The kernel interfaces plugins implement: the jagged attention (with its optional parts,
-:class:`AttentionExtras`, and the fused HSTU block it may offer) and the norm-gate. Registered per op:
-``kernels.<op>: <name>``."""
+:class:`AttentionExtras`, and the fused HSTU block it may offer), the norm-gate and the next-item
+loss. Registered per op: ``kernels.<op>: <name>``."""
 
 from __future__ import annotations
 
@@ -142,3 +142,34 @@ class NormGateKernel(Kernel):
         bias: torch.Tensor,
         eps: float,
     ) -> torch.Tensor: ...
+
+
+class NextItemLossKernel(Kernel):
+    """The next-item sampled softmax over jagged histories (the math: :mod:`gem_model.model.next_item`).
+
+    ``query`` ``[L, D]`` (the tower's output per history row), ``items`` ``[L, D]`` (the history's item
+    embeddings), ``negatives`` / ``negative_ids`` ``[B * K, D]`` / ``[B * K]`` shared by a sample's
+    positions, or with ``per_position`` ``[P * K, D]`` / ``[P * K]`` in the order of the predicted
+    positions; ``lengths`` ``[B]``, ``item_ids`` ``[L]``; ``host_lengths``: ``lengths`` on the host when
+    the caller has them. Returns ``(loss sum, count)``: the sum over the predicted positions (every
+    history row but its sequence's last) and their number, as 0-d tensors on ``query``'s device.
+    """
+
+    op: ClassVar[str] = "next_item_loss"
+
+    @abstractmethod
+    def __call__(
+        self,
+        query: torch.Tensor,
+        items: torch.Tensor,
+        negatives: torch.Tensor,
+        lengths: torch.Tensor,
+        item_ids: torch.Tensor,
+        negative_ids: torch.Tensor,
+        *,
+        num_negatives: int,
+        per_position: bool,
+        l2_normalize: bool,
+        temperature: float,
+        host_lengths: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -13,12 +13,15 @@ C = TypeVar("C", bound=type[Component])
 # Which of our plugin distributions provides each name, so that a run whose config names a component
 # nobody installed can say what to install. Only a hint: the registries decide. The core cannot read
 # the entry points of a package that is not installed, so the list is kept here and a test
-# (tests/test_readme_packages.py) checks it against what the installed packages register.
+# (tests/test_readme_packages.py) checks it against what the installed packages register. Names
+# gem-model registers itself (kernel next_item_loss torch, data source synthetic, ...) are never
+# missing, so they have no hint.
 KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("kernel jagged_attention", "torch"): "gem-kernels",
     ("kernel jagged_attention", "triton"): "gem-kernels",
     ("kernel norm_gate", "torch"): "gem-kernels",
     ("kernel norm_gate", "triton"): "gem-kernels",
+    ("kernel next_item_loss", "triton"): "gem-kernels",
     ("precision scheme", "fp32"): "gem-precision",
     ("precision scheme", "bf16"): "gem-precision",
     ("precision scheme", "fp8_tensorwise"): "gem-precision",

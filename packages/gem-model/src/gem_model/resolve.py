@@ -16,6 +16,7 @@ from gem_model.components import (
     DataSource,
     JaggedAttentionKernel,
     LoadBalancer,
+    NextItemLossKernel,
     NormGateKernel,
     ParallelPlanner,
     PrecisionScheme,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 class Components:
     attention: JaggedAttentionKernel
     norm_gate: NormGateKernel
+    next_item_loss: NextItemLossKernel
     precision: dict[str, PrecisionScheme]  # by scheme name: the default and every override
     activation: dict[str, ActivationPolicy]
     planner: ParallelPlanner
@@ -54,6 +56,7 @@ class Components:
         out: list[tuple[str, str, Component]] = [
             ("kernels.jagged_attention", self.attention.name, self.attention),
             ("kernels.norm_gate", self.norm_gate.name, self.norm_gate),
+            ("kernels.next_item_loss", self.next_item_loss.name, self.next_item_loss),
         ]
         out += [("precision_schemes", n, c) for n, c in self.precision.items()]
         out += [("activation_policies", n, c) for n, c in self.activation.items()]
@@ -146,6 +149,9 @@ def _resolve(config: RunConfig, pm: GemPluginManager) -> tuple[dict[str, Any], _
             pm.kernel_registry("jagged_attention"), config.kernels.jagged_attention, "kernels.jagged_attention"
         ),
         "norm_gate": r.build(pm.kernel_registry("norm_gate"), config.kernels.norm_gate, "kernels.norm_gate"),
+        "next_item_loss": r.build(
+            pm.kernel_registry("next_item_loss"), config.kernels.next_item_loss, "kernels.next_item_loss"
+        ),
         "planner": r.build(pm.parallel_planners, config.parallel.planner, "parallel.planner"),
         "comm": r.build(pm.comm_strategies, config.comm.strategy, "comm.strategy"),
         "source": r.build(pm.data_sources, config.data.source, "data.source"),
@@ -180,7 +186,8 @@ def run_shape(config: RunConfig, components: Components, *, ranks_per_node: int 
         with torch.device("meta"):
             return GemModel(
                 config.model.model_copy(update={"table_init": "device"}), components.source.feature_spec(),
-                attention=components.attention, norm_gate=components.norm_gate, seed=config.trainer.seed,
+                attention=components.attention, norm_gate=components.norm_gate,
+                next_item_loss=components.next_item_loss, seed=config.trainer.seed,
             )  # fmt: skip
 
     def read_lengths(batches: int) -> torch.Tensor:
@@ -214,6 +221,7 @@ def component_paths(config: RunConfig, components: Components) -> list[tuple[lis
     out: list[tuple[list[str | int], Component]] = [
         (["kernels", "jagged_attention"], components.attention),
         (["kernels", "norm_gate"], components.norm_gate),
+        (["kernels", "next_item_loss"], components.next_item_loss),
         (["precision", "scheme"], components.precision[config.precision.scheme.name]),
         (["activation", "policy"], components.activation[config.activation.policy.name]),
         (["parallel", "planner"], components.planner),

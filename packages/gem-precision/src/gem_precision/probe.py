@@ -81,7 +81,9 @@ def probe_precision(
     components = resolve_components(config, pm)  # same names and option checks as `gem-train run`
     schemes = _candidate_schemes(pm, components.precision, options)
     device = pick_device(config.trainer.device, 0)
-    for kernel, path in ((components.attention, "jagged_attention"), (components.norm_gate, "norm_gate")):
+    kernels = ((components.attention, "jagged_attention"), (components.norm_gate, "norm_gate"),
+               (components.next_item_loss, "next_item_loss"))  # fmt: skip
+    for kernel, path in kernels:
         try:
             kernel.check_available(device)
         except KernelUnavailableError as exc:
@@ -92,7 +94,7 @@ def probe_precision(
     if model is None:
         model = GemModel(
             config.model, loader.spec, attention=components.attention, norm_gate=components.norm_gate,
-            seed=config.trainer.seed,
+            next_item_loss=components.next_item_loss, seed=config.trainer.seed,
         )  # fmt: skip
         if model.tables_on_meta:  # model.table_init: device (a planner would draw them; here the probe does)
             model.materialize_tables(device)

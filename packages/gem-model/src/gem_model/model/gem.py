@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_model.components import JaggedAttentionKernel, NormGateKernel
+from gem_model.components import JaggedAttentionKernel, NextItemLossKernel, NormGateKernel
 from gem_model.config import ModelConfig
 from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
 from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, segment_mean
 from gem_model.model.embeddings import SparseArch
 from gem_model.model.hstu import HSTUBlock, LayerNorm, TokenMixer
 from gem_model.model.lookup_bags import even_bags
-from gem_model.model.next_item import next_item_loss
+from gem_model.model.next_item import TorchNextItemLoss
 
 
 class ModelOutput(NamedTuple):
@@ -49,10 +49,14 @@ class GemModel(nn.Module):
         *,
         attention: JaggedAttentionKernel,
         norm_gate: NormGateKernel,
+        next_item_loss: NextItemLossKernel | None = None,
         seed: int = 0,
     ):
+        """``attention``, ``norm_gate`` and ``next_item_loss``: the run's kernels of those ops
+        (``kernels.<op>``); ``next_item_loss`` None: the core's :class:`TorchNextItemLoss`."""
         super().__init__()
         self.config, self.spec, self.seed = config, spec, seed
+        self.loss_kernel: NextItemLossKernel = next_item_loss if next_item_loss is not None else TorchNextItemLoss()
         d = config.embedding_dim
         extra = 1 if config.use_candidate else 0
         lead = 1 if config.context_token else 0
@@ -325,9 +329,9 @@ class GemModel(nn.Module):
 
         The negatives are the sample's, shared by its positions, or with the spec's
         ``negatives_per_position`` each position's own; see :mod:`gem_model.model.next_item` for the
-        math, the memory bound and the kernels.
+        math and the memory bound. Computed by :attr:`loss_kernel`, the run's ``kernels.next_item_loss``.
         """
-        return next_item_loss(
+        return self.loss_kernel(
             enc["hist_out"], enc["item_emb"], enc["neg_emb"], enc["hist_lengths"],
             batch.sequence[SEQ_ITEM].values(), batch.sequence[NEG_ITEM].values(),
             num_negatives=self.spec.num_negatives, per_position=self.spec.negatives_per_position,

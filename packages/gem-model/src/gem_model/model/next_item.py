@@ -10,6 +10,10 @@ next item's embedding) and negatives ``n_1..n_K``, with ``u(x) = x / max(|x|, 1e
 The result is the sum of the loss over the predicted positions (every history position but the
 last of its sequence: P of them) and their count; the trainer normalises by the global count.
 
+The model calls it through the ``kernels.next_item_loss`` kernel
+(:class:`~gem_model.kernels.NextItemLossKernel`): the default, ``torch``, is
+:class:`TorchNextItemLoss`, this module's :func:`next_item_loss`; gem-kernels registers ``triton``.
+
 Shared negatives (K per sample, shared by its positions) are scored by :class:`_SharedScores`: one
 batched GEMM per chunk of sequences of similar length. Sequences are bucketed by their number of
 predicted positions (a bucket holds counts within ``BUCKET_GROWTH`` of its longest; counts up to
@@ -55,9 +59,12 @@ changes the last bits (~1e-7 relative; ``tests/test_next_item.py``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
+from gem_model.components import NextItemLossKernel
 from gem_model.jagged import matmul_fp32, offsets_of, positions_in_sequence, sequence_ids
 from gem_model.model.next_item_plan import (
     BUCKET_GROWTH,
@@ -71,12 +78,12 @@ from gem_model.model.next_item_plan import (
 )
 
 __all__ = [  # the chunk planning lives in next_item_plan (set its constants there); importable from here too
-    "BUCKET_GROWTH", "CHUNK_ELEMENTS", "EPS", "SMALL_BUCKET", "Chunk", "Plan", "group_by_length", "next_item_loss",
-    "plan_chunks",
+    "BUCKET_GROWTH", "CHUNK_ELEMENTS", "L2_EPS", "SMALL_BUCKET", "Chunk", "Plan", "TorchNextItemLoss",
+    "group_by_length", "next_item_loss", "plan_chunks", "unit_rows", "unit_rows_vjp",
 ]  # fmt: skip
 
-EPS = 1e-6
-"""The ``eps`` of the L2 normalisation (``F.normalize``)."""
+L2_EPS = 1e-6
+"""The ``eps`` of the L2 normalisation (``F.normalize``): ``u(x) = x / max(|x|, L2_EPS)``."""
 
 
 def next_item_loss(
@@ -102,7 +109,7 @@ def next_item_loss(
             return query.sum() * 0.0, count
         q, p = query[rows].float(), items[rows + 1].float()
         if l2_normalize:
-            q, p = _unit(q)[0], _unit(p)[0]
+            q, p = unit_rows(q)[0], unit_rows(p)[0]
         pos_logit = (q * p).sum(-1)
         neg_logit = _PerPositionScores.apply(q, negatives.reshape(rows.numel(), k, d), l2_normalize)
         hit = negative_ids.reshape(rows.numel(), k) == item_ids[rows + 1][:, None]
@@ -121,19 +128,54 @@ def next_item_loss(
     return loss.sum(), count
 
 
+class TorchNextItemLoss(NextItemLossKernel):
+    """The ``next_item_loss`` kernel ``torch``: :func:`next_item_loss` itself, on any device and dtype.
+
+    gem-model registers it (:mod:`gem_model.builtin`) and it is the default of ``kernels.next_item_loss``,
+    so a run needs no plugin for its loss.
+    """
+
+    name: ClassVar[str] = "torch"
+
+    def __call__(
+        self,
+        query: Tensor,
+        items: Tensor,
+        negatives: Tensor,
+        lengths: Tensor,
+        item_ids: Tensor,
+        negative_ids: Tensor,
+        *,
+        num_negatives: int,
+        per_position: bool,
+        l2_normalize: bool,
+        temperature: float,
+        host_lengths: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        return next_item_loss(
+            query, items, negatives, lengths, item_ids, negative_ids, num_negatives=num_negatives,
+            per_position=per_position, l2_normalize=l2_normalize, temperature=temperature,
+            host_lengths=host_lengths,
+        )  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------- the scores
 
 
-def _unit(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(F.normalize(x, dim=-1, eps=EPS), |x|)``: the same ops as ``F.normalize``, so the same bits."""
+def unit_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(F.normalize(x, dim=-1, eps=L2_EPS), |x|)``, the norms ``[..., 1]``: the same ops as
+    ``F.normalize``, so the same bits. A kernel of ``next_item_loss`` that normalises as this loss does
+    uses it (and :func:`unit_rows_vjp` for the gradient)."""
     norm = x.norm(2, -1, keepdim=True)
-    return x / norm.clamp_min(EPS), norm
+    return x / norm.clamp_min(L2_EPS), norm
 
 
-def _unit_vjp(grad: Tensor, unit: Tensor, norm: Tensor) -> Tensor:
-    """The gradient through ``u(x) = x / max(|x|, EPS)``: ``(g - u (u . g)) / |x|`` (``g / EPS`` where clamped)."""
-    along = (unit * grad).sum(-1, keepdim=True).mul_(norm >= EPS)
-    return (grad - unit * along).div_(norm.clamp_min(EPS))
+def unit_rows_vjp(grad: Tensor, unit: Tensor, norm: Tensor) -> Tensor:
+    """The gradient through ``u(x) = x / max(|x|, L2_EPS)`` of ``grad`` (the gradient of ``u(x)``), with
+    ``unit, norm = unit_rows(x)``: ``(g - u (u . g)) / |x|`` (``g / L2_EPS`` where clamped). Writes into
+    a new tensor; ``grad`` is left as it was."""
+    along = (unit * grad).sum(-1, keepdim=True).mul_(norm >= L2_EPS)
+    return (grad - unit * along).div_(norm.clamp_min(L2_EPS))
 
 
 def _row_dot(q: Tensor, p: Tensor) -> Tensor:
@@ -172,7 +214,7 @@ class _SharedScores(torch.autograd.Function):
             if q_norm is not None and p_norm is not None:
                 torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32, out=q_norm[a:b])
                 torch.linalg.vector_norm(p, dim=-1, dtype=torch.float32, out=p_norm[a:b])
-        neg = (_unit(negatives.float())[0] if l2 else negatives).to(dt).index_select(0, plan.seqs)
+        neg = (unit_rows(negatives.float())[0] if l2 else negatives).to(dt).index_select(0, plan.seqs)
         padded = torch.empty(plan.slot_rows.numel(), k, device=query.device)  # fp32 logits of every slot
         for ch in plan.chunks:
             q = query.index_select(0, plan.slot_rows[ch.slots]).view(ch.count, ch.size, d)
@@ -182,9 +224,9 @@ class _SharedScores(torch.autograd.Function):
         pos_logit = dot.index_select(0, plan.pred_rows)
         if q_norm is not None and p_norm is not None:  # the norms of each predicted position's q and p
             q_norm, p_norm = q_norm.index_select(0, plan.pred_rows), p_norm.index_select(0, plan.pred_rows)
-            q_scale = 1.0 / q_norm.clamp_min(EPS)
+            q_scale = 1.0 / q_norm.clamp_min(L2_EPS)
             neg_logit.mul_(q_scale[:, None])
-            pos_logit = pos_logit * q_scale / p_norm.clamp_min(EPS)
+            pos_logit = pos_logit * q_scale / p_norm.clamp_min(L2_EPS)
         hit = negative_ids.index_select(0, plan.pred_seqs) == item_ids.index_select(0, plan.pred_rows + 1)[:, None]
         neg_logit.masked_fill_(hit, float("-inf"))  # a negative that is the positive item does not count
         ctx.save_for_backward(query, items, negatives, pos_logit, neg_logit, q_norm, p_norm)
@@ -199,17 +241,17 @@ class _SharedScores(torch.autograd.Function):
         dt, (b, k, d), pairs = query.dtype, negatives.shape, query.shape[0] - 1
         l2 = q_norm is not None
         negatives32 = negatives.float()
-        unit, norm = _unit(negatives32) if l2 else (negatives32, None)
+        unit, norm = unit_rows(negatives32) if l2 else (negatives32, None)
         neg = unit.to(dt).index_select(0, plan.seqs)
         # per predicted position: grad_q += a p - c q (besides the GEMM's part), grad_p = a q - e p;
         # with l2, c and e are the norms' terms, |x|^-2 (sum of g s) where the norm was not clamped
         a, c, e, g = grad_pos, None, None, grad_neg
         if q_norm is not None and p_norm is not None:
-            q_scale, p_scale = 1.0 / q_norm.clamp_min(EPS), 1.0 / p_norm.clamp_min(EPS)
+            q_scale, p_scale = 1.0 / q_norm.clamp_min(L2_EPS), 1.0 / p_norm.clamp_min(L2_EPS)
             along = (grad_neg * neg_logit).nan_to_num_(0.0).sum(-1) + grad_pos * pos_logit  # -inf logits: g = 0
             a = grad_pos * q_scale * p_scale
-            c = along * q_scale * q_scale * (q_norm >= EPS)
-            e = grad_pos * pos_logit * p_scale * p_scale * (p_norm >= EPS)
+            c = along * q_scale * q_scale * (q_norm >= L2_EPS)
+            e = grad_pos * pos_logit * p_scale * p_scale * (p_norm >= L2_EPS)
             g = grad_neg * q_scale[:, None]  # the gradient of q . u(n_k)
         # the gradient of every slot, zero for the padding (slot_preds = P there)
         g = torch.cat([g, g.new_zeros(1, k)]).to(dt).index_select(0, plan.slot_preds)
@@ -247,7 +289,7 @@ class _SharedScores(torch.autograd.Function):
                     gp.addcmul_(p, e_row[r0:r1], value=-1)
         grad_n = None
         if grad_unit is not None:
-            grad_n = (_unit_vjp(grad_unit, unit, norm) if norm is not None else grad_unit.transpose(1, 2))
+            grad_n = (unit_rows_vjp(grad_unit, unit, norm) if norm is not None else grad_unit.transpose(1, 2))
             grad_n = grad_n.to(negatives.dtype)
         return grad_q, grad_p, grad_n, None, None, None, None
 
@@ -261,7 +303,7 @@ class _PerPositionScores(torch.autograd.Function):
         norm = None
         if l2:  # u(n) . q = (n . q) / max(|n|, eps): no normalised [P, K, D] copy of the negatives
             norm = torch.linalg.vector_norm(negatives, dim=-1, dtype=torch.float32)
-            scores = scores / norm.clamp_min(EPS)
+            scores = scores / norm.clamp_min(L2_EPS)
         ctx.save_for_backward(query, negatives, scores, norm)
         ctx.l2 = l2
         return scores
@@ -269,7 +311,7 @@ class _PerPositionScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         query, negatives, scores, norm = ctx.saved_tensors
-        g = grad / norm.clamp_min(EPS) if ctx.l2 else grad
+        g = grad / norm.clamp_min(L2_EPS) if ctx.l2 else grad
         grad_q = grad_n = None
         if ctx.needs_input_grad[0]:
             grad_q = torch.bmm(negatives.transpose(1, 2), g.to(negatives.dtype)[:, :, None]).squeeze(-1).to(query.dtype)
@@ -278,6 +320,6 @@ class _PerPositionScores(torch.autograd.Function):
             outer = g.to(negatives.dtype)[:, :, None]
             grad_n = torch.bmm(outer, q)
             if ctx.l2:  # the norm's part, in place: the gradient is the one [P, K, D] tensor made
-                along = (g * scores * (norm >= EPS) / norm.clamp_min(EPS)).to(negatives.dtype)
+                along = (g * scores * (norm >= L2_EPS) / norm.clamp_min(L2_EPS)).to(negatives.dtype)
                 grad_n.addcmul_(negatives, along[:, :, None], value=-1)
         return grad_q, grad_n, None

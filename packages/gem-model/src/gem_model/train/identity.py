@@ -56,6 +56,7 @@ _MISSING = object()
 SLOTS: dict[str, tuple[Callable[[GemPluginManager], Registry], type[Component]]] = {
     "kernels.jagged_attention": (lambda pm: pm.kernel_registry("jagged_attention"), Kernel),
     "kernels.norm_gate": (lambda pm: pm.kernel_registry("norm_gate"), Kernel),
+    "kernels.next_item_loss": (lambda pm: pm.kernel_registry("next_item_loss"), Kernel),
     "precision.scheme": (lambda pm: pm.precision_schemes, PrecisionScheme),
     "activation.policy": (lambda pm: pm.activation_policies, ActivationPolicy),
     "parallel.planner": (lambda pm: pm.parallel_planners, ParallelPlanner),

@@ -70,7 +70,7 @@ def initial_model(config: RunConfig, components: Components, spec: FeatureSpec) 
     to its own rank's stream afterwards (dropout)."""
     torch.manual_seed(config.trainer.seed * 1_000)
     return GemModel(config.model, spec, attention=components.attention, norm_gate=components.norm_gate,
-                    seed=config.trainer.seed)  # fmt: skip
+                    next_item_loss=components.next_item_loss, seed=config.trainer.seed)  # fmt: skip
 
 
 def apply_activation(
@@ -122,7 +122,8 @@ def offline_plan(config: RunConfig, components: Components, *, world_size: int, 
     model_config = config.model.model_copy(update={"table_init": "device"})
     spec = components.source.feature_spec()
     model = GemModel(
-        model_config, spec, attention=components.attention, norm_gate=components.norm_gate, seed=config.trainer.seed
-    )
+        model_config, spec, attention=components.attention, norm_gate=components.norm_gate,
+        next_item_loss=components.next_item_loss, seed=config.trainer.seed,
+    )  # fmt: skip
     ctx = PlannerContext(env, layout, components.comm, sparse_optimizer_spec(config.trainer))
     return components.planner.plan(model, ctx)

@@ -84,7 +84,9 @@ class Run:
         self.feed = make_feed(
             self.loader, prefetch=tc.prefetch, device=env.device, facts=self._batch_facts, end=tc.steps
         )
-        for kernel, path in ((components.attention, "jagged_attention"), (components.norm_gate, "norm_gate")):
+        kernels = ((components.attention, "jagged_attention"), (components.norm_gate, "norm_gate"),
+                   (components.next_item_loss, "next_item_loss"))  # fmt: skip
+        for kernel, path in kernels:
             try:
                 kernel.check_available(env.device)
             except KernelUnavailableError as exc:
