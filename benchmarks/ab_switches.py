@@ -297,6 +297,16 @@ def switch_torch_loss(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_backward_on_main_thread(run: object) -> Callable[[], None]:
+    """Backward on the thread that calls it (``torch.autograd.set_multithreading_enabled(False)``)
+    instead of autograd's device thread: whether handing the graph to that thread is what leaves the
+    device idle for ~2 ms at the backward's start (the host inside the first ``MulBackward0``'s
+    ``aten::mul`` in the profiles, right after the step's one sync). The old mode is put back on undo."""
+    before = torch._C._is_multithreading_enabled()
+    torch._C._set_multithreading_enabled(False)
+    return lambda: torch._C._set_multithreading_enabled(before)
+
+
 def _patched(module: str, name: str, value: object) -> Switch:
     """``module.name`` set to ``value`` (read where the code calls it), the old value put back on undo."""
 
@@ -329,6 +339,8 @@ VARIANTS: dict[str, Switch] = {
     "loss_buckets_2": _loss_plan(growth=2.0, small=128, chunk_elements=1 << 27),
     # the next-item loss by gem-model's torch kernel instead of the configured one (triton on the H200)
     "torch_loss": switch_torch_loss,
+    # backward on the training thread instead of autograd's device thread
+    "backward_on_main_thread": switch_backward_on_main_thread,
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

@@ -65,6 +65,18 @@ def test_the_loss_kernel_switch_is_undone(tmp_path, monkeypatch):
     assert run.model.loss_kernel is own
 
 
+def test_the_backward_thread_switch_is_undone(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import torch
+    from ab_switches import VARIANTS
+
+    before = torch._C._is_multithreading_enabled()
+    undo = VARIANTS["backward_on_main_thread"](None)
+    assert torch._C._is_multithreading_enabled() is False
+    undo()
+    assert torch._C._is_multithreading_enabled() == before
+
+
 def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import e2e_ab
