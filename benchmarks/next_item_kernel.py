@@ -3,13 +3,17 @@ GEMMs and per-row torch passes) against gem-kernels' ``triton`` (three fused ker
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/next_item_kernel.py --out next_item_kernel.json
     python benchmarks/next_item_kernel.py --smoke     # a CPU check of the script (TRITON_INTERPRET=1)
+    python benchmarks/next_item_kernel.py --tiles --out tiles.json   # the triton kernel's tile sizes
+
 
 Lengths as ``configs/h200-large.yaml`` draws them (P(n) ~ (n + 1)^-s over 0..4095) for B = 384, s = 0.95,
 and the second mix of ``benchmarks/results/e2e_ab.md`` (B = 256, s = 0.7); D = 1024, K = 128, L2,
 temperature 0.05, queries bf16, items and negatives fp32 (the tables), host lengths given (as the
 model passes them). First the two kernels' loss and gradients are compared on fresh random data
 (the script exits if they differ by more than the stated bounds), then both are timed with CUDA
-events in rotated order: medians with quartiles, and the triton/torch ratio per round.
+events in rotated order: medians with quartiles, and the triton/torch ratio per round. With
+``--tiles`` the triton kernel alone runs under each candidate of :data:`TILES` (rows per tile, columns
+per step, warps), checked against the shipped tiles first, then all timed in rotated rounds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ if "--smoke" in sys.argv:
 
 import torch
 
+from gem_kernels import next_item_loss_triton as fused
 from gem_kernels.next_item_loss import TritonNextItemLoss
 from gem_model.api import NextItemLossKernel
 from gem_model.model.next_item import TorchNextItemLoss
@@ -36,6 +41,8 @@ from rounds import rotated_rounds, save_results  # beside this script
 CASES = {"big": (384, 0.95), "mix2": (256, 0.7)}
 BOUNDS = {"loss": 1e-5, "query": 2e-2, "items": 1e-3, "negatives": 2e-2}
 """Largest relative (Frobenius) difference between the kernels: bf16 score gradients in both."""
+TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8), (32, 64, 4), (128, 64, 8), (128, 32, 8)]
+"""(BLOCK_M, BLOCK_D, warps) candidates for ``--tiles``; the first is the shipped one."""
 
 
 def data(batch: int, exponent: float, max_len: int, dim: int, k: int, dev: torch.device, gen: torch.Generator):
@@ -61,6 +68,39 @@ def step(kernel: NextItemLossKernel, args: tuple, host: torch.Tensor, k: int) ->
     return run
 
 
+def tiled(run: Callable[[], list[torch.Tensor]], block_m: int, block_d: int, warps: int) -> Callable[[], list[torch.Tensor]]:
+    """``run`` with the triton kernels' module constants set to these tiles for the call."""
+
+    def call() -> list[torch.Tensor]:
+        saved = fused.BLOCK_M, fused.BLOCK_D, fused._warps
+        fused.BLOCK_M, fused.BLOCK_D, fused._warps = block_m, block_d, lambda _block_k: warps
+        try:
+            return run()
+        finally:
+            fused.BLOCK_M, fused.BLOCK_D, fused._warps = saved
+
+    return call
+
+
+def sweep(fn: Callable[[], list[torch.Tensor]], rounds: int, case: str, timed: bool) -> dict:
+    """Every tile candidate checked against the shipped one, then (``timed``) timed in rotated rounds."""
+    fns = {f"m{m} d{d} w{w}": tiled(fn, m, d, w) for m, d, w in TILES}
+    shipped = fns[next(iter(fns))]()
+    for name, f in fns.items():
+        diffs = [relative(g, w) for g, w in zip(f(), shipped, strict=True)]
+        if any(not v <= 1e-3 for v in diffs):
+            raise SystemExit(f"{case} {name}: outputs differ from the shipped tiles: {diffs}")
+    if not timed:
+        return {}
+    times = rotated_rounds(fns, rounds)
+    row = {}
+    for name, ms in times.items():
+        q1, med, q3 = statistics.quantiles(ms, n=4)
+        row[name] = {"median_ms": med, "q1_ms": q1, "q3_ms": q3}
+        print(f"  {name:14s} {med:8.3f} ms ({q1:.3f}-{q3:.3f})")
+    return row
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
@@ -72,6 +112,7 @@ def main() -> None:
     p.add_argument("--negatives", type=int, default=128)
     p.add_argument("--out")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, no timing")
+    p.add_argument("--tiles", action="store_true", help="time the triton kernel's tile candidates instead")
     args = p.parse_args()
     dev = torch.device("cpu" if args.smoke else "cuda")
     dim, k, max_len = (24, 5, 40) if args.smoke else (args.dim, args.negatives, 4095)
@@ -88,6 +129,10 @@ def main() -> None:
               + ", ".join(f"{n} {v:.2e}" for n, v in diffs.items()))  # fmt: skip
         if any(not diffs[n] <= BOUNDS[n] for n in BOUNDS):
             raise SystemExit(f"{case}: the kernels differ beyond {BOUNDS}: {diffs}")
+        if args.tiles:
+            results.append({"case": case, "batch": batch, "rows": int(host.sum()),
+                            "tiles": sweep(fns["triton"], args.rounds, case, timed=not args.smoke)})  # fmt: skip
+            continue
         if args.smoke:
             continue
         times = rotated_rounds(fns, args.rounds)
