@@ -9,8 +9,9 @@ GEMMs and per-row torch passes) against gem-kernels' ``triton`` (three fused ker
 Lengths as ``configs/h200-large.yaml`` draws them (P(n) ~ (n + 1)^-s over 0..4095) for B = 384, s = 0.95,
 and the second mix of ``benchmarks/results/e2e_ab.md`` (B = 256, s = 0.7); D = 1024, K = 128, L2,
 temperature 0.05, queries bf16, items and negatives fp32 (the tables), host lengths given (as the
-model passes them). First the two kernels' loss and gradients are compared on fresh random data
-(the script exits if they differ by more than the stated bounds), then both are timed with CUDA
+model passes them). First the triton kernel is run twice (the script exits unless both calls give the
+same bits) and the two kernels' loss and gradients are compared on fresh random data (it exits if
+they differ by more than the stated bounds), then both are timed with CUDA
 events in rotated order: medians with quartiles, and the triton/torch ratio per round. With
 ``--tiles`` the triton kernel alone runs under each candidate of :data:`TILES` (rows per tile, columns
 per step, warps), checked against the shipped tiles first, then all timed in rotated rounds.
@@ -39,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rounds import rotated_rounds, save_results  # beside this script
 
 CASES = {"big": (384, 0.95), "mix2": (256, 0.7)}
-BOUNDS = {"loss": 1e-5, "query": 2e-2, "items": 1e-3, "negatives": 2e-2}
+BOUNDS = {"loss": 1e-4, "query": 2e-2, "items": 1e-3, "negatives": 2e-2}
 """Largest relative (Frobenius) difference between the kernels: bf16 score gradients in both."""
-TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (64, 128, 8), (32, 64, 4), (128, 64, 8), (128, 32, 8)]
+TILES = [(64, 64, 8), (64, 64, 4), (64, 128, 8), (64, 32, 8), (32, 64, 4), (128, 64, 8), (128, 32, 8)]
 """(BLOCK_M, BLOCK_D, warps) candidates for ``--tiles``; the first is the shipped one."""
 
 
@@ -124,6 +125,11 @@ def main() -> None:
         inputs, host = data(batch, exponent, max_len, dim, k, dev, gen)
         fns = {name: step(kernel, inputs, host, k) for name, kernel in kernels.items()}
         want, got = fns["torch"](), fns["triton"]()
+        again = fns["triton"]()  # no atomics: a second call must give the same bits
+        if not all(torch.equal(a, b) for a, b in zip(got, again, strict=True)):
+            worst = [float((a.double() - b.double()).abs().max()) for a, b in zip(got, again, strict=True)]
+            raise SystemExit(f"{case}: two triton calls on the same inputs differ (largest |difference| of loss, "
+                             f"query, items, negatives: {worst})")  # fmt: skip
         diffs = {n: relative(g, w) for n, g, w in zip(("loss", "query", "items", "negatives"), got, want, strict=True)}
         print(f"{case}: B {batch}, {int(host.sum())} rows; triton against torch: "
               + ", ".join(f"{n} {v:.2e}" for n, v in diffs.items()))  # fmt: skip

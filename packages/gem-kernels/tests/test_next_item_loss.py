@@ -95,6 +95,15 @@ def test_matches_float64_reference(gen: torch.Generator, kernel: NextItemLossKer
     assert grads[2][k : 2 * k].abs().max() == 0  # the empty sequence's negatives
 
 
+def test_triton_gives_the_same_bits_twice(gen: torch.Generator) -> None:
+    """No atomics and no race: the same inputs give the same loss and gradients, bit for bit."""
+    lengths, dim, k = [70, 3, 0, 9], 40, 6
+    args = batch(gen, lengths, dim, k, torch.bfloat16, hits=True)
+    first, second = (run(TritonNextItemLoss(), args, k, True, 0.1, host=True) for _ in range(2))
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[2], second[2], strict=True))
+
+
 def test_triton_equals_torch_loss_without_host_lengths(gen: torch.Generator) -> None:
     """Lengths read back from the device give the same loss; float16 queries run the kernels too."""
     lengths, dim, k = [9, 2, 14], 24, 5

@@ -22,6 +22,8 @@ Three kernels, over tiles of ``BLOCK_M`` rows of one sequence (a tile never cros
 Rows that predict nothing (each sequence's last) get zero gradients and zero loss, and the first row
 of each sequence a zero item gradient, so every output is written by a kernel (no memset).
 Negatives are normalised (``l2_normalize``) and cast by torch: ``[B, K, D]`` is small next to the rows.
+The MMAs take their bf16 / fp16 operands as float32 (tf32 MMAs, exact for those values): with 16-bit
+operands Triton 3.6 gave run-to-run different scores on the H200 (see :func:`_dot`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, dot, pow2_at_least
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, pow2_at_least
 from gem_model.api import L2_EPS, offsets_of, to_device_async, unit_rows, unit_rows_vjp
 
 BLOCK_M = 64
@@ -48,7 +50,18 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _warps(block_k: int) -> int:
-    return 1 if INTERPRET else (8 if block_k > 128 else 4)
+    """Two warpgroups: a tile's fp32 scores and its operand tiles spill on one (sm_90 compiles on the
+    CPU: 400-1,200 bytes of stack on 4 warps, 0-168 on 8; the forward measured 0.476 against 0.576 ms
+    on the H200 at the big config)."""
+    return 1 if INTERPRET else 8
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """``a @ b + acc`` with float32 operands (tf32 MMAs: exact for the bf16 and fp16 values loaded here,
+    float32 accumulation). With bf16 operands Triton 3.6 gave run-to-run different scores on the H200
+    (lse off by up to ~1e-3 in a few percent of the rows); this form is deterministic there."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 
 
 @triton.jit
@@ -74,7 +87,7 @@ def _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M: tl.constexpr, BLOCK_K:
         c_ok = cols < D
         q = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=pred[:, None] & c_ok[None, :], other=0.0)
         u = tl.load(U + (b * K + ks)[:, None] * D + cols[None, :], mask=(ks < K)[:, None] & c_ok[None, :], other=0.0)
-        acc = dot(q, tl.trans(u), acc, False, INTERP)
+        acc = _dot(q, tl.trans(u), acc)
     return acc
 
 
@@ -111,7 +124,7 @@ def _loss_fwd(Q, P, U, NEG_ID, ITEM_ID, OFFSETS, TILE_SEQ, TILE_ROW, LOSS, LSE, 
         p = tl.load(P + (rows + 1)[:, None] * stride_p + cols[None, :], mask=both, other=0.0)
         p = cast(p.to(tl.float32), Q.dtype.element_ty, INTERP)  # the positive in the query's dtype
         u = tl.load(U + (b * K + ks)[:, None] * D + cols[None, :], mask=(ks < K)[:, None] & c_ok[None, :], other=0.0)
-        acc = dot(q, tl.trans(u), acc, False, INTERP)
+        acc = _dot(q, tl.trans(u), acc)
         qf, pf = q.to(tl.float32), p.to(tl.float32)
         qp += tl.sum(qf * pf, 1)
         qq += tl.sum(qf * qf, 1)
@@ -166,7 +179,7 @@ def _loss_bwd_rows(Q, P, U, NEG_ID, ITEM_ID, OFFSETS, TILE_SEQ, TILE_ROW, LSE, S
         qf = q.to(tl.float32)
         pf = cast(p.to(tl.float32), Q.dtype.element_ty, INTERP).to(tl.float32)
         u = tl.load(U + (b * K + ks)[:, None] * D + cols[None, :], mask=(ks < K)[:, None] & c_ok[None, :], other=0.0)
-        gq = dot(g, u, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), False, INTERP)
+        gq = _dot(g, u, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
         gq += a[:, None] * pf - c[:, None] * qf
         tl.store(GQ + rows[:, None] * stride_gq + cols[None, :], cast(gq, GQ.dtype.element_ty, INTERP),
                  mask=inside[:, None] & c_ok[None, :])
@@ -193,7 +206,7 @@ def _loss_bwd_negatives(Q, GS, OFFSETS, GU, stride_q, D, K, BLOCK_M: tl.constexp
         ok = rows < end
         g = tl.load(GS + rows[:, None] * K + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
-        acc = dot(tl.trans(g), q, acc, False, INTERP)
+        acc = _dot(tl.trans(g), q, acc)
     tl.store(GU + (b * K + ks)[:, None] * D + cols[None, :], acc, mask=k_ok[:, None] & c_ok[None, :])
 
 
