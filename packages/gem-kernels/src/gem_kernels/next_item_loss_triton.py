@@ -50,10 +50,11 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _warps(block_k: int) -> int:
-    """Two warpgroups: a tile's fp32 scores and its operand tiles spill on one (sm_90 compiles on the
-    CPU: 400-1,200 bytes of stack on 4 warps, 0-168 on 8; the forward measured 0.476 against 0.576 ms
-    on the H200 at the big config)."""
-    return 1 if INTERPRET else 8
+    """One warpgroup up to 128 negatives: the configuration whose float32-operand forward was checked
+    deterministic on the H200. Two would spill less (sm_90 compiles on the CPU: 400-1,200 bytes of
+    stack on 4 warps, 0-168 on 8) and the bf16-operand forward ran 0.476 against 0.576 ms on 8 there;
+    ``benchmarks/next_item_kernel.py --tiles`` decides."""
+    return 1 if INTERPRET else (8 if block_k > 128 else 4)
 
 
 @triton.jit
