@@ -93,6 +93,22 @@ def _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _operands(Q, P, U, b, rows, pred, d0, stride_q, stride_p, D, K, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+              INTERP: tl.constexpr):
+    """Columns ``d0 : d0 + BLOCK_D`` of the tile's queries, their positives (cast to the query's dtype)
+    and the sequence's negatives, zero where masked; and which columns exist."""
+    ks = tl.arange(0, BLOCK_K)
+    cols = d0 + tl.arange(0, BLOCK_D)
+    c_ok = cols < D
+    both = pred[:, None] & c_ok[None, :]
+    q = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=both, other=0.0)
+    p = tl.load(P + (rows + 1)[:, None] * stride_p + cols[None, :], mask=both, other=0.0)
+    p = cast(p.to(tl.float32), Q.dtype.element_ty, INTERP)  # the positive in the query's dtype
+    u = tl.load(U + (b * K + ks)[:, None] * D + cols[None, :], mask=(ks < K)[:, None] & c_ok[None, :], other=0.0)
+    return cols, c_ok, q, p, u
+
+
+@triton.jit
 def _logits(acc, q_norm, b, rows, pred, NEG_ID, ITEM_ID, K, inv_t, eps, L2: tl.constexpr,
             BLOCK_K: tl.constexpr):
     """The negatives' logits ``s_k / T`` (-inf where masked), the scores ``s_k`` and the hit mask."""
@@ -112,19 +128,12 @@ def _loss_fwd(Q, P, U, NEG_ID, ITEM_ID, OFFSETS, TILE_SEQ, TILE_ROW, LOSS, LSE, 
               stride_q, stride_p, D, K, inv_t, eps, L2: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
     b, _, rows, pred, inside = _tile(TILE_SEQ, TILE_ROW, OFFSETS, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     qp = tl.zeros([BLOCK_M], dtype=tl.float32)
     qq = tl.zeros([BLOCK_M], dtype=tl.float32)
     pp = tl.zeros([BLOCK_M], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        c_ok = cols < D
-        both = pred[:, None] & c_ok[None, :]
-        q = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=both, other=0.0)
-        p = tl.load(P + (rows + 1)[:, None] * stride_p + cols[None, :], mask=both, other=0.0)
-        p = cast(p.to(tl.float32), Q.dtype.element_ty, INTERP)  # the positive in the query's dtype
-        u = tl.load(U + (b * K + ks)[:, None] * D + cols[None, :], mask=(ks < K)[:, None] & c_ok[None, :], other=0.0)
+        q, p, u = _operands(Q, P, U, b, rows, pred, d0, stride_q, stride_p, D, K, BLOCK_K, BLOCK_D, INTERP)[2:]
         acc = _dot(q, tl.trans(u), acc)
         qf, pf = q.to(tl.float32), p.to(tl.float32)
         qp += tl.sum(qf * pf, 1)
@@ -172,14 +181,9 @@ def _loss_bwd_rows(Q, P, U, NEG_ID, ITEM_ID, OFFSETS, TILE_SEQ, TILE_ROW, LSE, S
     g = cast(g, GS.dtype.element_ty, INTERP)
     tl.store(GS + rows[:, None] * K + ks[None, :], g, mask=inside[:, None] & (ks < K)[None, :])
     for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        c_ok = cols < D
+        cols, c_ok, q, p, u = _operands(Q, P, U, b, rows, pred, d0, stride_q, stride_p, D, K, BLOCK_K, BLOCK_D, INTERP)
+        qf, pf = q.to(tl.float32), p.to(tl.float32)
         both = pred[:, None] & c_ok[None, :]
-        q = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=both, other=0.0)
-        p = tl.load(P + (rows + 1)[:, None] * stride_p + cols[None, :], mask=both, other=0.0)
-        qf = q.to(tl.float32)
-        pf = cast(p.to(tl.float32), Q.dtype.element_ty, INTERP).to(tl.float32)
-        u = tl.load(U + (b * K + ks)[:, None] * D + cols[None, :], mask=(ks < K)[:, None] & c_ok[None, :], other=0.0)
         gq = _dot(g, u, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
         gq += a[:, None] * pf - c[:, None] * qf
         tl.store(GQ + rows[:, None] * stride_gq + cols[None, :], cast(gq, GQ.dtype.element_ty, INTERP),
