@@ -4,6 +4,8 @@ math (kernels, train pipeline, precision, compile, an option a component declare
 
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 from typing import ClassVar
 
@@ -81,6 +83,17 @@ def dump(*overrides: str) -> dict:
 def test_the_default_run_spelled_out_is_the_default_run(pm):
     spelled_out = load_config(CONFIGS / "tiny.yaml", []).model_dump(mode="json")
     assert differences(load_config(None, []).model_dump(mode="json"), spelled_out, pm) == []
+
+
+def test_a_checkpoint_from_before_the_loss_kernel_field_is_the_same_run_on_the_torch_loss(pm):
+    """Configs written before ``kernels.next_item_loss`` existed ran the core's torch loss: read so."""
+    current = load_config(None, []).model_dump(mode="json")
+    older = copy.deepcopy(current)
+    del older["kernels"]["next_item_loss"]
+    assert differences(older, current, pm) == []
+    other = copy.deepcopy(current)
+    other["kernels"]["next_item_loss"] = {"name": "triton", "options": {}}
+    assert differences(older, other, pm) == ['kernels.next_item_loss.name ("torch" -> "triton")']
 
 
 def test_options_left_to_their_defaults_continue_the_run(pm, tiny_overrides, tmp_path, capsys):

@@ -66,6 +66,11 @@ SLOTS: dict[str, tuple[Callable[[GemPluginManager], Registry], type[Component]]]
     "trainer.pipeline": (lambda pm: pm.train_pipelines, TrainPipeline),
 }
 
+# Fields added to the config after checkpoints had been written, each with the value that is what those
+# runs did: a checkpoint's config that lacks one is read with it (so the run continues when the field
+# keeps that value). Before kernels.next_item_loss every run computed the loss with the core's torch loss.
+ADDED_FIELDS: dict[str, Any] = {"kernels.next_item_loss": {"name": "torch", "options": {}}}
+
 
 def _by_meaning(ref: Any, registry: Registry, interface: type[Component]) -> dict[str, Any] | None:
     """``ref`` (``{name, options}``) with its options as the component's ``Config`` fills them,
@@ -92,6 +97,11 @@ def _by_meaning(ref: Any, registry: Registry, interface: type[Component]) -> dic
 def identity(dump: dict[str, Any], pm: GemPluginManager) -> dict[str, Any]:
     """What of the config ``dump`` makes the run what it is (see the module's docstring)."""
     out = copy.deepcopy(dump)
+    for path, value in ADDED_FIELDS.items():
+        parent_key, _, key = path.rpartition(".")
+        parent = out.get(parent_key)
+        if isinstance(parent, dict) and key not in parent:
+            parent[key] = copy.deepcopy(value)
     for path, (registry, interface) in SLOTS.items():
         parent_key, _, key = path.rpartition(".")
         parent = out.get(parent_key)
