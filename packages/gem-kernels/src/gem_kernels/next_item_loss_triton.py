@@ -35,18 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, pow2_at_least
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, dim_block
 from gem_model.api import L2_EPS, offsets_of, to_device_async, unit_rows, unit_rows_vjp
 
 BLOCK_M = 64
 """Rows of one sequence per tile."""
 BLOCK_D = 64
 """Columns per step of the passes over ``D``."""
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An output of the kernels, uninitialised: they write all of it (the tests poison fresh memory)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _warps(block_k: int) -> int:
@@ -79,7 +74,7 @@ def _tile(TILE_SEQ, TILE_ROW, OFFSETS, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
+            BLOCK_D: tl.constexpr):
     """``q . n_k`` of the tile's rows (fp32 ``[BLOCK_M, BLOCK_K]``), zero for rows that predict nothing."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -160,7 +155,7 @@ def _loss_bwd_rows(Q, P, U, NEG_ID, ITEM_ID, OFFSETS, TILE_SEQ, TILE_ROW, LSE, S
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
     b, first, rows, pred, inside = _tile(TILE_SEQ, TILE_ROW, OFFSETS, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    acc = _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M, BLOCK_K, BLOCK_D, INTERP)
+    acc = _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M, BLOCK_K, BLOCK_D)
     lse = tl.load(LSE + rows, mask=pred, other=0.0)
     s0 = tl.load(S0 + rows, mask=pred, other=0.0)
     q_norm = tl.load(QN + rows, mask=pred, other=1.0)
@@ -237,8 +232,9 @@ class _SharedNegativesLoss(torch.autograd.Function):
         b = negatives.shape[0] // k
         unit = unit_rows(negatives.float())[0] if l2 else negatives
         u = unit.to(query.dtype).reshape(b, k, dim).contiguous()
-        loss, lse, s0, q_norm, p_norm = (_empty((rows,), torch.float32, query.device) for _ in range(5))
-        block_k = max(16, pow2_at_least(k))
+        # every output is written by the kernel (no memset; the tests poison fresh memory)
+        loss, lse, s0, q_norm, p_norm = (torch.empty(rows, dtype=torch.float32, device=query.device) for _ in range(5))
+        block_k = dim_block(k)
         with device_guard(query.device):
             _loss_fwd[(tile_seq.numel(),)](
                 query, items, u, negative_ids, item_ids, offsets, tile_seq, tile_row, loss, lse, s0, q_norm, p_norm,
@@ -257,11 +253,11 @@ class _SharedNegativesLoss(torch.autograd.Function):
         )
         (rows, dim), k, l2 = query.shape, ctx.k, ctx.l2
         b = negatives.shape[0] // k
-        block_k = max(16, pow2_at_least(k))
-        grad_q = _empty((rows, dim), query.dtype, query.device)
-        grad_p = _empty((rows, dim), items.dtype, items.device)
-        score_grad = _empty((rows, k), query.dtype, query.device)
-        grad_unit = _empty((b, k, dim), torch.float32, query.device)
+        block_k = dim_block(k)
+        grad_q = torch.empty_like(query)
+        grad_p = torch.empty_like(items)
+        score_grad = torch.empty((rows, k), dtype=query.dtype, device=query.device)
+        grad_unit = torch.empty((b, k, dim), dtype=torch.float32, device=query.device)
         grad = grad.float().reshape(1).contiguous()
         with device_guard(query.device):
             _loss_bwd_rows[(tile_seq.numel(),)](
