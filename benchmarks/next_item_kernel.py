@@ -33,6 +33,7 @@ import torch
 
 from gem_kernels import next_item_loss_triton as fused
 from gem_kernels.next_item_loss import TritonNextItemLoss
+from gem_kernels.testing import relative_error
 from gem_model.api import NextItemLossKernel
 from gem_model.model.next_item import TorchNextItemLoss
 
@@ -88,22 +89,22 @@ def sweep(fn: Callable[[], list[torch.Tensor]], rounds: int, case: str, timed: b
     fns = {f"m{m} d{d} w{w}": tiled(fn, m, d, w) for m, d, w in TILES}
     shipped = fns[next(iter(fns))]()
     for name, f in fns.items():
-        diffs = [relative(g, w) for g, w in zip(f(), shipped, strict=True)]
+        diffs = [relative_error(g, w) for g, w in zip(f(), shipped, strict=True)]
         if any(not v <= 1e-3 for v in diffs):
             raise SystemExit(f"{case} {name}: outputs differ from the shipped tiles: {diffs}")
     if not timed:
         return {}
-    times = rotated_rounds(fns, rounds)
-    row = {}
+    return medians(rotated_rounds(fns, rounds))
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Each variant's median and quartiles (ms), printed as a row each."""
+    out = {}
     for name, ms in times.items():
         q1, med, q3 = statistics.quantiles(ms, n=4)
-        row[name] = {"median_ms": med, "q1_ms": q1, "q3_ms": q3}
+        out[name] = {"median_ms": med, "q1_ms": q1, "q3_ms": q3}
         print(f"  {name:14s} {med:8.3f} ms ({q1:.3f}-{q3:.3f})")
-    return row
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    return out
 
 
 def main() -> None:
@@ -130,7 +131,7 @@ def main() -> None:
             worst = [float((a.double() - b.double()).abs().max()) for a, b in zip(got, again, strict=True)]
             raise SystemExit(f"{case}: two triton calls on the same inputs differ (largest |difference| of loss, "
                              f"query, items, negatives: {worst})")  # fmt: skip
-        diffs = {n: relative(g, w) for n, g, w in zip(("loss", "query", "items", "negatives"), got, want, strict=True)}
+        diffs = {n: relative_error(g, w) for n, g, w in zip(("loss", "query", "items", "negatives"), got, want, strict=True)}
         print(f"{case}: B {batch}, {int(host.sum())} rows; triton against torch: "
               + ", ".join(f"{n} {v:.2e}" for n, v in diffs.items()))  # fmt: skip
         if any(not diffs[n] <= BOUNDS[n] for n in BOUNDS):
@@ -144,11 +145,7 @@ def main() -> None:
         times = rotated_rounds(fns, args.rounds)
         ratio = [a / b for a, b in zip(times["torch"], times["triton"], strict=True)]
         row = {"case": case, "batch": batch, "rows": int(host.sum()), "differences": diffs,
-               "ratio_median": statistics.median(ratio)}  # fmt: skip
-        for name, ms in times.items():
-            q1, med, q3 = statistics.quantiles(ms, n=4)
-            row[name] = {"median_ms": med, "q1_ms": q1, "q3_ms": q3}
-            print(f"  {name:7s} {med:8.3f} ms ({q1:.3f}-{q3:.3f})")
+               "ratio_median": statistics.median(ratio), **medians(times)}  # fmt: skip
         print(f"  torch / triton per round: median {row['ratio_median']:.2f}x")
         results.append(row)
     save_results(args.out, results, dim=dim, negatives=k, rounds=args.rounds)
