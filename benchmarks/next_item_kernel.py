@@ -43,7 +43,7 @@ from rounds import rotated_rounds, save_results  # beside this script
 CASES = {"big": (384, 0.95), "mix2": (256, 0.7)}
 BOUNDS = {"loss": 1e-4, "query": 2e-2, "items": 1e-3, "negatives": 2e-2}
 """Largest relative (Frobenius) difference between the kernels: bf16 score gradients in both."""
-TILES = [(64, 64, 4), (64, 64, 8), (64, 128, 8), (64, 32, 8), (32, 64, 4), (128, 64, 8), (128, 32, 8)]
+TILES = [(32, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 4), (16, 64, 4), (32, 64, 8), (128, 32, 8)]
 """(BLOCK_M, BLOCK_D, warps) candidates for ``--tiles``; the first is the shipped one."""
 
 

@@ -79,7 +79,7 @@ def run(kernel: NextItemLossKernel, args: tuple, k: int, l2: bool, temperature: 
 @pytest.mark.parametrize("kernel", [TorchNextItemLoss(), TritonNextItemLoss()], ids=["torch", "triton"])
 @pytest.mark.parametrize("l2", [True, False], ids=["l2", "dot"])
 def test_matches_float64_reference(gen: torch.Generator, kernel: NextItemLossKernel, l2: bool) -> None:
-    # empty and single-row sequences (nothing to predict), one over a 64-row tile, D and K not powers of two
+    # empty and single-row sequences (nothing to predict), one over two 32-row tiles, D and K not powers of two
     lengths, dim, k = [5, 0, 1, 67, 3], 40, 6
     args = batch(gen, lengths, dim, k, torch.bfloat16, hits=True)
     temperature = 0.2 if l2 else 1.0

@@ -18,7 +18,7 @@ from gem_model.api import NextItemLossKernel, next_item_loss
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 """Query dtypes the kernels take; the loss of float32 queries is the core's (its GEMMs keep fp32 bits)."""
 MAX_NEGATIVES = 256
-"""A tile's scores (64 rows x K, fp32) live in registers: more negatives run the core's loss."""
+"""A tile's scores (32 rows x K, fp32) live in registers: more negatives run the core's loss."""
 
 
 class TritonNextItemLoss(NextItemLossKernel):

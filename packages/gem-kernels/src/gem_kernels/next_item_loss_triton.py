@@ -7,7 +7,7 @@ last) has query ``q_i``, positive ``p = items[i + 1]`` (cast to the query's dtyp
     s_0 = u(q) . u(p),  s_k = u(q) . u(n_k)  (-inf where n_k is the positive item)
     loss_i = logsumexp(s / T) - s_0 / T
 
-Three kernels, over tiles of ``BLOCK_M`` rows of one sequence (a tile never crosses sequences):
+Three kernels, over tiles of ``BLOCK_M`` (32) rows of one sequence (a tile never crosses sequences):
 
 * forward: one pass over ``D`` multiplies the tile's queries with the sequence's negatives (``[BLOCK_M,
   K]`` fp32 scores in registers) and sums ``q . p``, ``|q|^2`` and ``|p|^2`` on the way; the softmax
@@ -38,8 +38,11 @@ import triton.language as tl
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, dim_block
 from gem_model.api import L2_EPS, offsets_of, to_device_async, unit_rows, unit_rows_vjp
 
-BLOCK_M = 64
-"""Rows of one sequence per tile."""
+BLOCK_M = 32
+"""Rows of one sequence per tile. 32 rather than 64: half the histories are shorter than ~80 rows, so
+64-row tiles were up to half padding; 32 x 64 on 4 warps ran the loss forward and backward in 4.58
+against 5.30 ms (big config) and 5.10 against 5.97 ms (second mix) with the float32 operands of
+:func:`_dot` (``benchmarks/next_item_kernel.py --tiles``, H200, 2026-12-04)."""
 BLOCK_D = 64
 """Columns per step of the passes over ``D``."""
 
