@@ -307,6 +307,34 @@ def switch_backward_on_main_thread(run: object) -> Callable[[], None]:
     return lambda: torch._C._set_multithreading_enabled(before)
 
 
+def _insert_one_before(values: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor, *, at_start: bool = False):
+    """``gem_model.jagged.insert_one`` as it was before 2026-12-04: a zero fill and two out-of-place
+    ``index_copy`` (each a copy of the whole output), undone by autograd's own backward."""
+    from gem_model.jagged import offsets_of, sequence_ids
+
+    new_lengths = lengths + 1
+    new_offsets = offsets_of(new_lengths)
+    shift = sequence_ids(lengths, values.shape[0]) + (1 if at_start else 0)
+    hist_index = torch.arange(values.shape[0], device=values.device) + shift
+    extra_index = new_offsets[:-1] if at_start else new_offsets[1:] - 1
+    out = values.new_zeros((values.shape[0] + lengths.numel(), *values.shape[1:]))
+    out = out.index_copy(0, hist_index, values)
+    return out.index_copy(0, extra_index, extra.to(values.dtype)), new_lengths
+
+
+def switch_sequence_rows_as_before(run: object) -> Callable[[], None]:
+    """The sequence's rows moved as before 2026-12-04: the candidate appended by a zero fill and two
+    out-of-place copies, the position rows gathered in float32 and cast in a pass of their own, and the
+    output's history and candidate rows taken by indexing (whose backward fills zeros, scatters with
+    accumulation and adds the two gradients)."""
+    undo = [
+        _patched("gem_model.jagged", "insert_one", _insert_one_before)(run),
+        _patched("gem_model.model.gem", "position_rows", lambda table, positions, dtype: table(positions).to(dtype))(run),
+        _patched("gem_model.model.gem", "split_rows", lambda x, index_a, index_b: (x[index_a], x[index_b]))(run),
+    ]
+    return lambda: [u() for u in reversed(undo)] and None
+
+
 def _patched(module: str, name: str, value: object) -> Switch:
     """``module.name`` set to ``value`` (read where the code calls it), the old value put back on undo."""
 
@@ -341,6 +369,7 @@ VARIANTS: dict[str, Switch] = {
     "torch_loss": switch_torch_loss,
     # backward on the training thread instead of autograd's device thread
     "backward_on_main_thread": switch_backward_on_main_thread,
+    "sequence_rows_as_before": switch_sequence_rows_as_before,
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

@@ -77,6 +77,35 @@ def test_the_backward_thread_switch_is_undone(monkeypatch):
     assert torch._C._is_multithreading_enabled() == before
 
 
+def test_the_old_sequence_rows_give_the_same_rows_and_are_undone(monkeypatch):
+    """``sequence_rows_as_before`` swaps in the old candidate insertion, position gather and output split
+    (the same rows and gradients as the new ones) and puts the new ones back."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import torch
+    from ab_switches import VARIANTS
+
+    from gem_model import jagged
+    from gem_model.model import gem
+
+    new = jagged.insert_one, gem.position_rows, gem.split_rows
+    lengths = torch.tensor([3, 0, 2])
+    values, extra = torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    grad = torch.randn(8, 4)
+    hist, last = torch.tensor([0, 1, 2, 5, 6]), torch.tensor([3, 4, 7])
+
+    def moved() -> tuple[torch.Tensor, ...]:
+        out, _ = jagged.append_one(values, lengths, extra)
+        a, b = gem.split_rows(out, hist, last)
+        return (out.detach(), *torch.autograd.grad((a, b), (values, extra), (grad[hist], grad[last])))
+
+    want = moved()
+    undo = VARIANTS["sequence_rows_as_before"](None)
+    assert (jagged.insert_one, gem.position_rows, gem.split_rows) != new
+    assert all(torch.equal(a, b) for a, b in zip(moved(), want))
+    undo()
+    assert (jagged.insert_one, gem.position_rows, gem.split_rows) == new
+
+
 def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import e2e_ab

@@ -5,7 +5,6 @@ math (kernels, train pipeline, precision, compile, an option a component declare
 from __future__ import annotations
 
 import copy
-
 from pathlib import Path
 from typing import ClassVar
 

@@ -12,9 +12,9 @@ from gem_model.data.batch import FeatureSpec, build_batch
 from gem_model.data.loader import ShardedLoader
 from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
 from gem_model.data.validation import validate_batch
-from gem_model.jagged import append_one, gather_rows, offsets_of, positions_in_sequence
+from gem_model.jagged import append_one, gather_rows, offsets_of, positions_in_sequence, prepend_one, split_rows
 from gem_model.model.flops import attention_pairs, batch_flops
-from gem_model.model.gem import GemModel
+from gem_model.model.gem import GemModel, position_rows
 from gem_model.model.next_item import TorchNextItemLoss
 from gem_model.testing import LoopAttention, TorchNormGate
 
@@ -33,6 +33,62 @@ def test_jagged_helpers():
     assert out.squeeze(1).tolist() == [1, 2, 10, 20, 3, 4, 5, 30] and new_len.tolist() == [3, 1, 4]
     assert positions_in_sequence(lengths).tolist() == [0, 1, 0, 1, 2]
     assert gather_rows(offsets_of(lengths), lengths, torch.tensor([2, 0])).tolist() == [2, 3, 4, 0, 1]
+
+
+def test_insert_one_gradients_go_back_to_their_rows():
+    """The inserted rows' gradient reaches ``extra``, every other row's its own value row, in both
+    directions (append and prepend); the values' dtype is kept and a misshapen ``extra`` is refused."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([2, 0, 3, 1])
+    for at_start in (False, True):
+        values = torch.randn(6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+        extra = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+        out, new_lengths = (prepend_one if at_start else append_one)(values, lengths, extra)
+        grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        out.backward(grad)
+        inserted = (offsets_of(new_lengths)[:-1] if at_start else offsets_of(new_lengths)[1:] - 1).tolist()
+        kept = [r for r in range(out.shape[0]) if r not in inserted]
+        assert torch.equal(out[inserted].detach(), extra.detach()) and torch.equal(out[kept].detach(), values.detach())
+        assert torch.equal(extra.grad, grad[inserted]) and torch.equal(values.grad, grad[kept])
+    out, _ = append_one(values.detach().bfloat16(), lengths, extra.detach())
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"extra must be \[4, \.\.\.\]"):
+        append_one(values.detach(), lengths, extra.detach()[:3])
+
+
+def test_split_rows_writes_each_gradient_row_once():
+    """Both parts' gradients land in their rows of x's gradient (one part unused: zeros there); counts that
+    do not cover the rows are refused."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    rows_a, rows_b = torch.tensor([0, 1, 3, 4, 5]), torch.tensor([2, 6])
+    a, b = split_rows(x, rows_a, rows_b)
+    assert torch.equal(a, x[rows_a]) and torch.equal(b, x[rows_b])
+    ga, gb = torch.randn(a.shape, generator=gen, dtype=torch.float64), torch.randn(b.shape, generator=gen, dtype=torch.float64)
+    (a * ga).sum().backward(retain_graph=True)
+    expected = torch.zeros_like(x).index_copy_(0, rows_a, ga)
+    assert torch.equal(x.grad, expected)
+    x.grad = None
+    (a * ga).sum().add((b * gb).sum()).backward()
+    assert torch.equal(x.grad, expected.index_copy(0, rows_b, gb))
+    with pytest.raises(ValueError, match="cover the 7 rows exactly once, got 5 \\+ 1"):
+        split_rows(x, rows_a, rows_b[:1])
+
+
+def test_position_rows_are_the_cast_rows_of_the_table():
+    """The rows in bf16 are the float32 rows cast, and the table's gradient is summed in float32 (within
+    one bf16 rounding of the float64 sum; the CPU path; the GPU's is checked on the device)."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.nn.Embedding(16, 8)
+    torch.nn.init.normal_(table.weight, generator=gen)
+    positions = torch.randint(16, (200,), generator=gen)
+    got = position_rows(table, positions, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, table(positions).to(torch.bfloat16))
+    grad = torch.randn(200, 8, generator=gen).to(torch.bfloat16)
+    got.backward(grad)
+    expected = torch.zeros(16, 8, dtype=torch.float64).index_add_(0, positions, grad.double())
+    assert float((table.weight.grad.double() - expected).norm() / expected.norm()) <= 1e-6
+    assert torch.equal(position_rows(table, positions, torch.float32), table(positions))
 
 
 def test_forward_backward_reaches_every_parameter():

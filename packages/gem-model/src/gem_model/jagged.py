@@ -40,6 +40,56 @@ def positions_in_sequence(
     )
 
 
+def _interleaved(a: torch.Tensor, b: torch.Tensor, index_a: torch.Tensor, index_b: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor with ``out[index_a] = a`` and ``out[index_b] = b``: the two indices cover its rows
+    exactly once between them, so each row is written once (no zero fill)."""
+    out = a.new_empty((a.shape[0] + b.shape[0], *a.shape[1:]))
+    out.index_copy_(0, index_a, a)
+    return out.index_copy_(0, index_b, b)
+
+
+class _Interleave(torch.autograd.Function):
+    """:func:`_interleaved`, whose backward gathers each input's rows back."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, index_a: torch.Tensor, index_b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index_a, index_b)
+        return _interleaved(a, b, index_a, index_b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        index_a, index_b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[:2]
+        return (grad.index_select(0, index_a) if need_a else None, grad.index_select(0, index_b) if need_b else None,
+                None, None)  # fmt: skip
+
+
+class _Split(torch.autograd.Function):
+    """``(x[index_a], x[index_b])`` for two indices that cover ``x``'s rows exactly once between them;
+    the backward writes each row of ``x``'s gradient once (:func:`_interleaved`), where indexing's
+    backward fills zeros, scatters with accumulation (a sort) and adds the two uses' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index_a: torch.Tensor, index_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        ctx.save_for_backward(index_a, index_b)
+        return x.index_select(0, index_a), x.index_select(0, index_b)
+
+    @staticmethod
+    def backward(ctx, grad_a: torch.Tensor, grad_b: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        index_a, index_b = ctx.saved_tensors
+        return _interleaved(grad_a, grad_b, index_a, index_b), None, None
+
+
+def split_rows(x: torch.Tensor, index_a: torch.Tensor, index_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x[index_a], x[index_b])``, differentiable, for two indices that together name every row of
+    ``x`` exactly once (each sequence's history rows and its last row, say); the counts are checked,
+    not the indices' values (that would read them back from the device)."""
+    if index_a.numel() + index_b.numel() != x.shape[0]:
+        raise ValueError(f"split_rows: the two indices must cover the {x.shape[0]} rows exactly once, got "
+                         f"{index_a.numel()} + {index_b.numel()} rows")  # fmt: skip
+    return _Split.apply(x, index_a, index_b)
+
+
 def insert_one(
     values: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor, *, at_start: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +97,8 @@ def insert_one(
 
     Returns the new values and lengths; differentiable in ``values`` and ``extra``. Rows of
     ``values`` move down by the number of sequences before them (plus one when inserting in front).
+    One pass writes each row once (no zero fill, no out-of-place copies), and the backward gathers
+    each input's rows of the gradient.
     """
     b = lengths.numel()
     new_lengths = lengths + 1
@@ -54,10 +106,10 @@ def insert_one(
     shift = sequence_ids(lengths, values.shape[0]) + (1 if at_start else 0)
     hist_index = torch.arange(values.shape[0], device=values.device) + shift
     extra_index = new_offsets[:-1] if at_start else new_offsets[1:] - 1
-    out = values.new_zeros((values.shape[0] + b, *values.shape[1:]))
-    out = out.index_copy(0, hist_index, values)
-    out = out.index_copy(0, extra_index, extra.to(values.dtype))
-    return out, new_lengths
+    if extra.shape != (b, *values.shape[1:]):
+        raise ValueError(f"insert_one: extra must be [{b}, ...] like the values' rows {tuple(values.shape[1:])}, "
+                         f"got {tuple(extra.shape)}")  # fmt: skip
+    return _Interleave.apply(values, extra.to(values.dtype), hist_index, extra_index), new_lengths
 
 
 def append_one(values: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,11 +27,22 @@ from torch import nn
 from gem_model.components import JaggedAttentionKernel, NextItemLossKernel, NormGateKernel
 from gem_model.config import ModelConfig
 from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
-from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, segment_mean
+from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, segment_mean, split_rows
 from gem_model.model.embeddings import SparseArch
 from gem_model.model.hstu import HSTUBlock, LayerNorm, TokenMixer
 from gem_model.model.lookup_bags import even_bags
 from gem_model.model.next_item import TorchNextItemLoss
+
+
+def position_rows(table: nn.Embedding, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``table(positions)`` in ``dtype``. On a GPU they are gathered from the table cast to ``dtype``: the
+    values of casting the gathered rows, without writing them in the table's float32 first and casting
+    them in a pass of their own (and, backward, casting their ``[L, D]`` gradient back before the table
+    sums it; CUDA's embedding backward sums in float32 whatever the gradient's dtype). The CPU's sums in
+    the gradient's dtype, so there the rows are gathered in the table's dtype and cast."""
+    if positions.is_cuda:
+        return F.embedding(positions, table.weight.to(dtype))
+    return table(positions).to(dtype)
 
 
 class ModelOutput(NamedTuple):
@@ -270,18 +281,14 @@ class GemModel(nn.Module):
             num_targets = torch.ones_like(lengths)
         offsets = offsets_of(lengths)
         if self.position is not None:
-            x = x + self.position(positions_in_sequence(lengths, offsets, total=x.shape[0])).to(x.dtype)
+            x = x + position_rows(self.position, positions_in_sequence(lengths, offsets, total=x.shape[0]), x.dtype)
         x = self.input_dropout(x)
         for block in self.blocks:
             x = block(x, offsets, num_targets, times)
         x = self.seq_norm(x)
         b = lengths.numel()
         last = offsets[1:] - 1
-        has_any = lengths > 0
-        if x.shape[0]:
-            summary = torch.where(has_any[:, None], x[last.clamp(min=0)], x.new_zeros(()))
-        else:  # every sequence empty and no candidate
-            summary = x.new_zeros(b, x.shape[1])
+        hist_rows = None
         if cfg.use_candidate or lead:
             # rows lead .. lead + history length of each sequence; every sequence has exactly one
             # candidate (checked above) and one context token, so their count is known without a sync
@@ -290,9 +297,16 @@ class GemModel(nn.Module):
             hist_rows = torch.arange(count, device=x.device) + torch.repeat_interleave(
                 shift, hist_lengths, output_size=count
             )
-            hist_out = x[hist_rows]
+        if cfg.use_candidate and not lead and hist_rows is not None:
+            # the history rows and the candidates' (each sequence's last) are all the rows: one split
+            hist_out, summary = split_rows(x, hist_rows, last)
         else:
-            hist_out = x
+            has_any = lengths > 0
+            if x.shape[0]:
+                summary = torch.where(has_any[:, None], x[last.clamp(min=0)], x.new_zeros(()))
+            else:  # every sequence empty and no candidate
+                summary = x.new_zeros(b, x.shape[1])
+            hist_out = x if hist_rows is None else x[hist_rows]
         # summed in float32: a bf16 sum over thousands of rows would round away most of them
         mean = segment_mean(hist_out, hist_lengths)
         tokens = [summary, mean]
