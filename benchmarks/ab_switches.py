@@ -355,7 +355,8 @@ VARIANTS: dict[str, Switch] = {
     "unfused": switch_unfused,
     "adamw_foreach": switch_adamw_foreach,
     "fp8_attention": _attention_option(fp8_forward=True),
-    "bias_grad_in_gap": _attention_option(bias_grad_in_gap=True),
+    # the uvqk bias gradient by the linear's own reduction (bias_grad_in_gap off; on by default since 2026-12-04)
+    "bias_grad_by_linear": _attention_option(bias_grad_in_gap=False),
     "host_syncs": switch_host_syncs,
     # the history's mean by index_add of float32 copies (before ca34568) instead of the membership GEMM
     "index_add_mean": _patched("gem_model.jagged", "MEMBERSHIP_GEMM_ELEMENTS", 0),
@@ -370,6 +371,10 @@ VARIANTS: dict[str, Switch] = {
     # backward on the training thread instead of autograd's device thread
     "backward_on_main_thread": switch_backward_on_main_thread,
     "sequence_rows_as_before": switch_sequence_rows_as_before,
+    # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
+    "rows_by_element": _patched("gem_model.jagged", "_as_words", lambda t: t),
+    # the token mixers' attention by torch's SDPA at any token count (cuDNN's kernel on the H200)
+    "mixer_sdpa": _patched("gem_model.model.hstu", "SDPA_FROM_TOKENS", 0),
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

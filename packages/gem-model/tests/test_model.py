@@ -40,18 +40,19 @@ def test_insert_one_gradients_go_back_to_their_rows():
     directions (append and prepend); the values' dtype is kept and a misshapen ``extra`` is refused."""
     gen = torch.Generator().manual_seed(3)
     lengths = torch.tensor([2, 0, 3, 1])
-    for at_start in (False, True):
-        values = torch.randn(6, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-        extra = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    # float64 rows of 3 move as 8-byte words, bf16 rows of 3 (6 bytes) element by element
+    for at_start, dtype in ((False, torch.float64), (True, torch.float64), (False, torch.bfloat16)):
+        values = torch.randn(6, 3, generator=gen).to(dtype).requires_grad_()
+        extra = torch.randn(4, 3, generator=gen).to(dtype).requires_grad_()
         out, new_lengths = (prepend_one if at_start else append_one)(values, lengths, extra)
-        grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        grad = torch.randn(out.shape, generator=gen).to(dtype)
         out.backward(grad)
         inserted = (offsets_of(new_lengths)[:-1] if at_start else offsets_of(new_lengths)[1:] - 1).tolist()
         kept = [r for r in range(out.shape[0]) if r not in inserted]
         assert torch.equal(out[inserted].detach(), extra.detach()) and torch.equal(out[kept].detach(), values.detach())
         assert torch.equal(extra.grad, grad[inserted]) and torch.equal(values.grad, grad[kept])
-    out, _ = append_one(values.detach().bfloat16(), lengths, extra.detach())
-    assert out.dtype == torch.bfloat16
+    out, _ = append_one(values.detach().float(), lengths, extra.detach().double())  # extra takes the values' dtype
+    assert out.dtype == torch.float32
     with pytest.raises(ValueError, match=r"extra must be \[4, \.\.\.\]"):
         append_one(values.detach(), lengths, extra.detach()[:3])
 
@@ -60,7 +61,7 @@ def test_split_rows_writes_each_gradient_row_once():
     """Both parts' gradients land in their rows of x's gradient (one part unused: zeros there); counts that
     do not cover the rows are refused."""
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(7, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(7, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     rows_a, rows_b = torch.tensor([0, 1, 3, 4, 5]), torch.tensor([2, 6])
     a, b = split_rows(x, rows_a, rows_b)
     assert torch.equal(a, x[rows_a]) and torch.equal(b, x[rows_b])
@@ -89,6 +90,35 @@ def test_position_rows_are_the_cast_rows_of_the_table():
     expected = torch.zeros(16, 8, dtype=torch.float64).index_add_(0, positions, grad.double())
     assert float((table.weight.grad.double() - expected).norm() / expected.norm()) <= 1e-6
     assert torch.equal(position_rows(table, positions, torch.float32), table(positions))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 70], ids=["one", "few", "sdpa"])
+def test_token_mixer_attention_matches_torch_sdpa(tokens: int):
+    """The mixer's few-token attention and torch's SDPA (used from SDPA_FROM_TOKENS on) agree, forward and
+    backward, in float64 (1e-10), and in bf16 within bf16 rounding (2e-2 relative, float32 inside)."""
+    from gem_model.model import hstu
+
+    gen = torch.Generator().manual_seed(tokens)
+    q, k, v, g = (torch.randn(3, 2, tokens, 16, generator=gen, dtype=torch.float64) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = hstu.few_token_attention(*leaves)
+    want = torch.nn.functional.scaled_dot_product_attention(*refs)
+    got.backward(g)
+    want.backward(g)
+    assert (got - want).abs().max() < 1e-10
+    assert all((a.grad - b.grad).abs().max() < 1e-10 for a, b in zip(leaves, refs))
+    low = hstu.few_token_attention(*(t.bfloat16() for t in (q, k, v)))
+    assert low.dtype == torch.bfloat16 and float((low.double() - want).norm() / want.norm()) < 2e-2
+    mixer = hstu.TokenMixer(32, 2, 0.0).double()
+    x = torch.randn(3, tokens, 32, generator=gen, dtype=torch.float64)
+    by_mixer = mixer(x)
+    sdpa_from = hstu.SDPA_FROM_TOKENS
+    try:
+        hstu.SDPA_FROM_TOKENS = 0  # every token count through torch's SDPA
+        assert (by_mixer - mixer(x)).abs().max() < 1e-10
+    finally:
+        hstu.SDPA_FROM_TOKENS = sdpa_from
 
 
 def test_forward_backward_reaches_every_parameter():

@@ -138,12 +138,13 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         quantizes ``q`` and ``k`` first. Needs bf16 or fp16 activations; not with ``torch.compile`` yet
         (refused). Under the fused block's e4m3 saved format one more pass quantizes ``q``, ``k``. See
         :mod:`gem_kernels.attention_fp8`."""
-        bias_grad_in_gap: bool = False
+        bias_grad_in_gap: bool = True
         """In the fused block, the gradient of the ``uvqk`` projection's bias is summed by the gap's backward
         passes as they write the projection's output gradient, instead of by one more pass over that
-        gradient after them (:mod:`gem_kernels.hstu_gap_bias`). Off: on an H200 (big config, 2026-12-02) the
-        step was 0.946x the step without it, the summing pass running with half the loads in flight of
-        the plain one (``benchmarks/results/e2e_ab.md``)."""
+        gradient after them (:mod:`gem_kernels.hstu_gap_bias`). On by default since 2026-12-04: on an H200
+        the step ran 1.007-1.008x the step without it in steady rounds on four inputs (big config and its
+        second mix; 1.007x batch by batch where no differently allocating variant ran beside it), after
+        its one-pass kernel got 16 warps (``benchmarks/results/e2e_ab.md``)."""
 
         @model_validator(mode="after")
         def _blocks(self) -> TritonJaggedAttention.Config:

@@ -22,8 +22,11 @@ Three kernels, over tiles of ``BLOCK_M`` (32) rows of one sequence (a tile never
 Rows that predict nothing (each sequence's last) get zero gradients and zero loss, and the first row
 of each sequence a zero item gradient, so every output is written by a kernel (no memset).
 Negatives are normalised (``l2_normalize``) and cast by torch: ``[B, K, D]`` is small next to the rows.
-The MMAs take their bf16 / fp16 operands as float32 (tf32 MMAs, exact for those values): with 16-bit
-operands Triton 3.6 gave run-to-run different scores on the H200 (see :func:`_dot`).
+Determinism: with 64-row tiles and bf16 operands Triton 3.6 gave run-to-run different scores on the
+H200 (per-row log-sum-exps off by up to ~1e-3 in ~3.5 % of the rows, 2026-12-03; float32 operands made
+it deterministic but 1.5x slower). With 32-row tiles and bf16 operands six calls on each of two inputs
+gave the same bits (2026-12-04); ``benchmarks/next_item_kernel.py`` exits unless two calls agree bit for
+bit, and a CI test runs the kernel twice under the interpreter.
 """
 
 from __future__ import annotations
@@ -35,32 +38,22 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, dim_block
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, dim_block, dot
 from gem_model.api import L2_EPS, offsets_of, to_device_async, unit_rows, unit_rows_vjp
 
 BLOCK_M = 32
 """Rows of one sequence per tile. 32 rather than 64: half the histories are shorter than ~80 rows, so
-64-row tiles were up to half padding; 32 x 64 on 4 warps ran the loss forward and backward in 4.58
-against 5.30 ms (big config) and 5.10 against 5.97 ms (second mix) with the float32 operands of
-:func:`_dot` (``benchmarks/next_item_kernel.py --tiles``, H200, 2026-12-04)."""
+64-row tiles were up to half padding. On the H200 (2026-12-04, forward and backward) 32 x 64 on 4
+warps took 4.58 against 5.30 ms at 64 rows (big config) and 5.10 against 5.97 ms (second mix) with
+float32 operands (``benchmarks/next_item_kernel.py --tiles``), and 3.93 / 3.90 ms with bf16 operands,
+deterministic (module docstring)."""
 BLOCK_D = 64
 """Columns per step of the passes over ``D``."""
 
 
 def _warps(block_k: int) -> int:
-    """One warpgroup up to 128 negatives: the configuration whose float32-operand forward was checked
-    deterministic on the H200. Two would spill less (sm_90 compiles on the CPU: 400-1,200 bytes of
-    stack on 4 warps, 0-168 on 8) and the bf16-operand forward ran 0.476 against 0.576 ms on 8 there;
-    ``benchmarks/next_item_kernel.py --tiles`` decides."""
+    """One warpgroup up to 128 negatives (the tiles measured and checked deterministic), two beyond."""
     return 1 if INTERPRET else (8 if block_k > 128 else 4)
-
-
-@triton.jit
-def _dot(a, b, acc):
-    """``a @ b + acc`` with float32 operands (tf32 MMAs: exact for the bf16 and fp16 values loaded here,
-    float32 accumulation). With bf16 operands Triton 3.6 gave run-to-run different scores on the H200
-    (lse off by up to ~1e-3 in a few percent of the rows); this form is deterministic there."""
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 
 
 @triton.jit
@@ -77,7 +70,7 @@ def _tile(TILE_SEQ, TILE_ROW, OFFSETS, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+            BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
     """``q . n_k`` of the tile's rows (fp32 ``[BLOCK_M, BLOCK_K]``), zero for rows that predict nothing."""
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -86,7 +79,7 @@ def _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M: tl.constexpr, BLOCK_K:
         c_ok = cols < D
         q = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=pred[:, None] & c_ok[None, :], other=0.0)
         u = tl.load(U + (b * K + ks)[:, None] * D + cols[None, :], mask=(ks < K)[:, None] & c_ok[None, :], other=0.0)
-        acc = _dot(q, tl.trans(u), acc)
+        acc = dot(q, tl.trans(u), acc, False, INTERP)
     return acc
 
 
@@ -132,7 +125,7 @@ def _loss_fwd(Q, P, U, NEG_ID, ITEM_ID, OFFSETS, TILE_SEQ, TILE_ROW, LOSS, LSE, 
     pp = tl.zeros([BLOCK_M], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         q, p, u = _operands(Q, P, U, b, rows, pred, d0, stride_q, stride_p, D, K, BLOCK_K, BLOCK_D, INTERP)[2:]
-        acc = _dot(q, tl.trans(u), acc)
+        acc = dot(q, tl.trans(u), acc, False, INTERP)
         qf, pf = q.to(tl.float32), p.to(tl.float32)
         qp += tl.sum(qf * pf, 1)
         qq += tl.sum(qf * qf, 1)
@@ -158,7 +151,7 @@ def _loss_bwd_rows(Q, P, U, NEG_ID, ITEM_ID, OFFSETS, TILE_SEQ, TILE_ROW, LSE, S
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr):
     b, first, rows, pred, inside = _tile(TILE_SEQ, TILE_ROW, OFFSETS, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
-    acc = _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M, BLOCK_K, BLOCK_D)
+    acc = _scores(Q, U, b, rows, pred, stride_q, D, K, BLOCK_M, BLOCK_K, BLOCK_D, INTERP)
     lse = tl.load(LSE + rows, mask=pred, other=0.0)
     s0 = tl.load(S0 + rows, mask=pred, other=0.0)
     q_norm = tl.load(QN + rows, mask=pred, other=1.0)
@@ -182,7 +175,7 @@ def _loss_bwd_rows(Q, P, U, NEG_ID, ITEM_ID, OFFSETS, TILE_SEQ, TILE_ROW, LSE, S
         cols, c_ok, q, p, u = _operands(Q, P, U, b, rows, pred, d0, stride_q, stride_p, D, K, BLOCK_K, BLOCK_D, INTERP)
         qf, pf = q.to(tl.float32), p.to(tl.float32)
         both = pred[:, None] & c_ok[None, :]
-        gq = _dot(g, u, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32))
+        gq = dot(g, u, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), False, INTERP)
         gq += a[:, None] * pf - c[:, None] * qf
         tl.store(GQ + rows[:, None] * stride_gq + cols[None, :], cast(gq, GQ.dtype.element_ty, INTERP),
                  mask=inside[:, None] & c_ok[None, :])
@@ -209,7 +202,7 @@ def _loss_bwd_negatives(Q, GS, OFFSETS, GU, stride_q, D, K, BLOCK_M: tl.constexp
         ok = rows < end
         g = tl.load(GS + rows[:, None] * K + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         q = tl.load(Q + rows[:, None] * stride_q + cols[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
-        acc = _dot(tl.trans(g), q, acc)
+        acc = dot(tl.trans(g), q, acc, False, INTERP)
     tl.store(GU + (b * K + ks)[:, None] * D + cols[None, :], acc, mask=k_ok[:, None] & c_ok[None, :])
 
 

@@ -40,12 +40,34 @@ def positions_in_sequence(
     )
 
 
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (rows along dim 0) as rows of 8-byte words when its rows are contiguous and a whole number
+    of words, else ``t``: torch's ``index_copy_`` moves one element per thread, so bf16 rows copy 2 bytes
+    at a time where the same rows as int64 move 8."""
+    row_bytes = t[0].numel() * t.element_size() if t.dim() > 1 and t.shape[0] else 0
+    if row_bytes and row_bytes % 8 == 0 and t.is_contiguous() and t.data_ptr() % 8 == 0:
+        return t.view(t.shape[0], -1).view(torch.int64)
+    return t
+
+
 def _interleaved(a: torch.Tensor, b: torch.Tensor, index_a: torch.Tensor, index_b: torch.Tensor) -> torch.Tensor:
     """A fresh tensor with ``out[index_a] = a`` and ``out[index_b] = b``: the two indices cover its rows
     exactly once between them, so each row is written once (no zero fill)."""
     out = a.new_empty((a.shape[0] + b.shape[0], *a.shape[1:]))
-    out.index_copy_(0, index_a, a)
-    return out.index_copy_(0, index_b, b)
+    words_a, words_b, words = _as_words(a), _as_words(b), _as_words(out)
+    if not (words_a.dtype == words_b.dtype == words.dtype == torch.int64):
+        words_a, words_b, words = a, b, out
+    words.index_copy_(0, index_a, words_a)
+    words.index_copy_(0, index_b, words_b)
+    return out
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(0, index)``, gathered as 8-byte words where :func:`_as_words` allows."""
+    words = _as_words(t)
+    if words is t:
+        return t.index_select(0, index)
+    return words.index_select(0, index).view(t.dtype).view(index.numel(), *t.shape[1:])
 
 
 class _Interleave(torch.autograd.Function):
@@ -60,8 +82,7 @@ class _Interleave(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         index_a, index_b = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[:2]
-        return (grad.index_select(0, index_a) if need_a else None, grad.index_select(0, index_b) if need_b else None,
-                None, None)  # fmt: skip
+        return _rows(grad, index_a) if need_a else None, _rows(grad, index_b) if need_b else None, None, None
 
 
 class _Split(torch.autograd.Function):
@@ -72,7 +93,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, index_a: torch.Tensor, index_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         ctx.save_for_backward(index_a, index_b)
-        return x.index_select(0, index_a), x.index_select(0, index_b)
+        return _rows(x, index_a), _rows(x, index_b)
 
     @staticmethod
     def backward(ctx, grad_a: torch.Tensor, grad_b: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
