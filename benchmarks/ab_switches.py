@@ -373,8 +373,6 @@ VARIANTS: dict[str, Switch] = {
     "sequence_rows_as_before": switch_sequence_rows_as_before,
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": _patched("gem_model.jagged", "_as_words", lambda t: t),
-    # the token mixers' attention by torch's SDPA at any token count (cuDNN's kernel on the H200)
-    "mixer_sdpa": _patched("gem_model.model.hstu", "SDPA_FROM_TOKENS", 0),
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

@@ -26,17 +26,17 @@ def test_two_variants_train_the_same_batches_and_the_steady_rounds_are_compared(
     monkeypatch.setattr(sys, "argv", [
         "e2e_ab.py", "--worker", "--config", str(ROOT / "configs" / "tiny.yaml"), "--device", "cpu",
         "--warmup", "1", "--steps", "3", "--steady", "2", "--steady-rounds", "3",
-        "--variants", "A=base,B=index_add_mean+pageable_bags+torch_loss+rows_by_element+mixer_sdpa",
+        "--variants", "A=base,B=index_add_mean+pageable_bags+torch_loss+rows_by_element",
         "--out", str(out),
     ])  # fmt: skip
     from gem_model import host_copy, jagged
-    from gem_model.model import hstu, lookup_bags
+    from gem_model.model import lookup_bags
 
-    gemm_limit, as_words, sdpa_from = jagged.MEMBERSHIP_GEMM_ELEMENTS, jagged._as_words, hstu.SDPA_FROM_TOKENS
+    gemm_limit, as_words = jagged.MEMBERSHIP_GEMM_ELEMENTS, jagged._as_words
     assert e2e_ab.main() == 0
     # the switches were undone at the end: the module state is as before the run
     assert jagged.MEMBERSHIP_GEMM_ELEMENTS == gemm_limit and lookup_bags.to_device_async is host_copy.to_device_async
-    assert jagged._as_words is as_words and hstu.SDPA_FROM_TOKENS == sdpa_from
+    assert jagged._as_words is as_words
     printed = capsys.readouterr().out
     assert "B against A, batch by batch" in printed and "steady B against the first variant, round by round" in printed
     result = json.loads(out.read_text())

@@ -92,35 +92,6 @@ def test_position_rows_are_the_cast_rows_of_the_table():
     assert torch.equal(position_rows(table, positions, torch.float32), table(positions))
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 70], ids=["one", "few", "sdpa"])
-def test_token_mixer_attention_matches_torch_sdpa(tokens: int):
-    """The mixer's few-token attention and torch's SDPA (used from SDPA_FROM_TOKENS on) agree, forward and
-    backward, in float64 (1e-10), and in bf16 within bf16 rounding (2e-2 relative, float32 inside)."""
-    from gem_model.model import hstu
-
-    gen = torch.Generator().manual_seed(tokens)
-    q, k, v, g = (torch.randn(3, 2, tokens, 16, generator=gen, dtype=torch.float64) for _ in range(4))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    refs = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = hstu.few_token_attention(*leaves)
-    want = torch.nn.functional.scaled_dot_product_attention(*refs)
-    got.backward(g)
-    want.backward(g)
-    assert (got - want).abs().max() < 1e-10
-    assert all((a.grad - b.grad).abs().max() < 1e-10 for a, b in zip(leaves, refs))
-    low = hstu.few_token_attention(*(t.bfloat16() for t in (q, k, v)))
-    assert low.dtype == torch.bfloat16 and float((low.double() - want).norm() / want.norm()) < 2e-2
-    mixer = hstu.TokenMixer(32, 2, 0.0).double()
-    x = torch.randn(3, tokens, 32, generator=gen, dtype=torch.float64)
-    by_mixer = mixer(x)
-    sdpa_from = hstu.SDPA_FROM_TOKENS
-    try:
-        hstu.SDPA_FROM_TOKENS = 0  # every token count through torch's SDPA
-        assert (by_mixer - mixer(x)).abs().max() < 1e-10
-    finally:
-        hstu.SDPA_FROM_TOKENS = sdpa_from
-
-
 def test_forward_backward_reaches_every_parameter():
     model, data = build()
     out = model(next(data))

@@ -26,12 +26,6 @@ from gem_model.components import AttentionExtras, JaggedAttentionKernel, NormGat
 
 GATE_EPS = 1e-6
 """The ``eps`` of the norm-gate's layer norm."""
-SDPA_FROM_TOKENS = 64
-"""Tokens from which :class:`TokenMixer` runs torch's fused attention (``scaled_dot_product_attention``);
-fewer run as two float32 batched GEMMs and a softmax (:func:`few_token_attention`). The mixers see a
-handful of feature tokens: for 7 tokens of 8 heads x 128 on the H200, the fused kernel torch picked
-(cuDNN's) spent 1.2 ms a step in its backward (two mixers, big config, 2026-12-04), for a few
-MFLOP."""
 
 
 class HSTUBlock(nn.Module):
@@ -145,14 +139,6 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
-def few_token_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(d)) v`` over ``[..., T, d]`` (no mask), computed in float32 at least and
-    returned in ``q``'s dtype: for a few tokens the GEMMs are tiny and float32 costs nothing."""
-    wide = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1)) * q.shape[-1] ** -0.5
-    return torch.matmul(scores.softmax(-1), v.to(wide)).to(q.dtype)
-
-
 class TokenMixer(nn.Module):
     """A pre-norm transformer layer over a fixed number of feature tokens ``[B, T, D]``."""
 
@@ -173,7 +159,6 @@ class TokenMixer(nn.Module):
         b, t, d = x.shape
         qkv = self.qkv(self.norm1(x)).reshape(b, t, 3, self.num_heads, d // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        attend = F.scaled_dot_product_attention if t >= SDPA_FROM_TOKENS else few_token_attention
-        a = attend(q, k, v).transpose(1, 2).reshape(b, t, d)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
         x = x + self.dropout(self.proj(a)).to(x.dtype)
         return x + self.dropout(self.fc2(F.gelu(self.fc1(self.norm2(x))))).to(x.dtype)
