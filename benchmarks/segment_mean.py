@@ -1,8 +1,6 @@
 """The history's mean pooling (``gem_model.jagged.segment_mean``), forward and backward: ``index_add`` of
 float32 copies (every row of a sequence adds atomically into the same ``D`` sums) against one GEMM
-with the ``[B, N]`` 0/1 membership matrix (float32 accumulation, no copy), interleaved on the same data;
-the GEMM twice, its membership rows packed (``gemm_packed``, the layout before 2026-12-04: an odd row
-count made cuBLAS pick an unaligned kernel) and 16-byte aligned (``gemm``, shipped).
+with the ``[B, N]`` 0/1 membership matrix (float32 accumulation, no copy), interleaved on the same data.
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/segment_mean.py --out segment_mean.json
     python benchmarks/segment_mean.py --smoke       # a CPU check of the script
@@ -23,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from gem_model import jagged
 from gem_model.jagged import segment_mean
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,19 +36,10 @@ def lengths_of(batch: int, exponent: float, gen: torch.Generator) -> torch.Tenso
     return torch.multinomial((n + 1) ** -exponent, batch, replacement=True, generator=gen)
 
 
-def method(gemm: bool, values: torch.Tensor, lengths: torch.Tensor, grad: torch.Tensor,
-           align: int | None = None) -> Callable[[], torch.Tensor]:  # fmt: skip
-    """``align``: the membership matrix's row alignment for the call (``jagged.MEMBERSHIP_ROW_ALIGN``;
-    1 is the packed layout before 2026-12-04), None: as shipped."""
-
+def method(gemm: bool, values: torch.Tensor, lengths: torch.Tensor, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         values.grad = None
-        shipped = jagged.MEMBERSHIP_ROW_ALIGN
-        jagged.MEMBERSHIP_ROW_ALIGN = shipped if align is None else align
-        try:
-            segment_mean(values, lengths, gemm=gemm).backward(grad)
-        finally:
-            jagged.MEMBERSHIP_ROW_ALIGN = shipped
+        segment_mean(values, lengths, gemm=gemm).backward(grad)
         return values.grad
 
     return run
@@ -97,8 +85,7 @@ def main() -> int:
         err = check(values, lengths, grad)
         if args.smoke:
             continue
-        fns = {"index_add": method(False, values, lengths, grad), "gemm_packed": method(True, values, lengths, grad, 1),
-               "gemm": method(True, values, lengths, grad)}  # fmt: skip
+        fns = {"index_add": method(False, values, lengths, grad), "gemm": method(True, values, lengths, grad)}
         times = rotated_rounds(fns, args.rounds)
         base = statistics.median(times["index_add"])
         for name, ts in times.items():
@@ -109,9 +96,9 @@ def main() -> int:
     if args.smoke:
         print("smoke: both methods within a bf16 step of float64 means, gradients equal")
         return 0
-    print(f"{'case':<6} {'rows':>8} {'method':<12} {'median ms':>10} {'q1-q3 ms':>15} {'speed-up':>9}")
+    print(f"{'case':<6} {'rows':>8} {'method':<10} {'median ms':>10} {'q1-q3 ms':>15} {'speed-up':>9}")
     for r in results:
-        print(f"{r['case']:<6} {r['rows']:>8} {r['method']:<12} {r['median_ms']:>10.3f} "
+        print(f"{r['case']:<6} {r['rows']:>8} {r['method']:<10} {r['median_ms']:>10.3f} "
               f"{r['q1_ms']:>7.3f}-{r['q3_ms']:<7.3f} {r['speedup']:>8.2f}x")  # fmt: skip
     save_results(args.out, results, rounds=args.rounds, seed=args.seed)
     return 0

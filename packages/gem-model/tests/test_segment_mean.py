@@ -61,16 +61,3 @@ def test_float32_values_are_summed_by_index_add_bit_for_bit():
     owner = torch.repeat_interleave(torch.arange(4), lengths)
     want = torch.zeros(4, 5).index_add(0, owner, values) / lengths.clamp(min=1)[:, None]
     assert torch.equal(segment_mean(values, lengths, gemm=True), want)
-
-
-def test_membership_rows_are_aligned_views_of_the_same_zeros_and_ones(monkeypatch):
-    """Rows MEMBERSHIP_ROW_ALIGN elements apart (an odd row count made cuBLAS pick an unaligned kernel);
-    1 packs them; the entries are the same either way."""
-    owner = torch.tensor([0, 0, 1, 2, 2, 2, 2])
-    want = torch.zeros(3, 7, dtype=torch.bfloat16)
-    want[owner, torch.arange(7)] = 1
-    aligned = jagged._membership(owner, 3, torch.bfloat16)
-    assert aligned.shape == (3, 7) and aligned.stride() == (8, 1) and torch.equal(aligned, want)
-    monkeypatch.setattr(jagged, "MEMBERSHIP_ROW_ALIGN", 1)
-    packed = jagged._membership(owner, 3, torch.bfloat16)
-    assert packed.stride() == (7, 1) and torch.equal(packed, want)

@@ -227,19 +227,10 @@ MEMBERSHIP_GEMM_ELEMENTS = 1 << 28
 on a GPU; a larger batch (and any batch on the CPU) sums with ``index_add``. 0 turns the GEMM off."""
 
 
-MEMBERSHIP_ROW_ALIGN = 8
-"""The membership matrix's rows are allocated this many elements apart (16 bytes in bf16), whatever the
-number of history rows: with an odd row count cuBLAS ran the GEMM in a Turing-era kernel for unaligned
-operands (``cutlass_75_tensorop_s1688gemm_bf16_256x128_nn_align1``, 1.15 ms a step on the H200's big
-config, 2026-12-04). 1 packs them (the layout before)."""
-
-
 def _membership(owner: torch.Tensor, sequences: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[sequences, rows]``: 1 where row ``j`` belongs to sequence ``i`` (``owner[j] == i``), else 0; its
-    rows :data:`MEMBERSHIP_ROW_ALIGN` elements apart (a view of a wider zero matrix)."""
+    """``[sequences, rows]``: 1 where row ``j`` belongs to sequence ``i`` (``owner[j] == i``), else 0."""
     rows = owner.numel()
-    align = max(1, MEMBERSHIP_ROW_ALIGN)
-    member = torch.zeros(sequences, -(-rows // align) * align, dtype=dtype, device=owner.device)[:, :rows]
+    member = torch.zeros(sequences, rows, dtype=dtype, device=owner.device)
     one = torch.ones((), dtype=dtype, device=owner.device)
     return member.index_put_((owner, torch.arange(rows, device=owner.device)), one)
 
