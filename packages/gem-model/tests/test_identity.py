@@ -95,6 +95,22 @@ def test_a_checkpoint_from_before_the_loss_kernel_field_is_the_same_run_on_the_t
     assert differences(older, other, pm) == ['kernels.next_item_loss.name ("torch" -> "triton")']
 
 
+def test_the_lookup_bags_do_not_make_another_run(pm):
+    """``model.lookup_bags_per_sample`` only batches the lookup (the same rows come back): a checkpoint
+    written before it existed, or with another count, continues the run; a model field that changes the
+    values still makes another run."""
+    current = load_config(None, []).model_dump(mode="json")
+    older = copy.deepcopy(current)
+    del older["model"]["lookup_bags_per_sample"]
+    assert differences(older, current, pm) == []
+    whole = copy.deepcopy(current)
+    whole["model"]["lookup_bags_per_sample"] = None
+    assert differences(whole, current, pm) == []
+    wider = copy.deepcopy(current)
+    wider["model"]["embedding_dim"] = current["model"]["embedding_dim"] * 2
+    assert differences(current, wider, pm) and all(d.startswith("model.embedding_dim") for d in differences(current, wider, pm))
+
+
 def test_options_left_to_their_defaults_continue_the_run(pm, tiny_overrides, tmp_path, capsys):
     train(load_config(None, [*tiny_overrides, "trainer.steps=2"]), pm)
     capsys.readouterr()

@@ -7,7 +7,8 @@ the model, the data, the optimizers, the precision, the kernels, the train pipel
 ``trainer.compile``, and every component that declares itself as shaping the run
 (:attr:`~gem_model.components.Component.shapes_run`: all components but communication strategies
 and callbacks, unless they declare otherwise). How long a run trains, how it logs, evaluates,
-checkpoints and where it writes never make it another run.
+checkpoints and where it writes never make it another run, nor how the sequence lookup is batched
+(:data:`IGNORED_MODEL`).
 
 :func:`differences` compares two configs (``RunConfig.model_dump(mode="json")``, as checkpoints'
 ``meta.json`` and ``run.json`` keep them) through :func:`identity`, reading each component's
@@ -50,6 +51,10 @@ IGNORED_TRAINER = frozenset(
         "collective_timeout_s", "resume_partial", "stop_grace_s", "gc_every",
     }
 )  # fmt: skip
+# Model fields that say how the model reaches its values, not which values: the sequence lookup's bags
+# (model.lookup_bags_per_sample) give the same rows in any number of bags. A checkpoint written before
+# the field existed (one bag per sample) continues a run that uses the default.
+IGNORED_MODEL = frozenset({"lookup_bags_per_sample"})
 _MISSING = object()
 
 # The config's component slots: dotted path -> (the registry that resolves it, the interface it implements).
@@ -121,6 +126,9 @@ def identity(dump: dict[str, Any], pm: GemPluginManager) -> dict[str, Any]:
     trainer = out.get("trainer")
     if isinstance(trainer, dict):
         out["trainer"] = {k: v for k, v in trainer.items() if k not in IGNORED_TRAINER}
+    model = out.get("model")
+    if isinstance(model, dict):
+        out["model"] = {k: v for k, v in model.items() if k not in IGNORED_MODEL}
     return out
 
 
