@@ -107,6 +107,39 @@ def test_the_old_sequence_rows_give_the_same_rows_and_are_undone(monkeypatch):
     assert (jagged.insert_one, gem.position_rows, gem.split_rows) == new
 
 
+def test_the_ddp_switch_turns_the_reducer_off_at_one_rank_and_refuses_without_ddp(monkeypatch, tmp_path):
+    """``ddp_no_sync`` on a real one-rank gloo DDP: the gradients are those of the synchronised step, the
+    flag comes back on undo, and a run without DDP is refused naming why."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from ab_switches import VARIANTS
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+        x = torch.randn(4, 3)
+        ddp(x).square().sum().backward()
+        synced = ddp.module.weight.grad.clone()
+        ddp.module.weight.grad = None
+        undo = VARIANTS["ddp_no_sync"](SimpleNamespace(model=torch.nn.Sequential(ddp)))
+        assert ddp.require_backward_grad_sync is False
+        ddp(x).square().sum().backward()
+        assert torch.equal(ddp.module.weight.grad, synced)
+        undo()
+        assert ddp.require_backward_grad_sync is True
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    with pytest.raises(ValueError, match="ddp_no_sync: the run has no DistributedDataParallel module"):
+        VARIANTS["ddp_no_sync"](SimpleNamespace(model=torch.nn.Linear(2, 2)))
+
+
 def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import e2e_ab
