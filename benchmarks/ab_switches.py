@@ -8,6 +8,7 @@ import importlib
 from collections.abc import Callable
 
 import torch
+from ab_switches_precision import PRECISION_VARIANTS  # beside this script
 
 Switch = Callable[[object], Callable[[], None]]
 """Applied to a live run; returns the function that undoes it."""
@@ -78,65 +79,6 @@ def switch_host_syncs(run: object) -> Callable[[], None]:
             b.host_lengths = h
 
     return undo
-
-
-def _precision(scheme_name: str, **options: object) -> Switch:
-    """The model's bf16 linears swapped for ``scheme_name``'s modules (``fp8_rowwise``, ...), built by the
-    registered scheme from the same Parameters, so the optimizer and the weights are shared; the swap
-    is undone by putting the bf16 modules back. The converted modules are kept across toggles."""
-
-    def apply(run: object) -> Callable[[], None]:
-        from gem_model.plugins import GemPluginManager
-
-        cache = run.__dict__.setdefault("_ab_precision", {})  # type: ignore[attr-defined]
-        key = (scheme_name, tuple(sorted(options.items())))
-        if key not in cache:
-            entry = GemPluginManager().precision_schemes.get(scheme_name)
-            scheme = entry.cls(entry.cls.Config(**options))
-            swaps = []
-            for parent_name, parent in run.model.named_modules():  # type: ignore[attr-defined]
-                for child_name, child in parent.named_children():
-                    if type(child).__name__ == "Bf16Linear":
-                        fqn = f"{parent_name}.{child_name}".lstrip(".")
-                        swaps.append((parent, child_name, child, scheme.convert_linear(child, fqn)))
-            if not swaps:
-                raise SystemExit(f"--variants {scheme_name}: the run has no bf16 linears to convert (precision.scheme bf16)")
-            cache[key] = swaps
-        swaps = cache[key]
-        for parent, name, _, new in swaps:
-            setattr(parent, name, new)
-
-        def undo() -> None:
-            for parent, name, old, _ in swaps:
-                setattr(parent, name, old)
-
-        return undo
-
-    return apply
-
-
-def _fp8_saved(*, in_kernels: bool) -> Switch:
-    """A switch for ``benchmarks/e2e_ab.py``: ``fp8_saved`` (``in_kernels`` as given) on the live run's
-    HSTU blocks, as the trainer applies it; its undo gives the blocks back their own forward. The run
-    itself must be configured with ``activation.policy: none``."""
-
-    def apply(run: object) -> Callable[[], None]:
-        from gem_precision.activation import POLICY_ATTR, Fp8SavedPolicy
-
-        blocks = list(run.model.blocks)  # type: ignore[attr-defined]
-        policy = Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=in_kernels))
-        for i, block in enumerate(blocks):
-            policy.wrap_block(block, f"blocks.{i}")
-
-        def undo() -> None:
-            for block in blocks:
-                del block.forward  # the instance attribute the policy set: the class's forward again
-                delattr(block, POLICY_ATTR)
-                block.saved_format = None
-
-        return undo
-
-    return apply
 
 
 def switch_adamw_foreach(run: object) -> Callable[[], None]:
@@ -219,48 +161,6 @@ def switch_bf16_lookup(run: object) -> Callable[[], None]:
     return undo
 
 
-def switch_fp8_two_pass_rows(run: object) -> Callable[[], None]:
-    """Row-scaled fp8 alone through the stats and cast passes, as before the one-pass kernel
-    (``gem_precision.fp8_rows_triton.ONE_PASS_MAX_N = 0``)."""
-    from gem_precision import fp8_rows_triton
-
-    before = fp8_rows_triton.ONE_PASS_MAX_N
-    fp8_rows_triton.ONE_PASS_MAX_N = 0
-
-    def undo() -> None:
-        fp8_rows_triton.ONE_PASS_MAX_N = before
-
-    return undo
-
-
-def switch_fp8_own_grad_rows(run: object) -> Callable[[], None]:
-    """fp8_rowwise's linears quantize their output gradient themselves (one-pass rows), as before the
-    fused gap offered the ``uvqk`` gradient's rows (``ScaledLinear.grad_rows_slot`` makes no slot)."""
-    from gem_precision.scaled_linear import ScaledLinear
-
-    before = ScaledLinear.grad_rows_slot
-    ScaledLinear.grad_rows_slot = lambda self, device: None  # type: ignore[method-assign]
-
-    def undo() -> None:
-        ScaledLinear.grad_rows_slot = before  # type: ignore[method-assign]
-
-    return undo
-
-
-def switch_fp8_gap_grad_rows_only(run: object) -> Callable[[], None]:
-    """Only the gap offers gradient rows (to ``uvqk``); each block's ``out`` quantizes its own output
-    gradient, as the layer norm backward offers it nothing (``hstu_block.attached_grad_rows`` -> None)."""
-    from gem_kernels import hstu_block
-
-    before = hstu_block.attached_grad_rows
-    hstu_block.attached_grad_rows = lambda t: None  # type: ignore[assignment]
-
-    def undo() -> None:
-        hstu_block.attached_grad_rows = before  # type: ignore[assignment]
-
-    return undo
-
-
 def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
     """The next-item loss's shared-negative plan with coarser buckets and bigger chunks
     (``gem_model.model.next_item_plan``'s constants, read at call time): fewer chunks, so fewer small
@@ -327,12 +227,17 @@ def switch_sequence_rows_as_before(run: object) -> Callable[[], None]:
     out-of-place copies, the position rows gathered in float32 and cast in a pass of their own, and the
     output's history and candidate rows taken by indexing (whose backward fills zeros, scatters with
     accumulation and adds the two gradients)."""
-    undo = [
+    undos = [
         _patched("gem_model.jagged", "insert_one", _insert_one_before)(run),
         _patched("gem_model.model.gem", "position_rows", lambda table, positions, dtype: table(positions).to(dtype))(run),
         _patched("gem_model.model.gem", "split_rows", lambda x, index_a, index_b: (x[index_a], x[index_b]))(run),
     ]
-    return lambda: [u() for u in reversed(undo)] and None
+
+    def undo() -> None:
+        for each in reversed(undos):
+            each()
+
+    return undo
 
 
 def switch_ddp_no_sync(run: object) -> Callable[[], None]:
@@ -397,17 +302,5 @@ VARIANTS: dict[str, Switch] = {
     "sequence_rows_as_before": switch_sequence_rows_as_before,
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": _patched("gem_model.jagged", "_as_words", lambda t: t),
-    # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
-    "fp8_rowwise": _precision("fp8_rowwise"),
-    "fp8_tensorwise": _precision("fp8_tensorwise"),
-    # each combination of fp8_rowwise's two options, named explicitly (the results name these switches)
-    "fp8_rowwise_fp8_dw": _precision("fp8_rowwise", weight_gradient="fp8", producer_quantization=False),
-    "fp8_rowwise_producers": _precision("fp8_rowwise", weight_gradient="fp8", producer_quantization=True),
-    "fp8_rowwise_gw_bf16": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=False),
-    "fp8_rowwise_gw_bf16_producers": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=True),
-    "fp8_two_pass_rows": switch_fp8_two_pass_rows,
-    "fp8_own_grad_rows": switch_fp8_own_grad_rows,
-    "fp8_gap_grad_rows_only": switch_fp8_gap_grad_rows_only,
-    "fp8_saved": _fp8_saved(in_kernels=True),
-    "fp8_saved_hooks": _fp8_saved(in_kernels=False),
+    **PRECISION_VARIANTS,
 }

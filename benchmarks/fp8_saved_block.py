@@ -23,7 +23,7 @@ less what was allocated before it (parameters, inputs), and what the forward lea
 its output (saved for backward). The issue's target: >= 30 % less peak than ``none`` at <= 5 % step
 cost; the blocks are only part of a step of the whole model (tables, embeddings, loss), so the whole
 model's figures come from ``benchmarks/e2e_ab.py`` with its switches ``fp8_saved`` and ``fp8_saved_hooks``
-(``benchmarks/ab_switches.py``), e.g.::
+(``benchmarks/ab_switches_precision.py``), e.g.::
 
     torchrun --standalone --nproc-per-node 1 benchmarks/e2e_ab.py --config configs/h200-large.yaml \\
         --variants A=base,B=fp8_saved,C=fp8_saved_hooks --steps 60 --out ab-fp8-saved.json

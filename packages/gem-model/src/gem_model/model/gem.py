@@ -299,7 +299,7 @@ class GemModel(nn.Module):
             hist_rows = torch.arange(count, device=x.device) + torch.repeat_interleave(
                 shift, hist_lengths, output_size=count
             )
-        if cfg.use_candidate and not lead and hist_rows is not None:
+        if hist_rows is not None and cfg.use_candidate and not lead:
             # the history rows and the candidates' (each sequence's last) are all the rows: one split
             hist_out, summary = split_rows(x, hist_rows, last)
         else:
