@@ -111,7 +111,22 @@ def switch_fp8_gap_grad_rows_only(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_bf16_grads_cast(run: object) -> Callable[[], None]:
+    """The bf16 linears' (and fp8_rowwise's bf16 weight GEMM's) gradients computed in bf16 and cast to
+    float32 in launches of their own, as before ``gem_precision.bf16_linear`` wrote them in float32."""
+    from gem_precision import bf16_linear
+
+    before = bf16_linear.FLOAT32_GRADS
+    bf16_linear.FLOAT32_GRADS = False
+
+    def undo() -> None:
+        bf16_linear.FLOAT32_GRADS = before
+
+    return undo
+
+
 PRECISION_VARIANTS: dict[str, Switch] = {
+    "bf16_grads_cast": switch_bf16_grads_cast,
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

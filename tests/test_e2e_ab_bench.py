@@ -148,3 +148,17 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         e2e_ab.main()
     assert "--steady-rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_bf16_grads_cast_switch_is_undone(monkeypatch):
+    """``bf16_grads_cast`` turns the bf16 linears' float32 gradients off (their cast form) and back on."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    from gem_precision import bf16_linear
+
+    assert bf16_linear.FLOAT32_GRADS is True
+    undo = VARIANTS["bf16_grads_cast"](None)
+    assert bf16_linear.FLOAT32_GRADS is False
+    undo()
+    assert bf16_linear.FLOAT32_GRADS is True

@@ -15,10 +15,11 @@ import pytest
 import torch
 from torch import nn
 
+from gem_precision.bf16_linear import Bf16Linear
 from gem_precision.formats import E4M3, fp8_format
 from gem_precision.fp8_reference import quantize_fp8_reference
 from gem_precision.mx_reference import mx_dequantize, mx_quantize
-from gem_precision.scaled_linear import Bf16Linear, ScaledLinear
+from gem_precision.scaled_linear import ScaledLinear
 from gem_precision.schemes import (
     Bf16Scheme,
     Fp8RowwiseScheme,

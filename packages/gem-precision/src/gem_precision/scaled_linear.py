@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_model.api import GradRows, GradRowsSlot, PrequantizedRows, RowQuantization
+from gem_precision.bf16_linear import float32_weight_grad
 from gem_precision.recipes import LinearRecipe, Quantized
 
 
@@ -130,9 +131,10 @@ def _offered_grad(
 
 
 def _high_precision_weight_grad(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-    """``g.T @ x`` in ``x``'s dtype (bf16 operands and float32 accumulation in practice, as the ``bf16``
-    scheme's weight gradient), on the unquantized gradient and the input the forward saved."""
-    return torch.mm(g2d.t().to(x2d.dtype), x2d)
+    """``g.T @ x`` from operands in ``x``'s dtype (bf16 operands and float32 accumulation in practice), on
+    the unquantized gradient and the input the forward saved, as a float32 tensor: written in float32 by
+    the GEMM on a GPU, as the ``bf16`` scheme's weight gradient (:func:`gem_precision.bf16_linear.float32_weight_grad`)."""
+    return float32_weight_grad(g2d.to(x2d.dtype), x2d)
 
 
 class ScaledLinear(nn.Module):
@@ -217,27 +219,3 @@ class ScaledLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, scheme={self.scheme}"
         )
-
-
-class Bf16Linear(nn.Module):
-    """Drop-in for an ``nn.Linear`` computing its GEMMs in bfloat16 from float32 master weights.
-
-    The weight and bias are cast to bfloat16 for each call (autograd casts the gradients back to
-    float32); the output has the dtype of the input (bfloat16 when the model's activations are).
-    """
-
-    def __init__(self, linear: nn.Linear, *, fqn: str):
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.fqn = fqn
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bf16 = torch.bfloat16
-        bias = None if self.bias is None else self.bias.to(bf16)
-        return F.linear(x.to(bf16), self.weight.to(bf16), bias).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, scheme=bf16"

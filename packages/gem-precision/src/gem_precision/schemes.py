@@ -40,6 +40,7 @@ from pydantic import Field
 from torch import nn
 
 from gem_model.api import ComponentConfig, PrecisionScheme
+from gem_precision.bf16_linear import Bf16Linear
 from gem_precision.device import (
     FP8_MIN_CAPABILITY,
     MX_NATIVE_MIN_CAPABILITY,
@@ -49,7 +50,7 @@ from gem_precision.device import (
 )
 from gem_precision.formats import fp8_format
 from gem_precision.recipes import Fp8Recipe, LinearRecipe, MXRecipe
-from gem_precision.scaled_linear import Bf16Linear, ScaledLinear
+from gem_precision.scaled_linear import ScaledLinear
 
 log = logging.getLogger(__name__)
 

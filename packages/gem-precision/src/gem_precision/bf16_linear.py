@@ -1,0 +1,97 @@
+"""The ``bf16`` scheme's linear: bfloat16 GEMMs from float32 master weights, with float32 gradients
+written by the GEMM and the reduction that compute them.
+
+Cast per call and left to autograd (``F.linear(x, weight.to(bf16), bias.to(bf16))``), the backward
+computes ``dW`` and ``db`` in bfloat16 and then casts each to float32 in a launch of its own
+(``ToCopyBackward0``): two more kernels per linear a step, 72 on the H200's big config, each a point
+where the device may wait for the host. Here, on a GPU, :class:`Bf16LinearFunction` asks the weight
+GEMM for a float32 output (``torch.mm(..., out_dtype=torch.float32)``: bf16 operands, float32
+accumulation, as before, but no rounding to bf16 in between) and sums the bias gradient into float32
+directly. The forward is unchanged.
+
+Elsewhere (the CPU has no ``mm`` with ``out_dtype``; a DTensor weight under tensor parallelism has no
+sharding rule for it) the gradients are computed as autograd computed them, in bf16 and then cast:
+the CPU's bits are those of the plain form.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+BF16 = torch.bfloat16
+
+FLOAT32_GRADS = True
+"""Whether a GPU linear writes its float32 gradients directly (False: autograd's bf16 gradients and
+their casts, the form before; ``benchmarks/ab_switches_precision.py`` measures one against the other)."""
+
+
+def float32_weight_grad(grad_2d: torch.Tensor, x_2d: torch.Tensor) -> torch.Tensor:
+    """``grad_2d.T @ x_2d`` (bf16 operands, float32 accumulation) as a float32 tensor: written as float32
+    by the GEMM on a GPU, rounded to bf16 and cast elsewhere (the CPU has no ``mm`` with ``out_dtype``)."""
+    if grad_2d.is_cuda and FLOAT32_GRADS:
+        return torch.mm(grad_2d.t(), x_2d, out_dtype=torch.float32)
+    return torch.mm(grad_2d.t(), x_2d).float()
+
+
+class Bf16LinearFunction(torch.autograd.Function):
+    """``F.linear(x, weight.to(bf16), bias.to(bf16))`` for a bf16 ``x`` on a GPU, whose backward writes
+    the float32 gradients of the float32 ``weight`` and ``bias`` without a cast pass (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        w16 = weight.to(BF16)
+        y = F.linear(x, w16, None if bias is None else bias.to(BF16))
+        ctx.save_for_backward(x, w16)
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, w16 = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad
+        g2 = grad.reshape(-1, grad.shape[-1])
+        dx = dw = db = None
+        if need_dx:
+            dx = grad.matmul(w16)
+        if need_dw:
+            dw = float32_weight_grad(g2, x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
+        if need_db:
+            db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db
+
+
+def _direct(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the float32 gradients can be written directly: on a GPU, with a weight that is no DTensor."""
+    return FLOAT32_GRADS and x.is_cuda and not isinstance(weight, DTensor)
+
+
+class Bf16Linear(nn.Module):
+    """Drop-in for an ``nn.Linear`` computing its GEMMs in bfloat16 from float32 master weights.
+
+    The weight and bias are cast to bfloat16 for each call; their gradients reach them in float32
+    (module docstring). The output has the dtype of the input (bfloat16 when the model's activations
+    are)."""
+
+    def __init__(self, linear: nn.Linear, *, fqn: str):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.fqn = fqn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x16 = x.to(BF16)
+        if _direct(x16, self.weight) and x16.numel():
+            return Bf16LinearFunction.apply(x16, self.weight, self.bias).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(BF16)
+        return F.linear(x16, self.weight.to(BF16), bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, scheme=bf16"
