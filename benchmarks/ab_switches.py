@@ -246,7 +246,9 @@ def switch_ddp_no_sync(run: object) -> Callable[[], None]:
     gradient into its buckets, one launch per parameter (81 a step on the big config, 1.2 ms of device
     idle under the profiler, 2026-12-04): this measures what leaving DDP out at one rank would save.
     Refused when the run has no DDP module or more than one rank (the gradients would go unsynchronised)."""
-    ddps = [m for m in run.model.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]  # type: ignore[attr-defined]
+    prepared = getattr(run, "prepared", None)  # the planner's module (torchrec's DMP holds the DDP), else the model
+    root = prepared.module if prepared is not None else run.model  # type: ignore[attr-defined]
+    ddps = [m for m in root.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
     if not ddps:
         raise ValueError("ddp_no_sync: the run has no DistributedDataParallel module (its planner does not use DDP)")
     ranks = {torch.distributed.get_world_size(d.process_group) for d in ddps}
@@ -259,6 +261,24 @@ def switch_ddp_no_sync(run: object) -> Callable[[], None]:
     def undo() -> None:
         for d, flag in zip(ddps, before, strict=True):
             d.require_backward_grad_sync = flag
+
+    return undo
+
+
+def switch_pointwise_unpipelined(run: object) -> Callable[[], None]:
+    """The norm-gate kernels and the gap's sums-only silu' pass as launched before their loads were
+    pipelined (2026-12-04): no ``tl.range`` stages, one forward tile a program, four backward programs per SM."""
+    from gem_kernels import hstu_gap_grad_rows, norm_gate_triton
+
+    patches = [(norm_gate_triton, "PIPELINE_STAGES", None), (norm_gate_triton, "FORWARD_TILES", 1),
+               (norm_gate_triton, "BACKWARD_PROGRAMS_PER_SM", 4), (hstu_gap_grad_rows, "SUMS_ONLY_STAGES", None)]  # fmt: skip
+    before = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    for mod, name, value in patches:
+        setattr(mod, name, value)
+
+    def undo() -> None:
+        for mod, name, value in before:
+            setattr(mod, name, value)
 
     return undo
 
@@ -300,6 +320,7 @@ VARIANTS: dict[str, Switch] = {
     "backward_on_main_thread": switch_backward_on_main_thread,
     "ddp_no_sync": switch_ddp_no_sync,
     "sequence_rows_as_before": switch_sequence_rows_as_before,
+    "pointwise_unpipelined": switch_pointwise_unpipelined,
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": _patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

@@ -26,6 +26,7 @@ import torch
 import triton
 from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
+from gem_kernels import hstu_gap_grad_rows as grad_rows
 from gem_kernels import hstu_gap_triton as gap
 from gem_kernels import layer_norm_triton as ln
 from gem_kernels import norm_gate_triton as ng
@@ -34,7 +35,7 @@ from gem_kernels.attention_triton_common import INTERPRET, num_programs
 D, WIDTH = 1024, 4096
 
 
-def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int) -> Callable[[], tuple]:
+def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: int | None = None) -> Callable[[], tuple]:
     num_rows = t["x"].shape[0]
     tiles = triton.cdiv(num_rows, rows_per_tile)
     programs = num_programs(t["x"].device, per_sm, tiles)
@@ -48,9 +49,62 @@ def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int) -> Calla
         ng._norm_gate_bwd[(programs,)](
             t["x"], t["u"], t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, t["x"].stride(0),
             t["u"].stride(0), t["dy"].stride(0), dx.stride(0), du.stride(0), num_rows, per,
-            D=D, BLOCK_D=D, ROWS=rows_per_tile, INTERP=INTERPRET, num_warps=warps, SILU_GATE=True,
+            D=D, BLOCK_D=D, ROWS=rows_per_tile, INTERP=INTERPRET, num_warps=warps, SILU_GATE=True, STAGES=stages,
         )
         return dx, du, dw.sum(0), db.sum(0)
+
+    return run
+
+
+def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None) -> Callable[[], tuple]:
+    num_rows = t["x"].shape[0]
+    rows = ng._rows_per_tile(D)
+    y = torch.empty_like(t["x"])
+    mean = torch.empty(num_rows, dtype=torch.float32, device=y.device)
+    rstd = torch.empty_like(mean)
+
+    def run() -> tuple:
+        ng._norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
+            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, y, mean, mean, t["x"].stride(0), t["u"].stride(0),
+            y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D, ROWS=rows, TILES=tiles, INTERP=INTERPRET, num_warps=warps,
+            SILU_GATE=True, QUANT=False, COLUMN_AMAX=False, STAGES=stages,
+        )
+        return y, mean, rstd
+
+    return run
+
+
+def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | None) -> Callable[[], tuple]:
+    """The bf16 step's last gap pass (``bias_grad_in_gap``): ``silu'`` in place and the column sums."""
+    pre, d_pre = t["pre"], t["d_pre"]
+    num_rows = pre.shape[0]
+    programs = triton.cdiv(num_rows, rows_per_program)
+    sums = torch.empty((programs, WIDTH), dtype=torch.float32, device=pre.device)
+
+    def run() -> tuple:
+        d_pre.copy_(t["d_pre0"])  # in place: the same input every call (a copy inside the timing, for all)
+        grad_rows._silu_grad_rows[(programs,)](
+            d_pre, pre, pre, d_pre, sums, sums, sums, d_pre.stride(0), pre.stride(0), d_pre.stride(0), num_rows, D,
+            0, 0, rows_per_program, W=WIDTH, BLOCK_W=WIDTH, ROWS=1, HAS_DQ=False, E4M3=False, ROWS_OUT=False,
+            COL_SUM=True, INTERP=INTERPRET, num_warps=warps, STAGES=stages,
+        )
+        return d_pre, sums.sum(0)
+
+    return run
+
+
+def norm_fwd(t: dict, rows: int, warps: int, tiles: int, stages: int | None) -> Callable[[], tuple]:
+    num_rows = t["x"].shape[0]
+    y = torch.empty_like(t["x"])
+    mean = torch.empty(num_rows, dtype=torch.float32, device=y.device)
+    rstd = torch.empty_like(mean)
+
+    def run() -> tuple:
+        ln._norm_fwd[(triton.cdiv(num_rows, rows * tiles),)](
+            t["x"], y, mean, rstd, y, mean, mean, t["x"].stride(0), y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D,
+            ROWS=rows, TILES=tiles, QUANT=False, COLUMN_AMAX=False, INTERP=INTERPRET, num_warps=warps, STAGES=stages,
+        )
+        return y, mean, rstd
 
     return run
 
@@ -88,7 +142,14 @@ def silu(t: dict, rows: int, cols: int, warps: int, grad: bool) -> Callable[[], 
 
 KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # name: (launch, shipped params, candidates, bytes per row moved)
-    "norm_gate_bwd": (norm_gate_bwd, (4, 4, 4), list(itertools.product((2, 4, 8), (4, 8), (2, 4, 8))), 10 * D),
+    # the fourth: the tile loop's software pipeline (None: none; 2, 3: loads issued that many tiles ahead)
+    "norm_gate_bwd": (norm_gate_bwd, (4, 4, 2, 3), list(itertools.product((2, 4), (4, 8), (2, 4, 8), (None, 2, 3))),
+                      10 * D),
+    "norm_gate_fwd": (norm_gate_fwd, (4, 4, 3), list(itertools.product((4, 8), (1, 4, 16), (None, 2, 3))), 6 * D),
+    # bytes: d_pre read whole, pre's and d_pre's v, q, k columns read and written (+ the copy that resets d_pre)
+    "silu_grad_sums": (silu_grad_sums, (16, 128, 3), list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
+                       2 * WIDTH + 4 * (WIDTH - D) + 4 * WIDTH),
+    "norm_fwd": (norm_fwd, (8, 4, 1, None), list(itertools.product((4, 8), (4, 8), (1, 4, 16), (None, 3))), 4 * D),
     # shipped (8, 4) until the 2026-12-02 run of this script
     "norm_bwd": (norm_bwd, (4, 4, 0), list(itertools.product((2, 4, 8, 16), (4, 8), (0,))), 8 * D),
     "silu_fwd": (lambda t, r, c, w: silu(t, r, c, w, False), (16, 256, 4),
@@ -110,7 +171,7 @@ def tensors(rows: int, device: torch.device) -> dict:
                                                     1e-5, silu_gate=True)  # fmt: skip
     return {"pre": pre, "u": pre[:, :D], "x": x, "w": r(D, dtype=torch.float32), "b": r(D, dtype=torch.float32),
             "dy": r(rows, D), "skip": r(rows, D), "mean": mean, "rstd": rstd,
-            "d_pre": torch.empty_like(pre), "g_vqk": r(rows, WIDTH - D)}  # fmt: skip
+            "d_pre": torch.empty_like(pre), "d_pre0": r(rows, WIDTH), "g_vqk": r(rows, WIDTH - D)}  # fmt: skip
 
 
 def main() -> int:

@@ -162,3 +162,21 @@ def test_the_bf16_grads_cast_switch_is_undone(monkeypatch):
     assert bf16_linear.FLOAT32_GRADS is False
     undo()
     assert bf16_linear.FLOAT32_GRADS is True
+
+
+def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
+    """``pointwise_unpipelined`` puts the norm-gate's and the sums pass's launches of before the pipeline back, and undoes."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    from gem_kernels import hstu_gap_grad_rows, norm_gate_triton
+
+    def launches() -> tuple:
+        return (norm_gate_triton.PIPELINE_STAGES, norm_gate_triton.FORWARD_TILES,
+                norm_gate_triton.BACKWARD_PROGRAMS_PER_SM, hstu_gap_grad_rows.SUMS_ONLY_STAGES)  # fmt: skip
+
+    shipped = launches()
+    undo = VARIANTS["pointwise_unpipelined"](None)
+    assert launches() == (None, 1, 4, None) != shipped
+    undo()
+    assert launches() == shipped

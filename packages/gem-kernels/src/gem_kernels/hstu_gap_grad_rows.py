@@ -38,6 +38,10 @@ WARPS_SUMS_ONLY = 16
 accumulator (the bf16 step's bias sums, ``bias_grad_in_gap``). Measured on the H200 at 200,000 x 4,096
 (``benchmarks/grad_rows.py``, 2026-12-03): 1.078 ms on 16 warps, 1.251 on 8, 1.422 on 4; two rows an
 iteration 1.098 (8 and 16 warps), 1.671 (4); the in-place ``silu'`` pass and the linear's reduction 1.315."""
+SUMS_ONLY_STAGES = 3
+"""Rows the sums-only program's loads run ahead (``tl.range(..., num_stages=...)``): 1.015x at 200,000 x
+4,096 on the H200 (``benchmarks/pointwise_tiles.py``, 2026-12-04, the timing including a reset copy of the
+gradient: ~1.03x of the kernel); the rows and ``dq`` forms are not measured with it and run without."""
 ROWS_AT_ONCE = 2 if INTERPRET else 1
 """Rows a program loads in one iteration (more loads in flight, more registers)."""
 WARPS_WIDE = {False: 8, True: 4}
@@ -51,7 +55,7 @@ accumulator 1.696 ms on 4 (1.939 on 8, 1.828 on 16; separate 1.711)."""
 def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_pre, stride_dq, num_rows, hv,
                     q_lo, q_hi, rows_per_program, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
                     HAS_DQ: tl.constexpr, E4M3: tl.constexpr, ROWS_OUT: tl.constexpr, COL_SUM: tl.constexpr,
-                    INTERP: tl.constexpr):  # fmt: skip
+                    INTERP: tl.constexpr, STAGES: tl.constexpr = None):  # fmt: skip
     """``D_PRE[:, hv:] *= silu'(PRE[:, hv:])`` (the ``q`` columns ``[q_lo, q_hi)`` taken from ``DQ`` when
     ``HAS_DQ``), with ``ROWS_OUT`` the e4m3 rows of the whole ``D_PRE`` as stored into ``Q``/``Q_INV``, and
     with ``COL_SUM`` this program's column sums into ``SUMS[program]``."""
@@ -61,7 +65,7 @@ def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_
     grad_cols = cols_ok & (cols >= hv)
     in_q = (cols >= q_lo) & (cols < q_hi)
     sums = tl.zeros([BLOCK_W], dtype=tl.float32)
-    for t in range(0, rows_per_program, ROWS):
+    for t in tl.range(0, rows_per_program, ROWS, num_stages=STAGES):
         rows = (pid * rows_per_program + t + tl.arange(0, ROWS)).to(tl.int64)
         rows_ok = rows < num_rows
         inside = rows_ok[:, None] & cols_ok[None, :]
@@ -130,5 +134,6 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
             pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, ROWS_PER_PROGRAM, W=width,
             BLOCK_W=block_w, ROWS=ROWS_AT_ONCE, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
             COL_SUM=col_sum, INTERP=INTERPRET, num_warps=_warps(block_w, out is not None, dq is not None),
+            STAGES=SUMS_ONLY_STAGES if out is None and dq is None else None,
         )  # fmt: skip
     return sums.sum(0) if col_sum else None

@@ -42,11 +42,12 @@ def _rows_per_program(block_d: int) -> int:
 @triton.jit
 def _norm_fwd(X, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_y, num_rows, eps,
               D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
-              QUANT: tl.constexpr, COLUMN_AMAX: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+              QUANT: tl.constexpr, COLUMN_AMAX: tl.constexpr, INTERP: tl.constexpr,
+              STAGES: tl.constexpr = None):  # fmt: skip
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
     col_max = tl.zeros([BLOCK_D], dtype=tl.int32)
-    for tile in range(TILES):
+    for tile in tl.range(0, TILES, num_stages=STAGES):
         rows = ((tl.program_id(0) * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         rows_ok = rows < num_rows
         inside = rows_ok[:, None] & cols_ok[None, :]
