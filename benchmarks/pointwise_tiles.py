@@ -74,21 +74,45 @@ def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None) -> Callab
     return run
 
 
-def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | None) -> Callable[[], tuple]:
-    """The bf16 step's last gap pass (``bias_grad_in_gap``): ``silu'`` in place and the column sums."""
+def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | None, e4m3_rows: bool = False) -> Callable[[], tuple]:
+    """The step's last gap pass: ``silu'`` in place and the column sums (the bf16 step's ``bias_grad_in_gap``),
+    with ``e4m3_rows`` also the gradient's e4m3 rows (``fp8_rowwise``'s producer rows)."""
     pre, d_pre = t["pre"], t["d_pre"]
     num_rows = pre.shape[0]
     programs = triton.cdiv(num_rows, rows_per_program)
     sums = torch.empty((programs, WIDTH), dtype=torch.float32, device=pre.device)
+    q = torch.empty((num_rows, WIDTH), dtype=torch.uint8, device=pre.device) if e4m3_rows else sums
+    q_inv = torch.empty(num_rows, dtype=torch.float32, device=pre.device) if e4m3_rows else sums
 
     def run() -> tuple:
         d_pre.copy_(t["d_pre0"])  # in place: the same input every call (a copy inside the timing, for all)
         grad_rows._silu_grad_rows[(programs,)](
-            d_pre, pre, pre, d_pre, sums, sums, sums, d_pre.stride(0), pre.stride(0), d_pre.stride(0), num_rows, D,
-            0, 0, rows_per_program, W=WIDTH, BLOCK_W=WIDTH, ROWS=1, HAS_DQ=False, E4M3=False, ROWS_OUT=False,
+            d_pre, pre, pre, d_pre, q, q_inv, sums, d_pre.stride(0), pre.stride(0), d_pre.stride(0), num_rows, D,
+            0, 0, rows_per_program, W=WIDTH, BLOCK_W=WIDTH, ROWS=1, HAS_DQ=False, E4M3=False, ROWS_OUT=e4m3_rows,
             COL_SUM=True, INTERP=INTERPRET, num_warps=warps, STAGES=stages,
         )
-        return d_pre, sums.sum(0)
+        return (d_pre, sums.sum(0), q, q_inv) if e4m3_rows else (d_pre, sums.sum(0))
+
+    return run
+
+
+def norm_gate_fwd_e4m3(t: dict, warps: int, tiles: int, stages: int | None) -> Callable[[], tuple]:
+    """The norm-gate forward writing ``y``'s e4m3 rows too (``fp8_rowwise``'s producer rows, no column maxima)."""
+    num_rows = t["x"].shape[0]
+    rows = ng._rows_per_tile(D)
+    y = torch.empty_like(t["x"])
+    mean = torch.empty(num_rows, dtype=torch.float32, device=y.device)
+    rstd = torch.empty_like(mean)
+    q = torch.empty((num_rows, D), dtype=torch.uint8, device=y.device)
+    q_inv = torch.empty_like(mean)
+
+    def run() -> tuple:
+        ng._norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
+            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, q, q_inv, q_inv, t["x"].stride(0), t["u"].stride(0),
+            y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D, ROWS=rows, TILES=tiles, INTERP=INTERPRET, num_warps=warps,
+            SILU_GATE=True, QUANT=True, COLUMN_AMAX=False, STAGES=stages,
+        )
+        return y, mean, rstd, q, q_inv
 
     return run
 
@@ -149,6 +173,10 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # bytes: d_pre read whole, pre's and d_pre's v, q, k columns read and written (+ the copy that resets d_pre)
     "silu_grad_sums": (silu_grad_sums, (16, 128, 3), list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
                        2 * WIDTH + 4 * (WIDTH - D) + 4 * WIDTH),
+    # fp8_rowwise's producers (e4m3 rows beside the bf16 output; 1 byte a value more, and a scale a row)
+    "silu_grad_rows_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_rows=True), (8, 128, None),
+                            list(itertools.product((4, 8, 16), (128,), (None, 2, 3))), 2 * WIDTH + 4 * (WIDTH - D) + 5 * WIDTH),
+    "norm_gate_fwd_e4m3": (norm_gate_fwd_e4m3, (4, 1, 3), list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
     "norm_fwd": (norm_fwd, (8, 4, 1, None), list(itertools.product((4, 8), (4, 8), (1, 4, 16), (None, 3))), 4 * D),
     # shipped (8, 4) until the 2026-12-02 run of this script
     "norm_bwd": (norm_bwd, (4, 4, 0), list(itertools.product((2, 4, 8, 16), (4, 8), (0,))), 8 * D),
