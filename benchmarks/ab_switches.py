@@ -271,7 +271,7 @@ def switch_pointwise_unpipelined(run: object) -> Callable[[], None]:
     from gem_kernels import hstu_gap_grad_rows, norm_gate_triton
 
     patches = [(norm_gate_triton, "PIPELINE_STAGES", None), (norm_gate_triton, "FORWARD_TILES", 1),
-               (norm_gate_triton, "BACKWARD_PROGRAMS_PER_SM", 4), (hstu_gap_grad_rows, "SUMS_ONLY_STAGES", None)]  # fmt: skip
+               (norm_gate_triton, "BACKWARD_PROGRAMS_PER_SM", 4), (hstu_gap_grad_rows, "PIPELINE_STAGES", None)]  # fmt: skip
     before = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     for mod, name, value in patches:
         setattr(mod, name, value)

@@ -174,7 +174,7 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     "silu_grad_sums": (silu_grad_sums, (16, 128, 3), list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
                        2 * WIDTH + 4 * (WIDTH - D) + 4 * WIDTH),
     # fp8_rowwise's producers (e4m3 rows beside the bf16 output; 1 byte a value more, and a scale a row)
-    "silu_grad_rows_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_rows=True), (8, 128, None),
+    "silu_grad_rows_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_rows=True), (8, 128, 3),
                             list(itertools.product((4, 8, 16), (128,), (None, 2, 3))), 2 * WIDTH + 4 * (WIDTH - D) + 5 * WIDTH),
     "norm_gate_fwd_e4m3": (norm_gate_fwd_e4m3, (4, 1, 3), list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
     "norm_fwd": (norm_fwd, (8, 4, 1, None), list(itertools.product((4, 8), (4, 8), (1, 4, 16), (None, 3))), 4 * D),

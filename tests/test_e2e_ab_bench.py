@@ -173,7 +173,7 @@ def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
 
     def launches() -> tuple:
         return (norm_gate_triton.PIPELINE_STAGES, norm_gate_triton.FORWARD_TILES,
-                norm_gate_triton.BACKWARD_PROGRAMS_PER_SM, hstu_gap_grad_rows.SUMS_ONLY_STAGES)  # fmt: skip
+                norm_gate_triton.BACKWARD_PROGRAMS_PER_SM, hstu_gap_grad_rows.PIPELINE_STAGES)  # fmt: skip
 
     shipped = launches()
     undo = VARIANTS["pointwise_unpipelined"](None)

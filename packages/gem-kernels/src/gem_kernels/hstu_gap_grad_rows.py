@@ -38,10 +38,12 @@ WARPS_SUMS_ONLY = 16
 accumulator (the bf16 step's bias sums, ``bias_grad_in_gap``). Measured on the H200 at 200,000 x 4,096
 (``benchmarks/grad_rows.py``, 2026-12-03): 1.078 ms on 16 warps, 1.251 on 8, 1.422 on 4; two rows an
 iteration 1.098 (8 and 16 warps), 1.671 (4); the in-place ``silu'`` pass and the linear's reduction 1.315."""
-SUMS_ONLY_STAGES = 3
-"""Rows the sums-only program's loads run ahead (``tl.range(..., num_stages=...)``): 1.015x at 200,000 x
-4,096 on the H200 (``benchmarks/pointwise_tiles.py``, 2026-12-04, the timing including a reset copy of the
-gradient: ~1.03x of the kernel); the rows and ``dq`` forms are not measured with it and run without."""
+PIPELINE_STAGES = 3
+"""Rows a program's loads run ahead of its math (``tl.range(..., num_stages=...)``), without the ``dq``
+accumulator (not measured with it, so it runs without). At 200,000 x 4,096 on the H200
+(``benchmarks/pointwise_tiles.py``, 2026-12-04, each timing including a reset copy of the gradient): the
+bf16 step's sums-only pass 1.015x (16 warps), the pass that writes the e4m3 rows (``fp8_rowwise``) 1.091x
+(8 warps: 2.269 -> 2.079 ms with the copy)."""
 ROWS_AT_ONCE = 2 if INTERPRET else 1
 """Rows a program loads in one iteration (more loads in flight, more registers)."""
 WARPS_WIDE = {False: 8, True: 4}
@@ -134,6 +136,6 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
             pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, ROWS_PER_PROGRAM, W=width,
             BLOCK_W=block_w, ROWS=ROWS_AT_ONCE, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
             COL_SUM=col_sum, INTERP=INTERPRET, num_warps=_warps(block_w, out is not None, dq is not None),
-            STAGES=SUMS_ONLY_STAGES if out is None and dq is None else None,
+            STAGES=PIPELINE_STAGES if dq is None else None,
         )  # fmt: skip
     return sums.sum(0) if col_sum else None
