@@ -57,7 +57,8 @@ def test_kernels_compile_for_hopper(group: str) -> None:
 
 GAP_SCRIPT = """
 import json
-from gem_kernels import attention_fp8 as fp8, hstu_gap_saved as saved, hstu_gap_triton as gap
+from gem_kernels import attention_fp8 as fp8, hstu_gap_grad_rows as grad_rows, hstu_gap_saved as saved, hstu_gap_triton as gap
+from gem_kernels import norm_gate_triton as ng
 from gem_kernels.compile_report import compile_kernel
 
 rows = {"PRE": "*bf16", "POST": "*bf16", "Q": "*u8", "SCALE_INV": "*fp32"}
@@ -74,6 +75,14 @@ kernels = {
     # fp8_forward's silu pass of q, k writing their e4m3 copies and scales (attention_fp8)
     "silu_quantize_qk": (fp8._quantize_heads, {"X": "*bf16", "POST": "*bf16", "DATA": "*u8", "SCALES": "*fp32"},
                          dict(D=128, BLOCK_D=128, ROWS=fp8.ROWS, SILU=True), 4),
+    # the pipelined loops (tl.range num_stages, which the interpreter ignores), as their launchers set them
+    "norm_gate_bwd": (ng._norm_gate_bwd, dict.fromkeys(("X", "U", "DY", "DX", "DU"), "*bf16")
+                      | dict.fromkeys(("W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART"), "*fp32"),
+                      dict(D=1024, BLOCK_D=1024, ROWS=4, SILU_GATE=True, STAGES=ng.PIPELINE_STAGES), 4),
+    "silu_grad_rows": (grad_rows._silu_grad_rows, {"D_PRE": "*bf16", "PRE": "*bf16", "SCALE_INV": "*bf16", "DQ": "*bf16",
+                       "Q": "*u8", "Q_INV": "*fp32", "SUMS": "*fp32"},
+                       dict(W=4096, BLOCK_W=4096, ROWS=1, HAS_DQ=False, E4M3=False, ROWS_OUT=True, COL_SUM=True,
+                            STAGES=grad_rows.PIPELINE_STAGES), 8),
 }
 for name, (fn, pointers, constants, warps) in kernels.items():
     constants = {**constants, "INTERP": False}
@@ -88,9 +97,10 @@ def test_the_gap_kernels_compile_for_hopper_without_spills() -> None:
     result = subprocess.run([sys.executable, "-c", GAP_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = {r["kernel"]: r for r in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))}
-    assert len(reports) == 6
-    for report in reports.values():
-        assert report["registers"] is not None and report["stack_bytes"] == 0, report
+    assert len(reports) == 8
+    for name, report in reports.items():
+        # the norm-gate backward's fastest launch on the H200 (4 rows, 4 warps, 3 stages) spills 8 bytes
+        assert report["registers"] is not None and report["stack_bytes"] <= (8 if name == "norm_gate_bwd" else 0), report
     # the e4m3 rows are cast by the hardware, round to nearest even, as gem-precision's reference
     assert reports["silu_quantize"]["rne_fp8_cast"] and reports["silu_quantize_chunks"]["rne_fp8_cast"]
     assert reports["silu_quantize_qk"]["rne_fp8_cast"]

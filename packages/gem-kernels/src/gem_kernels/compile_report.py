@@ -127,11 +127,12 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, dim: int
                 "COL_AMAX": "*i32" if column_amax else "*fp32"}  # fmt: skip
     if kernel == "norm":
         fn, rows, warps = layer_norm_triton._norm_fwd, *layer_norm_triton._launch_shape(dim)[1:]
-        constants: dict[str, Any] = {}
+        constants: dict[str, Any] = {"STAGES": None}
     else:
-        fn, rows, warps = norm_gate_triton._norm_gate_fwd, norm_gate_triton._rows_per_tile(block_d), 8
+        fn, rows = norm_gate_triton._norm_gate_fwd, norm_gate_triton._rows_per_tile(block_d)
+        warps = 4 if block_d < 2048 else 8  # as NormGateFunction.run_forward launches it
         pointers |= {"U": "*bf16", "W": "*fp32", "B": "*fp32"}
-        constants = {"SILU_GATE": True}
+        constants = {"SILU_GATE": True, "STAGES": norm_gate_triton.PIPELINE_STAGES}
     tiles = -(-ROWS_PER_PROGRAM_WITH_COLUMNS // rows) if column_amax else 1
     constants |= dict(D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, QUANT=quantize, COLUMN_AMAX=column_amax,
                       INTERP=False)  # fmt: skip
