@@ -71,12 +71,10 @@ def _direct(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return FLOAT32_GRADS and x.is_cuda and not isinstance(weight, DTensor)
 
 
-class Bf16Linear(nn.Module):
-    """Drop-in for an ``nn.Linear`` computing its GEMMs in bfloat16 from float32 master weights.
-
-    The weight and bias are cast to bfloat16 for each call; their gradients reach them in float32
-    (module docstring). The output has the dtype of the input (bfloat16 when the model's activations
-    are)."""
+class SchemeLinear(nn.Module):
+    """What a precision scheme's module keeps of the ``nn.Linear`` it replaces: its sizes and its
+    Parameters (float32 master weights, the same names, so checkpoints and optimizers see no change),
+    and its fully qualified name for messages."""
 
     def __init__(self, linear: nn.Linear, *, fqn: str):
         super().__init__()
@@ -85,6 +83,14 @@ class Bf16Linear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.fqn = fqn
+
+
+class Bf16Linear(SchemeLinear):
+    """Drop-in for an ``nn.Linear`` computing its GEMMs in bfloat16 from float32 master weights.
+
+    The weight and bias are cast to bfloat16 for each call; their gradients reach them in float32
+    (module docstring). The output has the dtype of the input (bfloat16 when the model's activations
+    are)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(BF16)

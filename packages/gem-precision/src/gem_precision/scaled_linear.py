@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_model.api import GradRows, GradRowsSlot, PrequantizedRows, RowQuantization
-from gem_precision.bf16_linear import float32_weight_grad
+from gem_precision.bf16_linear import SchemeLinear, float32_weight_grad
 from gem_precision.recipes import LinearRecipe, Quantized
 
 
@@ -137,7 +137,7 @@ def _high_precision_weight_grad(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.T
     return float32_weight_grad(g2d.to(x2d.dtype), x2d)
 
 
-class ScaledLinear(nn.Module):
+class ScaledLinear(SchemeLinear):
     """Drop-in for an ``nn.Linear`` whose GEMMs run scaled (fp8, MXFP8).
 
     Holds the original ``weight`` and ``bias`` Parameters (float32 master weights, same names). The
@@ -146,13 +146,8 @@ class ScaledLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, *, scheme: str, fqn: str, recipe_for: Callable[[torch.device], LinearRecipe]):
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        super().__init__(linear, fqn=fqn)
         self.scheme = scheme
-        self.fqn = fqn
         self._recipe_for = recipe_for
 
     def recipe(self, device: torch.device) -> LinearRecipe:
