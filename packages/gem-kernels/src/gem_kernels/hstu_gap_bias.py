@@ -23,7 +23,8 @@ tile in flight, against six of the plain pass (79 registers on 4 warps): half th
 pass bound by them, and a cross-warp reduction per tile (``benchmarks/results/e2e_ab.md``). So rows
 that fit in registers whole (up to 8,192 wide) now take the fp8 path's pass over whole rows instead,
 without its e4m3 rows (:func:`gem_kernels.hstu_gap_grad_rows.silu_grad_rows`), which sums the ``u``
-columns too; this module's pass stays for wider rows. The whole-row path awaits its GPU measurement.
+columns too; this module's pass stays for wider rows. The whole-row path was measured on the H200
+(1.007-1.008x on the step, 2026-12-04) and is on by default.
 """
 
 from __future__ import annotations
