@@ -35,9 +35,10 @@ PIPELINE_STAGES = 3
 """Tiles a program's loads run ahead of its math (``tl.range(..., num_stages=...)``: cp.async into shared
 memory), forward and backward. Measured on the H200 at 200,000 x 1,024 (``benchmarks/pointwise_tiles.py``,
 2026-12-04, 15 rotated rounds): the backward 0.765 -> 0.572 ms (1.34x, 2.7 -> 3.6 TB/s by the bytes it
-must move; 4 rows, 4 warps, 2 programs per SM), the forward 1.21x over 8 warps without the pipeline
-(4 tiles of 4 rows a program, 4 warps). Without it, the backward's one program per 254 registers left
-too few loads in flight (two programs per SM)."""
+must move; 4 rows, 4 warps, 2 programs per SM), the forward 0.373 -> 0.318 ms (1.17x; 4 tiles of 4 rows
+a program, 4 warps). Without it, the backward's programs of 254 registers (two per SM) each waited for
+their loads before every tile's math. The forward with e4m3 rows gained nothing from more tiles: it
+keeps one tile a program."""
 FORWARD_TILES = 4
 """Row tiles a forward program covers when it writes no column maxima (the pipeline needs a loop)."""
 BACKWARD_PROGRAMS_PER_SM = 2
