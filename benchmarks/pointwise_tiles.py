@@ -117,33 +117,44 @@ def norm_gate_fwd_e4m3(t: dict, warps: int, tiles: int, stages: int | None) -> C
     return run
 
 
-def norm_fwd(t: dict, rows: int, warps: int, tiles: int, stages: int | None) -> Callable[[], tuple]:
+def _e4m3_rows(num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((num_rows, D), dtype=torch.uint8, device=device),
+            torch.empty(num_rows, dtype=torch.float32, device=device))  # fmt: skip
+
+
+def norm_fwd(t: dict, rows: int, warps: int, tiles: int, stages: int | None, e4m3_rows: bool = False) -> Callable[[], tuple]:
+    """The block's layer norm forward; with ``e4m3_rows`` also its e4m3 rows (``fp8_rowwise``'s producer)."""
     num_rows = t["x"].shape[0]
     y = torch.empty_like(t["x"])
     mean = torch.empty(num_rows, dtype=torch.float32, device=y.device)
     rstd = torch.empty_like(mean)
+    q, q_inv = _e4m3_rows(num_rows, y.device) if e4m3_rows else (y, mean)
 
     def run() -> tuple:
         ln._norm_fwd[(triton.cdiv(num_rows, rows * tiles),)](
-            t["x"], y, mean, rstd, y, mean, mean, t["x"].stride(0), y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D,
-            ROWS=rows, TILES=tiles, QUANT=False, COLUMN_AMAX=False, INTERP=INTERPRET, num_warps=warps, STAGES=stages,
+            t["x"], y, mean, rstd, q, q_inv, mean, t["x"].stride(0), y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D,
+            ROWS=rows, TILES=tiles, QUANT=e4m3_rows, COLUMN_AMAX=False, INTERP=INTERPRET, num_warps=warps,
+            STAGES=stages,
         )
-        return y, mean, rstd
+        return (y, mean, rstd, q, q_inv) if e4m3_rows else (y, mean, rstd)
 
     return run
 
 
-def norm_bwd(t: dict, rows: int, warps: int, _: int) -> Callable[[], tuple]:
+def norm_bwd(t: dict, rows: int, warps: int, _: int, e4m3_rows: bool = False) -> Callable[[], tuple]:
+    """The layer norm backward with the residual's gradient; with ``e4m3_rows`` also the gradient's e4m3
+    rows (offered to the previous block's ``out`` under ``fp8_rowwise``)."""
     num_rows = t["x"].shape[0]
     dx = torch.empty_like(t["x"])
+    q, q_inv = _e4m3_rows(num_rows, dx.device) if e4m3_rows else (dx, t["mean"])
 
     def run() -> tuple:
         ln._norm_bwd[(triton.cdiv(num_rows, rows),)](
-            t["x"], t["dy"], t["skip"], dx, t["mean"], t["rstd"], t["x"].stride(0), t["dy"].stride(0),
+            t["x"], t["dy"], t["skip"], dx, t["mean"], t["rstd"], q, q_inv, t["x"].stride(0), t["dy"].stride(0),
             t["skip"].stride(0), dx.stride(0), num_rows, D=D, BLOCK_D=D, ROWS=rows, HAS_SKIP=True, XHAT_GIVEN=False,
-            INTERP=INTERPRET, num_warps=warps,
+            QUANT=e4m3_rows, INTERP=INTERPRET, num_warps=warps,
         )
-        return (dx,)
+        return (dx, q, q_inv) if e4m3_rows else (dx,)
 
     return run
 
@@ -177,6 +188,10 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     "silu_grad_rows_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_rows=True), (8, 128, 3),
                             list(itertools.product((4, 8, 16), (128,), (None, 2, 3))), 2 * WIDTH + 4 * (WIDTH - D) + 5 * WIDTH),
     "norm_gate_fwd_e4m3": (norm_gate_fwd_e4m3, (4, 1, 3), list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
+    "norm_fwd_e4m3": (lambda t, r, w, n, st: norm_fwd(t, r, w, n, st, e4m3_rows=True), (8, 4, 1, None),
+                      list(itertools.product((2, 4, 8), (4, 8), (1, 4), (None, 3))), 5 * D),
+    "norm_bwd_e4m3": (lambda t, r, w, z: norm_bwd(t, r, w, z, e4m3_rows=True), (4, 4, 0),
+                      list(itertools.product((1, 2, 4, 8), (4, 8), (0,))), 9 * D),
     "norm_fwd": (norm_fwd, (8, 4, 1, None), list(itertools.product((4, 8), (4, 8), (1, 4, 16), (None, 3))), 4 * D),
     # shipped (8, 4) until the 2026-12-02 run of this script
     "norm_bwd": (norm_bwd, (4, 4, 0), list(itertools.product((2, 4, 8, 16), (4, 8), (0,))), 8 * D),
@@ -208,7 +223,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--smoke", action="store_true",
-                   help="first candidate of each kernel only (TRITON_INTERPRET=1 on a CPU; with --rows 64)")  # fmt: skip
+                   help="the shipped launch and the first candidate of each kernel, their outputs compared, "
+                        "not timed (TRITON_INTERPRET=1 on a CPU; with --rows 16)")  # fmt: skip
     p.add_argument("--out")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -218,7 +234,7 @@ def main() -> int:
     for name in args.kernels.split(","):
         launch, shipped, candidates, row_bytes = KERNELS[name]
         if args.smoke:
-            candidates = [shipped, candidates[0]]
+            candidates = [shipped, next(c for c in candidates if c != shipped)]
         reference = [o.clone() for o in launch(t, *shipped)()]
         runs: dict[tuple, Callable[[], tuple]] = {}
         bad = {}
@@ -231,6 +247,11 @@ def main() -> int:
                 runs[c] = fn
             else:
                 bad[str(c)] = err
+        if args.smoke:  # the launches and their outputs only: no timing under the interpreter
+            print(f"{name}: {len(runs)} of {len(candidates)} launches match the shipped one; differ: {bad}")
+            if bad:
+                return 1
+            continue
         names = list(runs)
         times: dict[tuple, list[float]] = {c: [] for c in names}
         for _ in range(2):
