@@ -4,14 +4,11 @@ the function that undoes it, so that every variant of an A/B trains the same mod
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
+from ab_patch import Switch, all_of, patched  # beside this script
 from ab_switches_precision import PRECISION_VARIANTS  # beside this script
-
-Switch = Callable[[object], Callable[[], None]]
-"""Applied to a live run; returns the function that undoes it."""
 
 
 def _blocks(run: object) -> list[torch.nn.Module]:
@@ -222,24 +219,6 @@ def _insert_one_before(values: torch.Tensor, lengths: torch.Tensor, extra: torch
     return out.index_copy(0, extra_index, extra.to(values.dtype)), new_lengths
 
 
-def switch_sequence_rows_as_before(run: object) -> Callable[[], None]:
-    """The sequence's rows moved as before 2026-12-04: the candidate appended by a zero fill and two
-    out-of-place copies, the position rows gathered in float32 and cast in a pass of their own, and the
-    output's history and candidate rows taken by indexing (whose backward fills zeros, scatters with
-    accumulation and adds the two gradients)."""
-    undos = [
-        _patched("gem_model.jagged", "insert_one", _insert_one_before)(run),
-        _patched("gem_model.model.gem", "position_rows", lambda table, positions, dtype: table(positions).to(dtype))(run),
-        _patched("gem_model.model.gem", "split_rows", lambda x, index_a, index_b: (x[index_a], x[index_b]))(run),
-    ]
-
-    def undo() -> None:
-        for each in reversed(undos):
-            each()
-
-    return undo
-
-
 def switch_ddp_no_sync(run: object) -> Callable[[], None]:
     """DDP's gradient hooks off (``require_backward_grad_sync = False``, what ``no_sync()`` sets for a
     step). With one rank the all-reduce changes no value, but the reducer still copies and scales every
@@ -265,36 +244,6 @@ def switch_ddp_no_sync(run: object) -> Callable[[], None]:
     return undo
 
 
-def switch_pointwise_unpipelined(run: object) -> Callable[[], None]:
-    """The norm-gate kernels and the gap's sums-only silu' pass as launched before their loads were
-    pipelined (2026-12-04): no ``tl.range`` stages, one forward tile a program, four backward programs per SM."""
-    from gem_kernels import hstu_gap_grad_rows, norm_gate_triton
-
-    patches = [(norm_gate_triton, "PIPELINE_STAGES", None), (norm_gate_triton, "FORWARD_TILES", 1),
-               (norm_gate_triton, "BACKWARD_PROGRAMS_PER_SM", 4), (hstu_gap_grad_rows, "PIPELINE_STAGES", None)]  # fmt: skip
-    before = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-    for mod, name, value in patches:
-        setattr(mod, name, value)
-
-    def undo() -> None:
-        for mod, name, value in before:
-            setattr(mod, name, value)
-
-    return undo
-
-
-def _patched(module: str, name: str, value: object) -> Switch:
-    """``module.name`` set to ``value`` (read where the code calls it), the old value put back on undo."""
-
-    def apply(run: object) -> Callable[[], None]:
-        mod = importlib.import_module(module)
-        before = getattr(mod, name)
-        setattr(mod, name, value)
-        return lambda: setattr(mod, name, before)
-
-    return apply
-
-
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -307,9 +256,9 @@ VARIANTS: dict[str, Switch] = {
     "bias_grad_by_linear": _attention_option(bias_grad_in_gap=False),
     "host_syncs": switch_host_syncs,
     # the history's mean by index_add of float32 copies (before ca34568) instead of the membership GEMM
-    "index_add_mean": _patched("gem_model.jagged", "MEMBERSHIP_GEMM_ELEMENTS", 0),
+    "index_add_mean": patched("gem_model.jagged", "MEMBERSHIP_GEMM_ELEMENTS", 0),
     # the even bags' per-key counts by a pageable copy (before b184563) instead of gem_model.host_copy's
-    "pageable_bags": _patched("gem_model.model.lookup_bags", "to_device_async", lambda host, device: host.to(device)),
+    "pageable_bags": patched("gem_model.model.lookup_bags", "to_device_async", lambda host, device: host.to(device)),
     "whole_bags": switch_whole_bags,
     "bf16_lookup": switch_bf16_lookup,
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),
@@ -319,9 +268,24 @@ VARIANTS: dict[str, Switch] = {
     # backward on the training thread instead of autograd's device thread
     "backward_on_main_thread": switch_backward_on_main_thread,
     "ddp_no_sync": switch_ddp_no_sync,
-    "sequence_rows_as_before": switch_sequence_rows_as_before,
-    "pointwise_unpipelined": switch_pointwise_unpipelined,
+    # the sequence's rows moved as before 2026-12-04: the candidate appended by a zero fill and two
+    # out-of-place copies, the position rows gathered in float32 and cast in a pass of their own, and the
+    # output's history and candidate rows taken by indexing (whose backward fills zeros, scatters with
+    # accumulation and adds the two gradients)
+    "sequence_rows_as_before": all_of(
+        patched("gem_model.jagged", "insert_one", _insert_one_before),
+        patched("gem_model.model.gem", "position_rows", lambda table, positions, dtype: table(positions).to(dtype)),
+        patched("gem_model.model.gem", "split_rows", lambda x, index_a, index_b: (x[index_a], x[index_b])),
+    ),
+    # the norm-gate kernels and the gap's last backward pass as launched before their loads were pipelined
+    # (2026-12-04): no tl.range stages, one forward tile a program, four backward programs per SM
+    "pointwise_unpipelined": all_of(
+        patched("gem_kernels.norm_gate_triton", "PIPELINE_STAGES", None),
+        patched("gem_kernels.norm_gate_triton", "FORWARD_TILES", 1),
+        patched("gem_kernels.norm_gate_triton", "BACKWARD_PROGRAMS_PER_SM", 4),
+        patched("gem_kernels.hstu_gap_grad_rows", "PIPELINE_STAGES", None),
+    ),
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
-    "rows_by_element": _patched("gem_model.jagged", "_as_words", lambda t: t),
+    "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-Switch = Callable[[object], Callable[[], None]]
+from ab_patch import Switch, patched  # beside this script
 
 
 def _precision(scheme_name: str, **options: object) -> Switch:
@@ -69,20 +69,6 @@ def _fp8_saved(*, in_kernels: bool) -> Switch:
     return apply
 
 
-def switch_fp8_two_pass_rows(run: object) -> Callable[[], None]:
-    """Row-scaled fp8 alone through the stats and cast passes, as before the one-pass kernel
-    (``gem_precision.fp8_rows_triton.ONE_PASS_MAX_N = 0``)."""
-    from gem_precision import fp8_rows_triton
-
-    before = fp8_rows_triton.ONE_PASS_MAX_N
-    fp8_rows_triton.ONE_PASS_MAX_N = 0
-
-    def undo() -> None:
-        fp8_rows_triton.ONE_PASS_MAX_N = before
-
-    return undo
-
-
 def switch_fp8_own_grad_rows(run: object) -> Callable[[], None]:
     """fp8_rowwise's linears quantize their output gradient themselves (one-pass rows), as before the
     fused gap offered the ``uvqk`` gradient's rows (``ScaledLinear.grad_rows_slot`` makes no slot)."""
@@ -97,36 +83,10 @@ def switch_fp8_own_grad_rows(run: object) -> Callable[[], None]:
     return undo
 
 
-def switch_fp8_gap_grad_rows_only(run: object) -> Callable[[], None]:
-    """Only the gap offers gradient rows (to ``uvqk``); each block's ``out`` quantizes its own output
-    gradient, as the layer norm backward offers it nothing (``hstu_block.attached_grad_rows`` -> None)."""
-    from gem_kernels import hstu_block
-
-    before = hstu_block.attached_grad_rows
-    hstu_block.attached_grad_rows = lambda t: None  # type: ignore[assignment]
-
-    def undo() -> None:
-        hstu_block.attached_grad_rows = before  # type: ignore[assignment]
-
-    return undo
-
-
-def switch_bf16_grads_cast(run: object) -> Callable[[], None]:
-    """The bf16 linears' (and fp8_rowwise's bf16 weight GEMM's) gradients computed in bf16 and cast to
-    float32 in launches of their own, as before ``gem_precision.bf16_linear`` wrote them in float32."""
-    from gem_precision import bf16_linear
-
-    before = bf16_linear.FLOAT32_GRADS
-    bf16_linear.FLOAT32_GRADS = False
-
-    def undo() -> None:
-        bf16_linear.FLOAT32_GRADS = before
-
-    return undo
-
-
 PRECISION_VARIANTS: dict[str, Switch] = {
-    "bf16_grads_cast": switch_bf16_grads_cast,
+    # the bf16 linears' (and fp8_rowwise's bf16 weight GEMM's) gradients computed in bf16 and cast to
+    # float32 in launches of their own, as before gem_precision.bf16_linear wrote them in float32
+    "bf16_grads_cast": patched("gem_precision.bf16_linear", "FLOAT32_GRADS", False),
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),
@@ -135,9 +95,12 @@ PRECISION_VARIANTS: dict[str, Switch] = {
     "fp8_rowwise_producers": _precision("fp8_rowwise", weight_gradient="fp8", producer_quantization=True),
     "fp8_rowwise_gw_bf16": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=False),
     "fp8_rowwise_gw_bf16_producers": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=True),
-    "fp8_two_pass_rows": switch_fp8_two_pass_rows,
+    # row-scaled fp8 alone through the stats and cast passes, as before the one-pass kernel
+    "fp8_two_pass_rows": patched("gem_precision.fp8_rows_triton", "ONE_PASS_MAX_N", 0),
     "fp8_own_grad_rows": switch_fp8_own_grad_rows,
-    "fp8_gap_grad_rows_only": switch_fp8_gap_grad_rows_only,
+    # only the gap offers gradient rows (to uvqk); each block's out quantizes its own output gradient, as
+    # the layer norm backward offers it nothing (hstu_block.attached_grad_rows -> None)
+    "fp8_gap_grad_rows_only": patched("gem_kernels.hstu_block", "attached_grad_rows", lambda t: None),
     "fp8_saved": _fp8_saved(in_kernels=True),
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
 }

@@ -123,12 +123,10 @@ def identity(dump: dict[str, Any], pm: GemPluginManager) -> dict[str, Any]:
             callbacks[resolved["name"]] = resolved["options"]
     if callbacks:
         out["callbacks"] = callbacks
-    trainer = out.get("trainer")
-    if isinstance(trainer, dict):
-        out["trainer"] = {k: v for k, v in trainer.items() if k not in IGNORED_TRAINER}
-    model = out.get("model")
-    if isinstance(model, dict):
-        out["model"] = {k: v for k, v in model.items() if k not in IGNORED_MODEL}
+    for section, ignored in (("trainer", IGNORED_TRAINER), ("model", IGNORED_MODEL)):
+        fields = out.get(section)
+        if isinstance(fields, dict):
+            out[section] = {k: v for k, v in fields.items() if k not in ignored}
     return out
 
 
