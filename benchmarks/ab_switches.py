@@ -285,6 +285,9 @@ VARIANTS: dict[str, Switch] = {
         patched("gem_kernels.norm_gate_triton", "BACKWARD_PROGRAMS_PER_SM", 4),
         patched("gem_kernels.hstu_gap_grad_rows", "PIPELINE_STAGES", None),
     ),
+    # the forward's and the dq pass's key and value tiles by pointer loads, as before 2026-12-04 (tensor
+    # descriptors since)
+    "attention_pointer_loads": patched("gem_kernels.attention_triton_common", "TMA_LOADS", False),
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

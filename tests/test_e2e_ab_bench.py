@@ -180,3 +180,17 @@ def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
     assert launches() == (None, 1, 4, None) != shipped
     undo()
     assert launches() == shipped
+
+
+def test_the_attention_pointer_loads_switch_is_undone(monkeypatch):
+    """``attention_pointer_loads`` turns the attention's tensor-descriptor loads off, and undoes."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    from gem_kernels import attention_triton_common
+
+    assert attention_triton_common.TMA_LOADS is True
+    undo = VARIANTS["attention_pointer_loads"](None)
+    assert attention_triton_common.TMA_LOADS is False
+    undo()
+    assert attention_triton_common.TMA_LOADS is True

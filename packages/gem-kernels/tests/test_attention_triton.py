@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from gem_kernels import attention_triton, attention_triton_bwd
+from gem_kernels import attention_triton, attention_triton_bwd, attention_triton_common
 from gem_kernels.attention import TritonJaggedAttention
+from gem_kernels.attention_triton_common import tma_loads
 from gem_kernels.testing import attention_errors, offsets_from_lengths, random_qkv
 from gem_model.api import AttentionExtras
 
@@ -237,3 +238,59 @@ def test_tuning_picks_the_fastest_config(monkeypatch: pytest.MonkeyPatch) -> Non
     before = len(launched)
     kernel.launch((), dict, **options)  # type: ignore[arg-type]
     assert launched[before:] == [fast] and restored == [1] and kernel.last == (("v", 1), fast)
+
+
+@pytest.mark.parametrize("mask", ["causal", "targets_window"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # tanh of the loud rows' own large scores
+def test_tma_loads_give_the_pointer_loads_bits(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, mask: str) -> None:
+    """Tiles by tensor descriptors read past a sequence's end into the next sequence's rows
+    (zeros past the tensor's end); the masks must drop every score they make. The next rows here are
+    1000x larger than the sequence's own, so a leak would show; the forward and the dq pass (the two
+    kernels that read keys and values) and the dk/dv pass (queries and output gradients) must give the
+    pointer loads' bits, and match the reference."""
+    lengths = [5, 37, 0, 18, 3, 26]
+    targets = random_targets(gen, lengths) if mask != "causal" else None
+    window = 7 if mask != "causal" else 0
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = random_qkv(int(offsets[-1]), 2, 32, 32, torch.bfloat16, gen)
+    loud = torch.zeros(int(offsets[-1]), dtype=torch.bool)
+    loud[offsets[1:-1].tolist()[::2]] = True  # the first row of every other sequence after the first
+    for t in (q, k, v):
+        t[loud] *= 1000.0
+    grad_out = torch.randn(v.shape, generator=gen).to(torch.bfloat16)
+    grad_out[loud] *= 1000.0
+    config = TritonJaggedAttention.Config(dq="separate", block_m=16, block_n=16)
+    assert tma_loads(k, v) and tma_loads(q, grad_out)
+    extras = AttentionExtras(num_targets=targets, max_attn_len=window)
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = TritonJaggedAttention(config)(*leaves, offsets, max_seq_len=40, alpha=0.25, extras=extras)
+        return [out, *torch.autograd.grad(out, leaves, grad_out)]
+
+    monkeypatch.setattr(attention_triton_bwd, "TMA_LOADS", True)  # off by default in the dk/dv pass
+    with_tma = run()
+    monkeypatch.setattr(attention_triton_common, "TMA_LOADS", False)
+    assert not tma_loads(k, v)
+    with_pointers = run()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), with_tma, with_pointers, strict=True):
+        assert torch.equal(a, b), name
+    errors = attention_errors(TritonJaggedAttention(config), q, k, v, offsets, grad_out, max_seq_len=40, alpha=0.25,
+                              num_targets=targets, max_attn_len=window)
+    assert max(errors.values()) < TOLERANCE[torch.bfloat16], errors
+
+
+def test_tma_loads_only_where_descriptors_fit() -> None:
+    """Descriptors need unpadded power-of-two head dims, heads side by side, 16-byte rows, one 16-bit dtype."""
+    rows = torch.zeros(7, 2, 3 * 32, dtype=torch.bfloat16)
+    k, v = rows[:, :, :32], rows[:, :, 32:64]  # heads 96 apart: not side by side
+    assert not tma_loads(k, v)
+    flat = torch.zeros(7, 3 * 64, dtype=torch.bfloat16)  # the uvqk layout: k and v are column slices of one row
+    k, v = flat[:, 64:128].view(7, 2, 32), flat[:, 128:].view(7, 2, 32)
+    assert tma_loads(k, v)
+    assert not tma_loads(k.float(), v.float())
+    assert not tma_loads(k, v.half())
+    odd = torch.zeros(7, 2 * 25, dtype=torch.bfloat16).view(7, 2, 25)
+    assert not tma_loads(odd, odd)
+    shifted = torch.zeros(7 * 64 + 1, dtype=torch.bfloat16)[1:].view(7, 2, 32)  # base 2 bytes off
+    assert not tma_loads(shifted, shifted)

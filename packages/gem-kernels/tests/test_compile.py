@@ -18,6 +18,8 @@ GROUPS = {
     # the relative biases: inline-PTX table loads, the diagonal gather and the bucket atomics
     "biases": """[Variant(k, "bfloat16", 128, 128, targets=True, window=True, position_bias=True, time_bias=True)
              for k in ("forward", "dq", "dkdv", "dkdv_atomic")]""",
+    # the inner loops' tiles by tensor descriptors (TMA): on by default in the forward and the dq pass
+    "tma": """[Variant(k, "bfloat16", 128, 128, targets=True, window=True, tma=True) for k in ("forward", "dq", "dkdv")]""",
     # the forward's e4m3 q k^T (fp8_forward): the fp8 wgmma, with and without the biases
     "fp8": """[Variant("forward", "bfloat16", 128, 128, targets=True, window=True, fp8=True),
             Variant("forward", "bfloat16", 128, 128, targets=True, window=True, position_bias=True, time_bias=True,
@@ -29,15 +31,15 @@ from gem_kernels.compile_report import Variant, compile_producer, compile_varian
 for v in ({variants}):
     r = compile_variant(v, configs(v.kernel, wide=False)[0])
     print(json.dumps({{"kernel": v.kernel, "dtype": v.dtype, "shared": r["shared_bytes"], "registers": r["registers"],
-                      "fp8_mma": r["fp8_mma"]}}))
+                      "fp8_mma": r["fp8_mma"], "tma": r["tma_loads"]}}))
 for kernel, quantize, columns in ({producers}):  # the fused block's layer norm and norm-gate, writing e4m3 rows
     r = compile_producer(kernel, quantize=quantize, column_amax=columns)
     print(json.dumps({{"kernel": kernel, "shared": r["shared_bytes"], "registers": r["registers"]}}))
 """
 PRODUCERS = {"plain": '[("norm", True, False), ("norm", True, True), ("norm_gate", True, True)]', "biases": "[]",
-             "fp8": "[]"}
+             "tma": "[]", "fp8": "[]"}
 HOPPER_SHARED_LIMIT = 227 * 1024
-COUNTS = {"plain": 9, "biases": 4, "fp8": 2}
+COUNTS = {"plain": 9, "biases": 4, "tma": 3, "fp8": 2}
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
@@ -53,6 +55,7 @@ def test_kernels_compile_for_hopper(group: str) -> None:
         assert report["shared"] <= HOPPER_SHARED_LIMIT, report
         assert report["registers"] is not None, report
         assert report.get("fp8_mma", False) == (group == "fp8"), report  # e4m3 wgmma exactly where asked
+        assert report.get("tma", False) == (group == "tma"), report  # bulk tensor copies exactly where asked
 
 
 GAP_SCRIPT = """

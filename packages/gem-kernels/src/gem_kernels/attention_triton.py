@@ -66,10 +66,12 @@ from gem_kernels.attention_triton_common import (
     locate_tile,
     queue_counter,
     release_queue,
+    row_descriptor,
     scan_chunk,
     silu_and_grad,
     silu_and_grad_biased,
     silu_mode,
+    tma_loads,
 )
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
 
@@ -84,10 +86,10 @@ from gem_kernels.launcher import Config, TunedKernel, fixed_config
 # pass at N = 256 and 1024, so both 4-warp shapes are candidates for the forward too.
 FORWARD_CONFIGS: list[Config] = [
     (128, 128, 8, 2, 1), (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 64, 8, 4, 1),
-    (64, 64, 4, 2, 2), (64, 64, 4, 3, 2), (64, 32, 4, 3, 2),
+    (64, 64, 4, 2, 2), (64, 64, 4, 3, 2), (64, 32, 4, 3, 2), (64, 32, 4, 3, 3),
 ]
 DQ_CONFIGS: list[Config] = [
-    (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 2), (64, 32, 4, 2, 2),
+    (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 32, 8, 3, 1), (64, 32, 4, 3, 2), (64, 32, 4, 2, 2), (64, 32, 4, 4, 2),
 ]
 WIDE_CONFIGS: list[Config] = [(128, 32, 8, 2, 1), (64, 64, 8, 2, 1), (32, 64, 4, 2, 2)]  # head dims above 128
 INTERPRETER_CONFIGS: list[Config] = [(16, 16, 1, 1, 1)]
@@ -99,9 +101,11 @@ def make_configs(wide: bool, compute_dq: bool) -> list[Config]:
     return WIDE_CONFIGS if wide else (DQ_CONFIGS if compute_dq else FORWARD_CONFIGS)
 
 
-KEY_NAMES = ("dtype", "dqk", "dv", "targets", "window", "bias", "chunk", "blocks", "n_bucket", "mean_bucket")
+KEY_NAMES = ("dtype", "dqk", "dv", "targets", "window", "bias", "chunk", "blocks", "loads", "n_bucket", "mean_bucket")
 """What a tuning key holds: ``bias`` the relative biases (``RelativeBias.label``), ``blocks`` is
-``auto`` (tuned) or the tile sizes set by hand."""
+``auto`` (tuned) or the tile sizes set by hand, ``loads`` ``tma`` (the tiles that the inner loop
+walks come by tensor descriptors: :func:`~gem_kernels.attention_triton_common.tma_loads`) or
+``pointers``."""
 
 
 @triton.jit
@@ -131,14 +135,21 @@ def _query_block_ranges(m0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.c
 def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n,
                       d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha,
                       PB, TB, EDGES, key_times, query_t, pos_offset, num_buckets, key_scale_ptrs, stride_scale,
+                      k_desc, v_desc, key_row, k_col, v_col,
                       MASKED: tl.constexpr, COMPUTE_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                       SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
-                      CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr, FP8: tl.constexpr):
+                      CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr, FP8: tl.constexpr, TMA: tl.constexpr):
     keys = start + offs_n
     keys_ok = keys < seq_len
-    k = load_tile(k_ptrs + start * stride_km, keys_ok, d_qk_ok, MASKED, CHECK_QK)
-    v = load_tile(v_ptrs + start * stride_vm, keys_ok, d_v_ok, MASKED, CHECK_V)
+    if TMA:
+        # whole tiles by the tensor memory accelerator: rows past the sequence are the next sequence's
+        # (zeros past the tensor); only MASKED steps reach them, and their scores are masked below
+        k = k_desc.load([key_row + start, k_col])
+        v = v_desc.load([key_row + start, v_col])
+    else:
+        k = load_tile(k_ptrs + start * stride_km, keys_ok, d_qk_ok, MASKED, CHECK_QK)
+        v = load_tile(v_ptrs + start * stride_vm, keys_ok, d_v_ok, MASKED, CHECK_V)
     s = dot(q, tl.trans(k), None, IEEE, INTERP)
     if FP8:  # e4m3 q k^T: the keys' dequantization factors here, the queries' are in ``alpha``
         if MASKED:
@@ -164,27 +175,32 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
         w = silu
         rhs = v
     if MASKED:
-        w = tl.where(allowed(queries[:, None], keys[None, :], history_len, max_attn_len, HAS_WINDOW), w, 0.0)
+        keep = allowed(queries[:, None], keys[None, :], history_len, max_attn_len, HAS_WINDOW)
+        if TMA:  # no valid row sees a key past its sequence, but say so: those are the next sequence's
+            keep &= keys_ok[None, :]
+        w = tl.where(keep, w, 0.0)
     return dot(cast(w, rhs.dtype, INTERP), rhs, acc, IEEE, INTERP)
 
 
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
-@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets"])
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_rows", "max_attn_len", "pos_offset", "num_buckets"])
 def query_major_kernel(
     Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
     stride_dom, stride_doh, stride_om, stride_oh,
-    num_seqs, num_heads, alpha, out_scale, max_attn_len, pos_offset, num_buckets,
+    num_seqs, num_heads, num_rows, alpha, out_scale, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV: tl.constexpr, D_OUT: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_OUT: tl.constexpr,
     COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue. ``PB``,
     ``TB``: position and time bias tables; ``EDGES``: the time buckets' edge table; ``TS``, ``QTS``:
-    int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias)."""
+    int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias).
+    ``TMA``: the key and value tiles come by tensor descriptors over ``[num_rows, num_heads * D]``
+    (the caller checks heads are contiguous, rows 16-byte aligned, and the head dims unpadded)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -194,6 +210,11 @@ def query_major_kernel(
     d_v_ok = offs_v < DV
     CHECK_QK: tl.constexpr = DQK != BLOCK_DQK
     CHECK_V: tl.constexpr = DV != BLOCK_DV
+    k_desc = K  # unused without TMA
+    v_desc = V
+    if TMA:
+        k_desc = row_descriptor(K, num_rows, num_heads * DQK, stride_km, BLOCK_N, BLOCK_DQK)
+        v_desc = row_descriptor(V, num_rows, num_heads * DV, stride_vm, BLOCK_N, BLOCK_DV)
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
@@ -240,8 +261,9 @@ def query_major_kernel(
                 acc = _query_block_step(
                     acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
                     d_v_ok, seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
-                    pos_offset, num_buckets, key_scales, stride_dom, False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS,
-                    HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK, CHECK_V, FP8,
+                    pos_offset, num_buckets, key_scales, stride_dom, k_desc, v_desc, seq_start.to(tl.int32), head * DQK, head * DV,
+                    False, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK,
+                    CHECK_V, FP8, TMA,
                 )
             for i in range(0, n_left + n_hist + n_diag):
                 start = tl.where(
@@ -253,8 +275,9 @@ def query_major_kernel(
                 acc = _query_block_step(
                     acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, queries, offs_n, d_qk_ok,
                     d_v_ok, seq_len, history_len, max_attn_len, row_alpha, PB, TB, EDGES, key_times, query_t,
-                    pos_offset, num_buckets, key_scales, stride_dom, True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS,
-                    HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK, CHECK_V, FP8,
+                    pos_offset, num_buckets, key_scales, stride_dom, k_desc, v_desc, seq_start.to(tl.int32), head * DQK, head * DV,
+                    True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK,
+                    CHECK_V, FP8, TMA,
                 )
             out_ptrs = (OUT + seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om
                         + offs_out[None, :])
@@ -268,7 +291,8 @@ def query_major_kernel(
 _POINTERS = ("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES", "TS", "QTS")
 FORWARD = TunedKernel("forward", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"),
                       key_names=KEY_NAMES)
-DQ = TunedKernel("dq", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"), key_names=KEY_NAMES)
+DQ = TunedKernel("dq", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"),
+                 key_names=KEY_NAMES)
 
 
 def query_major(
@@ -321,8 +345,10 @@ def query_major(
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
     chunk = CHUNK  # read at call time: tests shrink it
+    tma = not fp8 and tma_loads(k, v)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(), chunk,
-               "auto" if blocks is None else blocks)  # q.dtype: float8_e4m3fn for the fp8 forward
+               "auto" if blocks is None else blocks,  # q.dtype: float8_e4m3fn for the fp8 forward
+               "tma" if tma else "pointers")
 
     def constexprs() -> dict:
         return dict(
@@ -330,6 +356,7 @@ def query_major(
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
             HAS_POS_BIAS=bias.position is not None, HAS_TIME_BIAS=bias.time is not None,
             SILU=silu_mode(v.dtype), IEEE=v.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, FP8=fp8,
+            TMA=tma,
         )
 
     def tile_bound(config: Config) -> int:
@@ -341,7 +368,7 @@ def query_major(
             q, k, v, do, out, seq_offsets, num_targets if num_targets is not None else seq_offsets, counter,
             *bias.pointers(q), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), out.stride(0), out.stride(1),
-            num_seqs, num_heads, alpha, scale, max_attn_len, max_seq_len - 1, bias.num_buckets,
+            num_seqs, num_heads, num_rows, alpha, scale, max_attn_len, max_seq_len - 1, bias.num_buckets,
         )
         if blocks is not None:
             configs = [fixed_config(*blocks)]

@@ -43,10 +43,12 @@ from gem_kernels.attention_triton_common import (
     locate_tile,
     queue_counter,
     release_queue,
+    row_descriptor,
     scan_chunk,
     silu_and_grad,
     silu_and_grad_biased,
     silu_mode,
+    tma_loads,
 )
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
 
@@ -62,6 +64,14 @@ CONFIGS: list[Config] = [
 ]
 WIDE_CONFIGS: list[Config] = [(16, 64, 8, 2, 1), (16, 32, 8, 2, 1), (16, 32, 4, 2, 2)]  # head dims above 128
 INTERPRETER_CONFIGS: list[Config] = [(16, 16, 1, 1, 1)]
+
+
+TMA_LOADS = False
+"""Whether the dk/dv pass loads its query and output-gradient tiles by tensor descriptors (where
+:func:`~gem_kernels.attention_triton_common.tma_loads` allows). Off: on the H200 it was slower at every
+length (0.98x on the big config's lengths, 0.91-0.93x on uniform ones; 2026-12-04,
+``benchmarks/attention_loads.py``), its 32-query tiles too small for the copies to pay, while the forward
+and the dq pass (64-128 keys a tile) gained up to 1.17x."""
 
 
 def _configs(wide: bool) -> list[Config]:
@@ -99,6 +109,7 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
                     PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
+                    q_desc, do_desc, query_row, q_col, do_col, TMA: tl.constexpr,
                     MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
@@ -106,8 +117,12 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     queries = start + offs_m
     queries_ok = queries < seq_len
-    q = load_tile(q_ptrs + start * stride_qm, queries_ok, d_qk_ok, MASKED, CHECK_QK)
-    do = load_tile(do_ptrs + start * stride_dom, queries_ok, d_v_ok, MASKED, CHECK_V)
+    if TMA:  # whole tiles: rows past the sequence (the next one's, or zeros) are masked below
+        q = q_desc.load([query_row + start, q_col])
+        do = do_desc.load([query_row + start, do_col])
+    else:
+        q = load_tile(q_ptrs + start * stride_qm, queries_ok, d_qk_ok, MASKED, CHECK_QK)
+        do = load_tile(do_ptrs + start * stride_dom, queries_ok, d_v_ok, MASKED, CHECK_V)
     s_t = dot(k, tl.trans(q), None, IEEE, INTERP)
     if HAS_POS or HAS_TIME:
         query_t = queries
@@ -124,6 +139,8 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     ds_t = dot(v, tl.trans(do), None, IEEE, INTERP) * grad_t
     if MASKED:
         keep = allowed(queries[None, :], keys[:, None], history_len, max_attn_len, HAS_WINDOW)
+        if TMA:  # the causal mask lets rows past the sequence see its keys: they are the next sequence's
+            keep &= queries_ok[None, :]
         silu_t = tl.where(keep, silu_t, 0.0)
         ds_t = tl.where(keep, ds_t, 0.0)
     # ds_t is d out / d r (times N) for every (key, query) pair: zero where masked or padded
@@ -143,22 +160,23 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
 
 
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
-@triton.jit(do_not_specialize=["num_seqs", "num_heads", "max_attn_len", "pos_offset", "num_buckets"])
+@triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_rows", "max_attn_len", "pos_offset", "num_buckets"])
 def key_major_kernel(
     Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
-    num_seqs, num_heads, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
+    num_seqs, num_heads, num_rows, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
-    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
+    SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """dk, dv (and dq with ``ATOMIC_DQ``) for every (sequence, head, key block) tile; with ``POS_GRAD`` /
     ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
-    ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``."""
+    ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``. ``TMA``: the query and
+    output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -171,6 +189,11 @@ def key_major_kernel(
         DPB = DPB + (tl.program_id(0) % POS_STRIPES) * (2 * pos_offset + 1)
     if TIME_GRAD:
         DTB = DTB + (tl.program_id(0) % TIME_STRIPES) * num_buckets
+    q_desc = Q  # unused without TMA
+    do_desc = DO
+    if TMA:
+        q_desc = row_descriptor(Q, num_rows, num_heads * DQK, stride_qm, BLOCK_M, BLOCK_DQK)
+        do_desc = row_descriptor(DO, num_rows, num_heads * DV_DIM, stride_dom, BLOCK_M, BLOCK_DV)
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
@@ -210,7 +233,8 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, False, ATOMIC_DQ, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, False, ATOMIC_DQ, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -219,7 +243,8 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, True, ATOMIC_DQ, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, True, ATOMIC_DQ, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -280,8 +305,9 @@ def key_major(
     grads = bias_grads if bias_grads is not None else BiasGrads(None, None)
     grad_flags = (grads.position is not None, grads.time is not None)
     chunk = CHUNK  # read at call time: tests shrink it
+    tma = TMA_LOADS and tma_loads(q, grad_out)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
-               "auto" if blocks is None else blocks)
+               "auto" if blocks is None else blocks, "tma" if tma else "pointers")
 
     def constexprs() -> dict:
         return dict(
@@ -289,7 +315,7 @@ def key_major(
             HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
-            IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk,
+            IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, TMA=tma,
         )
 
     def restore() -> None:  # tuning runs added into the accumulators
@@ -306,7 +332,7 @@ def key_major(
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
             counter, *bias.pointers(q), *grads.pointers(dq), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, float(alpha),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, num_rows, float(alpha),
             float(max_seq_len), max_attn_len, max_seq_len - 1, bias.num_buckets,
         )
         if blocks is not None:

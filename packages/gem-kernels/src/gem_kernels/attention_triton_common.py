@@ -33,6 +33,53 @@ def silu_mode(dtype: torch.dtype) -> int:
     return SILU_TANH_APPROX
 
 
+TMA_LOADS = True
+"""The tiles each kernel's inner loop walks (keys and values in the forward and the dq pass, queries
+and output gradients in the dk/dv pass) come by tensor descriptors where :func:`tma_loads` allows;
+False keeps pointer loads everywhere (read at call time)."""
+
+
+def tma_loads(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels may load whole tiles of these ``[L, H, D]`` tensors by tensor descriptors:
+    on a GPU that has them (compute capability 9.0 or later, or in the interpreter), 16-bit tensors of
+    one dtype whose heads sit side by side in a row (``stride(1) == D``, ``D`` a power of two, so no
+    padding), with 16-byte aligned rows and base. Sets Triton's allocator for the descriptors if so."""
+    if not TMA_LOADS or tensors[0].dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not INTERPRET and (not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+        return False
+    for t in tensors:
+        d = t.shape[2]
+        if t.dtype != tensors[0].dtype or d != pow2_at_least(d) or d < 16 or t.stride(2) != 1 or t.stride(1) != d:
+            return False
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    _ensure_allocator()
+    return True
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the descriptors a kernel builds on the device (128 bytes each, per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
+
+
+def _ensure_allocator() -> None:
+    """Triton's allocator for device-built tensor descriptors, unless the caller set one. Triton keeps it
+    in a context variable, which autograd's device thread starts without: so every launch checks."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+@triton.jit
+def row_descriptor(X, num_rows, row_width, stride_row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tensor descriptor over ``X`` seen as ``[num_rows, row_width]`` (a row holds every head), handing
+    out ``[BLOCK_ROWS, BLOCK_D]`` tiles; rows past ``num_rows`` read as zeros."""
+    return tl.make_tensor_descriptor(X, shape=[num_rows, row_width], strides=[stride_row, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
 def pow2_at_least(n: int) -> int:
     """The smallest power of two >= ``n`` (>= 1), in plain Python: ``triton.next_power_of_2`` is a
     constexpr function and costs microseconds per host call."""

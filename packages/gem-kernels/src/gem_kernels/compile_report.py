@@ -44,6 +44,8 @@ class Variant:
     """With a bias, the dk/dv kernels also accumulate its gradient."""
     fp8: bool = False
     """The forward's e4m3 ``q k^T`` (:mod:`gem_kernels.attention_fp8`): q, k in e4m3, their scales in ``DO``."""
+    tma: bool = False
+    """The inner loop's tiles by tensor descriptors (``attention_triton_common.tma_loads``)."""
 
 
 def configs(kernel: str, wide: bool) -> list[tuple[int, int, int, int, int]]:
@@ -76,7 +78,8 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
             raise ValueError(f"fp8 is a mode of the forward only, not of {variant.kernel}")
         constants = dict(
             DQK=variant.dim_qk, DV=variant.dim_v, D_OUT=dim_out, BLOCK_DV=dim_block(variant.dim_v),
-            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", FP8=variant.fp8, **common,
+            BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", FP8=variant.fp8, TMA=variant.tma,
+            **common,
         )
         pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT")} | offsets
         if variant.fp8:
@@ -88,7 +91,7 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
             DQK=variant.dim_qk, DV_DIM=variant.dim_v, BLOCK_DV=dim_block(variant.dim_v),
             ATOMIC_DQ=variant.kernel == "dkdv_atomic", POS_GRAD=variant.position_bias, TIME_GRAD=variant.time_bias,
             POS_STRIPES=attention_triton_bias.POSITION_STRIPES, TIME_STRIPES=attention_triton_bias.TIME_STRIPES,
-            **common,
+            TMA=variant.tma, **common,
         )
         pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV")} | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32"}
                     | offsets)
@@ -100,8 +103,8 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
                    arch: int = 90) -> dict[str, Any]:  # fmt: skip
     """Compile one ``triton.jit`` function: ``signature`` gives each non-constexpr argument's type
     (``*bf16``, ``i32``, ...), ``constants`` the constexprs. Shared bytes, registers, spill stack, and
-    whether an fp8 cast lowered to the hardware's round-to-nearest-even (``cvt.rn.satfinite``), and
-    whether an MMA takes e4m3 operands."""
+    whether an fp8 cast lowered to the hardware's round-to-nearest-even (``cvt.rn.satfinite``),
+    whether an MMA takes e4m3 operands, and whether tiles load by bulk tensor copies (TMA)."""
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     hints = {
         (i,): [["tt.divisibility", 16]]
@@ -113,7 +116,8 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
                               options={"num_warps": warps, "num_stages": stages})
     ptx = compiled.asm["ptx"]
     return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
-            "fp8_mma": ".e4m3.e4m3" in ptx, **_cubin_usage(compiled.asm["cubin"])}
+            "fp8_mma": ".e4m3.e4m3" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
+            **_cubin_usage(compiled.asm["cubin"])}
 
 
 def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, dim: int = 1024, arch: int = 90) -> dict[str, Any]:
@@ -163,10 +167,12 @@ def main() -> None:
     parser.add_argument("--all-configs", action="store_true", help="every autotuning config, not just the first")
     parser.add_argument("--bias", choices=("none", "position", "time", "both"), default="none")
     parser.add_argument("--fp8", action="store_true", help="the forward's e4m3 q k^T mode (forward only)")
+    parser.add_argument("--tma", action="store_true", help="the kernels' tensor-descriptor loads")
     args = parser.parse_args()
     for kernel in ("forward",) if args.fp8 else KERNELS:
         variant = Variant(kernel, args.dtype, *args.dims, position_bias=args.bias in ("position", "both"),
-                          time_bias=args.bias in ("time", "both"), fp8=args.fp8)
+                          time_bias=args.bias in ("time", "both"), fp8=args.fp8,
+                          tma=args.tma)
         table = configs(kernel, max(args.dims) > 128)
         for config in table if args.all_configs else table[:1]:
             r = compile_variant(variant, config, args.arch)
