@@ -188,7 +188,7 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     "silu_grad_rows_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_rows=True), (8, 128, 3),
                             list(itertools.product((4, 8, 16), (128,), (None, 2, 3))), 2 * WIDTH + 4 * (WIDTH - D) + 5 * WIDTH),
     "norm_gate_fwd_e4m3": (norm_gate_fwd_e4m3, (4, 1, 3), list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
-    "norm_fwd_e4m3": (lambda t, r, w, n, st: norm_fwd(t, r, w, n, st, e4m3_rows=True), (8, 4, 1, None),
+    "norm_fwd_e4m3": (lambda t, r, w, n, st: norm_fwd(t, r, w, n, st, e4m3_rows=True), (2, 4, 1, None),
                       list(itertools.product((2, 4, 8), (4, 8), (1, 4), (None, 3))), 5 * D),
     "norm_bwd_e4m3": (lambda t, r, w, z: norm_bwd(t, r, w, z, e4m3_rows=True), (4, 4, 0),
                       list(itertools.product((1, 2, 4, 8), (4, 8), (0,))), 9 * D),

@@ -130,7 +130,8 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, dim: int
     pointers = {"X": "*bf16", "Y": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32", "Q": "*u8", "Q_INV": "*fp32",
                 "COL_AMAX": "*i32" if column_amax else "*fp32"}  # fmt: skip
     if kernel == "norm":
-        fn, rows, warps = layer_norm_triton._norm_fwd, *layer_norm_triton._launch_shape(dim)[1:]
+        fn, rows, warps = layer_norm_triton._norm_fwd, *layer_norm_triton._launch_shape(
+            dim, e4m3_rows=quantize and not column_amax)[1:]
         constants: dict[str, Any] = {"STAGES": None}
     else:
         fn, rows = norm_gate_triton._norm_gate_fwd, norm_gate_triton._rows_per_tile(block_d)
