@@ -4,7 +4,6 @@ modes' outputs differ, so the GPU timing never runs on a broken kernel."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -13,19 +12,12 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (as gem-kernels' conftest does)
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_benchmark(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its helpers live beside it
-    spec = importlib.util.spec_from_file_location("attention_loads_bench", ROOT / "benchmarks" / "attention_loads.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: bench_modules beside this file
+from bench_modules import load_benchmark
 
 
 def test_the_two_load_modes_give_the_same_bits(monkeypatch, capsys):
-    bench = load_benchmark(monkeypatch)
+    bench = load_benchmark(monkeypatch, "attention_loads.py")
     monkeypatch.setattr(sys, "argv", ["attention_loads.py", "--smoke"])
     assert bench.main() == 0
     printed = capsys.readouterr().out
@@ -34,7 +26,7 @@ def test_the_two_load_modes_give_the_same_bits(monkeypatch, capsys):
 
 
 def test_outputs_that_differ_stop_the_run(monkeypatch):
-    bench = load_benchmark(monkeypatch)
+    bench = load_benchmark(monkeypatch, "attention_loads.py")
     in_mode = bench.in_mode
 
     def nudged(mode, fn):  # the descriptor mode's outputs off, as a leak past a sequence would make them

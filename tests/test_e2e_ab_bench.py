@@ -150,18 +150,27 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
     assert "--steady-rounds must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_the_bf16_grads_cast_switch_is_undone(monkeypatch):
-    """``bf16_grads_cast`` turns the bf16 linears' float32 gradients off (their cast form) and back on."""
+@pytest.mark.parametrize(
+    ("switch", "module", "flag"),
+    [
+        # the bf16 linears' float32 gradients off (their cast form)
+        ("bf16_grads_cast", "gem_precision.bf16_linear", "FLOAT32_GRADS"),
+        # the attention's tensor-descriptor loads off (pointer loads)
+        ("attention_pointer_loads", "gem_kernels.attention_triton_common", "TMA_LOADS"),
+    ],
+)
+def test_a_flag_switch_turns_its_flag_off_and_undoes(monkeypatch, switch, module, flag):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import importlib
+
     from ab_switches import VARIANTS
 
-    from gem_precision import bf16_linear
-
-    assert bf16_linear.FLOAT32_GRADS is True
-    undo = VARIANTS["bf16_grads_cast"](None)
-    assert bf16_linear.FLOAT32_GRADS is False
+    owner = importlib.import_module(module)
+    assert getattr(owner, flag) is True
+    undo = VARIANTS[switch](None)
+    assert getattr(owner, flag) is False
     undo()
-    assert bf16_linear.FLOAT32_GRADS is True
+    assert getattr(owner, flag) is True
 
 
 def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
@@ -181,16 +190,3 @@ def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
     undo()
     assert launches() == shipped
 
-
-def test_the_attention_pointer_loads_switch_is_undone(monkeypatch):
-    """``attention_pointer_loads`` turns the attention's tensor-descriptor loads off, and undoes."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from ab_switches import VARIANTS
-
-    from gem_kernels import attention_triton_common
-
-    assert attention_triton_common.TMA_LOADS is True
-    undo = VARIANTS["attention_pointer_loads"](None)
-    assert attention_triton_common.TMA_LOADS is False
-    undo()
-    assert attention_triton_common.TMA_LOADS is True

@@ -4,26 +4,18 @@ candidate whose outputs differ stops the run, so the GPU sweep is never timed on
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (as gem-kernels' conftest does)
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_benchmark(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its helpers live beside it
-    spec = importlib.util.spec_from_file_location("pointwise_tiles_bench", ROOT / "benchmarks" / "pointwise_tiles.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: bench_modules beside this file
+from bench_modules import load_benchmark
 
 
 def test_every_kernels_launches_run_and_agree(monkeypatch, capsys):
-    bench = load_benchmark(monkeypatch)
+    bench = load_benchmark(monkeypatch, "pointwise_tiles.py")
     monkeypatch.setattr(sys, "argv", ["pointwise_tiles.py", "--smoke", "--rows", "16"])
     assert bench.main() == 0
     printed = capsys.readouterr().out
@@ -32,7 +24,7 @@ def test_every_kernels_launches_run_and_agree(monkeypatch, capsys):
 
 
 def test_a_candidate_with_other_outputs_stops_the_run(monkeypatch, capsys):
-    bench = load_benchmark(monkeypatch)
+    bench = load_benchmark(monkeypatch, "pointwise_tiles.py")
     launch, shipped, candidates, row_bytes = bench.KERNELS["norm_bwd"]
 
     def off(t, *params):
