@@ -69,9 +69,10 @@ INTERPRETER_CONFIGS: list[Config] = [(16, 16, 1, 1, 1)]
 TMA_LOADS = False
 """Whether the dk/dv pass loads its query and output-gradient tiles by tensor descriptors (where
 :func:`~gem_kernels.attention_triton_common.tma_loads` allows). Off: on the H200 it was slower at every
-length (0.98x on the big config's lengths, 0.91-0.93x on uniform ones; 2026-12-04,
-``benchmarks/attention_loads.py``), its 32-query tiles too small for the copies to pay, while the forward
-and the dq pass (64-128 keys a tile) gained up to 1.17x."""
+length (0.98x on the big config's lengths, 0.91-0.94x on uniform ones; 2026-12-04,
+``benchmarks/attention_loads.py``). Its registers stay at 255 either way for every candidate from 16 x 128
+to 64 x 128 (its two float32 accumulators bind it, not addresses), while the forward and the dq pass,
+freed of their address registers, gained up to 1.20x and 1.07x."""
 
 
 def _configs(wide: bool) -> list[Config]:
