@@ -56,20 +56,20 @@ def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: 
     return run
 
 
-def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None) -> Callable[[], tuple]:
+def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None, e4m3_rows: bool = False) -> Callable[[], tuple]:
+    """The norm-gate forward; with ``e4m3_rows`` also ``y``'s e4m3 rows (``fp8_rowwise``'s producer rows, no
+    column maxima)."""
     num_rows = t["x"].shape[0]
     rows = ng._rows_per_tile(D)
-    y = torch.empty_like(t["x"])
-    mean = torch.empty(num_rows, dtype=torch.float32, device=y.device)
-    rstd = torch.empty_like(mean)
+    y, mean, rstd, q, q_inv = _forward_outputs(t["x"], e4m3_rows)
 
     def run() -> tuple:
         ng._norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
-            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, y, mean, mean, t["x"].stride(0), t["u"].stride(0),
+            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, q, q_inv, q_inv, t["x"].stride(0), t["u"].stride(0),
             y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D, ROWS=rows, TILES=tiles, INTERP=INTERPRET, num_warps=warps,
-            SILU_GATE=True, QUANT=False, COLUMN_AMAX=False, STAGES=stages,
+            SILU_GATE=True, QUANT=e4m3_rows, COLUMN_AMAX=False, STAGES=stages,
         )
-        return y, mean, rstd
+        return (y, mean, rstd, q, q_inv) if e4m3_rows else (y, mean, rstd)
 
     return run
 
@@ -96,39 +96,24 @@ def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | Non
     return run
 
 
-def norm_gate_fwd_e4m3(t: dict, warps: int, tiles: int, stages: int | None) -> Callable[[], tuple]:
-    """The norm-gate forward writing ``y``'s e4m3 rows too (``fp8_rowwise``'s producer rows, no column maxima)."""
-    num_rows = t["x"].shape[0]
-    rows = ng._rows_per_tile(D)
-    y = torch.empty_like(t["x"])
-    mean = torch.empty(num_rows, dtype=torch.float32, device=y.device)
-    rstd = torch.empty_like(mean)
-    q = torch.empty((num_rows, D), dtype=torch.uint8, device=y.device)
-    q_inv = torch.empty_like(mean)
-
-    def run() -> tuple:
-        ng._norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
-            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, q, q_inv, q_inv, t["x"].stride(0), t["u"].stride(0),
-            y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D, ROWS=rows, TILES=tiles, INTERP=INTERPRET, num_warps=warps,
-            SILU_GATE=True, QUANT=True, COLUMN_AMAX=False, STAGES=stages,
-        )
-        return y, mean, rstd, q, q_inv
-
-    return run
-
-
 def _e4m3_rows(num_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty((num_rows, D), dtype=torch.uint8, device=device),
             torch.empty(num_rows, dtype=torch.float32, device=device))  # fmt: skip
 
 
+def _forward_outputs(x: torch.Tensor, e4m3_rows: bool) -> tuple[torch.Tensor, ...]:
+    """A norm forward's ``y``, ``mean``, ``rstd`` and its e4m3 rows and scales (``y``, ``mean`` stand in
+    for those when it writes none)."""
+    y = torch.empty_like(x)
+    mean = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    q, q_inv = _e4m3_rows(x.shape[0], x.device) if e4m3_rows else (y, mean)
+    return y, mean, torch.empty_like(mean), q, q_inv
+
+
 def norm_fwd(t: dict, rows: int, warps: int, tiles: int, stages: int | None, e4m3_rows: bool = False) -> Callable[[], tuple]:
     """The block's layer norm forward; with ``e4m3_rows`` also its e4m3 rows (``fp8_rowwise``'s producer)."""
     num_rows = t["x"].shape[0]
-    y = torch.empty_like(t["x"])
-    mean = torch.empty(num_rows, dtype=torch.float32, device=y.device)
-    rstd = torch.empty_like(mean)
-    q, q_inv = _e4m3_rows(num_rows, y.device) if e4m3_rows else (y, mean)
+    y, mean, rstd, q, q_inv = _forward_outputs(t["x"], e4m3_rows)
 
     def run() -> tuple:
         ln._norm_fwd[(triton.cdiv(num_rows, rows * tiles),)](
@@ -187,7 +172,8 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # fp8_rowwise's producers (e4m3 rows beside the bf16 output; 1 byte a value more, and a scale a row)
     "silu_grad_rows_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_rows=True), (8, 128, 3),
                             list(itertools.product((4, 8, 16), (128,), (None, 2, 3))), 2 * WIDTH + 4 * (WIDTH - D) + 5 * WIDTH),
-    "norm_gate_fwd_e4m3": (norm_gate_fwd_e4m3, (4, 1, 3), list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
+    "norm_gate_fwd_e4m3": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, e4m3_rows=True), (4, 1, 3),
+                           list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
     "norm_fwd_e4m3": (lambda t, r, w, n, st: norm_fwd(t, r, w, n, st, e4m3_rows=True), (2, 4, 1, None),
                       list(itertools.product((2, 4, 8), (4, 8), (1, 4), (None, 3))), 5 * D),
     "norm_bwd_e4m3": (lambda t, r, w, z: norm_bwd(t, r, w, z, e4m3_rows=True), (4, 4, 0),

@@ -46,7 +46,7 @@ def tma_loads(*tensors: torch.Tensor) -> bool:
     padding), with 16-byte aligned rows and base. Sets Triton's allocator for the descriptors if so."""
     if not TMA_LOADS or tensors[0].dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not INTERPRET and (not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9):
+    if not INTERPRET and (not tensors[0].is_cuda or not has_tma(tensors[0].device.index or 0)):
         return False
     for t in tensors:
         d = t.shape[2]
@@ -102,6 +102,12 @@ def length_buckets(max_seq_len: int, num_rows: int, num_seqs: int) -> tuple[int,
 @functools.cache
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def has_tma(device_index: int) -> bool:
+    """Whether the GPU has the tensor memory accelerator (compute capability 9.0 or later)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager[object]:
