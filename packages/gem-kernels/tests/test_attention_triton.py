@@ -74,6 +74,17 @@ def test_random_batches(gen: torch.Generator, dtype: torch.dtype, dq: str, mask:
           config=TritonJaggedAttention.Config(dq=dq))
 
 
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("dims", [(32, 32), (25, 16)])
+def test_atomic_dq_in_both_forms(gen: torch.Generator, monkeypatch, transposed: bool, dims: tuple[int, int]) -> None:
+    """The key-major pass's dq as ``k^T ds^T`` (the default) or ``ds k``: both against the reference, with
+    a head dim that is not a power of two (masked columns in the transposed atomics' addresses)."""
+    monkeypatch.setattr(attention_triton_bwd, "TRANSPOSED_DQ", transposed)
+    lengths = random_lengths(gen, 4, 40)
+    check(lengths, gen, dtype=torch.bfloat16, dims=dims, targets=random_targets(gen, lengths), window=7,
+          config=TritonJaggedAttention.Config(dq="atomic"))
+
+
 @pytest.mark.parametrize("dims", [(16, 16), (25, 25), (32, 32), (64, 64), (128, 128), (256, 256), (64, 32), (32, 128)])
 def test_head_dims(gen: torch.Generator, dims: tuple[int, int]) -> None:
     lengths = [9, 0, 21]
@@ -294,3 +305,4 @@ def test_tma_loads_only_where_descriptors_fit() -> None:
     assert not tma_loads(odd, odd)
     shifted = torch.zeros(7 * 64 + 1, dtype=torch.bfloat16)[1:].view(7, 2, 32)  # base 2 bytes off
     assert not tma_loads(shifted, shifted)
+

@@ -4,9 +4,10 @@ One tile = (sequence, head, block of ``BLOCK_N`` keys). The tile keeps ``k``, ``
 ``dv`` accumulators on chip and walks the query blocks that see its keys: unmasked ones without mask
 math, the diagonal, window-edge and target blocks masked. Five MMAs per (query block, key block)
 pair: ``s^T = k q^T``, ``dp^T = v g^T``, ``dv += silu(s)^T g``, ``dk += ds^T q`` and, with
-``ATOMIC_DQ``, ``dq += ds k`` added into an fp32 buffer with relaxed atomics (concurrent tiles are
-neighbouring key blocks of the same sequence, so those atomics stay in L2). Without ``ATOMIC_DQ`` a
-query-major pass computes ``dq`` instead (three more MMAs: ``s``, ``dp`` are recomputed).
+``ATOMIC_DQ``, ``dq^T += k^T ds^T`` (:data:`TRANSPOSED_DQ`) added into an fp32 buffer with relaxed
+atomics (concurrent tiles are neighbouring key blocks of the same sequence, so those atomics stay in
+L2). Without ``ATOMIC_DQ`` a query-major pass computes ``dq`` instead (three more MMAs: ``s``, ``dp``
+are recomputed).
 The queue is the forward's, over key blocks, first key block (the one most queries see) first.
 With relative biases, each (query block, key block) pair also adds its share of the bias gradients
 (pre-reduced in the tile: :func:`gem_kernels.attention_triton_bias.position_grad` and ``time_grad``).
@@ -75,6 +76,17 @@ to 64 x 128 (its two float32 accumulators bind it, not addresses), while the for
 freed of their address registers, gained up to 1.20x and 1.07x."""
 
 
+TRANSPOSED_DQ = True
+"""With atomic dq, whether the key-major pass computes ``dq^T = k^T ds^T`` (M = the head dim: a ``wgmma``
+at any query step) rather than ``dq = ds k`` (M = the query step, 16-32 rows: ``mma.sync`` on Hopper).
+The whole backward with atomic dq, H200, 2026-12-04 (``benchmarks/atomic_dq.py``, 12-15 rotated rounds,
+medians, ms): big config 7.469 -> 6.869 (1.087x), N = 1024 / 4096 uniform 6.080 -> 5.576 / 76.96 -> 66.38
+(1.090x / 1.159x), N = 256 s = 0.3 0.368 -> 0.335, N = 1024 s = 0.3 1.247 -> 1.165, MovieLens-like
+(B 128, H 2, D 64) 0.151 -> 0.142. The separate dq pass stays faster where ``auto`` picks it (big config
+6.150 ms, N = 1024 5.073): the float32 atomics, the buffer's zeroing and its cast, not the MMA, are what
+atomic dq costs there."""
+
+
 def _configs(wide: bool) -> list[Config]:
     return INTERPRETER_CONFIGS if INTERPRET else (WIDE_CONFIGS if wide else CONFIGS)
 
@@ -111,7 +123,7 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
                     PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
                     q_desc, do_desc, query_row, q_col, do_col, TMA: tl.constexpr,
-                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                     CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr,
@@ -154,9 +166,14 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     dk = dot(ds_t, q, dk, IEEE, INTERP)
     if ATOMIC_DQ:
         # Scaled here so that the buffer only needs a cast afterwards, not another full read and write.
-        dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP) * (alpha / max_seq_len)
-        tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=queries_ok[:, None] & d_qk_ok[None, :],
-                      sem="relaxed")
+        if DQ_T:  # dq^T = k^T ds^T: M is the head dim, so the MMA is a wgmma at any query step
+            dq_t = dot(tl.trans(k), ds_t, None, IEEE, INTERP) * (alpha / max_seq_len)
+            tl.atomic_add(dq_ptrs + start * stride_dqm, dq_t, mask=d_qk_ok[:, None] & queries_ok[None, :],
+                          sem="relaxed")
+        else:
+            dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP) * (alpha / max_seq_len)
+            tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=queries_ok[:, None] & d_qk_ok[None, :],
+                          sem="relaxed")
     return dk, dv
 
 
@@ -168,7 +185,7 @@ def key_major_kernel(
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     num_seqs, num_heads, num_rows, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr,
@@ -213,7 +230,10 @@ def key_major_kernel(
             v = load_tile(v_rows + offs_v[None, :], keys_ok, d_v_ok, True, CHECK_V)
             q_ptrs = Q + seq_start * stride_qm + head * stride_qh + offs_m[:, None] * stride_qm + offs_qk[None, :]
             do_ptrs = DO + seq_start * stride_dom + head * stride_doh + offs_m[:, None] * stride_dom + offs_v[None, :]
-            dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + offs_m[:, None] * stride_dqm + offs_qk[None, :]
+            if DQ_T:
+                dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + offs_qk[:, None] + offs_m[None, :] * stride_dqm
+            else:
+                dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + offs_m[:, None] * stride_dqm + offs_qk[None, :]
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
             query_times = QTS
             key_t = keys
@@ -235,7 +255,7 @@ def key_major_kernel(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
                     EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, False, ATOMIC_DQ, HAS_WINDOW,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, False, ATOMIC_DQ, DQ_T, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -245,7 +265,7 @@ def key_major_kernel(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
                     EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, True, ATOMIC_DQ, HAS_WINDOW,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, True, ATOMIC_DQ, DQ_T, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -264,7 +284,8 @@ _POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS"
              "TS", "QTS", "DPB", "DTB")
 DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES)
 DKDV_ATOMIC = TunedKernel(
-    "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES
+    "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"),
+    key_names=(*KEY_NAMES[:-2], "dq_form", *KEY_NAMES[-2:]),
 )
 
 
@@ -309,10 +330,13 @@ def key_major(
     tma = TMA_LOADS and tma_loads(q, grad_out)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
                "auto" if blocks is None else blocks, "tma" if tma else "pointers")
+    if atomic:
+        variant += ("transposed" if TRANSPOSED_DQ else "rows",)
 
     def constexprs() -> dict:
         return dict(
             DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
+            DQ_T=atomic and TRANSPOSED_DQ,
             HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
