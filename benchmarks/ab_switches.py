@@ -288,9 +288,6 @@ VARIANTS: dict[str, Switch] = {
     # the forward's and the dq pass's key and value tiles by pointer loads, as before 2026-12-04 (tensor
     # descriptors since)
     "attention_pointer_loads": patched("gem_kernels.attention_triton_common", "TMA_LOADS", False),
-    # fp8_saved's backward expanding the gate u to bf16 for the norm-gate backward, as before 2026-12-04 17:30
-    # UTC (the norm-gate backward reads the e4m3 rows since)
-    "fp8_saved_gate_expanded": patched("gem_kernels.hstu_gap_triton", "GATE_FROM_E4M3", False),
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

@@ -158,8 +158,6 @@ def test_expand_rows_and_the_e4m3_silu_gradient(gen, hv, width):
         assert torch.equal(u, pre_hat[:, :hv].to(dtype))  # e4m3 values are exact in bf16
         torch.testing.assert_close(post, F.silu(pre_hat[:, hv:]).to(dtype), rtol=1e-6 if dtype == torch.float32 else 1e-2,
                                    atol=1e-6)  # fmt: skip
-        no_u, post_alone = expand_rows(data, scale_inv, hv, dtype, with_u=False)  # tiles from hv on
-        assert no_u is None and torch.equal(post_alone, post)
     g = torch.randn(9, 30, generator=gen)
     z = pre_hat[:, 40:70].clone().requires_grad_()
     (want,) = torch.autograd.grad(F.silu(z), z, g)
@@ -171,52 +169,3 @@ def test_gap_refuses_an_unknown_saved_format():
     with pytest.raises(ValueError, match="saved_format must be None or 'e4m3_row', got 'e5m2_row'"):
         gap(torch.zeros(4, WIDTH), torch.ones(HV), torch.zeros(HV), offsets_from_lengths([4]), AttentionExtras(), "auto",
             "e5m2_row")  # fmt: skip
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_gate_backward_reads_the_gate_from_e4m3_rows(gen, dtype):
-    """The gap's saved rows hold the gate's pre-activation ``u`` in e4m3 with a power-of-two scale per row;
-    the norm-gate backward reading them gives the bits it gives on ``u`` expanded to the activation dtype
-    (where those values are exact), and refuses the rows without a place to write ``du``."""
-    from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
-
-    rows, hv, width = 11, 24, 56
-    pre = torch.randn(rows, width, generator=gen) * 3
-    data, scale_inv = silu_quantize_rows(pre, torch.empty(rows, width - hv), hv)
-    u = expand_rows(data, scale_inv, hv, dtype)[0]
-    x = torch.randn(rows, hv, generator=gen).to(dtype)
-    weight, bias = 1 + 0.1 * torch.randn(hv, generator=gen), 0.1 * torch.randn(hv, generator=gen)
-    _, mean, rstd = NormGateFunction.run_forward(x, u, weight, bias, EPS, silu_gate=True)
-    dy = torch.randn(rows, hv, generator=gen).to(dtype)
-    results = []
-    for gate, inv in ((u, None), (data[:, :hv], scale_inv)):
-        du = torch.full((rows, width), float("nan"), dtype=dtype)[:, :hv]
-        dx, _, dw, db = norm_gate_backward(dy, x, gate, weight, bias, mean, rstd, silu_gate=True, du_out=du,
-                                           u_scale_inv=inv)  # fmt: skip
-        results.append((dx, du, dw, db))
-    for name, a, b in zip(("dx", "du", "dw", "db"), *results, strict=True):
-        assert torch.equal(a, b), name
-    with pytest.raises(ValueError, match="u_scale_inv is for float8_e4m3fn u rows"):
-        norm_gate_backward(dy, x, data[:, :hv], weight, bias, mean, rstd, silu_gate=True, u_scale_inv=scale_inv)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_gate_from_e4m3_rows_gives_the_expanded_gates_bits(gen, monkeypatch, dtype):
-    """``GATE_FROM_E4M3``: the compressed gap's backward hands the norm-gate backward the saved e4m3 rows
-    instead of a ``u`` expanded to ``dtype``; every gradient keeps its bits."""
-    import gem_kernels.hstu_gap_triton as gap_module
-
-    offsets = offsets_from_lengths([5, 0, 9, 2])
-    n = int(offsets[-1])
-    pre = (torch.randn(n, WIDTH, generator=gen) * 2).to(dtype)
-    weight, bias = 1 + 0.1 * torch.randn(HV, generator=gen), 0.1 * torch.randn(HV, generator=gen)
-    dy = torch.randn(n, HV, generator=gen).to(dtype)
-    extras = AttentionExtras(num_targets=torch.tensor([1, 0, 2, 1]))
-    grads = []
-    for from_rows in (True, False):
-        monkeypatch.setattr(gap_module, "GATE_FROM_E4M3", from_rows)
-        leaves = [t.detach().clone().requires_grad_() for t in (pre, weight, bias)]
-        y = gap(*leaves, offsets, extras, "separate", E4M3_ROW)
-        grads.append(torch.autograd.grad(y, leaves, dy))
-    for name, a, b in zip(("d_pre", "d_weight", "d_bias"), *grads, strict=True):
-        assert torch.equal(a, b), name

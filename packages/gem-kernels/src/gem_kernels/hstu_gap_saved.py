@@ -12,13 +12,12 @@ token), and recomputes ``post`` from it in backward:
   e4m3 row and its scale beside ``post``. Per token it reads ``2 W`` bytes (the ``u`` columns are new:
   the plain silu pass reads only v, q, k) and writes ``post`` plus ``W + 4``: at the big config
   8 + 6 + 4 KiB against 6 + 6 KiB, +6 KiB a token.
-* backward, :func:`expand_rows`: one pass reads the e4m3 ``v, q, k`` columns (``W - H Dv + 4`` bytes a
-  token) and writes ``post`` (for the attention backward): 3 KiB in, 6 KiB out. The norm-gate backward
-  reads the ``u`` columns from the e4m3 rows itself (1 KiB a token instead of 2; the gate is ``silu`` of
-  the same exact values), and the silu gradient pass its ``silu'(pre)`` (3 KiB a token instead of 6).
-  So the backward adds 9 - 4 = 5 KiB a token, the whole format 11 KiB a token per block; it frees 10
-  KiB a token per block between forward and backward (16 -> 6 with the attention output), and no
-  ``u`` buffer is made in backward.
+* backward, :func:`expand_rows`: one pass reads the e4m3 rows (``W + 4`` bytes a token) and writes the
+  ``u`` columns in the activation dtype (for the norm-gate backward) and ``post`` (for the attention
+  backward), the buffers those kernels read: 4 KiB in, 2 + 6 KiB out. The silu gradient pass reads its
+  ``silu'(pre)`` from the e4m3 columns directly (3 KiB a token instead of 6). So the backward adds
+  12 - 3 = 9 KiB a token, the whole format 15 KiB a token per block; it frees 10 KiB a token per
+  block between forward and backward (16 -> 6 with the attention output).
 
 The attention output stays as computed: the attention kernel writes it and the norm-gate reads it, and
 neither is a kernel of the gap's own (compressing it here would be a pass of its own).
@@ -97,12 +96,11 @@ def _silu_quantize(PRE, POST, Q, SCALE_INV, stride_pre, stride_post, num_rows, w
 
 
 @triton.jit
-def _expand(Q, SCALE_INV, U, POST, stride_u, stride_post, num_rows, width, hv, col_start,
+def _expand(Q, SCALE_INV, U, POST, stride_u, stride_post, num_rows, width, hv,
             ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """``U = pre[:, :hv]``, ``POST = silu(pre[:, hv:])`` of ``pre = Q * SCALE_INV[row]``, over the columns
-    from ``col_start`` (``hv``: ``POST`` alone)."""
+    """``U = pre[:, :hv]``, ``POST = silu(pre[:, hv:])`` of ``pre = Q * SCALE_INV[row]``."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    col0 = col_start + tl.program_id(1) * COLS
+    col0 = tl.program_id(1) * COLS
     cols = col0 + tl.arange(0, COLS)
     rows_ok = rows < num_rows
     inside = rows_ok[:, None] & (cols < width)[None, :]
@@ -146,22 +144,18 @@ def silu_quantize_rows(pre: torch.Tensor, post: torch.Tensor, hv: int, *, chunk:
     return data, scale_inv
 
 
-def expand_rows(data: torch.Tensor, scale_inv: torch.Tensor, hv: int, dtype: torch.dtype, *, with_u: bool = True
-                ) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+def expand_rows(data: torch.Tensor, scale_inv: torch.Tensor, hv: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """From :func:`silu_quantize_rows`'s rows: ``(u, post)`` in ``dtype``, ``u = pre[:, :hv]`` ``[L, hv]``
-    and ``post = silu(pre[:, hv:])``, with ``pre = data * scale_inv[:, None]`` (exact in bf16 and fp32).
-    ``with_u=False``: ``(None, post)``, the ``u`` columns neither read nor written (a kernel that reads
-    them from the e4m3 rows itself: the norm-gate backward with ``u_scale_inv``)."""
+    and ``post = silu(pre[:, hv:])``, with ``pre = data * scale_inv[:, None]`` (exact in bf16 and fp32)."""
     num_rows, width = data.shape
-    u = torch.empty((num_rows, hv), dtype=dtype, device=data.device) if with_u else None
+    u = torch.empty((num_rows, hv), dtype=dtype, device=data.device)
     post = torch.empty((num_rows, width - hv), dtype=dtype, device=data.device)
     rows, cols = EXPAND_TILE
-    col_start = 0 if with_u else hv
     if num_rows:
         with device_guard(data.device):
-            _expand[(triton.cdiv(num_rows, rows), triton.cdiv(width - col_start, cols))](
-                data.view(torch.uint8), scale_inv, u if u is not None else post, post,
-                u.stride(0) if u is not None else 0, post.stride(0), num_rows, width, hv, col_start,
+            _expand[(triton.cdiv(num_rows, rows), triton.cdiv(width, cols))](
+                data.view(torch.uint8), scale_inv, u, post, u.stride(0), post.stride(0), num_rows, width, hv,
                 ROWS=rows, COLS=cols, INTERP=INTERPRET, num_warps=4,
             )  # fmt: skip
     return u, post

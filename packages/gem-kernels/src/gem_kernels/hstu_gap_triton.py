@@ -30,8 +30,8 @@ No concatenation, no ``silu(u)`` tensor. The saved activations are ``pre``, ``si
 k`` columns and the attention output (one ``[L, H Dv]`` less than unfused). With ``saved_format=
 "e4m3_row"`` (an activation policy asks for it through the block, :mod:`gem_model.saved_format`) they
 are ``pre`` in e4m3 rows, written by the forward's silu pass, and the attention output; the backward
-expands ``silu(v, q, k)`` in one pass, and the norm-gate backward (its gate ``u``) and the silu gradient
-read the e4m3 columns (:mod:`gem_kernels.hstu_gap_saved` has the bytes).
+expands ``u`` and ``silu(v, q, k)`` in one pass and its silu gradient reads the e4m3 columns
+(:mod:`gem_kernels.hstu_gap_saved` has the bytes).
 
 With ``fp8_forward`` the silu pass of the ``q, k`` columns also writes their e4m3 copies and scales, which
 the attention forward reads (:mod:`gem_kernels.attention_fp8`); ``post`` and the backward are unchanged.
@@ -61,11 +61,6 @@ from gem_kernels.quantized_rows_triton import RowsOut
 from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, GradRowsSlot, PrequantizedRows, RowQuantization
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
-
-GATE_FROM_E4M3 = True
-"""Under ``saved_format="e4m3_row"``: the norm-gate backward reads its gate ``u`` from the saved e4m3 rows
-(the same values: e4m3 times a power of two is exact in bf16), and the backward's expand pass writes
-``post`` alone. False: the expand pass also writes ``u`` in the activation dtype (as before 2026-12-04)."""
 
 
 @triton.jit
@@ -174,24 +169,23 @@ class HSTUGapFunction(torch.autograd.Function):
         scale_inv = None
         if ctx.expand_to is not None:  # pre: e4m3 rows, post: their scales (hstu_gap_saved)
             scale_inv = post
-            u, post = expand_rows(pre, scale_inv, hv, ctx.expand_to, with_u=not GATE_FROM_E4M3)
-            if u is None:  # the norm-gate backward reads the e4m3 rows itself: no u buffer
-                u = pre[:, :hv]
+            u, post = expand_rows(pre, scale_inv, hv, ctx.expand_to)
         else:
             u = pre[:, :hv]
-        d_pre = torch.empty(pre.shape, dtype=post.dtype, device=pre.device)
+        d_pre = torch.empty(pre.shape, dtype=u.dtype, device=pre.device)
         # the column sums of d_pre, from the passes that write it: the uvqk bias's gradient (hstu_gap_bias)
         sums = None if ctx.pre_bias_dtype is None else torch.empty(pre.shape[1], dtype=torch.float32, device=pre.device)
         grad_rows: GradRowsSlot | None = options["grad_rows"] if fits(pre.shape[1]) else None
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
-            du_out=d_pre[:, :hv], u_scale_inv=scale_inv if u.dtype == torch.float8_e4m3fn else None,
+            du_out=d_pre[:, :hv],
         )
         # the bias sums without rows: one pass over whole rows when they fit (hstu_gap_bias), else per column block
         # with the u columns by a reduction of their own
         sum_rows = sums is not None and grad_rows is None and fits(pre.shape[1])
         if sums is not None and grad_rows is None and not sum_rows:
             torch.sum(d_pre[:, :hv], 0, dtype=torch.float32, out=sums[:hv])
+        del u  # the expanded gate's memory is free for the attention backward
 
         def heads_of(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
             return t[:, a:b].view(rows, heads, -1)

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, num_programs, silu_grad
-from gem_kernels.hstu_gap_saved import load_pre
 from gem_kernels.quantized_rows_triton import RowsOut, tiles_per_program, write_e4m3_rows
 
 MAX_DIM = 16384
@@ -77,11 +76,10 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stri
 
 
 @triton.jit
-def _norm_gate_bwd(X, U, U_SCALE_INV, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART,
+def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART,
                    stride_x, stride_u, stride_dy, stride_dx, stride_du, num_rows, tiles_per_program,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
-                   SILU_GATE: tl.constexpr, U_E4M3: tl.constexpr = False, STAGES: tl.constexpr = None):
-    """``U_E4M3``: ``U`` is e4m3 bytes, each row times its ``U_SCALE_INV`` (the fused gap's saved rows)."""
+                   SILU_GATE: tl.constexpr, STAGES: tl.constexpr = None):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
@@ -94,7 +92,7 @@ def _norm_gate_bwd(X, U, U_SCALE_INV, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_
         rows_ok = rows < num_rows
         inside = rows_ok[:, None] & cols_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        u = load_pre(U, U_SCALE_INV, rows, cols, rows_ok, inside, stride_u, U_E4M3)
+        u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
         rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
@@ -165,20 +163,11 @@ class NormGateFunction(torch.autograd.Function):
 def norm_gate_backward(
     dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     mean: torch.Tensor, rstd: torch.Tensor, *, silu_gate: bool = False, du_out: torch.Tensor | None = None,
-    u_scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dx, du`` in ``x``'s shape (contiguous) and ``d_weight, d_bias`` of one call. ``silu_gate``: the
     forward's gate was ``silu(u)``, and ``du`` is the gradient of ``u`` itself. ``du_out``: a ``[rows,
-    D]`` view (unit last stride) to write ``du`` into, instead of a new tensor. ``u_scale_inv`` (float32
-    ``[rows]``): ``u`` is e4m3 rows (``[rows, D]``, unit last stride) standing for ``u * u_scale_inv[:,
-    None]``; ``du`` then takes ``x``'s dtype, and ``du_out`` is required."""
-    if u_scale_inv is not None and (u.dtype != torch.float8_e4m3fn or du_out is None or u.stride(-1) != 1):
-        raise ValueError(
-            f"norm_gate_backward: u_scale_inv is for float8_e4m3fn u rows with a unit last stride and a du_out; got "
-            f"u {u.dtype} strides {u.stride()}, du_out {'given' if du_out is not None else 'None'}"
-        )
-    x2, dy2 = _rows(x), _rows(dy)
-    u2 = u if u_scale_inv is not None else _rows(u)
+    D]`` view (unit last stride) to write ``du`` into, instead of a new tensor."""
+    x2, u2, dy2 = _rows(x), _rows(u), _rows(dy)
     weight, bias = weight.contiguous(), bias.contiguous()
     num_rows, dim = x2.shape
     block_d = triton.next_power_of_2(dim)
@@ -192,12 +181,10 @@ def norm_gate_backward(
     db_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
     with device_guard(x2.device):
         _norm_gate_bwd[(programs,)](
-            x2, u2.view(torch.uint8) if u_scale_inv is not None else u2,
-            u_scale_inv if u_scale_inv is not None else mean, weight, bias, dy2, mean, rstd, dx, du, dw_part,
-            db_part, x2.stride(0), u2.stride(0), dy2.stride(0), dx.stride(0), du.stride(0), num_rows,
-            tiles_per_program, D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET,
-            num_warps=4 if block_d < 2048 else 8, SILU_GATE=silu_gate, U_E4M3=u_scale_inv is not None,
-            STAGES=PIPELINE_STAGES,
+            x2, u2, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part, x2.stride(0), u2.stride(0),
+            dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
+            D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
+            SILU_GATE=silu_gate, STAGES=PIPELINE_STAGES,
         )
     dw = dw_part[:, :dim].sum(0).to(weight.dtype)
     db = db_part[:, :dim].sum(0).to(bias.dtype)
