@@ -19,7 +19,6 @@ then ``--rounds`` rounds in rotated order; medians and quartiles in ms, speed-up
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_loads import make_inputs
 from jagged_attention import CASES, Case
-from rounds import rotated_rounds, save_results
+from rounds import cell, rotated_rounds, save_results, spread
 
 from gem_kernels import attention_triton_bwd
 from gem_kernels.attention_triton import DQ
@@ -114,14 +113,11 @@ def main() -> int:
         times = rotated_rounds(fns, args.rounds)
         row: dict[str, Any] = {"case": name, "rows": x["rows"], "squares": x["squares"], "checks": report,
                                "chosen": chosen, "variants": {}, "trials": DKDV_ATOMIC.records()}
-        base = statistics.median(times["separate"])
-        for variant in VARIANTS:
-            ms = times[variant]
-            q = statistics.quantiles(ms, n=4, method="inclusive")
-            med = statistics.median(ms)
-            row["variants"][variant] = {"median": med, "q1": q[0], "q3": q[2], "ms": ms, "speedup": base / med}
-            print(f"{name:<11} {variant:<12} {f'{med:.3f} ({q[0]:.3f}-{q[2]:.3f})':>24} {base / med:>10.3f}x  "
-                  f"{chosen[variant]}", flush=True)
+        stats = {variant: spread(times[variant]) for variant in VARIANTS}
+        for variant, st in stats.items():
+            speed = stats["separate"]["median"] / st["median"]
+            row["variants"][variant] = {**st, "speedup": speed}
+            print(f"{name:<11} {variant:<12} {cell(st):>24} {speed:>10.3f}x  {chosen[variant]}", flush=True)
         results.append(row)
         del x
         torch.cuda.empty_cache()

@@ -22,7 +22,6 @@ rotated order; medians and quartiles in ms, and the speed-up of TMA (pointers' m
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from jagged_attention import CASES, Case, sample_lengths
-from rounds import rotated_rounds, save_results
+from rounds import cell, rotated_rounds, save_results, spread
 
 from gem_kernels import attention_triton_bwd, attention_triton_common
 from gem_kernels.attention_triton import DQ, FORWARD, query_major
@@ -142,15 +141,10 @@ def main() -> int:
         row: dict[str, Any] = {"case": name, "rows": x["rows"], "squares": x["squares"], "checks": report,
                                "chosen": chosen, "kernels": {}}
         for kernel in ("forward", "dq", "dkdv"):
-            stats = {}
-            for mode in MODES:
-                ms = times[f"{kernel}/{mode}"]
-                q = statistics.quantiles(ms, n=4, method="inclusive")
-                stats[mode] = {"median": statistics.median(ms), "q1": q[0], "q3": q[2], "ms": ms}
+            stats = {mode: spread(times[f"{kernel}/{mode}"]) for mode in MODES}
             speed = stats["pointers"]["median"] / stats["tma"]["median"]
             row["kernels"][kernel] = {**stats, "speedup": speed}
-            cell = {m: f"{s['median']:.3f} ({s['q1']:.3f}-{s['q3']:.3f})" for m, s in stats.items()}
-            print(f"{name:<11} {kernel:<8} {cell['pointers']:>24} {cell['tma']:>24} {speed:>7.3f}x  "
+            print(f"{name:<11} {kernel:<8} {cell(stats['pointers']):>24} {cell(stats['tma']):>24} {speed:>7.3f}x  "
                   f"{chosen[kernel + '/pointers']} / {chosen[kernel + '/tma']}", flush=True)
         results.append(row)
         del x

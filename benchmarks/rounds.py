@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,17 @@ def rotated_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[st
             end.synchronize()
             times[name].append(start.elapsed_time(end))
     return times
+
+
+def spread(ms: list[float]) -> dict[str, Any]:
+    """``{"median", "q1", "q3", "ms"}`` of one variant's timings (inclusive quartiles), and the cell that
+    prints them: ``"median (q1-q3)"``."""
+    q = statistics.quantiles(ms, n=4, method="inclusive")
+    return {"median": statistics.median(ms), "q1": q[0], "q3": q[2], "ms": ms}
+
+
+def cell(stats: dict[str, Any]) -> str:
+    return f"{stats['median']:.3f} ({stats['q1']:.3f}-{stats['q3']:.3f})"
 
 
 def save_results(path: str | None, results: list[dict], **meta: Any) -> None:

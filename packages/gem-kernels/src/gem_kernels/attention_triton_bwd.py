@@ -230,10 +230,11 @@ def key_major_kernel(
             v = load_tile(v_rows + offs_v[None, :], keys_ok, d_v_ok, True, CHECK_V)
             q_ptrs = Q + seq_start * stride_qm + head * stride_qh + offs_m[:, None] * stride_qm + offs_qk[None, :]
             do_ptrs = DO + seq_start * stride_dom + head * stride_doh + offs_m[:, None] * stride_dom + offs_v[None, :]
-            if DQ_T:
-                dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + offs_qk[:, None] + offs_m[None, :] * stride_dqm
+            dq_head = DQ + seq_start * stride_dqm + head * stride_dqh
+            if DQ_T:  # [D, BLOCK_M] tiles of dq^T
+                dq_ptrs = dq_head + offs_qk[:, None] + offs_m[None, :] * stride_dqm
             else:
-                dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + offs_m[:, None] * stride_dqm + offs_qk[None, :]
+                dq_ptrs = dq_head + offs_m[:, None] * stride_dqm + offs_qk[None, :]
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
             query_times = QTS
             key_t = keys

@@ -89,7 +89,8 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
         fn = attention_triton_bwd.key_major_kernel
         constants = dict(
             DQK=variant.dim_qk, DV_DIM=variant.dim_v, BLOCK_DV=dim_block(variant.dim_v),
-            ATOMIC_DQ=variant.kernel == "dkdv_atomic", DQ_T=attention_triton_bwd.TRANSPOSED_DQ,
+            ATOMIC_DQ=variant.kernel == "dkdv_atomic",
+            DQ_T=variant.kernel == "dkdv_atomic" and attention_triton_bwd.TRANSPOSED_DQ,  # as key_major sets it
             POS_GRAD=variant.position_bias, TIME_GRAD=variant.time_bias,
             POS_STRIPES=attention_triton_bias.POSITION_STRIPES, TIME_STRIPES=attention_triton_bias.TIME_STRIPES,
             TMA=variant.tma, **common,
