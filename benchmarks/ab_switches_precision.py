@@ -103,4 +103,6 @@ PRECISION_VARIANTS: dict[str, Switch] = {
     "fp8_gap_grad_rows_only": patched("gem_kernels.hstu_block", "attached_grad_rows", lambda t: None),
     "fp8_saved": _fp8_saved(in_kernels=True),
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
+    # with fp8_saved: the attention output kept as computed, as before 2026-12-04 19:30 UTC (its e4m3 rows since)
+    "fp8_saved_attn_as_computed": patched("gem_kernels.hstu_gap_triton", "SAVED_ATTENTION_E4M3", False),
 }

@@ -13,7 +13,9 @@ Variants (each a deep copy of the same stack, wrapped by the policy as the train
 - ``none``: what the blocks save, as computed (the baseline);
 - ``fp8_saved``: the policy's default, compressed in the fused kernels (``in_kernels``, no hooks);
 - ``fp8_saved_hooks``: ``in_kernels: false``, the saved-tensor hooks on every block (the policy as it
-  was before the fused kernels compressed).
+  was before the fused kernels compressed);
+- ``fp8_saved_attn_as_computed``: ``fp8_saved`` with the attention output kept as computed (as before
+  2026-12-04 19:30 UTC; :data:`FLAGS`).
 
 First every variant's output and gradients (input, every parameter) are compared with ``none``'s, and
 the e4m3 rows the fused gap keeps are compared byte for byte with gem-precision's reference row
@@ -32,15 +34,18 @@ model's figures come from ``benchmarks/e2e_ab.py`` with its switches ``fp8_saved
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 
 import hstu_gap  # benchmarks/: the gap benchmark's inputs
 import torch
 
+from gem_kernels import hstu_gap_triton
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.norm_gate import TritonNormGate
@@ -57,7 +62,32 @@ VARIANTS = {
     "none": lambda: NoActivationPolicy(),
     "fp8_saved": lambda: Fp8SavedPolicy(),
     "fp8_saved_hooks": lambda: Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=False)),
+    "fp8_saved_attn_as_computed": lambda: Fp8SavedPolicy(),
 }
+Y_TOLERANCE = 1e-2
+"""The blocks' output under a policy against ``none``'s (relative, Frobenius). The forward computes from
+the exact activations, but on a GPU the norm-gate pass that also writes the attention output's e4m3 rows
+sums each row's mean and variance in another order (its byte stores change the tile's layout), so the
+output may differ in the last bit of some values, which the next blocks carry on."""
+FLAGS: dict[str, tuple[object, str, object]] = {
+    # the attention output kept as computed (before 2026-12-04 19:30 UTC: not in e4m3 rows)
+    "fp8_saved_attn_as_computed": (hstu_gap_triton, "SAVED_ATTENTION_E4M3", False),
+}
+"""A variant's module attribute, set while its steps run (forward and backward) and put back after."""
+
+
+@contextlib.contextmanager
+def flags_of(name: str) -> Iterator[None]:
+    if name not in FLAGS:
+        yield
+        return
+    module, attr, value = FLAGS[name]
+    before = getattr(module, attr)
+    setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        setattr(module, attr, before)
 SCHEMES = {"bf16": Bf16Scheme, "fp8_rowwise": Fp8RowwiseScheme}
 
 
@@ -160,8 +190,10 @@ def main() -> int:
     want_y, want_g = step(models["none"], x)  # also compiles and tunes every kernel
     errors = {}
     for name in names[1:]:
-        y, g = step(models[name], x)
-        errors[name] = {"y_equal": bool(torch.equal(y, want_y)), "d_x": relative_error(g[0], want_g[0]),
+        with flags_of(name):
+            y, g = step(models[name], x)
+        errors[name] = {"y_equal": bool(torch.equal(y, want_y)), "y": relative_error(y, want_y),
+                        "d_x": relative_error(g[0], want_g[0]),
                         "d_params_max": max(relative_error(a, b) for a, b in zip(g[1:], want_g[1:]))}  # fmt: skip
         print(f"{name} against none: {errors[name]}", flush=True)
     del want_y, want_g
@@ -169,18 +201,22 @@ def main() -> int:
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            samples[name].append(measured_step(models[name], x, device))
+            with flags_of(name):
+                samples[name].append(measured_step(models[name], x, device))
     summary = {}
     for name in names:
         s = samples[name]
-        summary[name] = {"ms": statistics.median(v["ms"] for v in s), "peak_gib": max(v["peak"] for v in s) / GIB,
+        q1, _, q3 = statistics.quantiles([v["ms"] for v in s], n=4, method="inclusive")
+        summary[name] = {"ms": statistics.median(v["ms"] for v in s), "ms_q1": q1, "ms_q3": q3,
+                         "peak_gib": max(v["peak"] for v in s) / GIB,
                          "saved_gib": max(v["saved"] for v in s) / GIB}  # fmt: skip
     ref = summary["none"]
-    print(f"\n{'variant':<17} {'saved GiB':>10} {'peak GiB':>9} {'peak vs none':>13} {'step ms':>8} {'step vs none':>13}")
+    print(f"\n{'variant':<27} {'saved GiB':>10} {'peak GiB':>9} {'peak vs none':>13} {'step ms (q1-q3)':>22} {'step vs none':>13}")
     for name in names:
         v = summary[name]
         v["peak_change"], v["step_change"] = v["peak_gib"] / ref["peak_gib"] - 1, v["ms"] / ref["ms"] - 1
-        print(f"{name:<17} {v['saved_gib']:>10.2f} {v['peak_gib']:>9.2f} {v['peak_change']:>+12.1%} {v['ms']:>8.1f} "
+        spread = f"{v['ms']:.2f} ({v['ms_q1']:.2f}-{v['ms_q3']:.2f})"
+        print(f"{name:<27} {v['saved_gib']:>10.2f} {v['peak_gib']:>9.2f} {v['peak_change']:>+12.1%} {spread:>22} "
               f"{v['step_change']:>+12.1%}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
@@ -188,7 +224,7 @@ def main() -> int:
                        "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "rows": x["rows"],
                        "blocks": args.blocks, "scheme": args.scheme, "bits": bits, "errors": errors,
                        "summary": summary, "samples": samples}, f, indent=1)  # fmt: skip
-    ok = bits["bytes_differ"] == 0 and bits["scales_differ"] == 0 and all(e["y_equal"] for e in errors.values())
+    ok = bits["bytes_differ"] == 0 and bits["scales_differ"] == 0 and all(e["y"] <= Y_TOLERANCE for e in errors.values())
     return 0 if ok else 1
 
 

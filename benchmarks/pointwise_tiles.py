@@ -56,20 +56,23 @@ def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: 
     return run
 
 
-def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None, e4m3_rows: bool = False) -> Callable[[], tuple]:
+def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None, e4m3_rows: bool = False,
+                  keep_x: bool = False) -> Callable[[], tuple]:  # fmt: skip
     """The norm-gate forward; with ``e4m3_rows`` also ``y``'s e4m3 rows (``fp8_rowwise``'s producer rows, no
-    column maxima)."""
+    column maxima); with ``keep_x`` also ``x``'s (``fp8_saved``'s kept attention output)."""
     num_rows = t["x"].shape[0]
     rows = ng._rows_per_tile(D)
     y, mean, rstd, q, q_inv = _forward_outputs(t["x"], e4m3_rows)
+    xq, xq_inv = _e4m3_rows(num_rows, y.device) if keep_x else (y, mean)
 
     def run() -> tuple:
         ng._norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
-            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, q, q_inv, q_inv, t["x"].stride(0), t["u"].stride(0),
-            y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D, ROWS=rows, TILES=tiles, INTERP=INTERPRET, num_warps=warps,
-            SILU_GATE=True, QUANT=e4m3_rows, COLUMN_AMAX=False, STAGES=stages,
+            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, q, q_inv, q_inv, xq, xq_inv, t["x"].stride(0),
+            t["u"].stride(0), y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D, ROWS=rows, TILES=tiles, INTERP=INTERPRET,
+            num_warps=warps, SILU_GATE=True, QUANT=e4m3_rows, COLUMN_AMAX=False, KEEP_X=keep_x, STAGES=stages,
         )
-        return (y, mean, rstd, q, q_inv) if e4m3_rows else (y, mean, rstd)
+        out = (y, mean, rstd, q, q_inv) if e4m3_rows else (y, mean, rstd)
+        return (*out, xq, xq_inv) if keep_x else out
 
     return run
 
@@ -174,6 +177,12 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
                             list(itertools.product((4, 8, 16), (128,), (None, 2, 3))), 2 * WIDTH + 4 * (WIDTH - D) + 5 * WIDTH),
     "norm_gate_fwd_e4m3": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, e4m3_rows=True), (4, 1, 3),
                            list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
+    # fp8_saved: the forward also writes the e4m3 rows of its input (the attention output, kept for backward);
+    # under fp8_rowwise + fp8_saved it writes both rows
+    "norm_gate_fwd_keep_x": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, keep_x=True), (4, 1, 3),
+                             list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
+    "norm_gate_fwd_e4m3_keep_x": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, e4m3_rows=True, keep_x=True), (4, 1, 3),
+                                  list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 8 * D),
     "norm_fwd_e4m3": (lambda t, r, w, n, st: norm_fwd(t, r, w, n, st, e4m3_rows=True), (2, 4, 1, None),
                       list(itertools.product((2, 4, 8), (4, 8), (1, 4), (None, 3))), 5 * D),
     "norm_bwd_e4m3": (lambda t, r, w, z: norm_bwd(t, r, w, z, e4m3_rows=True), (4, 4, 0),

@@ -157,6 +157,8 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         ("bf16_grads_cast", "gem_precision.bf16_linear", "FLOAT32_GRADS"),
         # the attention's tensor-descriptor loads off (pointer loads)
         ("attention_pointer_loads", "gem_kernels.attention_triton_common", "TMA_LOADS"),
+        # fp8_saved's attention output kept as computed (not in e4m3 rows)
+        ("fp8_saved_attn_as_computed", "gem_kernels.hstu_gap_triton", "SAVED_ATTENTION_E4M3"),
     ],
 )
 def test_a_flag_switch_turns_its_flag_off_and_undoes(monkeypatch, switch, module, flag):

@@ -6,8 +6,8 @@
 - on the fused path the policy installs no saved-tensor hook (not one pack call), and off it (fuse
   off) its hooks compress as before; the decision is taken per forward;
 - what the block keeps for backward, counted from outside the block by saved-tensor hooks and by the
-  profile's live-storage meter, falls by exactly the bytes of ``pre`` and ``silu(v, q, k)`` less the
-  e4m3 rows and their scales.
+  profile's live-storage meter, falls by exactly the bytes of ``pre``, ``silu(v, q, k)`` and the
+  attention output less their e4m3 rows and scales.
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def test_the_kept_bytes_are_counted_where_the_profile_counts(dtype: torch.dtype)
     compressed = Fp8SavedPolicy().wrap_block(copy.deepcopy(plain), "blocks.0")
     NoActivationPolicy().wrap_block(plain, "blocks.0")
     size = torch.finfo(dtype).bits // 8
-    # pre [L, W] and silu(v, q, k) [L, W - H Dv] as computed, against e4m3 rows and a float32 scale per row
-    fewer = TOKENS * (WIDTH * size + (WIDTH - HV) * size) - TOKENS * (WIDTH + 4)
+    # pre [L, W], silu(v, q, k) [L, W - H Dv] and the attention output [L, H Dv] as computed, against
+    # e4m3 rows and a float32 scale per row of pre and of the attention output
+    fewer = TOKENS * (WIDTH * size + (WIDTH - HV) * size + HV * size) - TOKENS * (WIDTH + 4) - TOKENS * (HV + 4)
     # and the block's input x [L, DIM], which the layer norm then does not keep (its backward reads ln,
     # which uvqk keeps anyway): fewer saved storages; the live meter counts only what the forward
     # created, and x was made before it

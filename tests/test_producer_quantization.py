@@ -1,7 +1,8 @@
 """Quantization inside the producers (issue 30): the fused HSTU block's layer norm and norm-gate write the
 e4m3 rows of their outputs, and fp8_rowwise's linears read them instead of quantizing their inputs.
 
-- The producers' bytes, scales and column maxima are bit-identical to gem-precision's reference quantizer
+- The producers' bytes, scales and column maxima (and the norm-gate's rows of its input x, kept by
+  fp8_saved) are bit-identical to gem-precision's reference quantizer
   applied to the bf16 (or fp32) output they write, on fresh random data with a row of zeros, rows holding
   an infinity or a NaN, a width that is not a multiple of the tile and rows over several programs.
 - The fused block under fp8_rowwise (emulated backend) with producer quantization gives bit for bit the
@@ -91,8 +92,14 @@ def test_norm_gate_rows_are_the_reference_bits(gen, silu_gate):
     u[7] = 0  # a gate of zeros: a row of zeros
     weight, bias = 1 + 0.1 * torch.randn(WIDTH, generator=gen), 0.1 * torch.randn(WIDTH, generator=gen)
     out = RowsOut.allocate(ROWS, WIDTH, x.device, RowQuantization(column_amax=True))
-    y, _, _ = NormGateFunction.run_forward(x, u, weight, bias, GATE_EPS, silu_gate=silu_gate, rows_out=out)
+    # and x's own rows, which fp8_saved's fused gap keeps in place of the attention output
+    x_rows = (torch.empty(ROWS, WIDTH, dtype=torch.uint8), torch.empty(ROWS))
+    y, _, _ = NormGateFunction.run_forward(x, u, weight, bias, GATE_EPS, silu_gate=silu_gate, rows_out=out,
+                                           x_rows=x_rows)  # fmt: skip
     assert_reference_bits(out.result(), y)
+    want = quantize_fp8_reference(x, granularity="row", fmt=E4M3).rows
+    assert torch.equal(x_rows[0], want.data.view(torch.uint8))
+    assert torch.equal(x_rows[1].view(torch.int32), want.scale_inv.reshape(-1).view(torch.int32))  # NaN bits too
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

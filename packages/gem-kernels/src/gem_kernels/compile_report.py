@@ -122,9 +122,11 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
             **_cubin_usage(compiled.asm["cubin"])}
 
 
-def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, dim: int = 1024, arch: int = 90) -> dict[str, Any]:
+def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: bool = False, dim: int = 1024,
+                     arch: int = 90) -> dict[str, Any]:  # fmt: skip
     """Compile the layer norm (``norm``) or norm-gate (``norm_gate``) forward of the fused HSTU block for
-    ``[*, dim]`` bf16 rows, optionally writing their e4m3 rows (and column maxima), as the block launches it."""
+    ``[*, dim]`` bf16 rows, optionally writing their e4m3 rows (and column maxima), as the block launches it;
+    ``keep_x``: the norm-gate also writes its input's e4m3 rows (``fp8_saved``'s attention output)."""
     from gem_kernels import layer_norm_triton, norm_gate_triton
     from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS
 
@@ -138,8 +140,8 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, dim: int
     else:
         fn, rows = norm_gate_triton._norm_gate_fwd, norm_gate_triton._rows_per_tile(block_d)
         warps = 4 if block_d < 2048 else 8  # as NormGateFunction.run_forward launches it
-        pointers |= {"U": "*bf16", "W": "*fp32", "B": "*fp32"}
-        constants = {"SILU_GATE": True, "STAGES": norm_gate_triton.PIPELINE_STAGES}
+        pointers |= {"U": "*bf16", "W": "*fp32", "B": "*fp32", "XQ": "*u8", "XQ_INV": "*fp32"}
+        constants = {"SILU_GATE": True, "STAGES": norm_gate_triton.PIPELINE_STAGES, "KEEP_X": keep_x}
     tiles = -(-ROWS_PER_PROGRAM_WITH_COLUMNS // rows) if column_amax else 1
     constants |= dict(D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, QUANT=quantize, COLUMN_AMAX=column_amax,
                       INTERP=False)  # fmt: skip

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, num_programs, silu_grad
-from gem_kernels.hstu_gap_saved import load_pre
+from gem_kernels.quantized_rows_triton import load_rows
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 WARPS = 8
@@ -58,7 +58,7 @@ def _silu_grad_columns(X, PRE, SCALE_INV, OUT, SUMS, stride_x, stride_pre, strid
         rows = ((pid_rows * tiles_per_program + t) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         rows_ok = rows < num_rows
         inside = rows_ok[:, None] & cols_ok[None, :]
-        z = load_pre(PRE, SCALE_INV, rows, cols, rows_ok, inside, stride_pre, E4M3)
+        z = load_rows(PRE, SCALE_INV, rows, cols, rows_ok, inside, stride_pre, E4M3)
         g = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         result = cast(g * silu_grad(z), OUT.dtype.element_ty, INTERP)
         tl.store(OUT + rows[:, None] * stride_out + cols[None, :], result, mask=inside)

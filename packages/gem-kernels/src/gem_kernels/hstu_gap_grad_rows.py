@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
-from gem_kernels.hstu_gap_saved import load_pre
-from gem_kernels.quantized_rows_triton import RowsOut, write_e4m3_rows
+from gem_kernels.quantized_rows_triton import RowsOut, load_rows, write_e4m3_rows
 
 MAX_WIDTH = 8192
 """Widest gradient row held in registers whole; a wider gap leaves the quantization to the linear."""
@@ -80,7 +79,7 @@ def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_
             g = tl.where(in_q[None, :], dq.to(tl.float32), g)
         else:
             g = tl.load(d_ptrs, mask=inside, other=0.0).to(tl.float32)
-        z = load_pre(PRE, SCALE_INV, rows, cols, rows_ok, inside & grad_cols[None, :], stride_pre, E4M3)
+        z = load_rows(PRE, SCALE_INV, rows, cols, rows_ok, inside & grad_cols[None, :], stride_pre, E4M3)
         stored = cast(tl.where(grad_cols[None, :], g * silu_grad(z), g), D_PRE.dtype.element_ty, INTERP)
         tl.store(d_ptrs, stored, mask=inside & grad_cols[None, :])
         y = stored.to(tl.float32)

@@ -1,4 +1,4 @@
-"""The fused HSTU gap's saved pre-activation in fp8, ``saved_format="e4m3_row"`` (imports triton).
+"""The fused HSTU gap's saved activations in fp8, ``saved_format="e4m3_row"`` (imports triton).
 
 Of what the gap (:mod:`gem_kernels.hstu_gap_triton`) keeps for backward, ``pre`` ``[L, W]`` (``W = H (2 Dv
 + 2 Dqk)``, the uvqk output) and ``post`` (silu of its v, q, k columns, ``[L, W - H Dv]``) are most: 8 and
@@ -16,14 +16,20 @@ token), and recomputes ``post`` from it in backward:
   ``u`` columns in the activation dtype (for the norm-gate backward) and ``post`` (for the attention
   backward), the buffers those kernels read: 4 KiB in, 2 + 6 KiB out. The silu gradient pass reads its
   ``silu'(pre)`` from the e4m3 columns directly (3 KiB a token instead of 6). So the backward adds
-  12 - 3 = 9 KiB a token, the whole format 15 KiB a token per block; it frees 10 KiB a token per
-  block between forward and backward (16 -> 6 with the attention output).
+  12 - 3 = 9 KiB a token, the whole format 15 KiB a token per block.
 
-The attention output stays as computed: the attention kernel writes it and the norm-gate reads it, and
-neither is a kernel of the gap's own (compressing it here would be a pass of its own).
+The attention output ``[L, H Dv]`` (2 KiB a token) is kept in e4m3 rows too: the norm-gate's forward
+pass, which reads each of its rows whole anyway, writes them beside its output (+1 KiB + 4 B a token,
+``NormGateFunction.run_forward``'s ``x_rows``), and one pass expands them before the norm-gate backward
+(``quantized_rows_triton.dequantize_rows``: 1 KiB in, 2 out). The norm-gate backward reading the bytes
+in its own loop instead ran 3.8x slower on the H200 (2.29 against 0.61 ms at 200,000 x 1,024; the
+1-byte tile does not fit the loop's layout). With it the format frees 11 KiB a token per block between
+forward and backward (16 -> 5), for 19 KiB a token of traffic.
 
-The forward outputs are those of the plain gap (``post`` is silu of the exact ``pre``); the gradients
-see ``pre`` rounded to e4m3 (3 mantissa bits: at most 2**-4 relative error per element). The scale
+The forward outputs are those of the plain gap (``post`` is silu of the exact ``pre``, the norm-gate
+reads the exact attention output; on a GPU the norm-gate pass that writes the attention rows may sum a
+row's statistics in another order, so ``y`` may differ in its last bit); the gradients see ``pre`` and
+the attention output rounded to e4m3 (3 mantissa bits: at most 2**-4 relative error per element). The scale
 rule and the bytes are gem-precision's row quantizer's (``gem_precision.fp8_reference``, row
 granularity; its Triton form is ``gem_precision.fp8_rows_triton._fp8_rows_kernel``): gem-kernels
 cannot import gem-precision, so the rule's Triton lines are :mod:`gem_kernels.quantized_rows_triton`'s,
@@ -43,17 +49,6 @@ from gem_kernels.quantized_rows_triton import NAN_BYTE, e4m3_bits, pow2_scale
 ROW_CHUNK = 64 if INTERPRET else 4096
 """Columns of a row held in registers at once: wider rows are read twice (the second from L2)."""
 EXPAND_TILE = (4, 64) if INTERPRET else (16, 256)
-
-
-@triton.jit
-def load_pre(PRE, SCALE_INV, rows, cols, rows_ok, inside, stride_pre, E4M3: tl.constexpr):
-    """A ``[rows, cols]`` tile of ``pre`` in fp32: as stored, or (``E4M3``) from its e4m3 rows, each times
-    its ``SCALE_INV`` (the rows :func:`silu_quantize_rows` keeps). Masked-out elements are 0."""
-    if E4M3:
-        z = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0)
-        z = z.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return z * tl.load(SCALE_INV + rows, mask=rows_ok, other=1.0)[:, None]
-    return tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=inside, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -45,10 +45,10 @@ BACKWARD_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_u, stride_y, num_rows, eps,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, XQ, XQ_INV, stride_x, stride_u, stride_y, num_rows,
+                   eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
                    INTERP: tl.constexpr, SILU_GATE: tl.constexpr, QUANT: tl.constexpr, COLUMN_AMAX: tl.constexpr,
-                   STAGES: tl.constexpr = None):
+                   KEEP_X: tl.constexpr = False, STAGES: tl.constexpr = None):
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
     w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
@@ -60,6 +60,8 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stri
         inside = rows_ok[:, None] & cols_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        if KEEP_X:  # x's e4m3 rows, which the backward reads in place of x (a saved format)
+            write_e4m3_rows(x, rows, cols, rows_ok, cols_ok, XQ, XQ_INV, D)
         if SILU_GATE:
             u = u * tl.sigmoid(u)
         mean = tl.sum(x, 1) / D
@@ -122,15 +124,21 @@ class NormGateFunction(torch.autograd.Function):
     def run_forward(
         x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
         silu_gate: bool = False, rows_out: RowsOut | None = None,
+        x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``y`` in ``x``'s shape, and the float32 ``mean`` and ``rstd`` of each row (``silu_gate``:
         the gate is ``silu(u)``). ``rows_out``: buffers for the e4m3 rows of ``y`` that the same pass
-        writes (:mod:`gem_kernels.quantized_rows_triton`)."""
+        writes (:mod:`gem_kernels.quantized_rows_triton`). ``x_rows``: buffers (bytes ``[rows, D]``,
+        float32 ``[rows]``) for the e4m3 rows of ``x`` itself, kept for backward in place of ``x`` (the
+        fused gap's saved format; ``quantized_rows_triton.dequantize_rows`` expands them). On a GPU the
+        rows' byte stores change the tile's register layout, so ``mean`` and ``rstd`` are summed in
+        another order than without them: ``y`` may differ in its last bit."""
         x2, u2 = _rows(x), _rows(u)
         num_rows, dim = x2.shape
         block_d = triton.next_power_of_2(dim)
         rows = _rows_per_tile(block_d)
-        tiles = tiles_per_program(rows, rows_out) if rows_out is not None else FORWARD_TILES
+        quantizing = rows_out is not None or x_rows is not None
+        tiles = tiles_per_program(rows, rows_out) if quantizing else FORWARD_TILES
         y = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
         mean = torch.empty(num_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
@@ -139,10 +147,11 @@ class NormGateFunction(torch.autograd.Function):
             with device_guard(x.device):
                 _norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
                     x2, u2, weight, bias, y, mean, rstd, *(rows_out.kernel_args() if rows_out is not None else (y, mean, mean)),
-                    x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
+                    *(x_rows if x_rows is not None else (y, mean)), x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
                     D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, INTERP=INTERPRET,
                     num_warps=4 if block_d < 2048 else 8, SILU_GATE=silu_gate, QUANT=rows_out is not None,
-                    COLUMN_AMAX=rows_out is not None and rows_out.column_amax_bits is not None, STAGES=PIPELINE_STAGES,
+                    COLUMN_AMAX=rows_out is not None and rows_out.column_amax_bits is not None,
+                    KEEP_X=x_rows is not None, STAGES=PIPELINE_STAGES,
                 )  # fmt: skip
         return y.view(x.shape), mean, rstd
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gem_kernels.attention_triton_common import INTERPRET
+from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
 from gem_model.api import PrequantizedRows, RowQuantization
 
 _Q = RowQuantization
@@ -93,6 +93,47 @@ def write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, D: tl.constexpr):
     tl.store(Q + rows[:, None] * D + cols[None, :], q.to(tl.uint8), mask=inside)
     tl.store(Q_INV + rows, scale_inv, mask=rows_ok)
     return tl.max(bits, 0)
+
+
+@triton.jit
+def load_rows(X, SCALE_INV, rows, cols, rows_ok, inside, stride_x, E4M3: tl.constexpr):
+    """A ``[rows, cols]`` tile of ``X`` in fp32: as stored, or (``E4M3``) from e4m3 row bytes, each row
+    times its ``SCALE_INV`` (the rows :func:`write_e4m3_rows` and the fused gap's saved format keep).
+    Masked-out elements are 0."""
+    if E4M3:
+        z = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0)
+        z = z.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return z * tl.load(SCALE_INV + rows, mask=rows_ok, other=1.0)[:, None]
+    return tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dequantize(Q, SCALE_INV, OUT, stride_out, num_rows, width, ROWS: tl.constexpr, COLS: tl.constexpr,
+                INTERP: tl.constexpr):  # fmt: skip
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    rows_ok = rows < num_rows
+    inside = rows_ok[:, None] & (cols < width)[None, :]
+    x = load_rows(Q, SCALE_INV, rows, cols, rows_ok, inside, width, True)
+    tl.store(OUT + rows[:, None] * stride_out + cols[None, :], cast(x, OUT.dtype.element_ty, INTERP), mask=inside)
+
+
+DEQUANTIZE_TILE = (4, 64) if INTERPRET else (16, 256)
+
+
+def dequantize_rows(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale_inv[:, None]`` in ``dtype`` (exact in bf16 and float32): e4m3 rows ``[L, W]``
+    (contiguous, float8_e4m3fn or their bytes) with one float32 ``scale_inv`` per row."""
+    num_rows, width = data.shape
+    out = torch.empty((num_rows, width), dtype=dtype, device=data.device)
+    rows, cols = DEQUANTIZE_TILE
+    if num_rows:
+        with device_guard(data.device):
+            _dequantize[(triton.cdiv(num_rows, rows), triton.cdiv(width, cols))](
+                data.view(torch.uint8), scale_inv, out, out.stride(0), num_rows, width, ROWS=rows, COLS=cols,
+                INTERP=INTERPRET, num_warps=4,
+            )  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True)
