@@ -8,16 +8,18 @@
   (``create_selective_checkpoint_contexts``). Ops that are not aten ops (e.g. Triton kernels) are
   recomputed;
 - ``fp8_saved``: activations the block saves are stored in fp8 e4m3 and expanded in backward. The
-  block's output is that of ``none``; its gradients differ by fp8 rounding of the saved activations
-  (relative error ~2**-4 per element at worst). Two ways, chosen at every forward:
+  block's output is that of ``none`` (on the fused path on a GPU, to the last bit of some values: the
+  norm-gate pass that writes the attention output's rows sums its statistics in another order); its
+  gradients differ by fp8 rounding of the saved activations (relative error ~2**-4 per element at
+  worst). Two ways, chosen at every forward:
 
   - in the block's own kernels (``in_kernels``, the default): a block that is a
     :class:`~gem_model.api.SavedFormatBlock` (the HSTU block) gets ``saved_format = "e4m3_row"``, and a
     forward that takes a path whose kernels store that format (the HSTU block fused by gem-kernels'
     ``triton``: its gap keeps the uvqk output in e4m3 rows written by its silu pass and recomputes
-    silu of it in backward) runs with no hooks: no Python per saved tensor, no pass of its own. What
-    the block's other modules save (the linears' inputs, the layer norm's input, the attention output)
-    stays as computed;
+    silu of it in backward, and the attention output in e4m3 rows written by the norm-gate's pass)
+    runs with no hooks: no Python per saved tensor, no pass of its own in forward. What the block's
+    other modules save (the linears' inputs, the layer norm's input) stays as computed;
   - through ``saved_tensors_hooks`` (every other forward: op by op, compiled, other kernels, or
     ``in_kernels: false``): every activation autograd saves in the block, with per-32-block or per-row
     scales (:mod:`gem_precision.saved_tensors`). Parameters, integer and small tensors are kept as they
