@@ -105,4 +105,7 @@ PRECISION_VARIANTS: dict[str, Switch] = {
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
     # with fp8_saved: the attention output kept as computed, as before 2026-12-04 19:30 UTC (its e4m3 rows since)
     "fp8_saved_attn_as_computed": patched("gem_kernels.hstu_gap_triton", "SAVED_ATTENTION_E4M3", False),
+    # with fp8_saved: the norm-gate backward reads the gate and the attention output from their e4m3 rows
+    # in its loop (16-bit words), and no pass expands them first (off by default until timed)
+    "fp8_saved_rows_in_norm_gate": patched("gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE", True),
 }

@@ -15,7 +15,8 @@ Variants (each a deep copy of the same stack, wrapped by the policy as the train
 - ``fp8_saved_hooks``: ``in_kernels: false``, the saved-tensor hooks on every block (the policy as it
   was before the fused kernels compressed);
 - ``fp8_saved_attn_as_computed``: ``fp8_saved`` with the attention output kept as computed (as before
-  2026-12-04 19:30 UTC; :data:`FLAGS`).
+  2026-12-04 19:30 UTC); ``fp8_saved_rows_in_norm_gate``: with the norm-gate backward reading the gate's
+  and the attention output's e4m3 rows in its loop, no pass expanding them first (:data:`FLAGS`).
 
 First every variant's output and gradients (input, every parameter) are compared with ``none``'s, and
 the e4m3 rows the fused gap keeps are compared byte for byte with gem-precision's reference row
@@ -63,6 +64,7 @@ VARIANTS = {
     "fp8_saved": lambda: Fp8SavedPolicy(),
     "fp8_saved_hooks": lambda: Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=False)),
     "fp8_saved_attn_as_computed": lambda: Fp8SavedPolicy(),
+    "fp8_saved_rows_in_norm_gate": lambda: Fp8SavedPolicy(),
 }
 Y_TOLERANCE = 1e-2
 """The blocks' output under a policy against ``none``'s (relative, Frobenius). The forward computes from
@@ -72,6 +74,8 @@ output may differ in the last bit of some values, which the next blocks carry on
 FLAGS: dict[str, tuple[object, str, object]] = {
     # the attention output kept as computed (before 2026-12-04 19:30 UTC: not in e4m3 rows)
     "fp8_saved_attn_as_computed": (hstu_gap_triton, "SAVED_ATTENTION_E4M3", False),
+    # the norm-gate backward reading the gate's and the attention output's e4m3 rows in its loop
+    "fp8_saved_rows_in_norm_gate": (hstu_gap_triton, "E4M3_ROWS_IN_NORM_GATE", True),
 }
 """A variant's module attribute, set while its steps run (forward and backward) and put back after."""
 

@@ -31,12 +31,21 @@ from gem_kernels import hstu_gap_triton as gap
 from gem_kernels import layer_norm_triton as ln
 from gem_kernels import norm_gate_triton as ng
 from gem_kernels.attention_triton_common import INTERPRET, num_programs
+from gem_kernels.hstu_gap_saved import silu_quantize_rows
+from gem_kernels.quantized_rows_triton import as_words
 
 D, WIDTH = 1024, 4096
 
 
-def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: int | None = None) -> Callable[[], tuple]:
+def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: int | None = None,
+                  e4m3: bool = False) -> Callable[[], tuple]:  # fmt: skip
+    """The norm-gate backward; with ``e4m3`` it reads ``x`` and the gate from their e4m3 rows as 16-bit
+    words (``fp8_saved``'s kept attention output and uvqk output: ``hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE``)."""
     num_rows = t["x"].shape[0]
+    if e4m3:
+        x, u, x_inv, u_inv = t["x_words"], t["pre_words"], t["x_scale_inv"], t["pre_scale_inv"]
+    else:
+        x, u, x_inv, u_inv = t["x"], t["u"], t["mean"], t["mean"]
     tiles = triton.cdiv(num_rows, rows_per_tile)
     programs = num_programs(t["x"].device, per_sm, tiles)
     per = triton.cdiv(tiles, programs)
@@ -47,9 +56,10 @@ def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: 
 
     def run() -> tuple:
         ng._norm_gate_bwd[(programs,)](
-            t["x"], t["u"], t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, t["x"].stride(0),
-            t["u"].stride(0), t["dy"].stride(0), dx.stride(0), du.stride(0), num_rows, per,
-            D=D, BLOCK_D=D, ROWS=rows_per_tile, INTERP=INTERPRET, num_warps=warps, SILU_GATE=True, STAGES=stages,
+            x, u, t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, x_inv, u_inv, x.stride(0),
+            u.stride(0), t["dy"].stride(0), dx.stride(0), du.stride(0), num_rows, per, D=D, BLOCK_D=D,
+            ROWS=rows_per_tile, INTERP=INTERPRET, num_warps=warps, SILU_GATE=True, X_E4M3=e4m3, U_E4M3=e4m3,
+            STAGES=stages,
         )
         return dx, du, dw.sum(0), db.sum(0)
 
@@ -177,6 +187,10 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
                             list(itertools.product((4, 8, 16), (128,), (None, 2, 3))), 2 * WIDTH + 4 * (WIDTH - D) + 5 * WIDTH),
     "norm_gate_fwd_e4m3": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, e4m3_rows=True), (4, 1, 3),
                            list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
+    # fp8_saved: the backward reading x and the gate from their e4m3 rows (1 byte a value for 2, and no
+    # expansion passes before it)
+    "norm_gate_bwd_e4m3": (lambda t, r, w, n, st: norm_gate_bwd(t, r, w, n, st, e4m3=True), (4, 4, 2, 3),
+                           list(itertools.product((2, 4), (4, 8), (2, 4), (None, 2, 3))), 8 * D),
     # fp8_saved: the forward also writes the e4m3 rows of its input (the attention output, kept for backward);
     # under fp8_rowwise + fp8_saved it writes both rows
     "norm_gate_fwd_keep_x": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, keep_x=True), (4, 1, 3),
@@ -207,7 +221,13 @@ def tensors(rows: int, device: torch.device) -> dict:
     x = r(rows, D)
     _, mean, rstd = ng.NormGateFunction.run_forward(x, pre[:, :D], r(D, dtype=torch.float32), r(D, dtype=torch.float32),
                                                     1e-5, silu_gate=True)  # fmt: skip
+    x_rows = _e4m3_rows(rows, device)
+    ng.NormGateFunction.run_forward(x, pre[:, :D], r(D, dtype=torch.float32), r(D, dtype=torch.float32), 1e-5,
+                                    silu_gate=True, x_rows=x_rows)  # fmt: skip
+    pre_rows, pre_scale_inv = silu_quantize_rows(pre, torch.empty((rows, WIDTH - D), dtype=pre.dtype, device=device), D)
     return {"pre": pre, "u": pre[:, :D], "x": x, "w": r(D, dtype=torch.float32), "b": r(D, dtype=torch.float32),
+            "x_words": as_words(x_rows[0]), "x_scale_inv": x_rows[1], "pre_words": as_words(pre_rows[:, :D]),
+            "pre_scale_inv": pre_scale_inv,
             "dy": r(rows, D), "skip": r(rows, D), "mean": mean, "rstd": rstd,
             "d_pre": torch.empty_like(pre), "d_pre0": r(rows, WIDTH), "g_vqk": r(rows, WIDTH - D)}  # fmt: skip
 

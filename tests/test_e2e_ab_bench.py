@@ -175,6 +175,19 @@ def test_a_flag_switch_turns_its_flag_off_and_undoes(monkeypatch, switch, module
     assert getattr(owner, flag) is True
 
 
+def test_the_rows_in_norm_gate_switch_turns_its_flag_on_and_undoes(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    from gem_kernels import hstu_gap_triton
+
+    assert hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE is False
+    undo = VARIANTS["fp8_saved_rows_in_norm_gate"](None)
+    assert hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE is True
+    undo()
+    assert hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE is False
+
+
 def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
     """``pointwise_unpipelined`` puts the norm-gate's and the sums pass's launches of before the pipeline back, and undoes."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from gem_kernels import hstu_gap_triton as hstu_gap_triton_module
 from gem_kernels.hstu_gap_saved import expand_rows, silu_quantize_rows
 from gem_kernels.hstu_gap_triton import hstu_gap_triton, silu_columns
-from gem_kernels.norm_gate_triton import NormGateFunction
+from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
 from gem_kernels.quantized_rows_triton import dequantize_rows
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import offsets_from_lengths, relative_error
@@ -221,3 +221,50 @@ def test_the_attention_output_kept_as_computed_when_asked(gen, monkeypatch):
     assert kept_fp8[0].dtype == torch.float8_e4m3fn and torch.equal(kept_fp8[2], kept_plain[2])
     for got, plain in zip(g_fp8, g_plain):
         assert relative_error(got, plain) < AGAINST_PLAIN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_gate_backward_reads_e4m3_rows_as_words(gen, dtype):
+    """The norm-gate backward reading ``x`` and ``u`` from e4m3 rows in its loop (16-bit words split into
+    bytes; ``u`` as the first columns of wider rows, as the fused gap keeps them) gives, bit for bit, the
+    backward of those rows' values as tensors."""
+    rows, dim, width = 23, 40, 96  # several row tiles; the interpreter's 64-column tile has 24 masked columns
+    x = (torch.randn(rows, dim, generator=gen) * torch.logspace(-2, 2, rows)[:, None]).to(dtype)
+    pre = torch.randn(rows, width, generator=gen) * 3
+    dy = torch.randn(rows, dim, generator=gen).to(dtype)
+    weight, bias = 1 + 0.1 * torch.randn(dim, generator=gen), 0.1 * torch.randn(dim, generator=gen)
+    kept = (torch.empty(rows, dim, dtype=torch.uint8), torch.empty(rows))
+    u_hat_full, pre_scale = silu_quantize_rows(pre, torch.empty(rows, width - dim), dim)
+    u_data = u_hat_full[:, :dim]  # a view with the wider rows' stride
+    u_hat = dequantized(u_data, pre_scale).to(dtype)
+    _, mean, rstd = NormGateFunction.run_forward(x, u_hat, weight, bias, EPS, silu_gate=True, x_rows=kept)
+    x_data = kept[0].view(torch.float8_e4m3fn)
+    x_hat = dequantized(x_data, kept[1]).to(dtype)
+    want = norm_gate_backward(dy, x_hat, u_hat, weight, bias, mean, rstd, silu_gate=True)
+    got = norm_gate_backward(dy, x_data, u_data, weight, bias, mean, rstd, silu_gate=True, x_scale_inv=kept[1],
+                             u_scale_inv=pre_scale)  # fmt: skip
+    for name, g, w in zip(("dx", "du", "d_weight", "d_bias"), got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), f"{name}: {relative_error(g, w):.2e} apart"
+    with pytest.raises(ValueError, match="even width"):
+        norm_gate_backward(dy[:, :39], x_data[:, :39], u_data[:, :39], weight[:39], bias[:39], mean, rstd,
+                           x_scale_inv=kept[1], u_scale_inv=pre_scale)  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "dq_mode"), [(torch.float32, "separate"), (torch.bfloat16, "atomic")])
+def test_the_gap_reading_its_rows_in_the_norm_gate_loop_gives_the_same_gradients(gen, monkeypatch, dtype, dq_mode):
+    """``E4M3_ROWS_IN_NORM_GATE``: the norm-gate backward reads ``u`` and the attention output from their
+    e4m3 rows, and the expand pass writes only ``silu(v, q, k)``: the gradients are those of the way that
+    expands them first, bit for bit."""
+    offsets = offsets_from_lengths([5, 0, 9, 2])
+    extras = AttentionExtras(num_targets=torch.tensor([1, 0, 2, 1]))
+    pre = (torch.randn(16, WIDTH, generator=gen) * 2).to(dtype)
+    weight, bias = 1 + 0.1 * torch.randn(HV, generator=gen), 0.1 * torch.randn(HV, generator=gen)
+    dy = torch.randn(16, HV, generator=gen).to(dtype)
+    grads = {}
+    for in_loop in (False, True):
+        monkeypatch.setattr(hstu_gap_triton_module, "E4M3_ROWS_IN_NORM_GATE", in_loop)
+        leaves = [t.detach().clone().requires_grad_() for t in (pre, weight, bias)]
+        y = gap(*leaves, offsets, extras, dq_mode, E4M3_ROW)
+        grads[in_loop] = torch.autograd.grad(y, leaves, dy)
+    for name, a, b in zip(("d_pre", "d_weight", "d_bias"), grads[True], grads[False]):
+        assert torch.equal(a, b), f"{name}: {relative_error(a, b):.2e} apart"

@@ -106,7 +106,8 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     """Compile one ``triton.jit`` function: ``signature`` gives each non-constexpr argument's type
     (``*bf16``, ``i32``, ...), ``constants`` the constexprs. Shared bytes, registers, spill stack, and
     whether an fp8 cast lowered to the hardware's round-to-nearest-even (``cvt.rn.satfinite``),
-    whether an MMA takes e4m3 operands, and whether tiles load by bulk tensor copies (TMA)."""
+    whether an MMA takes e4m3 operands, whether tiles load by bulk tensor copies (TMA), and the CTA
+    barriers (``bar.sync``) in its PTX."""
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     hints = {
         (i,): [["tt.divisibility", 16]]
@@ -119,7 +120,7 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     ptx = compiled.asm["ptx"]
     return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
             "fp8_mma": ".e4m3.e4m3" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
-            **_cubin_usage(compiled.asm["cubin"])}
+            "barriers": ptx.count("bar.sync"), **_cubin_usage(compiled.asm["cubin"])}
 
 
 def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: bool = False, dim: int = 1024,

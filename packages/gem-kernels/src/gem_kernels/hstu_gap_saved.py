@@ -24,7 +24,10 @@ pass, which reads each of its rows whole anyway, writes them beside its output (
 (``quantized_rows_triton.dequantize_rows``: 1 KiB in, 2 out). The norm-gate backward reading the bytes
 in its own loop instead ran 3.8x slower on the H200 (2.29 against 0.61 ms at 200,000 x 1,024; the
 1-byte tile does not fit the loop's layout). With it the format frees 11 KiB a token per block between
-forward and backward (16 -> 5), for 19 KiB a token of traffic.
+forward and backward (16 -> 5), for 19 KiB a token of traffic. ``hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE``
+(off until timed on a GPU) has the norm-gate backward read both the gate's and the attention output's
+rows in its loop as 16-bit words, which keep the loop's layout, and ``expand_rows`` write only ``post``
+(reading only its columns): 11 KiB a token.
 
 The forward outputs are those of the plain gap (``post`` is silu of the exact ``pre``, the norm-gate
 reads the exact attention output; on a GPU the norm-gate pass that writes the attention rows may sum a
@@ -91,11 +94,12 @@ def _silu_quantize(PRE, POST, Q, SCALE_INV, stride_pre, stride_post, num_rows, w
 
 
 @triton.jit
-def _expand(Q, SCALE_INV, U, POST, stride_u, stride_post, num_rows, width, hv,
+def _expand(Q, SCALE_INV, U, POST, stride_u, stride_post, num_rows, width, hv, first_col,
             ROWS: tl.constexpr, COLS: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """``U = pre[:, :hv]``, ``POST = silu(pre[:, hv:])`` of ``pre = Q * SCALE_INV[row]``."""
+    """``U = pre[:, :hv]``, ``POST = silu(pre[:, hv:])`` of ``pre = Q * SCALE_INV[row]``, over the columns
+    from ``first_col`` (``hv``: ``POST`` only)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    col0 = tl.program_id(1) * COLS
+    col0 = first_col + tl.program_id(1) * COLS
     cols = col0 + tl.arange(0, COLS)
     rows_ok = rows < num_rows
     inside = rows_ok[:, None] & (cols < width)[None, :]
@@ -139,18 +143,20 @@ def silu_quantize_rows(pre: torch.Tensor, post: torch.Tensor, hv: int, *, chunk:
     return data, scale_inv
 
 
-def expand_rows(data: torch.Tensor, scale_inv: torch.Tensor, hv: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def expand_rows(data: torch.Tensor, scale_inv: torch.Tensor, hv: int, dtype: torch.dtype, *, gate: bool = True
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
     """From :func:`silu_quantize_rows`'s rows: ``(u, post)`` in ``dtype``, ``u = pre[:, :hv]`` ``[L, hv]``
-    and ``post = silu(pre[:, hv:])``, with ``pre = data * scale_inv[:, None]`` (exact in bf16 and fp32)."""
+    and ``post = silu(pre[:, hv:])``, with ``pre = data * scale_inv[:, None]`` (exact in bf16 and fp32).
+    ``gate=False``: ``post`` only (``u`` None: a kernel reads the gate's e4m3 columns itself)."""
     num_rows, width = data.shape
-    u = torch.empty((num_rows, hv), dtype=dtype, device=data.device)
+    u = torch.empty((num_rows, hv), dtype=dtype, device=data.device) if gate else None
     post = torch.empty((num_rows, width - hv), dtype=dtype, device=data.device)
     rows, cols = EXPAND_TILE
+    first_col = 0 if gate else hv
     if num_rows:
         with device_guard(data.device):
-            _expand[(triton.cdiv(num_rows, rows), triton.cdiv(width, cols))](
-                data.view(torch.uint8), scale_inv, u, post, u.stride(0), post.stride(0), num_rows, width, hv,
-                ROWS=rows, COLS=cols, INTERP=INTERPRET, num_warps=4,
+            _expand[(triton.cdiv(num_rows, rows), triton.cdiv(width - first_col, cols))](
+                data.view(torch.uint8), scale_inv, post if u is None else u, post, post.stride(0) if u is None else u.stride(0),
+                post.stride(0), num_rows, width, hv, first_col, ROWS=rows, COLS=cols, INTERP=INTERPRET, num_warps=4,
             )  # fmt: skip
     return u, post

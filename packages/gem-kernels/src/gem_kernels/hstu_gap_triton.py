@@ -65,6 +65,12 @@ ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 SAVED_ATTENTION_E4M3 = True
 """Under ``saved_format="e4m3_row"``, the attention output is kept in e4m3 rows too (written by the
 norm-gate's forward pass, expanded by one pass before its backward); False keeps it as computed."""
+E4M3_ROWS_IN_NORM_GATE = False
+"""Under ``saved_format="e4m3_row"``: True, the norm-gate backward reads the gate ``u`` and the attention
+output from their e4m3 rows in its own loop, as 16-bit words (``quantized_rows_triton.load_e4m3_pairs``),
+and the expand pass writes only ``silu(v, q, k)``: 8 KiB a token a block less traffic. False (the
+default until it is timed on a GPU), the expand pass writes ``u`` and one more pass the attention
+output in the activation dtype first. The same values either way."""
 
 
 @triton.jit
@@ -178,24 +184,27 @@ class HSTUGapFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         (pre, post), (attn, *attn_scale_inv) = saved[:2], saved[2:2 + ctx.kept_attn]
         mean, rstd, weight, gate_bias, seq_offsets, num_targets, *tables = saved[2 + ctx.kept_attn:]
-        if attn_scale_inv:  # its e4m3 rows, expanded by one pass (the norm-gate backward reading the bytes
-            # in its loop ran at 2.29 ms against 0.61 at 200,000 x 1,024 on the H200)
-            attn = dequantize_rows(attn, attn_scale_inv[0], dy.dtype)
         (heads, dqk, dv), options, edges = ctx.params
         rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
         scale_inv = None
+        # the norm-gate backward reads the e4m3 rows of u and attn itself (E4M3_ROWS_IN_NORM_GATE)
+        in_loop = ctx.expand_to is not None and E4M3_ROWS_IN_NORM_GATE and hv % 2 == 0
         if ctx.expand_to is not None:  # pre: e4m3 rows, post: their scales (hstu_gap_saved)
             scale_inv = post
-            u, post = expand_rows(pre, scale_inv, hv, ctx.expand_to)
-        else:
+            u, post = expand_rows(pre, scale_inv, hv, ctx.expand_to, gate=not in_loop)
+        if ctx.expand_to is None or in_loop:
             u = pre[:, :hv]
-        d_pre = torch.empty(pre.shape, dtype=u.dtype, device=pre.device)
+        if attn_scale_inv and not in_loop:  # the attention output's e4m3 rows, expanded by one pass first
+            attn, attn_scale_inv = dequantize_rows(attn, attn_scale_inv[0], dy.dtype), []
+        act_dtype = pre.dtype if ctx.expand_to is None else ctx.expand_to
+        d_pre = torch.empty(pre.shape, dtype=act_dtype, device=pre.device)
         # the column sums of d_pre, from the passes that write it: the uvqk bias's gradient (hstu_gap_bias)
         sums = None if ctx.pre_bias_dtype is None else torch.empty(pre.shape[1], dtype=torch.float32, device=pre.device)
         grad_rows: GradRowsSlot | None = options["grad_rows"] if fits(pre.shape[1]) else None
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
-            du_out=d_pre[:, :hv],
+            du_out=d_pre[:, :hv], x_scale_inv=attn_scale_inv[0] if attn_scale_inv else None,
+            u_scale_inv=scale_inv if in_loop else None,
         )
         # the bias sums without rows: one pass over whole rows when they fit (hstu_gap_bias), else per column block
         # with the u columns by a reduction of their own

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, num_programs, silu_grad
-from gem_kernels.quantized_rows_triton import RowsOut, tiles_per_program, write_e4m3_rows
+from gem_kernels.quantized_rows_triton import RowsOut, as_words, load_e4m3_pairs, tiles_per_program, write_e4m3_rows
 
 MAX_DIM = 16384
 """Rows are held in registers whole; wider rows would spill."""
@@ -78,10 +78,11 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, XQ, XQ_INV, st
 
 
 @triton.jit
-def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART,
+def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART, X_INV, U_INV,
                    stride_x, stride_u, stride_dy, stride_dx, stride_du, num_rows, tiles_per_program,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
-                   SILU_GATE: tl.constexpr, STAGES: tl.constexpr = None):
+                   SILU_GATE: tl.constexpr, X_E4M3: tl.constexpr = False, U_E4M3: tl.constexpr = False,
+                   STAGES: tl.constexpr = None):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
@@ -93,8 +94,14 @@ def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART,
         rows = ((pid * tiles_per_program + t) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         rows_ok = rows < num_rows
         inside = rows_ok[:, None] & cols_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        if X_E4M3:  # e4m3 rows (stride in 16-bit words), each times its X_INV
+            x = load_e4m3_pairs(X, X_INV, rows, rows_ok, stride_x, D, BLOCK_D, ROWS)
+        else:
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        if U_E4M3:
+            u = load_e4m3_pairs(U, U_INV, rows, rows_ok, stride_u, D, BLOCK_D, ROWS)
+        else:
+            u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
         rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
@@ -172,11 +179,18 @@ class NormGateFunction(torch.autograd.Function):
 def norm_gate_backward(
     dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     mean: torch.Tensor, rstd: torch.Tensor, *, silu_gate: bool = False, du_out: torch.Tensor | None = None,
+    x_scale_inv: torch.Tensor | None = None, u_scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dx, du`` in ``x``'s shape (contiguous) and ``d_weight, d_bias`` of one call. ``silu_gate``: the
     forward's gate was ``silu(u)``, and ``du`` is the gradient of ``u`` itself. ``du_out``: a ``[rows,
-    D]`` view (unit last stride) to write ``du`` into, instead of a new tensor."""
+    D]`` view (unit last stride) to write ``du`` into, instead of a new tensor. ``x_scale_inv`` /
+    ``u_scale_inv``: ``x`` / ``u`` are e4m3 rows ``[rows, D]`` (``D`` and the row stride even, e.g. the
+    ``u`` columns of the fused gap's saved rows), each times its scale, read by the kernel's loop as
+    16-bit words (:func:`gem_kernels.quantized_rows_triton.load_e4m3_pairs`); ``dx`` and ``du`` are then
+    in ``dy``'s dtype."""
+    x_e4m3, u_e4m3 = x_scale_inv is not None, u_scale_inv is not None
     x2, u2, dy2 = _rows(x), _rows(u), _rows(dy)
+    xk, uk = (as_words(x2) if x_e4m3 else x2), (as_words(u2) if u_e4m3 else u2)  # what the kernel reads
     weight, bias = weight.contiguous(), bias.contiguous()
     num_rows, dim = x2.shape
     block_d = triton.next_power_of_2(dim)
@@ -184,16 +198,17 @@ def norm_gate_backward(
     tiles = triton.cdiv(num_rows, rows)
     programs = num_programs(x2.device, BACKWARD_PROGRAMS_PER_SM, max(tiles, 1))
     tiles_per_program = triton.cdiv(tiles, programs)
-    dx = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
-    du = torch.empty((num_rows, dim), dtype=u.dtype, device=u.device) if du_out is None else du_out
+    dx = torch.empty((num_rows, dim), dtype=dy.dtype if x_e4m3 else x.dtype, device=x.device)
+    du = torch.empty((num_rows, dim), dtype=dy.dtype if u_e4m3 else u.dtype, device=u.device) if du_out is None else du_out
     dw_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
     db_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
     with device_guard(x2.device):
         _norm_gate_bwd[(programs,)](
-            x2, u2, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part, x2.stride(0), u2.stride(0),
+            xk, uk, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part,
+            x_scale_inv if x_e4m3 else mean, u_scale_inv if u_e4m3 else mean, xk.stride(0), uk.stride(0),
             dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
             D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
-            SILU_GATE=silu_gate, STAGES=PIPELINE_STAGES,
+            SILU_GATE=silu_gate, X_E4M3=x_e4m3, U_E4M3=u_e4m3, STAGES=PIPELINE_STAGES,
         )
     dw = dw_part[:, :dim].sum(0).to(weight.dtype)
     db = db_part[:, :dim].sum(0).to(bias.dtype)
