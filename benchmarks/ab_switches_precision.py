@@ -108,4 +108,7 @@ PRECISION_VARIANTS: dict[str, Switch] = {
     # with fp8_saved: the norm-gate backward reads the gate and the attention output from their e4m3 rows
     # in its loop (16-bit words), and no pass expands them first (off by default until timed)
     "fp8_saved_rows_in_norm_gate": patched("gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE", True),
+    # the norm-gate forward storing its e4m3 rows (fp8_rowwise's of y, fp8_saved's of x) as 16-bit words, which
+    # keep its tile's layout (off by default until timed)
+    "fp8_word_stores": patched("gem_kernels.norm_gate_triton", "E4M3_WORD_STORES", True),
 }

@@ -16,7 +16,8 @@ Variants (each a deep copy of the same stack, wrapped by the policy as the train
   was before the fused kernels compressed);
 - ``fp8_saved_attn_as_computed``: ``fp8_saved`` with the attention output kept as computed (as before
   2026-12-04 19:30 UTC); ``fp8_saved_rows_in_norm_gate``: with the norm-gate backward reading the gate's
-  and the attention output's e4m3 rows in its loop, no pass expanding them first (:data:`FLAGS`).
+  and the attention output's e4m3 rows in its loop, no pass expanding them first;
+  ``fp8_saved_word_stores``: with the norm-gate forward storing those rows as 16-bit words (:data:`FLAGS`).
 
 First every variant's output and gradients (input, every parameter) are compared with ``none``'s, and
 the e4m3 rows the fused gap keeps are compared byte for byte with gem-precision's reference row
@@ -46,7 +47,7 @@ from collections.abc import Iterator
 import hstu_gap  # benchmarks/: the gap benchmark's inputs
 import torch
 
-from gem_kernels import hstu_gap_triton
+from gem_kernels import hstu_gap_triton, norm_gate_triton
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.norm_gate import TritonNormGate
@@ -65,6 +66,7 @@ VARIANTS = {
     "fp8_saved_hooks": lambda: Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=False)),
     "fp8_saved_attn_as_computed": lambda: Fp8SavedPolicy(),
     "fp8_saved_rows_in_norm_gate": lambda: Fp8SavedPolicy(),
+    "fp8_saved_word_stores": lambda: Fp8SavedPolicy(),
 }
 Y_TOLERANCE = 1e-2
 """The blocks' output under a policy against ``none``'s (relative, Frobenius). The forward computes from
@@ -76,6 +78,8 @@ FLAGS: dict[str, tuple[object, str, object]] = {
     "fp8_saved_attn_as_computed": (hstu_gap_triton, "SAVED_ATTENTION_E4M3", False),
     # the norm-gate backward reading the gate's and the attention output's e4m3 rows in its loop
     "fp8_saved_rows_in_norm_gate": (hstu_gap_triton, "E4M3_ROWS_IN_NORM_GATE", True),
+    # the norm-gate forward storing the attention output's rows as 16-bit words (its output then bit-equal)
+    "fp8_saved_word_stores": (norm_gate_triton, "E4M3_WORD_STORES", True),
 }
 """A variant's module attribute, set while its steps run (forward and backward) and put back after."""
 

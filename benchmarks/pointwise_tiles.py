@@ -67,19 +67,23 @@ def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: 
 
 
 def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None, e4m3_rows: bool = False,
-                  keep_x: bool = False) -> Callable[[], tuple]:  # fmt: skip
+                  keep_x: bool = False, words: bool = False) -> Callable[[], tuple]:  # fmt: skip
     """The norm-gate forward; with ``e4m3_rows`` also ``y``'s e4m3 rows (``fp8_rowwise``'s producer rows, no
-    column maxima); with ``keep_x`` also ``x``'s (``fp8_saved``'s kept attention output)."""
+    column maxima); with ``keep_x`` also ``x``'s (``fp8_saved``'s kept attention output); ``words``: the
+    rows stored as 16-bit words (``norm_gate_triton.E4M3_WORD_STORES``)."""
     num_rows = t["x"].shape[0]
     rows = ng._rows_per_tile(D)
     y, mean, rstd, q, q_inv = _forward_outputs(t["x"], e4m3_rows)
     xq, xq_inv = _e4m3_rows(num_rows, y.device) if keep_x else (y, mean)
+    kq = as_words(q) if words and e4m3_rows else q  # the buffers as the kernel writes them
+    kxq = as_words(xq) if words and keep_x else xq
 
     def run() -> tuple:
         ng._norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
-            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, q, q_inv, q_inv, xq, xq_inv, t["x"].stride(0),
+            t["x"], t["u"], t["w"], t["b"], y, mean, rstd, kq, q_inv, q_inv, kxq, xq_inv, t["x"].stride(0),
             t["u"].stride(0), y.stride(0), num_rows, 1e-5, D=D, BLOCK_D=D, ROWS=rows, TILES=tiles, INTERP=INTERPRET,
-            num_warps=warps, SILU_GATE=True, QUANT=e4m3_rows, COLUMN_AMAX=False, KEEP_X=keep_x, STAGES=stages,
+            num_warps=warps, SILU_GATE=True, QUANT=e4m3_rows, COLUMN_AMAX=False, KEEP_X=keep_x, WORDS=words,
+            STAGES=stages,
         )
         out = (y, mean, rstd, q, q_inv) if e4m3_rows else (y, mean, rstd)
         return (*out, xq, xq_inv) if keep_x else out
@@ -197,6 +201,14 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
                              list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
     "norm_gate_fwd_e4m3_keep_x": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, e4m3_rows=True, keep_x=True), (4, 1, 3),
                                   list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 8 * D),
+    # the same three with the rows stored as 16-bit words (E4M3_WORD_STORES): the tile keeps its layout
+    "norm_gate_fwd_keep_x_words": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, keep_x=True, words=True), (4, 1, 3),
+                                   list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
+    "norm_gate_fwd_e4m3_words": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, e4m3_rows=True, words=True), (4, 1, 3),
+                                 list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 7 * D),
+    "norm_gate_fwd_e4m3_keep_x_words": (lambda t, w, n, st: norm_gate_fwd(t, w, n, st, e4m3_rows=True, keep_x=True,
+                                                                         words=True), (4, 1, 3),
+                                        list(itertools.product((4, 8), (1, 4), (None, 2, 3))), 8 * D),
     "norm_fwd_e4m3": (lambda t, r, w, n, st: norm_fwd(t, r, w, n, st, e4m3_rows=True), (2, 4, 1, None),
                       list(itertools.product((2, 4, 8), (4, 8), (1, 4), (None, 3))), 5 * D),
     "norm_bwd_e4m3": (lambda t, r, w, z: norm_bwd(t, r, w, z, e4m3_rows=True), (4, 4, 0),

@@ -175,17 +175,26 @@ def test_a_flag_switch_turns_its_flag_off_and_undoes(monkeypatch, switch, module
     assert getattr(owner, flag) is True
 
 
-def test_the_rows_in_norm_gate_switch_turns_its_flag_on_and_undoes(monkeypatch):
+@pytest.mark.parametrize(
+    ("switch", "module", "flag"),
+    [
+        # fp8_saved's norm-gate backward reading its rows in its loop; the norm-gate forward's rows as words
+        ("fp8_saved_rows_in_norm_gate", "gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE"),
+        ("fp8_word_stores", "gem_kernels.norm_gate_triton", "E4M3_WORD_STORES"),
+    ],
+)
+def test_a_switch_turns_its_flag_on_and_undoes(monkeypatch, switch, module, flag):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import importlib
+
     from ab_switches import VARIANTS
 
-    from gem_kernels import hstu_gap_triton
-
-    assert hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE is False
-    undo = VARIANTS["fp8_saved_rows_in_norm_gate"](None)
-    assert hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE is True
+    owner = importlib.import_module(module)
+    assert getattr(owner, flag) is False
+    undo = VARIANTS[switch](None)
+    assert getattr(owner, flag) is True
     undo()
-    assert hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE is False
+    assert getattr(owner, flag) is False
 
 
 def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):

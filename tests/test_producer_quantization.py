@@ -24,6 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gem_kernels import norm_gate_triton
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.hstu_block import hstu_block_triton
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
@@ -85,8 +86,15 @@ def test_layer_norm_rows_are_the_reference_bits(gen, dtype):
     assert_reference_bits(rows, ln)
 
 
+@pytest.fixture(params=[False, True], ids=["byte stores", "word stores"])
+def word_stores(request, monkeypatch) -> bool:
+    """The norm-gate forward writing its rows as bytes or as 16-bit words (``E4M3_WORD_STORES``)."""
+    monkeypatch.setattr(norm_gate_triton, "E4M3_WORD_STORES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("silu_gate", [True, False])
-def test_norm_gate_rows_are_the_reference_bits(gen, silu_gate):
+def test_norm_gate_rows_are_the_reference_bits(gen, silu_gate, word_stores):
     x = with_special_rows(torch.randn(ROWS, WIDTH, generator=gen)).bfloat16()
     u = (torch.randn(ROWS, WIDTH, generator=gen) * 3).bfloat16()
     u[7] = 0  # a gate of zeros: a row of zeros
@@ -97,24 +105,27 @@ def test_norm_gate_rows_are_the_reference_bits(gen, silu_gate):
     y, _, _ = NormGateFunction.run_forward(x, u, weight, bias, GATE_EPS, silu_gate=silu_gate, rows_out=out,
                                            x_rows=x_rows)  # fmt: skip
     assert_reference_bits(out.result(), y)
+    plain = NormGateFunction.run_forward(x, u, weight, bias, GATE_EPS, silu_gate=silu_gate)[0]
+    torch.testing.assert_close(y, plain, rtol=0, atol=0, equal_nan=True)  # the rows leave y as it was
     want = quantize_fp8_reference(x, granularity="row", fmt=E4M3).rows
     assert torch.equal(x_rows[0], want.data.view(torch.uint8))
     assert torch.equal(x_rows[1].view(torch.int32), want.scale_inv.reshape(-1).view(torch.int32))  # NaN bits too
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_branch_of_the_rule_gives_the_reference_bits(dtype):
+def test_every_branch_of_the_rule_gives_the_reference_bits(dtype, word_stores):
     """gem-precision's edge cases (zeros, subnormals, powers of two and just below, amaxes at and above
     1.75 * 2**k, infinities, NaN, huge next to tiny, rounding ties) as the norm-gate's output: with a zero
-    weight and a unit bias it writes ``y = u``."""
+    weight and a unit bias it writes ``y = u``. Word stores need an even width: 44 columns, else 45."""
     rows = [t for t in mx_edge_cases().values() if t.shape[1] == 64]
-    u = torch.cat(rows)[:, :45].to(dtype)  # 45 of the tile's 64 columns
+    width = 44 if word_stores else 45
+    u = torch.cat(rows)[:, :width].to(dtype)  # of the tile's 64 columns
     if dtype == torch.bfloat16:  # the interpreter mishandles bf16 subnormals in registers: float32 has them
         u = torch.where(u.abs() < torch.finfo(dtype).tiny, u * 0, u)
     n = u.shape[0]
-    out = RowsOut.allocate(n, 45, u.device, RowQuantization(column_amax=True))
-    x = torch.randn(n, 45, generator=torch.Generator().manual_seed(0)).to(dtype)
-    y, _, _ = NormGateFunction.run_forward(x, u, torch.zeros(45), torch.ones(45), GATE_EPS, rows_out=out)
+    out = RowsOut.allocate(n, width, u.device, RowQuantization(column_amax=True))
+    x = torch.randn(n, width, generator=torch.Generator().manual_seed(0)).to(dtype)
+    y, _, _ = NormGateFunction.run_forward(x, u, torch.zeros(width), torch.ones(width), GATE_EPS, rows_out=out)
     assert torch.equal(y.view(torch.uint8), u.view(torch.uint8))
     assert_reference_bits(out.result(), y)
 

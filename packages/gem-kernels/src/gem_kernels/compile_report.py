@@ -123,11 +123,12 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
             "barriers": ptx.count("bar.sync"), **_cubin_usage(compiled.asm["cubin"])}
 
 
-def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: bool = False, dim: int = 1024,
-                     arch: int = 90) -> dict[str, Any]:  # fmt: skip
+def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: bool = False, words: bool = False,
+                     dim: int = 1024, arch: int = 90) -> dict[str, Any]:  # fmt: skip
     """Compile the layer norm (``norm``) or norm-gate (``norm_gate``) forward of the fused HSTU block for
     ``[*, dim]`` bf16 rows, optionally writing their e4m3 rows (and column maxima), as the block launches it;
-    ``keep_x``: the norm-gate also writes its input's e4m3 rows (``fp8_saved``'s attention output)."""
+    ``keep_x``: the norm-gate also writes its input's e4m3 rows (``fp8_saved``'s attention output);
+    ``words``: the norm-gate stores its rows as 16-bit words (``norm_gate_triton.E4M3_WORD_STORES``)."""
     from gem_kernels import layer_norm_triton, norm_gate_triton
     from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS
 
@@ -142,7 +143,9 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
         fn, rows = norm_gate_triton._norm_gate_fwd, norm_gate_triton._rows_per_tile(block_d)
         warps = 4 if block_d < 2048 else 8  # as NormGateFunction.run_forward launches it
         pointers |= {"U": "*bf16", "W": "*fp32", "B": "*fp32", "XQ": "*u8", "XQ_INV": "*fp32"}
-        constants = {"SILU_GATE": True, "STAGES": norm_gate_triton.PIPELINE_STAGES, "KEEP_X": keep_x}
+        if words:
+            pointers |= {"Q": "*i16", "XQ": "*i16"}
+        constants = {"SILU_GATE": True, "STAGES": norm_gate_triton.PIPELINE_STAGES, "KEEP_X": keep_x, "WORDS": words}
     tiles = -(-ROWS_PER_PROGRAM_WITH_COLUMNS // rows) if column_amax else 1
     constants |= dict(D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, QUANT=quantize, COLUMN_AMAX=column_amax,
                       INTERP=False)  # fmt: skip
@@ -150,7 +153,8 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
     hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name].startswith("*")}
     compiled = triton.compile(ASTSource(fn, signature, constants, hints), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps})  # fmt: skip
-    return {"kernel": kernel, "shared_bytes": compiled.metadata.shared, **_cubin_usage(compiled.asm["cubin"])}
+    return {"kernel": kernel, "shared_bytes": compiled.metadata.shared, "barriers": compiled.asm["ptx"].count("bar.sync"),
+            **_cubin_usage(compiled.asm["cubin"])}
 
 
 def _cubin_usage(cubin: bytes) -> dict[str, int | None]:

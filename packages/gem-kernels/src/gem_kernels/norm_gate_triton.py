@@ -42,13 +42,17 @@ keeps one tile a program."""
 FORWARD_TILES = 4
 """Row tiles a forward program covers when it writes no column maxima (the pipeline needs a loop)."""
 BACKWARD_PROGRAMS_PER_SM = 2
+E4M3_WORD_STORES = False
+"""The forward writes its e4m3 rows (of ``y`` for ``fp8_rowwise``, of ``x`` for ``fp8_saved``) as 16-bit
+words, which keep the tile's register layout and so ``y``'s bits (``write_e4m3_rows``); False (the
+default until it is timed on a GPU) as bytes."""
 
 
 @triton.jit
 def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, XQ, XQ_INV, stride_x, stride_u, stride_y, num_rows,
                    eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
                    INTERP: tl.constexpr, SILU_GATE: tl.constexpr, QUANT: tl.constexpr, COLUMN_AMAX: tl.constexpr,
-                   KEEP_X: tl.constexpr = False, STAGES: tl.constexpr = None):
+                   KEEP_X: tl.constexpr = False, WORDS: tl.constexpr = False, STAGES: tl.constexpr = None):
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
     w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
@@ -61,7 +65,7 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, XQ, XQ_INV, st
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         u = tl.load(U + rows[:, None] * stride_u + cols[None, :], mask=inside, other=0.0).to(tl.float32)
         if KEEP_X:  # x's e4m3 rows, which the backward reads in place of x (a saved format)
-            write_e4m3_rows(x, rows, cols, rows_ok, cols_ok, XQ, XQ_INV, D)
+            write_e4m3_rows(x, rows, cols, rows_ok, cols_ok, XQ, XQ_INV, D, WORDS, ROWS, BLOCK_D)
         if SILU_GATE:
             u = u * tl.sigmoid(u)
         mean = tl.sum(x, 1) / D
@@ -72,7 +76,8 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, XQ, XQ_INV, st
         tl.store(MEAN + rows, mean, mask=rows_ok)
         tl.store(RSTD + rows, rstd, mask=rows_ok)
         if QUANT:  # the e4m3 rows of y as written, for the linear that reads it
-            col_max = tl.maximum(col_max, write_e4m3_rows(y.to(tl.float32), rows, cols, rows_ok, cols_ok, Q, Q_INV, D))
+            col_max = tl.maximum(col_max, write_e4m3_rows(y.to(tl.float32), rows, cols, rows_ok, cols_ok, Q, Q_INV, D,
+                                                          WORDS, ROWS, BLOCK_D))
     if COLUMN_AMAX:
         tl.atomic_max(COL_AMAX + cols, col_max, mask=cols_ok, sem="relaxed")
 
@@ -139,13 +144,19 @@ class NormGateFunction(torch.autograd.Function):
         float32 ``[rows]``) for the e4m3 rows of ``x`` itself, kept for backward in place of ``x`` (the
         fused gap's saved format; ``quantized_rows_triton.dequantize_rows`` expands them). On a GPU the
         rows' byte stores change the tile's register layout, so ``mean`` and ``rstd`` are summed in
-        another order than without them: ``y`` may differ in its last bit."""
+        another order than without them: ``y`` may differ in its last bit (not with
+        :data:`E4M3_WORD_STORES`)."""
         x2, u2 = _rows(x), _rows(u)
         num_rows, dim = x2.shape
         block_d = triton.next_power_of_2(dim)
         rows = _rows_per_tile(block_d)
         quantizing = rows_out is not None or x_rows is not None
         tiles = tiles_per_program(rows, rows_out) if quantizing else FORWARD_TILES
+        words = quantizing and E4M3_WORD_STORES and dim % 2 == 0
+
+        def q(t: torch.Tensor) -> torch.Tensor:  # a rows buffer as the kernel writes it
+            return as_words(t.view(num_rows, dim)) if words else t
+
         y = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
         mean = torch.empty(num_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
@@ -153,12 +164,14 @@ class NormGateFunction(torch.autograd.Function):
         if num_rows > 0:
             with device_guard(x.device):
                 _norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
-                    x2, u2, weight, bias, y, mean, rstd, *(rows_out.kernel_args() if rows_out is not None else (y, mean, mean)),
-                    *(x_rows if x_rows is not None else (y, mean)), x2.stride(0), u2.stride(0), y.stride(0), num_rows, eps,
+                    x2, u2, weight, bias, y, mean, rstd,
+                    *((q(rows_out.data), *rows_out.kernel_args()[1:]) if rows_out is not None else (y, mean, mean)),
+                    *((q(x_rows[0]), x_rows[1]) if x_rows is not None else (y, mean)), x2.stride(0), u2.stride(0),
+                    y.stride(0), num_rows, eps,
                     D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, INTERP=INTERPRET,
                     num_warps=4 if block_d < 2048 else 8, SILU_GATE=silu_gate, QUANT=rows_out is not None,
                     COLUMN_AMAX=rows_out is not None and rows_out.column_amax_bits is not None,
-                    KEEP_X=x_rows is not None, STAGES=PIPELINE_STAGES,
+                    KEEP_X=x_rows is not None, WORDS=words, STAGES=PIPELINE_STAGES,
                 )  # fmt: skip
         return y.view(x.shape), mean, rstd
 

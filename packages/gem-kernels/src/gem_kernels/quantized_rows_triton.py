@@ -82,15 +82,29 @@ def e4m3_bits(v):
 
 
 @triton.jit
-def write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, D: tl.constexpr):
+def write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, D: tl.constexpr, WORDS: tl.constexpr = False,
+                    ROWS: tl.constexpr = 1, BLOCK_D: tl.constexpr = 1):  # fmt: skip
     """Quantize the float32 tile ``y [ROWS, BLOCK_D]`` (its rows whole; ``rows_ok`` and ``cols_ok`` mask
     the real ones) into ``Q`` (bytes ``[num_rows, D]``, contiguous) and ``Q_INV`` (float32, one per
-    row); returns the tile's column maxima of ``|y|`` as int32 bits (0 outside)."""
+    row); returns the tile's column maxima of ``|y|`` as int32 bits (0 outside).
+
+    ``WORDS`` (``D`` even; ``Q`` the bytes viewed as int16, :func:`as_words`): each pair of columns is
+    stored as one 16-bit word (the even column in the low byte), the same bytes. A byte store makes
+    Triton lay the tile out 16 values a thread, and the kernel's row sums follow: the norm-gate forward
+    compiled for sm_90 (``compile_report.compile_producer``) sums its rows over that layout where the
+    kernel without rows sums over 1 value a thread (so ``y`` may differ in its last bit), with 32 CTA
+    barriers against 17. Stored as words, it keeps the plain kernel's layout (the same sums), with 26."""
     inside = rows_ok[:, None] & cols_ok[None, :]
     bits = tl.where(inside, abs_bits(y), 0)
     scale, scale_inv, nonfinite = pow2_scale(tl.max(bits, 1))
     q = tl.where(nonfinite[:, None], NAN_BYTE, e4m3_bits(y * scale[:, None]))
-    tl.store(Q + rows[:, None] * D + cols[None, :], q.to(tl.uint8), mask=inside)
+    if WORDS:
+        even, odd = tl.split(q.reshape(ROWS, BLOCK_D // 2, 2))
+        half = tl.arange(0, BLOCK_D // 2)
+        tl.store(Q + rows[:, None] * (D // 2) + half[None, :], (even | (odd << 8)).to(tl.int16),
+                 mask=rows_ok[:, None] & (half < D // 2)[None, :])  # fmt: skip
+    else:
+        tl.store(Q + rows[:, None] * D + cols[None, :], q.to(tl.uint8), mask=inside)
     tl.store(Q_INV + rows, scale_inv, mask=rows_ok)
     return tl.max(bits, 0)
 
