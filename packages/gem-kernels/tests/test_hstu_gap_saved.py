@@ -250,11 +250,14 @@ def test_norm_gate_backward_reads_e4m3_rows_as_words(gen, dtype):
                            x_scale_inv=kept[1], u_scale_inv=pre_scale)  # fmt: skip
 
 
+@pytest.mark.parametrize("attn_e4m3", [True, False], ids=["attention rows", "attention as computed"])
 @pytest.mark.parametrize(("dtype", "dq_mode"), [(torch.float32, "separate"), (torch.bfloat16, "atomic")])
-def test_the_gap_reading_its_rows_in_the_norm_gate_loop_gives_the_same_gradients(gen, monkeypatch, dtype, dq_mode):
-    """``E4M3_ROWS_IN_NORM_GATE``: the norm-gate backward reads ``u`` and the attention output from their
-    e4m3 rows, and the expand pass writes only ``silu(v, q, k)``: the gradients are those of the way that
-    expands them first, bit for bit."""
+def test_the_gap_reading_its_rows_in_the_norm_gate_loop_gives_the_same_gradients(gen, monkeypatch, dtype, dq_mode,
+                                                                                  attn_e4m3):  # fmt: skip
+    """``E4M3_ROWS_IN_NORM_GATE``: the norm-gate backward reads ``u`` and the attention output (or, kept as
+    computed, only ``u``) from their e4m3 rows, and the expand pass writes only ``silu(v, q, k)``: the
+    gradients are those of the way that expands them first, bit for bit."""
+    monkeypatch.setattr(hstu_gap_triton_module, "SAVED_ATTENTION_E4M3", attn_e4m3)
     offsets = offsets_from_lengths([5, 0, 9, 2])
     extras = AttentionExtras(num_targets=torch.tensor([1, 0, 2, 1]))
     pre = (torch.randn(16, WIDTH, generator=gen) * 2).to(dtype)
