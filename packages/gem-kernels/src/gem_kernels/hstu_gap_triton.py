@@ -181,21 +181,11 @@ class HSTUGapFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, *_rows: None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        saved = ctx.saved_tensors
-        (pre, post), (attn, *attn_scale_inv) = saved[:2], saved[2:2 + ctx.kept_attn]
-        mean, rstd, weight, gate_bias, seq_offsets, num_targets, *tables = saved[2 + ctx.kept_attn:]
         (heads, dqk, dv), options, edges = ctx.params
-        rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
-        scale_inv = None
-        # the norm-gate backward reads the e4m3 rows of u and attn itself (E4M3_ROWS_IN_NORM_GATE)
-        in_loop = ctx.expand_to is not None and E4M3_ROWS_IN_NORM_GATE and hv % 2 == 0
-        if ctx.expand_to is not None:  # pre: e4m3 rows, post: their scales (hstu_gap_saved)
-            scale_inv = post
-            u, post = expand_rows(pre, scale_inv, hv, ctx.expand_to, gate=not in_loop)
-        if ctx.expand_to is None or in_loop:
-            u = pre[:, :hv]
-        if attn_scale_inv and not in_loop:  # the attention output's e4m3 rows, expanded by one pass first
-            attn, attn_scale_inv = dequantize_rows(attn, attn_scale_inv[0], dy.dtype), []
+        hv, hq = heads * dv, heads * dqk
+        pre, scale_inv, post, (u, u_scale_inv), (attn, attn_scale_inv), rest = _kept_for_backward(ctx, hv)
+        mean, rstd, weight, gate_bias, seq_offsets, num_targets, *tables = rest
+        rows = pre.shape[0]
         act_dtype = pre.dtype if ctx.expand_to is None else ctx.expand_to
         d_pre = torch.empty(pre.shape, dtype=act_dtype, device=pre.device)
         # the column sums of d_pre, from the passes that write it: the uvqk bias's gradient (hstu_gap_bias)
@@ -203,8 +193,7 @@ class HSTUGapFunction(torch.autograd.Function):
         grad_rows: GradRowsSlot | None = options["grad_rows"] if fits(pre.shape[1]) else None
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
-            du_out=d_pre[:, :hv], x_scale_inv=attn_scale_inv[0] if attn_scale_inv else None,
-            u_scale_inv=scale_inv if in_loop else None,
+            du_out=d_pre[:, :hv], x_scale_inv=attn_scale_inv, u_scale_inv=u_scale_inv,
         )
         # the bias sums without rows: one pass over whole rows when they fit (hstu_gap_bias), else per column block
         # with the u columns by a reduction of their own
@@ -248,6 +237,27 @@ class HSTUGapFunction(torch.autograd.Function):
         d_position, d_time = grads.result(bias, kernel["max_seq_len"])
         d_pre_bias = None if sums is None else sums.to(ctx.pre_bias_dtype)
         return d_pre, d_weight, d_gate_bias, d_position, d_time, d_pre_bias, None, None, None, None, None
+
+
+def _kept_for_backward(ctx: Any, hv: int) -> tuple[Any, ...]:
+    """What the gap's backward reads, from what its forward kept: ``pre`` (or, under the saved format, its
+    e4m3 rows) and their scales (None as computed); ``post`` in the activation dtype; the gate ``u`` and
+    the attention output as the norm-gate backward reads them, each with its scales when that kernel
+    reads their e4m3 rows in its loop (:data:`E4M3_ROWS_IN_NORM_GATE`), else None (expanded first, or
+    kept as computed); and the rest of the saved tensors."""
+    saved = ctx.saved_tensors
+    (pre, post), (attn, *attn_scale_inv), rest = saved[:2], saved[2:2 + ctx.kept_attn], saved[2 + ctx.kept_attn:]
+    if ctx.expand_to is None:
+        return pre, None, post, (pre[:, :hv], None), (attn, None), rest
+    scale_inv = post  # pre: e4m3 rows, post: their scales (hstu_gap_saved)
+    in_loop = E4M3_ROWS_IN_NORM_GATE and hv % 2 == 0
+    u, post = expand_rows(pre, scale_inv, hv, ctx.expand_to, gate=not in_loop)
+    gate = (pre[:, :hv], scale_inv) if in_loop else (u, None)
+    if not attn_scale_inv:  # kept as computed (SAVED_ATTENTION_E4M3 off)
+        return pre, scale_inv, post, gate, (attn, None), rest
+    if in_loop:
+        return pre, scale_inv, post, gate, (attn, attn_scale_inv[0]), rest
+    return pre, scale_inv, post, gate, (dequantize_rows(attn, attn_scale_inv[0], ctx.expand_to), None), rest
 
 
 def _complete_with_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, slot: GradRowsSlot,
