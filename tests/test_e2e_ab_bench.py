@@ -151,50 +151,31 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
-    ("switch", "module", "flag"),
+    ("switch", "module", "flag", "shipped"),
     [
         # the bf16 linears' float32 gradients off (their cast form)
-        ("bf16_grads_cast", "gem_precision.bf16_linear", "FLOAT32_GRADS"),
+        ("bf16_grads_cast", "gem_precision.bf16_linear", "FLOAT32_GRADS", True),
         # the attention's tensor-descriptor loads off (pointer loads)
-        ("attention_pointer_loads", "gem_kernels.attention_triton_common", "TMA_LOADS"),
+        ("attention_pointer_loads", "gem_kernels.attention_triton_common", "TMA_LOADS", True),
         # fp8_saved's attention output kept as computed (not in e4m3 rows)
-        ("fp8_saved_attn_as_computed", "gem_kernels.hstu_gap_triton", "SAVED_ATTENTION_E4M3"),
-    ],
-)
-def test_a_flag_switch_turns_its_flag_off_and_undoes(monkeypatch, switch, module, flag):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import importlib
-
-    from ab_switches import VARIANTS
-
-    owner = importlib.import_module(module)
-    assert getattr(owner, flag) is True
-    undo = VARIANTS[switch](None)
-    assert getattr(owner, flag) is False
-    undo()
-    assert getattr(owner, flag) is True
-
-
-@pytest.mark.parametrize(
-    ("switch", "module", "flag"),
-    [
+        ("fp8_saved_attn_as_computed", "gem_kernels.hstu_gap_triton", "SAVED_ATTENTION_E4M3", True),
         # fp8_saved's norm-gate backward reading its rows in its loop; the norm-gate forward's rows as words
-        ("fp8_saved_rows_in_norm_gate", "gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE"),
-        ("fp8_word_stores", "gem_kernels.norm_gate_triton", "E4M3_WORD_STORES"),
+        ("fp8_saved_rows_in_norm_gate", "gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE", False),
+        ("fp8_word_stores", "gem_kernels.norm_gate_triton", "E4M3_WORD_STORES", False),
     ],
 )
-def test_a_switch_turns_its_flag_on_and_undoes(monkeypatch, switch, module, flag):
+def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import importlib
 
     from ab_switches import VARIANTS
 
     owner = importlib.import_module(module)
-    assert getattr(owner, flag) is False
+    assert getattr(owner, flag) is shipped
     undo = VARIANTS[switch](None)
-    assert getattr(owner, flag) is True
+    assert getattr(owner, flag) is (not shipped)
     undo()
-    assert getattr(owner, flag) is False
+    assert getattr(owner, flag) is shipped
 
 
 def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
