@@ -17,7 +17,7 @@ Variants (each a deep copy of the same stack, wrapped by the policy as the train
 - ``fp8_saved_attn_as_computed``: ``fp8_saved`` with the attention output kept as computed (as before
   2026-12-04 19:30 UTC); ``fp8_saved_rows_in_norm_gate``: with the norm-gate backward reading the gate's
   and the attention output's e4m3 rows in its loop, no pass expanding them first;
-  ``fp8_saved_word_stores``: with the norm-gate forward storing those rows as 16-bit words (:data:`FLAGS`).
+  ``fp8_saved_word_stores``: with the norm-gate forward storing those rows as 16-bit words (:data:`SWITCHES`).
 
 First every variant's output and gradients (input, every parameter) are compared with ``none``'s, and
 the e4m3 rows the fused gap keeps are compared byte for byte with gem-precision's reference row
@@ -46,8 +46,8 @@ from collections.abc import Iterator
 
 import hstu_gap  # benchmarks/: the gap benchmark's inputs
 import torch
+from ab_switches_precision import PRECISION_VARIANTS  # benchmarks/: e2e_ab's switches
 
-from gem_kernels import hstu_gap_triton, norm_gate_triton
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.norm_gate import TritonNormGate
@@ -73,29 +73,24 @@ Y_TOLERANCE = 1e-2
 the exact activations, but on a GPU the norm-gate pass that also writes the attention output's e4m3 rows
 sums each row's mean and variance in another order (its byte stores change the tile's layout), so the
 output may differ in the last bit of some values, which the next blocks carry on."""
-FLAGS: dict[str, tuple[object, str, object]] = {
-    # the attention output kept as computed (before 2026-12-04 19:30 UTC: not in e4m3 rows)
-    "fp8_saved_attn_as_computed": (hstu_gap_triton, "SAVED_ATTENTION_E4M3", False),
-    # the norm-gate backward reading the gate's and the attention output's e4m3 rows in its loop
-    "fp8_saved_rows_in_norm_gate": (hstu_gap_triton, "E4M3_ROWS_IN_NORM_GATE", True),
-    # the norm-gate forward storing the attention output's rows as 16-bit words (its output then bit-equal)
-    "fp8_saved_word_stores": (norm_gate_triton, "E4M3_WORD_STORES", True),
+SWITCHES = {
+    # e2e_ab's switches (ab_switches_precision) that set a module flag, applied while a variant's steps run
+    "fp8_saved_attn_as_computed": "fp8_saved_attn_as_computed",
+    "fp8_saved_rows_in_norm_gate": "fp8_saved_rows_in_norm_gate",
+    "fp8_saved_word_stores": "fp8_word_stores",
 }
-"""A variant's module attribute, set while its steps run (forward and backward) and put back after."""
+"""A variant's e2e switch, set while its steps run (forward and backward) and undone after."""
 
 
 @contextlib.contextmanager
 def flags_of(name: str) -> Iterator[None]:
-    if name not in FLAGS:
-        yield
-        return
-    module, attr, value = FLAGS[name]
-    before = getattr(module, attr)
-    setattr(module, attr, value)
+    undo = PRECISION_VARIANTS[SWITCHES[name]](None) if name in SWITCHES else (lambda: None)
     try:
         yield
     finally:
-        setattr(module, attr, before)
+        undo()
+
+
 SCHEMES = {"bf16": Bf16Scheme, "fp8_rowwise": Fp8RowwiseScheme}
 
 

@@ -32,7 +32,8 @@ from gem_kernels import layer_norm_triton as ln
 from gem_kernels import norm_gate_triton as ng
 from gem_kernels.attention_triton_common import INTERPRET, num_programs
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
-from gem_kernels.quantized_rows_triton import as_words
+from gem_kernels.quantized_rows_triton import RowsOut, as_words
+from gem_model.api import RowQuantization
 
 D, WIDTH = 1024, 4096
 
@@ -231,14 +232,12 @@ def tensors(rows: int, device: torch.device) -> dict:
 
     pre = r(rows, WIDTH)
     x = r(rows, D)
+    x_rows = RowsOut.allocate(rows, D, device, RowQuantization())  # for the backward reading x's e4m3 rows
     _, mean, rstd = ng.NormGateFunction.run_forward(x, pre[:, :D], r(D, dtype=torch.float32), r(D, dtype=torch.float32),
-                                                    1e-5, silu_gate=True)  # fmt: skip
-    x_rows = _e4m3_rows(rows, device)
-    ng.NormGateFunction.run_forward(x, pre[:, :D], r(D, dtype=torch.float32), r(D, dtype=torch.float32), 1e-5,
-                                    silu_gate=True, x_rows=x_rows)  # fmt: skip
+                                                    1e-5, silu_gate=True, x_rows=x_rows)  # fmt: skip
     pre_rows, pre_scale_inv = silu_quantize_rows(pre, torch.empty((rows, WIDTH - D), dtype=pre.dtype, device=device), D)
     return {"pre": pre, "u": pre[:, :D], "x": x, "w": r(D, dtype=torch.float32), "b": r(D, dtype=torch.float32),
-            "x_words": as_words(x_rows[0]), "x_scale_inv": x_rows[1], "pre_words": as_words(pre_rows[:, :D]),
+            "x_words": as_words(x_rows.data), "x_scale_inv": x_rows.scale_inv, "pre_words": as_words(pre_rows[:, :D]),
             "pre_scale_inv": pre_scale_inv,
             "dy": r(rows, D), "skip": r(rows, D), "mean": mean, "rstd": rstd,
             "d_pre": torch.empty_like(pre), "d_pre0": r(rows, WIDTH), "g_vqk": r(rows, WIDTH - D)}  # fmt: skip

@@ -101,15 +101,15 @@ def test_norm_gate_rows_are_the_reference_bits(gen, silu_gate, word_stores):
     weight, bias = 1 + 0.1 * torch.randn(WIDTH, generator=gen), 0.1 * torch.randn(WIDTH, generator=gen)
     out = RowsOut.allocate(ROWS, WIDTH, x.device, RowQuantization(column_amax=True))
     # and x's own rows, which fp8_saved's fused gap keeps in place of the attention output
-    x_rows = (torch.empty(ROWS, WIDTH, dtype=torch.uint8), torch.empty(ROWS))
+    x_rows = RowsOut.allocate(ROWS, WIDTH, x.device, RowQuantization())
     y, _, _ = NormGateFunction.run_forward(x, u, weight, bias, GATE_EPS, silu_gate=silu_gate, rows_out=out,
                                            x_rows=x_rows)  # fmt: skip
     assert_reference_bits(out.result(), y)
     plain = NormGateFunction.run_forward(x, u, weight, bias, GATE_EPS, silu_gate=silu_gate)[0]
     torch.testing.assert_close(y, plain, rtol=0, atol=0, equal_nan=True)  # the rows leave y as it was
     want = quantize_fp8_reference(x, granularity="row", fmt=E4M3).rows
-    assert torch.equal(x_rows[0], want.data.view(torch.uint8))
-    assert torch.equal(x_rows[1].view(torch.int32), want.scale_inv.reshape(-1).view(torch.int32))  # NaN bits too
+    assert torch.equal(x_rows.data, want.data.view(torch.uint8))
+    assert torch.equal(x_rows.scale_inv.view(torch.int32), want.scale_inv.reshape(-1).view(torch.int32))  # NaN bits too
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -22,10 +22,10 @@ from gem_kernels import hstu_gap_triton as hstu_gap_triton_module
 from gem_kernels.hstu_gap_saved import expand_rows, silu_quantize_rows
 from gem_kernels.hstu_gap_triton import hstu_gap_triton, silu_columns
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
-from gem_kernels.quantized_rows_triton import dequantize_rows
+from gem_kernels.quantized_rows_triton import RowsOut, dequantize_rows
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import offsets_from_lengths, relative_error
-from gem_model.api import E4M3_ROW, AttentionExtras
+from gem_model.api import E4M3_ROW, AttentionExtras, RowQuantization
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -194,8 +194,9 @@ def test_norm_gate_keeps_the_e4m3_rows_of_its_input(gen, dtype):
     x = (torch.randn(rows, dim, generator=gen) * torch.logspace(-2, 2, rows)[:, None]).to(dtype)
     u = torch.randn(rows, dim, generator=gen).to(dtype)
     weight, bias = 1 + 0.1 * torch.randn(dim, generator=gen), 0.1 * torch.randn(dim, generator=gen)
-    kept = (torch.empty(rows, dim, dtype=torch.uint8), torch.empty(rows))
-    y, mean, rstd = NormGateFunction.run_forward(x, u, weight, bias, EPS, silu_gate=True, x_rows=kept)
+    rows_out = RowsOut.allocate(rows, dim, x.device, RowQuantization())
+    kept = (rows_out.data, rows_out.scale_inv)
+    y, mean, rstd = NormGateFunction.run_forward(x, u, weight, bias, EPS, silu_gate=True, x_rows=rows_out)
     plain = NormGateFunction.run_forward(x, u, weight, bias, EPS, silu_gate=True)
     for got, want in zip((y, mean, rstd), plain):  # the interpreter sums in one order (a GPU may not: run_forward)
         assert torch.equal(got, want)
@@ -233,11 +234,12 @@ def test_norm_gate_backward_reads_e4m3_rows_as_words(gen, dtype):
     pre = torch.randn(rows, width, generator=gen) * 3
     dy = torch.randn(rows, dim, generator=gen).to(dtype)
     weight, bias = 1 + 0.1 * torch.randn(dim, generator=gen), 0.1 * torch.randn(dim, generator=gen)
-    kept = (torch.empty(rows, dim, dtype=torch.uint8), torch.empty(rows))
+    rows_out = RowsOut.allocate(rows, dim, x.device, RowQuantization())
+    kept = (rows_out.data, rows_out.scale_inv)
     u_hat_full, pre_scale = silu_quantize_rows(pre, torch.empty(rows, width - dim), dim)
     u_data = u_hat_full[:, :dim]  # a view with the wider rows' stride
     u_hat = dequantized(u_data, pre_scale).to(dtype)
-    _, mean, rstd = NormGateFunction.run_forward(x, u_hat, weight, bias, EPS, silu_gate=True, x_rows=kept)
+    _, mean, rstd = NormGateFunction.run_forward(x, u_hat, weight, bias, EPS, silu_gate=True, x_rows=rows_out)
     x_data = kept[0].view(torch.float8_e4m3fn)
     x_hat = dequantized(x_data, kept[1]).to(dtype)
     want = norm_gate_backward(dy, x_hat, u_hat, weight, bias, mean, rstd, silu_gate=True)

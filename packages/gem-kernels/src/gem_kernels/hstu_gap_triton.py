@@ -161,13 +161,12 @@ class HSTUGapFunction(torch.autograd.Function):
         quantize = options["quantize"]
         rows_out = None if quantize is None else RowsOut.allocate(rows, hv, pre.device, quantize)
         # e4m3_row: the norm-gate's pass also writes the attention output's e4m3 rows, kept in its place
-        attn_rows = None if ctx.expand_to is None or not SAVED_ATTENTION_E4M3 else (
-            torch.empty((rows, hv), dtype=torch.uint8, device=pre.device),
-            torch.empty(rows, dtype=torch.float32, device=pre.device))  # fmt: skip
+        keep_rows = ctx.expand_to is not None and SAVED_ATTENTION_E4M3
+        attn_rows = RowsOut.allocate(rows, hv, pre.device, RowQuantization()) if keep_rows else None
         y, mean, rstd = NormGateFunction.run_forward(attn.view(rows, hv), pre[:, :hv], gate_weight, gate_bias,
                                                      options["eps"], silu_gate=True, rows_out=rows_out,
                                                      x_rows=attn_rows)  # fmt: skip
-        kept_attn = (attn,) if attn_rows is None else (attn_rows[0].view(torch.float8_e4m3fn), attn_rows[1])
+        kept_attn = (attn,) if attn_rows is None else (attn_rows.data.view(torch.float8_e4m3fn), attn_rows.scale_inv)
         del attn  # freed here when kept in e4m3 rows
         ctx.kept_attn = len(kept_attn)  # the attention output, or its e4m3 rows and their scales
         ctx.save_for_backward(*kept, *kept_attn, mean, rstd, gate_weight, gate_bias, seq_offsets, num_targets,

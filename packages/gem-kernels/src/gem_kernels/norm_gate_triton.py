@@ -136,12 +136,12 @@ class NormGateFunction(torch.autograd.Function):
     def run_forward(
         x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
         silu_gate: bool = False, rows_out: RowsOut | None = None,
-        x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        x_rows: RowsOut | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``y`` in ``x``'s shape, and the float32 ``mean`` and ``rstd`` of each row (``silu_gate``:
         the gate is ``silu(u)``). ``rows_out``: buffers for the e4m3 rows of ``y`` that the same pass
-        writes (:mod:`gem_kernels.quantized_rows_triton`). ``x_rows``: buffers (bytes ``[rows, D]``,
-        float32 ``[rows]``) for the e4m3 rows of ``x`` itself, kept for backward in place of ``x`` (the
+        writes (:mod:`gem_kernels.quantized_rows_triton`). ``x_rows``: the same for the e4m3 rows of
+        ``x`` itself (no column maxima), kept for backward in place of ``x`` (the
         fused gap's saved format; ``quantized_rows_triton.dequantize_rows`` expands them). On a GPU the
         rows' byte stores change the tile's register layout, so ``mean`` and ``rstd`` are summed in
         another order than without them: ``y`` may differ in its last bit (not with
@@ -153,10 +153,6 @@ class NormGateFunction(torch.autograd.Function):
         quantizing = rows_out is not None or x_rows is not None
         tiles = tiles_per_program(rows, rows_out) if quantizing else FORWARD_TILES
         words = quantizing and E4M3_WORD_STORES and dim % 2 == 0
-
-        def q(t: torch.Tensor) -> torch.Tensor:  # a rows buffer as the kernel writes it
-            return as_words(t.view(num_rows, dim)) if words else t
-
         y = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
         mean = torch.empty(num_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
@@ -165,8 +161,8 @@ class NormGateFunction(torch.autograd.Function):
             with device_guard(x.device):
                 _norm_gate_fwd[(triton.cdiv(num_rows, rows * tiles),)](
                     x2, u2, weight, bias, y, mean, rstd,
-                    *((q(rows_out.data), *rows_out.kernel_args()[1:]) if rows_out is not None else (y, mean, mean)),
-                    *((q(x_rows[0]), x_rows[1]) if x_rows is not None else (y, mean)), x2.stride(0), u2.stride(0),
+                    *(rows_out.kernel_args(words) if rows_out is not None else (y, mean, mean)),
+                    *(x_rows.kernel_args(words)[:2] if x_rows is not None else (y, mean)), x2.stride(0), u2.stride(0),
                     y.stride(0), num_rows, eps,
                     D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, INTERP=INTERPRET,
                     num_warps=4 if block_d < 2048 else 8, SILU_GATE=silu_gate, QUANT=rows_out is not None,

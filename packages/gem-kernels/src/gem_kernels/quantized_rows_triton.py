@@ -195,9 +195,11 @@ class RowsOut:
             torch.zeros(dim, dtype=torch.int32, device=device) if wanted.column_amax else None,
         )
 
-    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kernel's ``Q, Q_INV, COL_AMAX`` (without column maxima ``COL_AMAX`` is never written)."""
-        return self.data, self.scale_inv, self.scale_inv if self.column_amax_bits is None else self.column_amax_bits
+    def kernel_args(self, words: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel's ``Q, Q_INV, COL_AMAX`` (without column maxima ``COL_AMAX`` is never written);
+        ``words``: ``Q`` as the int16 words :func:`write_e4m3_rows` stores with ``WORDS``."""
+        data = as_words(self.data) if words else self.data
+        return data, self.scale_inv, self.scale_inv if self.column_amax_bits is None else self.column_amax_bits
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.data, self.scale_inv, self.column_amax_bits) if t is not None)
