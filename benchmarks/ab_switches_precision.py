@@ -105,10 +105,10 @@ PRECISION_VARIANTS: dict[str, Switch] = {
     "fp8_saved_hooks": _fp8_saved(in_kernels=False),
     # with fp8_saved: the attention output kept as computed, as before 2026-12-04 19:30 UTC (its e4m3 rows since)
     "fp8_saved_attn_as_computed": patched("gem_kernels.hstu_gap_triton", "SAVED_ATTENTION_E4M3", False),
-    # with fp8_saved: the norm-gate backward reads the gate and the attention output from their e4m3 rows
-    # in its loop (16-bit words), and no pass expands them first (off by default until timed)
-    "fp8_saved_rows_in_norm_gate": patched("gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE", True),
-    # the norm-gate forward storing its e4m3 rows (fp8_rowwise's of y, fp8_saved's of x) as 16-bit words, which
-    # keep its tile's layout (off by default until timed)
-    "fp8_word_stores": patched("gem_kernels.norm_gate_triton", "E4M3_WORD_STORES", True),
+    # with fp8_saved: passes expand the gate's and the attention output's e4m3 rows before the norm-gate
+    # backward, as before 2026-12-04 21:30 UTC (since, that backward reads them in its loop as 16-bit words)
+    "fp8_saved_rows_expanded": patched("gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE", False),
+    # the norm-gate forward storing its e4m3 rows (fp8_rowwise's of y, fp8_saved's of x) as bytes, as before
+    # 2026-12-04 21:30 UTC (since, as 16-bit words, which keep its tile's layout)
+    "fp8_byte_stores": patched("gem_kernels.norm_gate_triton", "E4M3_WORD_STORES", False),
 }

@@ -15,9 +15,10 @@ Variants (each a deep copy of the same stack, wrapped by the policy as the train
 - ``fp8_saved_hooks``: ``in_kernels: false``, the saved-tensor hooks on every block (the policy as it
   was before the fused kernels compressed);
 - ``fp8_saved_attn_as_computed``: ``fp8_saved`` with the attention output kept as computed (as before
-  2026-12-04 19:30 UTC); ``fp8_saved_rows_in_norm_gate``: with the norm-gate backward reading the gate's
-  and the attention output's e4m3 rows in its loop, no pass expanding them first;
-  ``fp8_saved_word_stores``: with the norm-gate forward storing those rows as 16-bit words (:data:`SWITCHES`).
+  2026-12-04 19:30 UTC); ``fp8_saved_rows_expanded``: with passes expanding the gate's and the attention
+  output's e4m3 rows before the norm-gate backward, which reads them in its loop by default;
+  ``fp8_saved_byte_stores``: with the norm-gate forward storing those rows as bytes, not 16-bit words
+  (the two as before 2026-12-04 21:30 UTC; :data:`SWITCHES`).
 
 First every variant's output and gradients (input, every parameter) are compared with ``none``'s, and
 the e4m3 rows the fused gap keeps are compared byte for byte with gem-precision's reference row
@@ -65,19 +66,21 @@ VARIANTS = {
     "fp8_saved": lambda: Fp8SavedPolicy(),
     "fp8_saved_hooks": lambda: Fp8SavedPolicy(Fp8SavedPolicy.Config(in_kernels=False)),
     "fp8_saved_attn_as_computed": lambda: Fp8SavedPolicy(),
-    "fp8_saved_rows_in_norm_gate": lambda: Fp8SavedPolicy(),
-    "fp8_saved_word_stores": lambda: Fp8SavedPolicy(),
+    "fp8_saved_rows_expanded": lambda: Fp8SavedPolicy(),
+    "fp8_saved_byte_stores": lambda: Fp8SavedPolicy(),
 }
-Y_TOLERANCE = 1e-2
-"""The blocks' output under a policy against ``none``'s (relative, Frobenius). The forward computes from
-the exact activations, but on a GPU the norm-gate pass that also writes the attention output's e4m3 rows
-sums each row's mean and variance in another order (its byte stores change the tile's layout), so the
-output may differ in the last bit of some values, which the next blocks carry on."""
+Y_TOLERANCE = {"fp8_saved_byte_stores": 1e-2}
+"""The blocks' output under a policy against ``none``'s (relative, Frobenius): every variant computes
+its forward from the exact activations, so its output must equal ``none``'s bit for bit (measured on the
+H200, 2026-12-04 21:25 UTC), except where named here. With its rows stored as bytes, the norm-gate pass
+that also writes the attention output's e4m3 rows sums each row's mean and variance in another order on
+a GPU (the byte stores change the tile's layout), so the output may differ in the last bit of some
+values, which the next blocks carry on."""
 SWITCHES = {
     # e2e_ab's switches (ab_switches_precision) that set a module flag, applied while a variant's steps run
     "fp8_saved_attn_as_computed": "fp8_saved_attn_as_computed",
-    "fp8_saved_rows_in_norm_gate": "fp8_saved_rows_in_norm_gate",
-    "fp8_saved_word_stores": "fp8_word_stores",
+    "fp8_saved_rows_expanded": "fp8_saved_rows_expanded",
+    "fp8_saved_byte_stores": "fp8_byte_stores",
 }
 """A variant's e2e switch, set while its steps run (forward and backward) and undone after."""
 
@@ -227,7 +230,8 @@ def main() -> int:
                        "device": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "rows": x["rows"],
                        "blocks": args.blocks, "scheme": args.scheme, "bits": bits, "errors": errors,
                        "summary": summary, "samples": samples}, f, indent=1)  # fmt: skip
-    ok = bits["bytes_differ"] == 0 and bits["scales_differ"] == 0 and all(e["y"] <= Y_TOLERANCE for e in errors.values())
+    ok = bits["bytes_differ"] == 0 and bits["scales_differ"] == 0 and all(
+        e["y"] <= Y_TOLERANCE.get(name, 0.0) for name, e in errors.items())
     return 0 if ok else 1
 
 

@@ -159,9 +159,9 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         ("attention_pointer_loads", "gem_kernels.attention_triton_common", "TMA_LOADS", True),
         # fp8_saved's attention output kept as computed (not in e4m3 rows)
         ("fp8_saved_attn_as_computed", "gem_kernels.hstu_gap_triton", "SAVED_ATTENTION_E4M3", True),
-        # fp8_saved's norm-gate backward reading its rows in its loop; the norm-gate forward's rows as words
-        ("fp8_saved_rows_in_norm_gate", "gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE", False),
-        ("fp8_word_stores", "gem_kernels.norm_gate_triton", "E4M3_WORD_STORES", False),
+        # fp8_saved's rows expanded before the norm-gate backward; the norm-gate forward's rows as bytes
+        ("fp8_saved_rows_expanded", "gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE", True),
+        ("fp8_byte_stores", "gem_kernels.norm_gate_triton", "E4M3_WORD_STORES", True),
     ],
 )
 def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):

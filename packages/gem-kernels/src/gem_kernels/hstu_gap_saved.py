@@ -25,13 +25,13 @@ pass, which reads each of its rows whole anyway, writes them beside its output (
 in its own loop instead ran 3.8x slower on the H200 (2.29 against 0.61 ms at 200,000 x 1,024; the
 1-byte tile does not fit the loop's layout). With it the format frees 11 KiB a token per block between
 forward and backward (16 -> 5), for 19 KiB a token of traffic. ``hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE``
-(off until timed on a GPU) has the norm-gate backward read both the gate's and the attention output's
+(on by default since it was timed, 2026-12-04) has the norm-gate backward read both the gate's and the attention output's
 rows in its loop as 16-bit words, which keep the loop's layout, and ``expand_rows`` write only ``post``
 (reading only its columns): 11 KiB a token.
 
 The forward outputs are those of the plain gap (``post`` is silu of the exact ``pre``, the norm-gate
-reads the exact attention output; on a GPU the norm-gate pass that writes the attention rows may sum a
-row's statistics in another order, so ``y`` may differ in its last bit); the gradients see ``pre`` and
+reads the exact attention output; with the rows stored as bytes, not words, the norm-gate pass that
+writes them sums a row's statistics in another order on a GPU, so ``y`` may differ in its last bit); the gradients see ``pre`` and
 the attention output rounded to e4m3 (3 mantissa bits: at most 2**-4 relative error per element). The scale
 rule and the bytes are gem-precision's row quantizer's (``gem_precision.fp8_reference``, row
 granularity; its Triton form is ``gem_precision.fp8_rows_triton._fp8_rows_kernel``): gem-kernels

@@ -42,10 +42,11 @@ keeps one tile a program."""
 FORWARD_TILES = 4
 """Row tiles a forward program covers when it writes no column maxima (the pipeline needs a loop)."""
 BACKWARD_PROGRAMS_PER_SM = 2
-E4M3_WORD_STORES = False
+E4M3_WORD_STORES = True
 """The forward writes its e4m3 rows (of ``y`` for ``fp8_rowwise``, of ``x`` for ``fp8_saved``) as 16-bit
-words, which keep the tile's register layout and so ``y``'s bits (``write_e4m3_rows``); False (the
-default until it is timed on a GPU) as bytes."""
+words, which keep the tile's register layout and so ``y``'s bits (``write_e4m3_rows``); False as bytes.
+On the H200 (2026-12-04, 200,000 x 1,024) the forward with ``y``'s rows ran in 0.414 ms as words against
+0.470 as bytes; with ``x``'s rows 0.482 against 0.461; ``y`` equals the plain forward's bit for bit."""
 
 
 @triton.jit
