@@ -31,6 +31,7 @@ from gem_kernels import hstu_gap_triton as gap
 from gem_kernels import layer_norm_triton as ln
 from gem_kernels import norm_gate_triton as ng
 from gem_kernels.attention_triton_common import INTERPRET, num_programs
+from gem_kernels import hstu_gap_saved as saved
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.quantized_rows_triton import RowsOut, as_words
 from gem_model.api import RowQuantization
@@ -92,10 +93,13 @@ def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None, e4m3_rows
     return run
 
 
-def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | None, e4m3_rows: bool = False) -> Callable[[], tuple]:
+def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | None, e4m3_rows: bool = False,
+                   e4m3_pre: bool = False) -> Callable[[], tuple]:  # fmt: skip
     """The step's last gap pass: ``silu'`` in place and the column sums (the bf16 step's ``bias_grad_in_gap``),
-    with ``e4m3_rows`` also the gradient's e4m3 rows (``fp8_rowwise``'s producer rows)."""
-    pre, d_pre = t["pre"], t["d_pre"]
+    with ``e4m3_rows`` also the gradient's e4m3 rows (``fp8_rowwise``'s producer rows); ``e4m3_pre``: ``pre``
+    read from its e4m3 rows (``fp8_saved``)."""
+    d_pre = t["d_pre"]
+    pre, scale_inv = (t["pre_rows"], t["pre_scale_inv"]) if e4m3_pre else (t["pre"], t["pre"])
     num_rows = pre.shape[0]
     programs = triton.cdiv(num_rows, rows_per_program)
     sums = torch.empty((programs, WIDTH), dtype=torch.float32, device=pre.device)
@@ -105,8 +109,8 @@ def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | Non
     def run() -> tuple:
         d_pre.copy_(t["d_pre0"])  # in place: the same input every call (a copy inside the timing, for all)
         grad_rows._silu_grad_rows[(programs,)](
-            d_pre, pre, pre, d_pre, q, q_inv, sums, d_pre.stride(0), pre.stride(0), d_pre.stride(0), num_rows, D,
-            0, 0, rows_per_program, W=WIDTH, BLOCK_W=WIDTH, ROWS=1, HAS_DQ=False, E4M3=False, ROWS_OUT=e4m3_rows,
+            d_pre, pre, scale_inv, d_pre, q, q_inv, sums, d_pre.stride(0), pre.stride(0), d_pre.stride(0), num_rows, D,
+            0, 0, rows_per_program, W=WIDTH, BLOCK_W=WIDTH, ROWS=1, HAS_DQ=False, E4M3=e4m3_pre, ROWS_OUT=e4m3_rows,
             COL_SUM=True, INTERP=INTERPRET, num_warps=warps, STAGES=stages,
         )
         return (d_pre, sums.sum(0), q, q_inv) if e4m3_rows else (d_pre, sums.sum(0))
@@ -178,6 +182,42 @@ def silu(t: dict, rows: int, cols: int, warps: int, grad: bool) -> Callable[[], 
     return run
 
 
+def silu_quantize(t: dict, rows_per_program: int, block: int, warps: int) -> Callable[[], tuple]:
+    """``fp8_saved``'s forward silu pass: ``post = silu(pre[:, D:])`` and ``pre``'s e4m3 rows, each program
+    over ``rows_per_program`` whole rows, ``block`` columns at once (a narrower block reads each row
+    twice, the second time from L2)."""
+    pre = t["pre"]
+    num_rows = pre.shape[0]
+    post = torch.empty((num_rows, WIDTH - D), dtype=pre.dtype, device=pre.device)
+    q, q_inv = torch.empty((num_rows, WIDTH), dtype=torch.uint8, device=pre.device), t["mean"].clone()
+
+    def run() -> tuple:
+        saved._silu_quantize[(triton.cdiv(num_rows, rows_per_program),)](
+            pre, post, q, q_inv, pre.stride(0), post.stride(0), num_rows, WIDTH, D, ROWS=rows_per_program,
+            BLOCK=block, ONE_CHUNK=WIDTH <= block, INTERP=INTERPRET, num_warps=warps,
+        )
+        return post, q, q_inv
+
+    return run
+
+
+def expand_post(t: dict, rows: int, cols: int, warps: int) -> Callable[[], tuple]:
+    """``fp8_saved``'s backward expansion of ``post = silu(pre[:, D:])`` from ``pre``'s e4m3 rows (the
+    gate's columns are read by the norm-gate backward itself)."""
+    q, q_inv = t["pre_rows"], t["pre_scale_inv"]
+    num_rows = q.shape[0]
+    post = torch.empty((num_rows, WIDTH - D), dtype=torch.bfloat16, device=q.device)
+
+    def run() -> tuple:
+        saved._expand[(triton.cdiv(num_rows, rows), triton.cdiv(WIDTH - D, cols))](
+            q, q_inv, post, post, post.stride(0), post.stride(0), num_rows, WIDTH, D, D, ROWS=rows, COLS=cols,
+            INTERP=INTERPRET, num_warps=warps,
+        )
+        return (post,)
+
+    return run
+
+
 KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # name: (launch, shipped params, candidates, bytes per row moved)
     # the fourth: the tile loop's software pipeline (None: none; 2, 3: loads issued that many tiles ahead)
@@ -187,6 +227,10 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # bytes: d_pre read whole, pre's and d_pre's v, q, k columns read and written (+ the copy that resets d_pre)
     "silu_grad_sums": (silu_grad_sums, (16, 128, 3), list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
                        2 * WIDTH + 4 * (WIDTH - D) + 4 * WIDTH),
+    # fp8_saved's last pass: pre's v, q, k columns read from its e4m3 rows (1 byte a value)
+    "silu_grad_sums_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_pre=True), (16, 128, 3),
+                            list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
+                            2 * WIDTH + 3 * (WIDTH - D) + 4 * WIDTH + 4),
     # fp8_rowwise's producers (e4m3 rows beside the bf16 output; 1 byte a value more, and a scale a row)
     "silu_grad_rows_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_rows=True), (8, 128, 3),
                             list(itertools.product((4, 8, 16), (128,), (None, 2, 3))), 2 * WIDTH + 4 * (WIDTH - D) + 5 * WIDTH),
@@ -217,6 +261,11 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     "norm_fwd": (norm_fwd, (8, 4, 1, None), list(itertools.product((4, 8), (4, 8), (1, 4, 16), (None, 3))), 4 * D),
     # shipped (8, 4) until the 2026-12-02 run of this script
     "norm_bwd": (norm_bwd, (4, 4, 0), list(itertools.product((2, 4, 8, 16), (4, 8), (0,))), 8 * D),
+    # fp8_saved's silu pass (pre read whole, post and pre's e4m3 rows written) and its backward expansion
+    "silu_quantize": (silu_quantize, (2, 4096, 8), list(itertools.product((1, 2, 4), (1024, 4096), (4, 8, 16))),
+                      2 * WIDTH + 2 * (WIDTH - D) + WIDTH + 4),
+    "expand_post": (expand_post, (16, 256, 4), list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))),
+                    (WIDTH - D) + 4 + 2 * (WIDTH - D)),
     "silu_fwd": (lambda t, r, c, w: silu(t, r, c, w, False), (16, 256, 4),
                  list(itertools.product((16, 32), (256, 512, 1024), (4, 8))), 4 * (WIDTH - D)),
     "silu_bwd": (lambda t, r, c, w: silu(t, r, c, w, True), (16, 256, 4),
@@ -238,7 +287,7 @@ def tensors(rows: int, device: torch.device) -> dict:
     pre_rows, pre_scale_inv = silu_quantize_rows(pre, torch.empty((rows, WIDTH - D), dtype=pre.dtype, device=device), D)
     return {"pre": pre, "u": pre[:, :D], "x": x, "w": r(D, dtype=torch.float32), "b": r(D, dtype=torch.float32),
             "x_words": as_words(x_rows.data), "x_scale_inv": x_rows.scale_inv, "pre_words": as_words(pre_rows[:, :D]),
-            "pre_scale_inv": pre_scale_inv,
+            "pre_scale_inv": pre_scale_inv, "pre_rows": pre_rows.view(torch.uint8),
             "dy": r(rows, D), "skip": r(rows, D), "mean": mean, "rstd": rstd,
             "d_pre": torch.empty_like(pre), "d_pre0": r(rows, WIDTH), "g_vqk": r(rows, WIDTH - D)}  # fmt: skip
 
