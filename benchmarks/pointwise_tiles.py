@@ -27,11 +27,11 @@ import triton
 from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
 from gem_kernels import hstu_gap_grad_rows as grad_rows
+from gem_kernels import hstu_gap_saved as saved
 from gem_kernels import hstu_gap_triton as gap
 from gem_kernels import layer_norm_triton as ln
 from gem_kernels import norm_gate_triton as ng
 from gem_kernels.attention_triton_common import INTERPRET, num_programs
-from gem_kernels import hstu_gap_saved as saved
 from gem_kernels.hstu_gap_saved import silu_quantize_rows
 from gem_kernels.quantized_rows_triton import RowsOut, as_words
 from gem_model.api import RowQuantization
