@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from gem_precision import fp8_quant_triton, fp8_rows_triton, mx_gemm, mx_triton
+from gem_precision import fp8_blocks_triton, fp8_quant_triton, fp8_rows_triton, mx_gemm, mx_triton
 from gem_precision.formats import E4M3
 from gem_precision.triton_common import fp8_kernel_constants
 
@@ -97,6 +97,12 @@ def main() -> None:
         {"ROWS": True, "COLS_T": True, "TENSORWISE": False, **fp8_kernel_constants(E4M3), "SOFTWARE_ROUND": False,
          "BLOCK_M": t["cast_m"], "BLOCK_N": t["cast_n"]},
         t["warps"],
+    )  # fmt: skip
+    report["fp8_blocks_t"] = build(
+        fp8_blocks_triton._fp8_blocks_t_kernel,
+        {"x_ptr": "*bf16", "M": i32, "N": i32, "stride_xm": i32, "q_ptr": u8, "q_inv_ptr": f32, "M_PAD": i32},
+        {"BLOCK": 128, "BLOCK_N": fp8_blocks_triton.TILE_N, **fp8_kernel_constants(E4M3), "SOFTWARE_ROUND": False},
+        4,
     )  # fmt: skip
     mx_args = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_t": f32, "sb_t": f32, "c_ptr": "*bf16", "bias_ptr": f32,
                "M": i32, "N": i32, "K": i32, "KB": i32, "stride_am": i32, "stride_bn": i32, "stride_cm": i32,

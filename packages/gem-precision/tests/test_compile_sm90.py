@@ -20,11 +20,12 @@ def test_kernels_compile_for_hopper() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert set(report) == {
-        "mx_quantize", "mx_quantize_cols", "mx_dequantize", "fp8_stats", "fp8_cast", "fp8_rows", "mx_gemm", "mx_gemm_bf16"
+        "mx_quantize", "mx_quantize_cols", "mx_dequantize", "fp8_stats", "fp8_cast", "fp8_rows", "fp8_blocks_t", "mx_gemm",
+        "mx_gemm_bf16",
     }  # fmt: skip
     for name, facts in report.items():
         assert facts["spills"] in (0, None), f"{name} spills registers: {facts}"
-    for name in ("mx_quantize", "mx_quantize_cols", "fp8_cast", "fp8_rows"):
+    for name in ("mx_quantize", "mx_quantize_cols", "fp8_cast", "fp8_rows", "fp8_blocks_t"):
         assert report[name]["rne_cast"], f"{name}: the fp8 cast is not cvt.rn.satfinite"
     for name in ("mx_gemm", "mx_gemm_bf16"):
         assert report[name]["wgmma"], f"{name}: the MX GEMM does not use Hopper's wgmma"

@@ -143,3 +143,27 @@ def quantize_fp8_reference(
         data = torch.nn.functional.pad(data, (0, pad)) if pad else data.contiguous()
         cols_op = Fp8Operand(data.view(fmt.dtype), op.scale_inv)
     return Fp8Pair(rows_op, cols_op, xf.sum(dim=0) if col_sum else None)
+
+
+def quantize_blocks_t_reference(x: torch.Tensor, fmt: Fp8Format, *, block: int = 128) -> Fp8Operand:
+    """``x [M, N]`` transposed and quantized in blocks of ``block`` rows of one column: the operand of a
+    weight-gradient GEMM that reduces over ``M`` (the tokens) with 1 x ``block`` scales (``torch``'s
+    ``ScalingType.BlockWise1x128``, DeepSeek-V3's recipe for ``dW``). Each (column, block of rows) group
+    gets its own power-of-two scale, so a kernel that holds ``block`` rows whole can write it in one pass,
+    without the column's maximum over all rows.
+
+    ``data`` is ``[N, M_pad]`` row-major (``M_pad`` = ``M`` rounded up to ``block``; the padding is
+    zeros); ``scale_inv`` is ``[N, M_pad / block]`` with stride ``(1, N)``, the layout the GEMM reads
+    ("outer-dim-major"); the real value of ``data[n, m]`` is ``data[n, m] * scale_inv[n, m // block]``.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_blocks_t_reference: expected a 2-d tensor, got shape {tuple(x.shape)}")
+    if block < 1:
+        raise ValueError(f"quantize_blocks_t_reference: block must be positive, got {block}")
+    m, n = x.shape
+    m_pad = round_up(m, block)
+    xt = torch.nn.functional.pad(x.float().t(), (0, m_pad - m)).reshape(n, m_pad // block, block)
+    op = _quantize_groups(xt, xt.abs().amax(dim=2, keepdim=True), fmt)
+    data = op.data.reshape(n, m_pad)
+    scale_inv = op.scale_inv.reshape(n, m_pad // block).t().contiguous().t()
+    return Fp8Operand(data, scale_inv)
