@@ -264,7 +264,9 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # fp8_saved's silu pass (pre read whole, post and pre's e4m3 rows written) and its backward expansion
     "silu_quantize": (silu_quantize, (2, 4096, 8), list(itertools.product((1, 2, 4), (1024, 4096), (4, 8, 16))),
                       2 * WIDTH + 2 * (WIDTH - D) + WIDTH + 4),
-    "expand_post": (expand_post, (16, 256, 4), list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))),
+    # tiles of up to 8 values a thread (e.g. 4 x 256 on 4 warps) keep one layout; larger ones convert the
+    # bytes' layout through shared memory (hstu_gap_saved.EXPAND_TILE)
+    "expand_post": (expand_post, (16, 256, 4), list(itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024), (4, 8))),
                     (WIDTH - D) + 4 + 2 * (WIDTH - D)),
     "silu_fwd": (lambda t, r, c, w: silu(t, r, c, w, False), (16, 256, 4),
                  list(itertools.product((16, 32), (256, 512, 1024), (4, 8))), 4 * (WIDTH - D)),

@@ -102,17 +102,19 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
 
 
 def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any], warps: int, stages: int = 3,
-                   arch: int = 90) -> dict[str, Any]:  # fmt: skip
+                   arch: int = 90, divisible: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """Compile one ``triton.jit`` function: ``signature`` gives each non-constexpr argument's type
-    (``*bf16``, ``i32``, ...), ``constants`` the constexprs. Shared bytes, registers, spill stack, and
-    whether an fp8 cast lowered to the hardware's round-to-nearest-even (``cvt.rn.satfinite``),
-    whether an MMA takes e4m3 operands, whether tiles load by bulk tensor copies (TMA), and the CTA
-    barriers (``bar.sync``) in its PTX."""
+    (``*bf16``, ``i32``, ...), ``constants`` the constexprs; pointers, strides and the integer arguments
+    named in ``divisible`` are taken as multiples of 16, as the JIT specializes them when they are. Shared
+    bytes, registers, spill stack, and whether an fp8 cast lowered to the hardware's round-to-nearest-even
+    (``cvt.rn.satfinite``), whether an MMA takes e4m3 operands, whether tiles load by bulk tensor copies
+    (TMA), the CTA barriers (``bar.sync``) and the global stores narrower than 4 bytes (``st.global.b8``,
+    ``.b16``: not vectorized) in its PTX."""
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     hints = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(fn.arg_names)
-        if signature[name].startswith("*") or name.startswith("stride")
+        if signature[name].startswith("*") or name.startswith("stride") or name in divisible
     }
     source = ASTSource(fn, signature, constants, hints)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
@@ -120,7 +122,8 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     ptx = compiled.asm["ptx"]
     return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
             "fp8_mma": ".e4m3.e4m3" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
-            "barriers": ptx.count("bar.sync"), **_cubin_usage(compiled.asm["cubin"])}
+            "barriers": ptx.count("bar.sync"), "narrow_stores": len(re.findall(r"st\.global\.b(?:8|16)\b", ptx)),
+            **_cubin_usage(compiled.asm["cubin"])}
 
 
 def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: bool = False, words: bool = False,

@@ -52,14 +52,19 @@ from gem_kernels.quantized_rows_triton import NAN_BYTE, e4m3_bits, pow2_scale
 ROW_CHUNK = 64 if INTERPRET else 4096
 """Columns of a row held in registers at once: wider rows are read twice (the second from L2)."""
 EXPAND_TILE = (4, 64) if INTERPRET else (16, 256)
+"""(rows, columns) of an expansion program (4 warps). In the sm_90 build a tile of more than 8 values a
+thread (16 x 256 is 32) loads its bytes 16 a thread and stores bf16 8 a thread, and converts between the
+two layouts through shared memory (13 CTA barriers); 4 x 256, 2 x 256 or 1 x 1024 keep one layout (none).
+Which is faster is for ``benchmarks/pointwise_tiles.py --kernels expand_post`` to say (not yet timed)."""
 
 
 @triton.jit
 def _store_chunk(z, rows, cols, inside, scale, nonfinite, Q, POST, width, hv, stride_post, INTERP: tl.constexpr):
     bits = tl.where(nonfinite[:, None], NAN_BYTE, e4m3_bits(z * scale[:, None]))
     tl.store(Q + rows[:, None] * width + cols[None, :], bits.to(tl.uint8), mask=inside)
-    post_cols = tl.where(cols >= hv, cols - hv, 0)
-    tl.store(POST + rows[:, None] * stride_post + post_cols[None, :], cast(z * tl.sigmoid(z), POST.dtype.element_ty, INTERP),
+    # post's columns at plain offsets (cols - hv, masked below hv): indices picked by tl.where lose their
+    # contiguity, and the stores went 2 bytes at a time (st.global.b16 in the sm_90 PTX; now 16-byte vectors)
+    tl.store(POST + rows[:, None] * stride_post + (cols - hv)[None, :], cast(z * tl.sigmoid(z), POST.dtype.element_ty, INTERP),
              mask=inside & (cols >= hv)[None, :])  # fmt: skip
 
 
@@ -113,12 +118,10 @@ def _expand(Q, SCALE_INV, U, POST, stride_u, stride_post, num_rows, width, hv, f
     elif col0 >= hv:
         tl.store(POST + rows[:, None] * stride_post + (cols - hv)[None, :],
                  cast(z * tl.sigmoid(z), POST.dtype.element_ty, INTERP), mask=inside)  # fmt: skip
-    else:  # a tile across the boundary (COLS does not divide hv)
-        u_cols = tl.where(cols < hv, cols, 0)
-        tl.store(U + rows[:, None] * stride_u + u_cols[None, :], cast(z, U.dtype.element_ty, INTERP),
+    else:  # a tile across the boundary (COLS does not divide hv): plain offsets, each side masked
+        tl.store(U + rows[:, None] * stride_u + cols[None, :], cast(z, U.dtype.element_ty, INTERP),
                  mask=inside & (cols < hv)[None, :])  # fmt: skip
-        post_cols = tl.where(cols >= hv, cols - hv, 0)
-        tl.store(POST + rows[:, None] * stride_post + post_cols[None, :],
+        tl.store(POST + rows[:, None] * stride_post + (cols - hv)[None, :],
                  cast(z * tl.sigmoid(z), POST.dtype.element_ty, INTERP), mask=inside & (cols >= hv)[None, :])  # fmt: skip
 
 
