@@ -35,7 +35,8 @@ for v in ({variants}):
 for kernel, quantize, columns, keep_x, words in ({producers}):  # the fused block's layer norm and norm-gate, writing e4m3 rows
     r = compile_producer(kernel, quantize=quantize, column_amax=columns, keep_x=keep_x, words=words)
     print(json.dumps({{"kernel": kernel, "shared": r["shared_bytes"], "registers": r["registers"],
-                      "barriers": r["barriers"], "keep_x": keep_x, "words": words}}))
+                      "barriers": r["barriers"], "keep_x": keep_x, "words": words,
+                      "narrow": r["narrow_loads"] + r["narrow_stores"]}}))
 """
 # (kernel, e4m3 rows of its output, column maxima, e4m3 rows of its input: fp8_saved's kept attention output,
 # rows stored as 16-bit words)
@@ -60,6 +61,8 @@ def test_kernels_compile_for_hopper(group: str) -> None:
         assert report["registers"] is not None, report
         assert report.get("fp8_mma", False) == (group == "fp8"), report  # e4m3 wgmma exactly where asked
         assert report.get("tma", False) == (group == "tma"), report  # bulk tensor copies exactly where asked
+    for report in reports:  # rows read and written in 16-byte vectors (a 2-byte access is a row not vectorized)
+        assert report.get("narrow", 0) == 0, report
     keep_x = {r["words"]: r["barriers"] for r in reports if r.get("keep_x")}
     if keep_x:  # the norm-gate's rows of its input as words: the tile keeps its layout, fewer CTA barriers
         assert keep_x[True] < keep_x[False], keep_x
@@ -127,10 +130,10 @@ def test_the_gap_kernels_compile_for_hopper_without_spills() -> None:
     # the e4m3 rows read as words keep the 16-bit tiles' layout: no conversion through shared memory
     # (read as bytes, the loop had 53 CTA barriers against 15)
     assert reports["norm_gate_bwd_e4m3"]["barriers"] <= reports["norm_gate_bwd"]["barriers"]
-    # fp8_saved's passes store post and the e4m3 rows in 16-byte vectors: post's columns at plain offsets
-    # (indices picked by tl.where stored 2 bytes at a time, 32 st.global.b16 a thread in the silu pass)
-    for name in ("silu_quantize", "expand", "expand_narrow", "silu"):
-        assert reports[name]["narrow_stores"] == 0, reports[name]
+    # every load and store in 16-byte (or at least 4-byte) vectors: fp8_saved's silu pass picked post's
+    # columns with tl.where and stored them 2 bytes at a time (32 st.global.b16 a thread; now plain offsets)
+    for name, report in reports.items():
+        assert report["narrow_loads"] == 0 and report["narrow_stores"] == 0, (name, report)
     # the expansion's 16 x 256 tile converts its bytes' layout through shared memory; 4 x 256 needs no
     # conversion (saved.EXPAND_TILE: which is faster is not yet timed)
     assert reports["expand"]["barriers"] > 0 and reports["expand_narrow"]["barriers"] == 0, (

@@ -108,8 +108,8 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     named in ``divisible`` are taken as multiples of 16, as the JIT specializes them when they are. Shared
     bytes, registers, spill stack, and whether an fp8 cast lowered to the hardware's round-to-nearest-even
     (``cvt.rn.satfinite``), whether an MMA takes e4m3 operands, whether tiles load by bulk tensor copies
-    (TMA), the CTA barriers (``bar.sync``) and the global stores narrower than 4 bytes (``st.global.b8``,
-    ``.b16``: not vectorized) in its PTX."""
+    (TMA), the CTA barriers (``bar.sync``) and the global loads and stores narrower than 4 bytes
+    (``.b8``, ``.b16``: not vectorized) in its PTX."""
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     hints = {
         (i,): [["tt.divisibility", 16]]
@@ -122,8 +122,8 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     ptx = compiled.asm["ptx"]
     return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
             "fp8_mma": ".e4m3.e4m3" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
-            "barriers": ptx.count("bar.sync"), "narrow_stores": len(re.findall(r"st\.global\.b(?:8|16)\b", ptx)),
-            **_cubin_usage(compiled.asm["cubin"])}
+            "barriers": ptx.count("bar.sync"), "narrow_loads": len(re.findall(r"ld\.global(?:\.nc)?\.b(?:8|16)\b", ptx)),
+            "narrow_stores": len(re.findall(r"st\.global\.b(?:8|16)\b", ptx)), **_cubin_usage(compiled.asm["cubin"])}
 
 
 def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: bool = False, words: bool = False,
@@ -153,10 +153,19 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
     constants |= dict(D=dim, BLOCK_D=block_d, ROWS=rows, TILES=tiles, QUANT=quantize, COLUMN_AMAX=column_amax,
                       INTERP=False)  # fmt: skip
     signature = _signature(fn, pointers, ("eps",)) | {name: "constexpr" for name in constants}
-    hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name].startswith("*")}
+    # pointers and row strides as the JIT sees them at d = 1024 (multiples of 16): without the strides' hint
+    # every load and store of a row went 2 bytes at a time in this build, not in the launched one
+    hints = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if signature[name].startswith("*") or name.startswith("stride")
+    }
     compiled = triton.compile(ASTSource(fn, signature, constants, hints), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps})  # fmt: skip
-    return {"kernel": kernel, "shared_bytes": compiled.metadata.shared, "barriers": compiled.asm["ptx"].count("bar.sync"),
+    ptx = compiled.asm["ptx"]
+    return {"kernel": kernel, "shared_bytes": compiled.metadata.shared, "barriers": ptx.count("bar.sync"),
+            "narrow_loads": len(re.findall(r"ld\.global(?:\.nc)?\.b(?:8|16)\b", ptx)),
+            "narrow_stores": len(re.findall(r"st\.global\.b(?:8|16)\b", ptx)),
             **_cubin_usage(compiled.asm["cubin"])}
 
 

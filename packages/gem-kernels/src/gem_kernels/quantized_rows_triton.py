@@ -91,9 +91,10 @@ def write_e4m3_rows(y, rows, cols, rows_ok, cols_ok, Q, Q_INV, D: tl.constexpr, 
     ``WORDS`` (``D`` even; ``Q`` the bytes viewed as int16, :func:`as_words`): each pair of columns is
     stored as one 16-bit word (the even column in the low byte), the same bytes. A byte store makes
     Triton lay the tile out 16 values a thread, and the kernel's row sums follow: the norm-gate forward
-    compiled for sm_90 (``compile_report.compile_producer``) sums its rows over that layout where the
-    kernel without rows sums over 1 value a thread (so ``y`` may differ in its last bit), with 32 CTA
-    barriers against 17. Stored as words, it keeps the plain kernel's layout (the same sums), with 26."""
+    compiled for sm_90 (``compile_report.compile_producer``, row strides divisible by 16 as the JIT sees
+    them at d = 1024) sums its rows over that layout where the kernel without rows sums over another (so
+    ``y`` may differ in its last bit), with 34 CTA barriers against 13. Stored as words, it keeps the plain
+    kernel's sums (``y`` bit-equal on the H200, 2026-12-04), with 20."""
     inside = rows_ok[:, None] & cols_ok[None, :]
     bits = tl.where(inside, abs_bits(y), 0)
     scale, scale_inv, nonfinite = pow2_scale(tl.max(bits, 1))
