@@ -67,3 +67,25 @@ def test_the_first_correct_form_is_taken(monkeypatch):
     name, _, err, refused = bench.pick_gemm(gq, xq)
     assert name == "right" and err <= bench.GEMM_TOLERANCE
     assert refused["refuses"] == "not on this device" and "from its operands' float64 product" in refused["wrong"]
+
+
+def test_the_forward_operands_are_blocks_of_the_right_tensors(monkeypatch):
+    """``--forward``'s operands: ``W`` in 128 x 128 blocks (each block scaled as the row reference scales it,
+    dequantized within e4m3's rounding) and ``x`` per token in blocks of 128 features, with the scale
+    shapes torch's BlockWise128x128 and BlockWise1x128 name; their product is ``x W^T`` within e4m3."""
+    bench = load_benchmark(monkeypatch, "weight_grad_blockwise.py")
+    from gem_precision.formats import E4M3
+    from gem_precision.fp8_reference import quantize_blocks_t_reference
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 384, generator=gen) * torch.logspace(-3, 3, 256)[:, None]  # blocks of other ranges
+    wb = bench.square_blocks(w)
+    assert wb.data.shape == (256, 384) and wb.scale_inv.shape == (2, 3)
+    factors = wb.scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    w_hat = wb.data.double() * factors
+    assert ((w_hat - w.double()).abs() <= torch.maximum(w.double().abs() * 2**-4, factors * 2**-10)).all()
+    x = torch.randn(300, 384, generator=gen)
+    xb = quantize_blocks_t_reference(x.t(), E4M3)
+    assert xb.data.shape == (300, 384) and xb.scale_inv.shape == (300, 3) and xb.scale_inv.stride() == (1, 300)
+    x_hat = xb.data.double() * xb.scale_inv.double().repeat_interleave(128, dim=1)
+    assert bench.relative(x_hat @ w_hat.t(), x.double() @ w.double().t()) < 0.06
