@@ -122,8 +122,7 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     ptx = compiled.asm["ptx"]
     return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
             "fp8_mma": ".e4m3.e4m3" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
-            "barriers": ptx.count("bar.sync"), "narrow_loads": len(re.findall(r"ld\.global(?:\.nc)?\.b(?:8|16)\b", ptx)),
-            "narrow_stores": len(re.findall(r"st\.global\.b(?:8|16)\b", ptx)), **_cubin_usage(compiled.asm["cubin"])}
+            "barriers": ptx.count("bar.sync"), **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}
 
 
 def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: bool = False, words: bool = False,
@@ -164,9 +163,14 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
                               options={"num_warps": warps})  # fmt: skip
     ptx = compiled.asm["ptx"]
     return {"kernel": kernel, "shared_bytes": compiled.metadata.shared, "barriers": ptx.count("bar.sync"),
-            "narrow_loads": len(re.findall(r"ld\.global(?:\.nc)?\.b(?:8|16)\b", ptx)),
-            "narrow_stores": len(re.findall(r"st\.global\.b(?:8|16)\b", ptx)),
-            **_cubin_usage(compiled.asm["cubin"])}
+            **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}
+
+
+def _narrow_accesses(ptx: str) -> dict[str, int]:
+    """Global loads and stores of single 1- or 2-byte values (``ld.global[.nc][.L1::...].b16``; not the
+    ``.v2``/``.v4`` vectors): a tile whose accesses Triton could not vectorize."""
+    return {f"narrow_{kind}s": len(re.findall(rf"{op}\.global(?:\.(?!v\d)[\w:]+)*?\.b(?:8|16)\b", ptx))
+            for kind, op in (("load", "ld"), ("store", "st"))}
 
 
 def _cubin_usage(cubin: bytes) -> dict[str, int | None]:
