@@ -12,27 +12,25 @@ token), and recomputes ``post`` from it in backward:
   e4m3 row and its scale beside ``post``. Per token it reads ``2 W`` bytes (the ``u`` columns are new:
   the plain silu pass reads only v, q, k) and writes ``post`` plus ``W + 4``: at the big config
   8 + 6 + 4 KiB against 6 + 6 KiB, +6 KiB a token.
-* backward, :func:`expand_rows`: one pass reads the e4m3 rows (``W + 4`` bytes a token) and writes the
-  ``u`` columns in the activation dtype (for the norm-gate backward) and ``post`` (for the attention
-  backward), the buffers those kernels read: 4 KiB in, 2 + 6 KiB out. The silu gradient pass reads its
-  ``silu'(pre)`` from the e4m3 columns directly (3 KiB a token instead of 6). So the backward adds
-  12 - 3 = 9 KiB a token, the whole format 15 KiB a token per block.
+* backward, :func:`expand_rows`: one pass reads the e4m3 rows of the ``v, q, k`` columns and writes
+  ``post`` (for the attention backward): 3 KiB in, 6 KiB out a token. The norm-gate backward reads the
+  gate ``u`` from its e4m3 columns in its own loop, as 16-bit words
+  (``hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE``), and the silu gradient pass reads its ``silu'(pre)`` from
+  the e4m3 columns (3 KiB a token instead of 6).
 
 The attention output ``[L, H Dv]`` (2 KiB a token) is kept in e4m3 rows too: the norm-gate's forward
 pass, which reads each of its rows whole anyway, writes them beside its output (+1 KiB + 4 B a token,
-``NormGateFunction.run_forward``'s ``x_rows``), and one pass expands them before the norm-gate backward
-(``quantized_rows_triton.dequantize_rows``: 1 KiB in, 2 out). The norm-gate backward reading the bytes
-in its own loop instead ran 3.8x slower on the H200 (2.29 against 0.61 ms at 200,000 x 1,024; the
-1-byte tile does not fit the loop's layout). With it the format frees 11 KiB a token per block between
-forward and backward (16 -> 5), for 19 KiB a token of traffic. ``hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE``
-(on by default since it was timed, 2026-12-04) has the norm-gate backward read both the gate's and the attention output's
-rows in its loop as 16-bit words, which keep the loop's layout, and ``expand_rows`` write only ``post``
-(reading only its columns): 11 KiB a token.
+``NormGateFunction.run_forward``'s ``x_rows``), and the norm-gate backward reads them in its loop as
+words. The format frees 11 KiB a token per block between forward and backward (16 -> 5), for about
+11 KiB a token of traffic more than the plain gap. With ``E4M3_ROWS_IN_NORM_GATE`` off (the way before
+2026-12-04, 19 KiB a token), ``expand_rows`` also writes ``u`` and ``quantized_rows_triton.dequantize_rows``
+expands the attention output before the norm-gate backward; read as 1-byte tiles in that kernel's loop,
+the rows ran 3.8x slower on the H200 (2.29 against 0.61 ms at 200,000 x 1,024).
 
 The forward outputs are those of the plain gap (``post`` is silu of the exact ``pre``, the norm-gate
-reads the exact attention output; with the rows stored as bytes, not words, the norm-gate pass that
-writes them sums a row's statistics in another order on a GPU, so ``y`` may differ in its last bit); the gradients see ``pre`` and
-the attention output rounded to e4m3 (3 mantissa bits: at most 2**-4 relative error per element). The scale
+reads the exact attention output and, storing its rows as words, sums its rows as without them; with
+byte stores ``y`` may differ in its last bit on a GPU); the gradients see ``pre`` and the attention
+output rounded to e4m3 (3 mantissa bits: at most 2**-4 relative error per element). The scale
 rule and the bytes are gem-precision's row quantizer's (``gem_precision.fp8_reference``, row
 granularity; its Triton form is ``gem_precision.fp8_rows_triton._fp8_rows_kernel``): gem-kernels
 cannot import gem-precision, so the rule's Triton lines are :mod:`gem_kernels.quantized_rows_triton`'s,

@@ -31,8 +31,8 @@ k`` columns and the attention output (one ``[L, H Dv]`` less than unfused). With
 "e4m3_row"`` (an activation policy asks for it through the block, :mod:`gem_model.saved_format`) they
 are ``pre`` in e4m3 rows, written by the forward's silu pass, and the attention output in e4m3 rows,
 written by the norm-gate's forward pass (which reads each row whole anyway); the backward expands
-``u`` and ``silu(v, q, k)`` in one pass, the attention output in another, and its silu gradient reads
-the e4m3 columns (:mod:`gem_kernels.hstu_gap_saved` has the bytes).
+``silu(v, q, k)`` in one pass, the norm-gate backward reads ``u`` and the attention output from their
+e4m3 rows, and the silu gradient reads the e4m3 columns (:mod:`gem_kernels.hstu_gap_saved` has the bytes).
 
 With ``fp8_forward`` the silu pass of the ``q, k`` columns also writes their e4m3 copies and scales, which
 the attention forward reads (:mod:`gem_kernels.attention_fp8`); ``post`` and the backward are unchanged.
@@ -64,7 +64,7 @@ from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, GradRowsSlot, Pr
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 SAVED_ATTENTION_E4M3 = True
 """Under ``saved_format="e4m3_row"``, the attention output is kept in e4m3 rows too (written by the
-norm-gate's forward pass, expanded by one pass before its backward); False keeps it as computed."""
+norm-gate's forward pass, read by its backward: :data:`E4M3_ROWS_IN_NORM_GATE`); False keeps it as computed."""
 E4M3_ROWS_IN_NORM_GATE = True
 """Under ``saved_format="e4m3_row"``: True, the norm-gate backward reads the gate ``u`` and the attention
 output from their e4m3 rows in its own loop, as 16-bit words (``quantized_rows_triton.load_e4m3_pairs``),

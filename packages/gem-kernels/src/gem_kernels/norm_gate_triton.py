@@ -143,10 +143,9 @@ class NormGateFunction(torch.autograd.Function):
         the gate is ``silu(u)``). ``rows_out``: buffers for the e4m3 rows of ``y`` that the same pass
         writes (:mod:`gem_kernels.quantized_rows_triton`). ``x_rows``: the same for the e4m3 rows of
         ``x`` itself (no column maxima), kept for backward in place of ``x`` (the
-        fused gap's saved format; ``quantized_rows_triton.dequantize_rows`` expands them). On a GPU the
-        rows' byte stores change the tile's register layout, so ``mean`` and ``rstd`` are summed in
-        another order than without them: ``y`` may differ in its last bit (not with
-        :data:`E4M3_WORD_STORES`)."""
+        fused gap's saved format; :func:`norm_gate_backward` reads them with ``x_scale_inv``). Stored as
+        bytes (:data:`E4M3_WORD_STORES` off) the rows change the tile's register layout on a GPU, so
+        ``mean`` and ``rstd`` are summed in another order and ``y`` may differ in its last bit."""
         x2, u2 = _rows(x), _rows(u)
         num_rows, dim = x2.shape
         block_d = triton.next_power_of_2(dim)

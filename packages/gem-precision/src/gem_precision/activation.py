@@ -8,8 +8,7 @@
   (``create_selective_checkpoint_contexts``). Ops that are not aten ops (e.g. Triton kernels) are
   recomputed;
 - ``fp8_saved``: activations the block saves are stored in fp8 e4m3 and expanded in backward. The
-  block's output is that of ``none`` (on the fused path on a GPU, to the last bit of some values: the
-  norm-gate pass that writes the attention output's rows sums its statistics in another order); its
+  block's output is that of ``none`` (bit for bit on the fused path on the H200, 2026-12-04); its
   gradients differ by fp8 rounding of the saved activations (relative error ~2**-4 per element at
   worst). Two ways, chosen at every forward:
 
