@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_kernels import attention_gluon
 from gem_kernels.attention_triton_bias import NO_BIAS, RelativeBias, relative_bias
 from gem_kernels.attention_triton_common import (
     CHUNK,
@@ -337,6 +338,9 @@ def query_major(
             f"grad_out {'given' if compute_dq else 'None'}"
         )
     dim_out = dim_qk if compute_dq else dim_v
+    if (attention_gluon.FORWARD and not compute_dq and not fp8 and blocks is None and max_attn_len <= 0
+            and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v)):  # fmt: skip
+        return attention_gluon.forward(q, k, v, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha, out=out)
     if out is None:
         out = torch.empty((num_rows, num_heads, dim_out), dtype=q.dtype if compute_dq else v.dtype, device=q.device)
     num_seqs = seq_offsets.shape[0] - 1

@@ -166,6 +166,43 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
             **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}
 
 
+def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
+                          arch: int = 90) -> dict[str, Any]:
+    """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``) for
+    ``arch`` with bf16 inputs, as :func:`~gem_kernels.attention_gluon.forward` launches it: shared bytes,
+    registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
+    (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies and
+    ``tanh.approx`` (the silu)."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from gem_kernels import attention_gluon as ag
+
+    block_m, block_n, warps, stages, _ = ag.CONFIGS[config]
+
+    def descriptor(rows: int, dim: int) -> str:  # the JIT's type string of a host descriptor, from a CPU tensor
+        return mangle_type(ag.row_view_descriptor(torch.empty(16, 2, dim, dtype=torch.bfloat16), rows))
+
+    fn = ag.forward_kernel
+    types = {"q_desc": descriptor(block_m, dim_qk), "k_desc": descriptor(block_n, dim_qk),
+             "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64",
+             "COUNTER": "*i32", "half_alpha": "fp32", "out_scale": "fp32"}  # fmt: skip
+    constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk, DV=dim_v,
+                     STAGES=stages)  # fmt: skip
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
+    hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if signature[n].startswith("*") or n.startswith("stride")}  # fmt: skip
+    compiled = triton.compile(GluonASTSource(fn, signature, constants, hints), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps})  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    waits = {int(n): ptx.count(f"wgmma.wait_group.sync.aligned {n};") for n in set(re.findall(r"wgmma.wait_group.sync.aligned (\d+);", ptx))}
+    return {"shared_bytes": compiled.metadata.shared, "barriers": ptx.count("bar.sync"),
+            "async_mmas": ptx.count("wgmma.mma_async"), "mma_waits": waits,
+            "tma_loads": ptx.count("cp.async.bulk.tensor"), "tanh_approx": "tanh.approx.f32" in ptx,
+            **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}  # fmt: skip
+
+
 def _narrow_accesses(ptx: str) -> dict[str, int]:
     """Global loads and stores of single 1- or 2-byte values (``ld.global[.nc][.L1::...].b16``; not the
     ``.v2``/``.v4`` vectors): a tile whose accesses Triton could not vectorize."""

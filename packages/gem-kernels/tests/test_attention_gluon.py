@@ -1,0 +1,85 @@
+"""The Gluon Hopper forward (gem_kernels.attention_gluon). Gluon has no interpreter, so on the CPU it is
+compiled for sm_90 (in a subprocess without ``TRITON_INTERPRET``) and its schedule read from the PTX;
+its numbers against the Triton forward are ``benchmarks/attention_gluon.py``'s, on the GPU. Here also:
+what routes a call to it, and its argument checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+from gem_kernels import attention_gluon, attention_triton
+from gem_kernels.attention_triton import query_major
+
+HOPPER_SHARED_LIMIT = 227 * 1024
+SCRIPT = """
+import json
+from gem_kernels.compile_report import compile_gluon_forward
+for config, dims, targets in (("m128n64", (128, 128), True), ("m64n64", (128, 128), True), ("m64n64", (64, 64), False)):
+    print(json.dumps({"config": config, "dims": dims, **compile_gluon_forward(config, *dims, targets=targets)}))
+"""
+
+
+def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 3
+    for r in reports:
+        assert r["shared_bytes"] <= HOPPER_SHARED_LIMIT and r["stack_bytes"] == 0, r  # no spills
+        # the schedule: one wait that leaves the previous P v in flight (wgmma.wait_group 1) while the
+        # silu runs, the others drain (0); K, V and q come by bulk tensor copies; the silu by tanh.approx
+        assert r["mma_waits"].get("1") == 1 and r["mma_waits"].get("0", 0) >= 2, r
+        assert r["tma_loads"] >= 3 and r["tanh_approx"], r
+        assert r["narrow_loads"] == 0 and r["narrow_stores"] == 0, r
+    m64 = next(r for r in reports if r["config"] == "m64n64" and r["dims"] == [128, 128])
+    # two programs an SM, as CONFIGS launches it
+    assert 2 * m64["shared_bytes"] <= 228 * 1024, m64
+
+
+def test_supported_wants_a_hopper_gpu_and_a_two_dimensional_view() -> None:
+    q = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
+    assert not attention_gluon.supported(q, q, q)  # a CPU tensor: no sm_90
+
+
+def test_forward_names_an_unknown_config() -> None:
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 3, 8])
+    with pytest.raises(ValueError, match=r"config 'm256n256' is not one of"):
+        attention_gluon.forward(q, q, q, offsets, None, max_seq_len=8, alpha=0.1, config="m256n256")
+
+
+def test_query_major_keeps_the_triton_kernel_where_gluon_does_not_apply(monkeypatch, gen) -> None:
+    """With the switch on, a call the Gluon kernel cannot take (here: not on an sm_90 GPU) runs the Triton
+    forward, with the same result as with the switch off."""
+    calls: list[object] = []
+    monkeypatch.setattr(attention_gluon, "forward", lambda *a, **k: calls.append(a))
+    lengths = [5, 0, 9]
+    offsets = torch.tensor([0, 5, 5, 14])
+    q, k, v = (torch.randn(sum(lengths), 2, 16, generator=gen).to(torch.bfloat16) for _ in range(3))
+    options = dict(max_seq_len=9, alpha=0.25, max_attn_len=0)
+    monkeypatch.setattr(attention_gluon, "FORWARD", False)
+    off = query_major(q, k, v, None, offsets, None, **options)
+    monkeypatch.setattr(attention_gluon, "FORWARD", True)
+    on = query_major(q, k, v, None, offsets, None, **options)
+    assert not calls and torch.equal(off, on)
+    # and where it applies, the call goes there, with the caller's arguments
+    monkeypatch.setattr(attention_gluon, "supported", lambda *tensors: True)
+    query_major(q, k, v, None, offsets, None, **options)
+    assert len(calls) == 1 and calls[0][0] is q
+    # never for the dq pass, a window or set tiles
+    calls.clear()
+    query_major(q, k, v, q, offsets, None, **options)
+    query_major(q, k, v, None, offsets, None, max_seq_len=9, alpha=0.25, max_attn_len=3)
+    query_major(q, k, v, None, offsets, None, blocks=(16, 16), **options)
+    assert not calls
+    assert attention_triton.attention_gluon is attention_gluon
