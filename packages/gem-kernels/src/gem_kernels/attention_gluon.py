@@ -17,6 +17,9 @@ schedule by hand, FlashAttention-3's way, in one partition of 4 or 8 warps:
   the Triton kernel) while the tensor cores run ``P_{i-1} v_{i-1}``;
 * ``P`` goes to the second MMA from registers (no shared-memory round trip).
 
+The ``ws_*`` configs run :mod:`gem_kernels.attention_gluon_ws`'s kernel: the same math with the loads
+in a producer warp of their own.
+
 Tiles and their order are the Triton forward's: (sequence, head, block of ``BLOCK_M`` query rows),
 claimed from a queue by a persistent grid through an atomic counter, the last block of a sequence
 first; key blocks wholly inside the mask run without mask math, and target rows skip the key blocks
@@ -62,7 +65,13 @@ CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "m64n64": (64, 64, 4, 2, 2),
     "m128n128": (128, 128, 8, 2, 1),
     "m64n128": (64, 128, 4, 2, 1),
+    # the loads in a producer warp of their own (attention_gluon_ws): one program an SM, its consumer
+    # warpgroups at 240 registers (setmaxnreg), two query slots; no spills at either key block
+    "ws_m128n64": (128, 64, 8, 3, 1),
+    "ws_m128n128": (128, 128, 8, 2, 1),
 }
+PRODUCER_REGISTERS = 40
+"""Registers of the ``ws_*`` configs' producer warp (it computes addresses and waits on barriers)."""
 DEFAULT_CONFIG = "m128n64"
 """The launch used unless ``config`` says otherwise (a guess until timed on the GPU)."""
 
@@ -304,13 +313,19 @@ def forward(
     if name not in CONFIGS:
         raise ValueError(f"attention_gluon.forward: config {name!r} is not one of {sorted(CONFIGS)}")
     block_m, block_n, warps, stages, per_sm = CONFIGS[name]
+    descriptors = (row_view_descriptor(q, block_m), row_view_descriptor(k, block_n), row_view_descriptor(v, block_n))
+    targets = num_targets if num_targets is not None else seq_offsets
+    scalars = (out.stride(0), out.stride(1), num_seqs, heads, 0.5 * float(alpha), 1.0 / max_seq_len)
+    constants = dict(HAS_TARGETS=num_targets is not None, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n,
+                     DQK=dim_qk, DV=dim_v, STAGES=stages, num_warps=warps)  # fmt: skip
     with device_guard(q.device):
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        forward_kernel[(sms * per_sm,)](
-            row_view_descriptor(q, block_m), row_view_descriptor(k, block_n), row_view_descriptor(v, block_n),
-            out, seq_offsets, num_targets if num_targets is not None else seq_offsets, queue_counter(q.device),
-            out.stride(0), out.stride(1), num_seqs, heads, 0.5 * float(alpha), 1.0 / max_seq_len,
-            HAS_TARGETS=num_targets is not None, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n,
-            DQK=dim_qk, DV=dim_v, STAGES=stages, num_warps=warps,
-        )
+        grid = (torch.cuda.get_device_properties(q.device).multi_processor_count * per_sm,)
+        if name.startswith("ws_"):
+            from gem_kernels.attention_gluon_ws import forward_ws_kernel
+
+            forward_ws_kernel[grid](*descriptors, out, seq_offsets, targets, *scalars,
+                                    PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
+        else:
+            forward_kernel[grid](*descriptors, out, seq_offsets, targets, queue_counter(q.device), *scalars,
+                                 **constants)  # fmt: skip
     return out

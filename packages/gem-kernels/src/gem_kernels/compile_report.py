@@ -171,25 +171,27 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
     """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``) for
     ``arch`` with bf16 inputs, as :func:`~gem_kernels.attention_gluon.forward` launches it: shared bytes,
     registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
-    (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies and
-    ``tanh.approx`` (the silu)."""
+    (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
+    ``tanh.approx`` (the silu) and the register counts the warp-specialized builds set (``setmaxnreg``)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     from gem_kernels import attention_gluon as ag
+    from gem_kernels import attention_gluon_ws as ws
 
     block_m, block_n, warps, stages, _ = ag.CONFIGS[config]
 
     def descriptor(rows: int, dim: int) -> str:  # the JIT's type string of a host descriptor, from a CPU tensor
         return mangle_type(ag.row_view_descriptor(torch.empty(16, 2, dim, dtype=torch.bfloat16), rows))
 
-    fn = ag.forward_kernel
+    specialized = config.startswith("ws_")
+    fn = ws.forward_ws_kernel if specialized else ag.forward_kernel
     types = {"q_desc": descriptor(block_m, dim_qk), "k_desc": descriptor(block_n, dim_qk),
              "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64",
              "COUNTER": "*i32", "half_alpha": "fp32", "out_scale": "fp32"}  # fmt: skip
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk, DV=dim_v,
-                     STAGES=stages)  # fmt: skip
+                     STAGES=stages, **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}))  # fmt: skip
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or n.startswith("stride")}  # fmt: skip
@@ -200,6 +202,7 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
     return {"shared_bytes": compiled.metadata.shared, "barriers": ptx.count("bar.sync"),
             "async_mmas": ptx.count("wgmma.mma_async"), "mma_waits": waits,
             "tma_loads": ptx.count("cp.async.bulk.tensor"), "tanh_approx": "tanh.approx.f32" in ptx,
+            "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}),
             **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}  # fmt: skip
 
 

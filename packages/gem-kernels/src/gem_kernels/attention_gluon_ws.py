@@ -1,0 +1,221 @@
+"""The Gluon Hopper forward with its loads in a warp of their own (``ws_*`` configs of
+:mod:`gem_kernels.attention_gluon`).
+
+:mod:`~gem_kernels.attention_gluon`'s kernel issues its TMA loads from the warps that do the math, and
+the compiler puts CTA barriers (``bar.sync``) around each issue (3 an iteration in the sm_90 build, plus
+one before the ring's wait), which holds the two warpgroups in step. Here, FlashAttention-3's way, a
+producer warp (``warp_specialize``, few registers) walks the same tiles and keeps the ring full; the
+consumer warps wait only on mbarriers:
+
+* ``q_ready[t]`` / ``q_empty[t]``: query slot ``t`` (tiles alternate between two, so the next tile's
+  queries load during this one) loaded / every MMA that read it retired;
+* ``kv_ready[s]`` / ``kv_empty[s]``: slot ``s``'s key and value tiles loaded / both read.
+
+The producer waits on ``*_empty`` with the opposite parity, so its first pass over each slot does not
+wait. Tiles are dealt statically (program ``p`` takes ``p, p + P, p + 2P ...`` of the queue's order:
+sequence, head, block) so that both partitions know them without talking; the consumer's math and
+mask are :mod:`~gem_kernels.attention_gluon`'s.
+"""
+
+from __future__ import annotations
+
+from gem_kernels.attention_gluon import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from gem_kernels.attention_gluon import _block_start, _scan_chunk, _weights
+
+    @gluon.jit
+    def _tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
+                 HAS_TARGETS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Queue entry ``tile``: first row, length, head, first query row, history length, and its key
+        blocks (``full_hi``: end of the unmasked ones; ``n_hist`` history blocks, then the diagonal's
+        from ``diag_lo``; ``n_blocks`` in all)."""
+        before = tiles_end <= tile
+        seq = chunk0 + gl.sum(before.to(gl.int32), 0)
+        first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
+        seq_start = gl.load(SEQ_OFFSETS + seq).to(gl.int32)
+        seq_len = (gl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(gl.int32)
+        blocks = (seq_len + BLOCK_M - 1) // BLOCK_M
+        rank = tile - first_tile
+        head = rank // blocks
+        m0 = (blocks - 1 - (rank - head * blocks)) * BLOCK_M
+        if HAS_TARGETS:
+            targets = gl.load(NUM_TARGETS + seq).to(gl.int32)
+            history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
+        else:
+            history_len = seq_len
+        rows_end = gl.minimum(m0 + BLOCK_M, seq_len)
+        min_p = gl.minimum(m0, history_len)
+        max_p = gl.minimum(rows_end - 1, history_len)
+        full_hi = min_p // BLOCK_N * BLOCK_N
+        n_hist = (max_p + BLOCK_N - 1) // BLOCK_N
+        diag_lo = gl.maximum(m0 // BLOCK_N * BLOCK_N, n_hist * BLOCK_N)
+        n_blocks = n_hist + (gl.maximum(rows_end - diag_lo, 0) + BLOCK_N - 1) // BLOCK_N
+        return seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                  SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads,
+                  HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        programs = gl.num_programs(0)
+        tile = gl.program_id(0)
+        tiles_before = tile * 0
+        loads = 0
+        done = 0
+        for chunk0 in range(0, num_seqs, CHUNK):
+            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
+                                           BLOCK_M, CHUNK, chunk_layout)
+            chunk_end = tiles_before + gl.sum(tiles, 0)
+            while tile < chunk_end:
+                seq_start, _len, head, m0, _hist, _full, n_hist, diag_lo, n_blocks = _tile_of(
+                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
+                    BLOCK_M, BLOCK_N)
+                # two query slots: this tile's q loads while the consumer works on the previous tile
+                q_slot = done % 2
+                mbarrier.wait(q_empty.index(q_slot), ((done // 2) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], q_ready.index(q_slot),
+                                                q_smem.index(q_slot))
+                for i in range(n_blocks):
+                    c = loads + i
+                    slot = c % STAGES
+                    mbarrier.wait(kv_empty.index(slot), ((c // STAGES) & 1) ^ 1)
+                    bar = kv_ready.index(slot)
+                    row = seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N)
+                    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [row, head * DQK], bar, k_smem.index(slot))
+                    tma.async_copy_global_to_shared(v_desc, [row, head * DV], bar, v_smem.index(slot))
+                loads += n_blocks
+                done += 1
+                tile += programs
+            tiles_before = chunk_end
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT,
+                  SEQ_OFFSETS, NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+                  HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, DV, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+        programs = gl.num_programs(0)
+        tile = gl.program_id(0)
+        tiles_before = tile * 0
+        loads = 0
+        done = 0
+        for chunk0 in range(0, num_seqs, CHUNK):
+            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
+                                           BLOCK_M, CHUNK, chunk_layout)
+            chunk_end = tiles_before + gl.sum(tiles, 0)
+            while tile < chunk_end:
+                seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks = _tile_of(
+                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
+                    BLOCK_M, BLOCK_N)
+                queries = m0 + rows_s
+                q_slot = done % 2
+                q_tile = q_smem.index(q_slot)
+                mbarrier.wait(q_ready.index(q_slot), (done // 2) & 1)
+                slot = loads % STAGES
+                mbarrier.wait(kv_ready.index(slot), (loads // STAGES) & 1)
+                s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+                                  gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s])
+                start = _block_start(0, n_hist, diag_lo, BLOCK_N)
+                if start + BLOCK_N > full_hi:
+                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
+                else:
+                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
+                p = gl.convert_layout(w.to(dtype), p_layout)
+                acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+                for i in range(1, n_blocks):
+                    prev = (loads + i - 1) % STAGES
+                    slot = (loads + i) % STAGES
+                    mbarrier.wait(kv_ready.index(slot), ((loads + i) // STAGES) & 1)
+                    s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                      is_async=True)
+                    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=[s])
+                    start = _block_start(i, n_hist, diag_lo, BLOCK_N)
+                    if start + BLOCK_N > full_hi:
+                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
+                    else:
+                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
+                    acc = warpgroup_mma_wait(0, deps=[acc, p])[0]
+                    mbarrier.arrive(kv_empty.index(prev), count=1)  # block i - 1's k and v are read
+                    p = gl.convert_layout(w.to(dtype), p_layout)
+                last = (loads + n_blocks - 1) % STAGES
+                acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(kv_empty.index(last), count=1)
+                mbarrier.arrive(q_empty.index(q_slot), count=1)
+                loads += n_blocks
+                done += 1
+                out_rows = (seq_start + m0 + rows_o).to(gl.int64)
+                ptrs = OUT + out_rows[:, None] * stride_om + head * stride_oh + cols_o[None, :]
+                ok = (m0 + rows_o) < seq_len
+                gl.store(ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=ok[:, None])
+                tile += programs
+            tiles_before = chunk_end
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
+    def forward_ws_kernel(
+        q_desc, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS,
+        stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+        HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DQK], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(2):
+            mbarrier.init(q_ready.index(st), count=1)
+            mbarrier.init(q_empty.index(st), count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(kv_ready.index(st), count=1)
+            mbarrier.init(kv_empty.index(st), count=1)
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT, SEQ_OFFSETS,
+                             NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+                             HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
+                             SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N,
+                             DQK, DV, STAGES)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )
+        for st in gl.static_range(2):
+            mbarrier.invalidate(q_ready.index(st))
+            mbarrier.invalidate(q_empty.index(st))
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(kv_ready.index(st))
+            mbarrier.invalidate(kv_empty.index(st))
