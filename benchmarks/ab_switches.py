@@ -290,6 +290,7 @@ VARIANTS: dict[str, Switch] = {
     "attention_pointer_loads": patched("gem_kernels.attention_triton_common", "TMA_LOADS", False),
     # the Gluon forward (attention_gluon: asynchronous wgmma, the next q k^T during the silu) where it applies
     "gluon_forward": patched("gem_kernels.attention_gluon", "FORWARD", True),
+    "gluon_dq": patched("gem_kernels.attention_gluon", "DQ", True),  # the backward's dq pass in Gluon
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

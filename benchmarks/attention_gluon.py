@@ -16,7 +16,10 @@ First the check, per case and Gluon config, before any timing:
 * both against float64 on the first sequences (jagged_attention_reference): Gluon's error at most twice
   Triton's plus 1e-3.
 
-Then the forward is timed: every config and the Triton kernel in rotated order over ``--rounds`` rounds
+The backward's ``dq`` pass (``attention_gluon.dq``, ``--dq-configs``) is checked the same way against
+the Triton ``dq`` pass and the float64 gradient of ``q``.
+
+Then the forward (and the ``dq`` pass) is timed: every config and the Triton kernel in rotated order over ``--rounds`` rounds
 (``rounds.rotated_rounds``: CUDA events, one warm-up call each, which compiles and tunes), as medians
 with their quartiles, and TFLOP/s by jagged_attention.py's count (the causal half of each sequence).
 
@@ -85,9 +88,9 @@ def inputs_of(case: Case, lengths: torch.Tensor, targets: torch.Tensor, seed: in
     def draw() -> torch.Tensor:
         return F.silu(torch.randn(rows, case.heads, case.dim, generator=device_gen, device=device)).to(torch.bfloat16)
 
-    q, k, v = draw(), draw(), draw()
+    q, k, v, grad_out = draw(), draw(), draw(), draw()
     has_targets = bool(targets.any())
-    return dict(case=case, q=q, k=k, v=v, offsets=offsets.to(device), lengths=lengths,
+    return dict(case=case, q=q, k=k, v=v, grad_out=grad_out, offsets=offsets.to(device), lengths=lengths,
                 targets=targets.to(device) if has_targets else None, squares=int((lengths.double() ** 2).sum()),
                 options=dict(max_seq_len=case.max_seq_len, alpha=case.dim ** -0.5, max_attn_len=0))  # fmt: skip
 
@@ -96,14 +99,25 @@ def triton_forward(x: dict[str, Any], out: torch.Tensor | None = None) -> torch.
     return query_major(x["q"], x["k"], x["v"], None, x["offsets"], x["targets"], out=out, **x["options"])
 
 
+def triton_dq(x: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
+    return query_major(x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"], out=out, **x["options"])
+
+
+def gluon_dq(x: dict[str, Any], config: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    o = x["options"]
+    return attention_gluon.dq(x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"], out=out,
+                              config=config, max_seq_len=o["max_seq_len"], alpha=o["alpha"])  # fmt: skip
+
+
 def gluon_forward(x: dict[str, Any], config: str, out: torch.Tensor | None = None) -> torch.Tensor:
     o = x["options"]
     return attention_gluon.forward(x["q"], x["k"], x["v"], x["offsets"], x["targets"], out=out, config=config,
                                    max_seq_len=o["max_seq_len"], alpha=o["alpha"])  # fmt: skip
 
 
-def reference_errors(x: dict[str, Any], outputs: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each output's relative error against float64 on the first sequences (up to ``REFERENCE_ROWS`` rows)."""
+def reference_errors(x: dict[str, Any], outputs: dict[str, torch.Tensor], dq: bool = False) -> dict[str, float]:
+    """Each output's relative error against float64 on the first sequences (up to ``REFERENCE_ROWS`` rows):
+    against the attention output, or with ``dq`` against the gradient of ``q``."""
     offsets = x["offsets"].cpu()
     seqs = max(1, int((offsets[1:] <= REFERENCE_ROWS).sum()))
     rows = int(offsets[seqs])
@@ -111,23 +125,28 @@ def reference_errors(x: dict[str, Any], outputs: dict[str, torch.Tensor]) -> dic
         return {name: 0.0 for name in outputs}
     targets = None if x["targets"] is None else x["targets"][:seqs]
     o = x["options"]
+    leaves = [x[n][:rows].double().requires_grad_(dq) for n in ("q", "k", "v")]
     exact = jagged_attention_reference(
-        *(x[n][:rows].double() for n in ("q", "k", "v")), x["offsets"][: seqs + 1],
+        *leaves, x["offsets"][: seqs + 1],
         max_seq_len=o["max_seq_len"], alpha=o["alpha"], extras=AttentionExtras(num_targets=targets),
     )
+    if dq:
+        exact = torch.autograd.grad(exact, leaves[0], x["grad_out"][:rows].double())[0]
     return {name: relative_error(out[:rows].double(), exact) for name, out in outputs.items()}
 
 
 def check(x: dict[str, Any], configs: list[str], max_error: float,
-          forward: Callable[[dict[str, Any], str, torch.Tensor], torch.Tensor] = gluon_forward) -> dict[str, Any]:
-    """Every config's output against the Triton forward's and against float64; ``failures`` lists what failed."""
-    base = triton_forward(x)
+          forward: Callable[[dict[str, Any], str, torch.Tensor], torch.Tensor] = gluon_forward,
+          dq: bool = False) -> dict[str, Any]:
+    """Every config's output against the Triton kernel's and against float64 (with ``dq``: ``forward`` is
+    a ``dq`` pass, checked against the Triton one and the float64 gradient); ``failures`` lists what failed."""
+    base = triton_dq(x) if dq else triton_forward(x)
     outputs = {"triton": base}
     for config in configs:
         out = torch.full_like(base, float("nan"))
         forward(x, config, out)
         outputs[config] = out
-    exact = reference_errors(x, outputs)
+    exact = reference_errors(x, outputs, dq)
     result: dict[str, Any] = {"against_triton": {}, "against_float64": exact, "failures": []}
     for config in configs:
         err = relative_error(outputs[config].double(), base.double()) if base.numel() else 0.0
@@ -145,23 +164,30 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[
     row: dict[str, Any] = {"case": name, "rows": int(x["offsets"][-1]), "batch": len(x["lengths"]), "heads": case.heads,
                            "dim": case.dim, "seed": args.seed}  # fmt: skip
     row["check"] = check(x, args.configs, args.max_error)
-    if row["check"]["failures"] or name == "edges":  # edges: a correctness case, not a speed one
-        return row
+    dq_configs = [c for c in args.dq_configs if c]
+    if dq_configs:
+        row["dq_check"] = check(x, dq_configs, args.max_error, forward=gluon_dq, dq=True)
+    if row["check"]["failures"] or row.get("dq_check", {}).get("failures") or name == "edges":
+        return row  # edges: a correctness case, not a speed one
+    work = flops(case, x["squares"])[0]
     fns: dict[str, Callable[[], object]] = {"triton": lambda: triton_forward(x)}
     for config in args.configs:
         fns[config] = lambda c=config: gluon_forward(x, c)
     times = rotated_rounds(fns, args.rounds)
-    work = flops(case, x["squares"])[0]
     row["forward"] = {n: {**spread(ms), "tflops": work / spread(ms)["median"] / 1e9} for n, ms in times.items()}
+    if dq_configs:  # the dq pass: three MMAs of the forward's size a step, 1.5x its FLOPs
+        fns = {"triton": lambda: triton_dq(x)} | {c: (lambda c=c: gluon_dq(x, c)) for c in dq_configs}
+        times = rotated_rounds(fns, args.rounds)
+        row["dq"] = {n: {**spread(ms), "tflops": 1.5 * work / spread(ms)["median"] / 1e9} for n, ms in times.items()}
     return row
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    print("| case | kernel | forward ms (q1-q3) | TFLOP/s | against Triton | error vs Triton | vs float64 |")
+def print_table(rows: list[dict[str, Any]], which: str = "forward") -> None:
+    print(f"| case | kernel | {which} ms (q1-q3) | TFLOP/s | against Triton | error vs Triton | vs float64 |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        c = row["check"]
-        timed = row.get("forward", {})
+        c = row["check" if which == "forward" else "dq_check"]
+        timed = row.get(which, {})
         base = timed.get("triton", {}).get("median")
         for name in ["triton", *c["against_triton"]]:
             t = timed.get(name)
@@ -178,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
     parser.add_argument("--configs", default=",".join(attention_gluon.CONFIGS))
+    parser.add_argument("--dq-configs", default=",".join(attention_gluon.DQ_CONFIGS),
+                        help="the dq pass's configs to check and time ('' for none)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-error", type=float, default=1e-2)
@@ -185,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     args.configs = [c for c in args.configs.split(",") if c]
+    args.dq_configs = [c for c in args.dq_configs.split(",") if c]
     unknown = [c for c in args.cases if c != "edges" and c not in CASES] + [
-        c for c in args.configs if c not in attention_gluon.CONFIGS]
+        c for c in args.configs if c not in attention_gluon.CONFIGS] + [
+        c for c in args.dq_configs if c not in attention_gluon.DQ_CONFIGS]
     if unknown:
         parser.error(f"unknown case or config: {', '.join(unknown)} (cases: edges, {', '.join(CASES)}; "
                      f"configs: {', '.join(attention_gluon.CONFIGS)})")  # fmt: skip
@@ -203,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_case(name, args, device))
         save_results(args.out, rows, seed=args.seed)
     print_table(rows)
-    return 1 if any(r["check"]["failures"] for r in rows) else 0
+    if args.dq_configs:
+        print_table(rows, "dq")
+    return 1 if any(r["check"]["failures"] or r.get("dq_check", {}).get("failures") for r in rows) else 0
 
 
 if __name__ == "__main__":

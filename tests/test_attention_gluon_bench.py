@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("gem_kernels.attention_gluon")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from attention_gluon import Case, check, inputs_of, main, triton_forward
+from attention_gluon import Case, check, inputs_of, main, triton_dq, triton_forward
 
 
 def _inputs() -> dict:
@@ -44,6 +44,15 @@ def test_the_check_fails_a_row_left_unwritten_and_a_wrong_scale() -> None:
     assert any("from the Triton output" in f for f in holes["failures"]), holes
     wrong = check(x, ["m128n64"], 1e-2, forward=scaled)
     assert any("m128n64" in f and "from float64" in f for f in wrong["failures"]), wrong
+
+
+def test_the_dq_check_compares_gradients_of_q() -> None:
+    x = _inputs()
+    good = check(x, ["m64n64"], 1e-2, forward=lambda x, config, out: triton_dq(x, out), dq=True)
+    assert good["failures"] == [] and 0 < good["against_float64"]["triton"] < 2e-2, good
+    # the forward's output in place of dq: caught against both references
+    bad = check(x, ["m64n64"], 1e-2, forward=lambda x, config, out: out.copy_(triton_forward(x)), dq=True)
+    assert len(bad["failures"]) == 2, bad
 
 
 def test_unknown_names_are_refused(capsys) -> None:

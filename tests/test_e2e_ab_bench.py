@@ -164,6 +164,7 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         ("fp8_byte_stores", "gem_kernels.norm_gate_triton", "E4M3_WORD_STORES", True),
         # the Gluon attention forward on (off as shipped: not yet run on a GPU)
         ("gluon_forward", "gem_kernels.attention_gluon", "FORWARD", False),
+        ("gluon_dq", "gem_kernels.attention_gluon", "DQ", False),
     ],
 )
 def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):

@@ -25,6 +25,7 @@ from gem_kernels.compile_report import compile_gluon_forward
 for config, dims, targets in (("m128n64", (128, 128), True), ("m64n64", (128, 128), True), ("m64n64", (64, 64), False),
                               ("ws_m128n64", (128, 128), True), ("ws_m128n128", (128, 128), False)):
     print(json.dumps({"config": config, "dims": dims, **compile_gluon_forward(config, *dims, targets=targets)}))
+print(json.dumps({"config": "dq", "dims": [128, 128], **compile_gluon_forward("m128n64", dq=True)}))
 """
 
 
@@ -34,7 +35,12 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 5
+    assert len(reports) == 6
+    dq = reports.pop()
+    # the dq pass: three MMAs a step (q k^T, g v^T, ds k), one wait leaving ds k in flight; at 255
+    # registers it spills 8 bytes (attention_gluon.DQ_CONFIGS)
+    assert dq["async_mmas"] > reports[0]["async_mmas"] and dq["mma_waits"].get("1") == 1, dq
+    assert dq["stack_bytes"] <= 8 and dq["shared_bytes"] <= HOPPER_SHARED_LIMIT and dq["tma_loads"] >= 4, dq
     for r in reports:
         assert r["shared_bytes"] <= HOPPER_SHARED_LIMIT and r["stack_bytes"] == 0, r  # no spills
         # the schedule: one wait that leaves the previous P v in flight (wgmma.wait_group 1) while the
@@ -82,10 +88,33 @@ def test_query_major_keeps_the_triton_kernel_where_gluon_does_not_apply(monkeypa
     monkeypatch.setattr(attention_gluon, "supported", lambda *tensors: True)
     query_major(q, k, v, None, offsets, None, **options)
     assert len(calls) == 1 and calls[0][0] is q
-    # never for the dq pass, a window or set tiles
+    # never for the dq pass (unless attention_gluon.DQ), a window or set tiles
     calls.clear()
     query_major(q, k, v, q, offsets, None, **options)
     query_major(q, k, v, None, offsets, None, max_seq_len=9, alpha=0.25, max_attn_len=3)
     query_major(q, k, v, None, offsets, None, blocks=(16, 16), **options)
     assert not calls
     assert attention_triton.attention_gluon is attention_gluon
+
+
+def test_query_major_sends_the_dq_pass_to_gluon_only_when_asked(monkeypatch, gen) -> None:
+    calls: list[tuple] = []
+    monkeypatch.setattr(attention_gluon, "dq", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(attention_gluon, "supported", lambda *tensors: True)
+    offsets = torch.tensor([0, 6, 13])
+    q, k, v, g = (torch.randn(13, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
+    options = dict(max_seq_len=7, alpha=0.25, max_attn_len=0)
+    monkeypatch.setattr(attention_gluon, "DQ", False)
+    expected = query_major(q, k, v, g, offsets, None, **options)
+    assert not calls and expected.shape == q.shape
+    monkeypatch.setattr(attention_gluon, "DQ", True)
+    query_major(q, k, v, g, offsets, None, **options)
+    assert len(calls) == 1 and calls[0][3] is g
+    query_major(q, k, v, None, offsets, None, **options)  # the forward is FORWARD's
+    assert len(calls) == 1
+
+
+def test_dq_names_an_unknown_config() -> None:
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"config 'ws_m128n64' is not one of"):
+        attention_gluon.dq(q, q, q, q, torch.tensor([0, 8]), None, max_seq_len=8, alpha=0.1, config="ws_m128n64")

@@ -18,7 +18,8 @@ schedule by hand, FlashAttention-3's way, in one partition of 4 or 8 warps:
 * ``P`` goes to the second MMA from registers (no shared-memory round trip).
 
 The ``ws_*`` configs run :mod:`gem_kernels.attention_gluon_ws`'s kernel: the same math with the loads
-in a producer warp of their own.
+in a producer warp of their own. :mod:`gem_kernels.attention_gluon_dq` is the backward's ``dq`` pass
+with this schedule (:data:`DQ`, :func:`dq`).
 
 Tiles and their order are the Triton forward's: (sequence, head, block of ``BLOCK_M`` query rows),
 claimed from a queue by a persistent grid through an atomic counter, the last block of a sequence
@@ -56,6 +57,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 FORWARD = False
 """Route qualifying forward calls of ``query_major`` here (read at call time)."""
+DQ = False
+"""Route qualifying ``dq`` passes of ``query_major`` to :mod:`gem_kernels.attention_gluon_dq` (read at
+call time)."""
 
 CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # name: (BLOCK_M, BLOCK_N, num_warps, STAGES, programs per SM). 8 warps = two warpgroups of 64 query
@@ -70,6 +74,10 @@ CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "ws_m128n64": (128, 64, 8, 3, 1),
     "ws_m128n128": (128, 128, 8, 2, 1),
 }
+DQ_CONFIGS = ("m128n64", "m64n64")
+"""The configs the ``dq`` pass takes (one partition; in the sm_90 build both take 255 registers and
+spill 8 bytes, the 128-wide key blocks 576)."""
+DEFAULT_DQ_CONFIG = "m128n64"
 PRODUCER_REGISTERS = 40
 """Registers of the ``ws_*`` configs' producer warp (it computes addresses and waits on barriers)."""
 DEFAULT_CONFIG = "m128n64"
@@ -129,6 +137,35 @@ if HAVE_GLUON:
         """The ``i``-th key block of a query block: the history's blocks, then those of its diagonal."""
         return gl.where(i < n_hist, i * BLOCK_N, diag_lo + (i - n_hist) * BLOCK_N)
 
+    @gluon.jit
+    def _tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
+                 HAS_TARGETS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Queue entry ``tile``: first row, length, head, first query row, history length, and its key
+        blocks (``full_hi``: end of the unmasked ones; ``n_hist`` history blocks, then the diagonal's
+        from ``diag_lo``; ``n_blocks`` in all)."""
+        before = tiles_end <= tile
+        seq = chunk0 + gl.sum(before.to(gl.int32), 0)
+        first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
+        seq_start = gl.load(SEQ_OFFSETS + seq).to(gl.int32)
+        seq_len = (gl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(gl.int32)
+        blocks = (seq_len + BLOCK_M - 1) // BLOCK_M
+        rank = tile - first_tile
+        head = rank // blocks
+        m0 = (blocks - 1 - (rank - head * blocks)) * BLOCK_M
+        if HAS_TARGETS:
+            targets = gl.load(NUM_TARGETS + seq).to(gl.int32)
+            history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
+        else:
+            history_len = seq_len
+        rows_end = gl.minimum(m0 + BLOCK_M, seq_len)
+        min_p = gl.minimum(m0, history_len)
+        max_p = gl.minimum(rows_end - 1, history_len)
+        full_hi = min_p // BLOCK_N * BLOCK_N
+        n_hist = (max_p + BLOCK_N - 1) // BLOCK_N
+        diag_lo = gl.maximum(m0 // BLOCK_N * BLOCK_N, n_hist * BLOCK_N)
+        n_blocks = n_hist + (gl.maximum(rows_end - diag_lo, 0) + BLOCK_N - 1) // BLOCK_N
+        return seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks
+
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def forward_kernel(
         q_desc, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
@@ -169,34 +206,14 @@ if HAVE_GLUON:
                                            BLOCK_M, CHUNK, chunk_layout)
             chunk_end = tiles_before + gl.sum(tiles, 0)
             while tile < chunk_end:
-                # the Triton kernel's locate_tile: sequence, head and query block of queue entry ``tile``
-                before = tiles_end <= tile
-                seq = chunk0 + gl.sum(before.to(gl.int32), 0)
-                first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
-                seq_start = gl.load(SEQ_OFFSETS + seq).to(gl.int32)
-                seq_len = (gl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(gl.int32)
-                blocks = (seq_len + BLOCK_M - 1) // BLOCK_M
-                rank = tile - first_tile
-                head = rank // blocks
-                m0 = (blocks - 1 - (rank - head * blocks)) * BLOCK_M  # last rows first: they see most keys
-                if HAS_TARGETS:
-                    targets = gl.load(NUM_TARGETS + seq).to(gl.int32)
-                    history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
-                else:
-                    history_len = seq_len
+                seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks = _tile_of(
+                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
+                    BLOCK_M, BLOCK_N)
                 next_tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
 
                 mbarrier.expect(q_bar, q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], q_bar, q_smem)
 
-                # key blocks: [0, hist_end) then [diag_lo, rows_end); the first full_hi // BLOCK_N unmasked
-                rows_end = gl.minimum(m0 + BLOCK_M, seq_len)
-                min_p = gl.minimum(m0, history_len)
-                max_p = gl.minimum(rows_end - 1, history_len)
-                full_hi = min_p // BLOCK_N * BLOCK_N
-                n_hist = (max_p + BLOCK_N - 1) // BLOCK_N
-                diag_lo = gl.maximum(m0 // BLOCK_N * BLOCK_N, n_hist * BLOCK_N)
-                n_blocks = n_hist + (gl.maximum(rows_end - diag_lo, 0) + BLOCK_N - 1) // BLOCK_N
                 k_col = head * DQK
                 v_col = head * DV
 
@@ -266,15 +283,18 @@ def shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether this kernel can take the forward of these ``[L, H, D]`` tensors on their device."""
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *grad_out: torch.Tensor) -> bool:
+    """Whether these kernels can take the forward (or with ``grad_out``, the ``dq`` pass) of these
+    ``[L, H, D]`` tensors on their device."""
     if not HAVE_GLUON or not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in (k, v, *grad_out)):
         return False
     if q.shape[2] not in HEAD_DIMS or v.shape[2] not in HEAD_DIMS or k.shape[2] != q.shape[2]:
         return False
-    for t in (q, k, v):  # heads side by side in a row, rows 16-byte aligned: a 2-D TMA view
+    if any(g.shape != v.shape for g in grad_out):
+        return False
+    for t in (q, k, v, *grad_out):  # heads side by side in a row, rows 16-byte aligned: a 2-D TMA view
         if t.stride(2) != 1 or t.stride(1) != t.shape[2] or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
     return True
@@ -328,4 +348,45 @@ def forward(
         else:
             forward_kernel[grid](*descriptors, out, seq_offsets, targets, queue_counter(q.device), *scalars,
                                  **constants)  # fmt: skip
+    return out
+
+
+def dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    out: torch.Tensor | None = None,
+    config: str | None = None,
+) -> torch.Tensor:
+    """``dq`` ``[L, H, Dqk]`` of the attention (:mod:`gem_kernels.attention_gluon_dq`); the caller has
+    checked :func:`supported` with ``grad_out``."""
+    from gem_kernels.attention_triton_common import device_guard, queue_counter
+
+    rows, heads, dim_qk = q.shape
+    if out is None:
+        out = torch.empty((rows, heads, dim_qk), dtype=q.dtype, device=q.device)
+    num_seqs = seq_offsets.shape[0] - 1
+    if rows == 0 or num_seqs <= 0:
+        return out
+    name = config or DEFAULT_DQ_CONFIG
+    if name not in DQ_CONFIGS:
+        raise ValueError(f"attention_gluon.dq: config {name!r} is not one of {list(DQ_CONFIGS)}")
+    block_m, block_n, warps, stages, per_sm = CONFIGS[name]
+    from gem_kernels.attention_gluon_dq import dq_kernel
+
+    with device_guard(q.device):
+        grid = (torch.cuda.get_device_properties(q.device).multi_processor_count * per_sm,)
+        dq_kernel[grid](
+            row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m), row_view_descriptor(k, block_n),
+            row_view_descriptor(v, block_n), out, seq_offsets, num_targets if num_targets is not None else seq_offsets,
+            queue_counter(q.device), out.stride(0), out.stride(1), num_seqs, heads, 0.5 * float(alpha),
+            float(alpha) / max_seq_len, HAS_TARGETS=num_targets is not None, CHUNK=CHUNK, BLOCK_M=block_m,
+            BLOCK_N=block_n, DQK=dim_qk, DV=v.shape[2], STAGES=stages, num_warps=warps,
+        )
     return out

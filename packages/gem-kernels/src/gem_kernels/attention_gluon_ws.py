@@ -32,36 +32,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from gem_kernels.attention_gluon import _block_start, _scan_chunk, _weights
-
-    @gluon.jit
-    def _tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
-                 HAS_TARGETS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Queue entry ``tile``: first row, length, head, first query row, history length, and its key
-        blocks (``full_hi``: end of the unmasked ones; ``n_hist`` history blocks, then the diagonal's
-        from ``diag_lo``; ``n_blocks`` in all)."""
-        before = tiles_end <= tile
-        seq = chunk0 + gl.sum(before.to(gl.int32), 0)
-        first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
-        seq_start = gl.load(SEQ_OFFSETS + seq).to(gl.int32)
-        seq_len = (gl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(gl.int32)
-        blocks = (seq_len + BLOCK_M - 1) // BLOCK_M
-        rank = tile - first_tile
-        head = rank // blocks
-        m0 = (blocks - 1 - (rank - head * blocks)) * BLOCK_M
-        if HAS_TARGETS:
-            targets = gl.load(NUM_TARGETS + seq).to(gl.int32)
-            history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
-        else:
-            history_len = seq_len
-        rows_end = gl.minimum(m0 + BLOCK_M, seq_len)
-        min_p = gl.minimum(m0, history_len)
-        max_p = gl.minimum(rows_end - 1, history_len)
-        full_hi = min_p // BLOCK_N * BLOCK_N
-        n_hist = (max_p + BLOCK_N - 1) // BLOCK_N
-        diag_lo = gl.maximum(m0 // BLOCK_N * BLOCK_N, n_hist * BLOCK_N)
-        n_blocks = n_hist + (gl.maximum(rows_end - diag_lo, 0) + BLOCK_N - 1) // BLOCK_N
-        return seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks
+    from gem_kernels.attention_gluon import _block_start, _scan_chunk, _tile_of, _weights
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,

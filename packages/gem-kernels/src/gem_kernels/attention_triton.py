@@ -341,6 +341,10 @@ def query_major(
     if (attention_gluon.FORWARD and not compute_dq and not fp8 and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v)):  # fmt: skip
         return attention_gluon.forward(q, k, v, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha, out=out)
+    if (attention_gluon.DQ and compute_dq and blocks is None and max_attn_len <= 0 and bias.position is None
+            and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
+        return attention_gluon.dq(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
+                                  out=out)  # fmt: skip
     if out is None:
         out = torch.empty((num_rows, num_heads, dim_out), dtype=q.dtype if compute_dq else v.dtype, device=q.device)
     num_seqs = seq_offsets.shape[0] - 1

@@ -1,0 +1,156 @@
+"""The attention backward's ``dq`` pass for Hopper (sm_90) in Gluon, with the forward's schedule
+(:mod:`gem_kernels.attention_gluon`): the Triton ``query_major`` kernel's ``dq`` mode, which
+:func:`gem_kernels.attention_triton.query_major` routes here when :data:`gem_kernels.attention_gluon.DQ`
+is on.
+
+Per query tile (``s = alpha q k^T``, ``g`` the output's gradient)::
+
+    dq = alpha / N * sum over key blocks of (mask * (g v^T) * silu'(s)) k
+
+Each step issues ``S_i = q k_i^T`` and ``dP_i = g v_i^T`` with the previous block's ``dq += ds_{i-1} k_{i-1}``
+as asynchronous ``wgmma``, waits for the first two only (``wgmma.wait_group 1``), and computes ``ds_i``
+(``silu'`` by one ``tanh.approx``, as the Triton kernel) while the tensor cores run the third. ``ds``
+goes to its MMA from registers; ``q`` and ``g`` of the tile, and the ring's ``k`` and ``v``, by TMA.
+"""
+
+from __future__ import annotations
+
+from gem_kernels.attention_gluon import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from gem_kernels.attention_gluon import _block_start, _load_kv, _scan_chunk, _tanh_approx, _tile_of
+
+    @gluon.jit
+    def _score_grads(s, dp, half_alpha, queries, keys, seq_len, history_len, MASKED: gl.constexpr):
+        """``dP * silu'(alpha s)``: with ``h = alpha s / 2``, ``t = tanh(h)``, ``silu' = (1 + t) / 2 *
+        (1 + h - h t)``; masked per KERNELS.md."""
+        h = s * half_alpha
+        t = _tanh_approx(h)
+        ht = h * t
+        w = dp * ((0.5 + 0.5 * t) * (1.0 + h - ht))
+        if MASKED:
+            p_query = gl.minimum(queries, history_len)
+            p_key = gl.minimum(keys, history_len)
+            keep = (p_key[None, :] < p_query[:, None]) | (queries[:, None] == keys[None, :])
+            keep = keep & (keys < seq_len)[None, :]
+            w = gl.where(keep, w, 0.0)
+        return w
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
+    def dq_kernel(
+        q_desc, do_desc, k_desc, v_desc, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
+        stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+        HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, DQK, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DQK], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DV], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(kv_bars.index(st), count=1)
+        fence_async_shared()
+
+        rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, DQK, layout=gl.SliceLayout(0, o_layout))
+
+        loads = 0
+        q_phase = 0
+        tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
+        tiles_before = tile * 0
+        for chunk0 in range(0, num_seqs, CHUNK):
+            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
+                                           BLOCK_M, CHUNK, chunk_layout)
+            chunk_end = tiles_before + gl.sum(tiles, 0)
+            while tile < chunk_end:
+                seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks = _tile_of(
+                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
+                    BLOCK_M, BLOCK_N)
+                next_tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], q_bar, q_smem)
+                tma.async_copy_global_to_shared(do_desc, [seq_start + m0, head * DV], q_bar, do_smem)
+                k_col = head * DQK
+                v_col = head * DV
+                for i in gl.static_range(STAGES):
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
+                             seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), k_col, v_col, i < n_blocks)
+                queries = m0 + rows_s
+                mbarrier.wait(q_bar, q_phase)
+                q_phase ^= 1
+
+                slot = loads % STAGES
+                mbarrier.wait(kv_bars.index(slot), (loads // STAGES) & 1)
+                zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+                s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+                dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+                s, dp = warpgroup_mma_wait(0, deps=[s, dp])
+                start = _block_start(0, n_hist, diag_lo, BLOCK_N)
+                if start + BLOCK_N > full_hi:
+                    w = _score_grads(s, dp, half_alpha, queries, start + cols_s, seq_len, history_len, True)
+                else:
+                    w = _score_grads(s, dp, half_alpha, queries, start + cols_s, seq_len, history_len, False)
+                ds = gl.convert_layout(w.to(dtype), p_layout)
+                acc = gl.zeros([BLOCK_M, DQK], gl.float32, o_layout)
+                for i in range(1, n_blocks):
+                    prev = (loads + i - 1) % STAGES
+                    slot = (loads + i) % STAGES
+                    mbarrier.wait(kv_bars.index(slot), ((loads + i) // STAGES) & 1)
+                    s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
+                                      is_async=True)
+                    dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
+                                       is_async=True)
+                    acc = warpgroup_mma(ds, k_smem.index(prev), acc, is_async=True)
+                    s, dp = warpgroup_mma_wait(1, deps=[s, dp])  # this block's; the previous ds k may run on
+                    start = _block_start(i, n_hist, diag_lo, BLOCK_N)
+                    if start + BLOCK_N > full_hi:
+                        w = _score_grads(s, dp, half_alpha, queries, start + cols_s, seq_len, history_len, True)
+                    else:
+                        w = _score_grads(s, dp, half_alpha, queries, start + cols_s, seq_len, history_len, False)
+                    acc = warpgroup_mma_wait(0, deps=[acc, ds])[0]
+                    ds = gl.convert_layout(w.to(dtype), p_layout)
+                    nxt = i - 1 + STAGES
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
+                             seq_start + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
+                last = (loads + n_blocks - 1) % STAGES
+                acc = warpgroup_mma(ds, k_smem.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                loads += n_blocks
+
+                out_rows = (seq_start + m0 + rows_o).to(gl.int64)
+                ptrs = DQ + out_rows[:, None] * stride_om + head * stride_oh + cols_o[None, :]
+                ok = (m0 + rows_o) < seq_len
+                gl.store(ptrs, (acc * out_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
+                tile = next_tile
+            tiles_before = chunk_end
+        mbarrier.invalidate(q_bar)
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(kv_bars.index(st))
+        done = gl.atomic_add(COUNTER + 1, 1)
+        if done == gl.num_programs(0) - 1:
+            gl.atomic_xchg(COUNTER, 0)
+            gl.atomic_xchg(COUNTER + 1, 0)
