@@ -291,6 +291,10 @@ VARIANTS: dict[str, Switch] = {
     # the Gluon forward (attention_gluon: asynchronous wgmma, the next q k^T during the silu) where it applies
     "gluon_forward": patched("gem_kernels.attention_gluon", "FORWARD", True),
     "gluon_dq": patched("gem_kernels.attention_gluon", "DQ", True),  # the backward's dq pass in Gluon
+    "gluon_dkdv": patched("gem_kernels.attention_gluon", "DKDV", True),  # and its dk/dv pass
+    "gluon_attention": all_of(patched("gem_kernels.attention_gluon", "FORWARD", True),
+                              patched("gem_kernels.attention_gluon", "DQ", True),
+                              patched("gem_kernels.attention_gluon", "DKDV", True)),
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

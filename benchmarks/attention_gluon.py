@@ -1,4 +1,5 @@
-"""The Gluon attention forward (gem_kernels.attention_gluon) against the Triton forward, on one sm_90 GPU.
+"""The Gluon attention kernels (gem_kernels.attention_gluon: the forward, the dq pass and the dk/dv pass)
+against the Triton ones, on one sm_90 GPU.
 
 Cases are benchmarks/jagged_attention.py's: ``big_config`` (B=384, H=8, D=128, power-law lengths up to
 4096 with one target: configs/h200-large.yaml's), ``fixed1024/2048/4096`` (B=512, H=4, D=128, every
@@ -6,26 +7,27 @@ sequence N long: NVIDIA's uniform-length protocol), ``n1024_s0.3`` (short histor
 lengths around the tiles' sizes (0, 1, 63, 64, 65, 127, 128, 129, 191, 4095, ...) with 0-20 targets.
 
 Inputs are fresh random draws per case (``--seed``; seeded from the clock when not given, and printed):
-q, k, v = silu of N(0, 1), as the fused block's silu pass writes them, alpha = 1/sqrt(D).
+q, k, v and the output gradient = silu of N(0, 1), as the fused block's silu pass writes them,
+alpha = 1/sqrt(D).
 
-First the check, per case and Gluon config, before any timing:
+First the check, per case, pass and Gluon config, before any timing:
 
-* the Gluon output over the whole batch against the Triton forward's, into a NaN-filled output (a row
-  left unwritten fails): relative error at most ``--max-error`` (default 1e-2: the two round ``P`` to
-  bf16 in the same places, and sum in a different order);
-* both against float64 on the first sequences (jagged_attention_reference): Gluon's error at most twice
-  Triton's plus 1e-3.
+* the Gluon result over the whole batch (the output; ``dq``; ``dk`` and ``dv``) against the Triton
+  kernels' (the separate ``dq`` pass; ``key_major`` without atomic ``dq``), written into NaN-filled
+  tensors (a row left unwritten fails): relative error at most ``--max-error`` (default 1e-2: both round
+  ``P`` and ``ds`` to bf16 in the same places, and sum in a different order);
+* both against float64 on the first sequences (jagged_attention_reference and its autograd): Gluon's
+  error at most twice Triton's plus 1e-3.
 
-The backward's ``dq`` pass (``attention_gluon.dq``, ``--dq-configs``) is checked the same way against
-the Triton ``dq`` pass and the float64 gradient of ``q``.
-
-Then the forward (and the ``dq`` pass) is timed: every config and the Triton kernel in rotated order over ``--rounds`` rounds
-(``rounds.rotated_rounds``: CUDA events, one warm-up call each, which compiles and tunes), as medians
-with their quartiles, and TFLOP/s by jagged_attention.py's count (the causal half of each sequence).
+Then each pass whose configs all passed is timed: the configs and the Triton kernel in rotated order
+over ``--rounds`` rounds (``rounds.rotated_rounds``: CUDA events, one warm-up call each, which compiles
+and tunes), as medians with their quartiles, and TFLOP/s by jagged_attention.py's count (the causal
+half of each sequence; the dq pass 1.5x the forward's FLOPs, the dk/dv pass 2x).
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/attention_gluon.py --out attention_gluon.json
 
-Exit status 1 when a check fails; ``--cases`` and ``--configs`` narrow the run.
+Exit status 1 when a check fails; ``--cases``, ``--configs``, ``--dq-configs`` and ``--dkdv-configs``
+narrow the run ('' skips a pass).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from rounds import cell, rotated_rounds, save_results, spread
 
 from gem_kernels import attention_gluon
 from gem_kernels.attention_triton import query_major
+from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import relative_error
 from gem_model.api import AttentionExtras
@@ -95,66 +98,75 @@ def inputs_of(case: Case, lengths: torch.Tensor, targets: torch.Tensor, seed: in
                 options=dict(max_seq_len=case.max_seq_len, alpha=case.dim ** -0.5, max_attn_len=0))  # fmt: skip
 
 
-def triton_forward(x: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
-    return query_major(x["q"], x["k"], x["v"], None, x["offsets"], x["targets"], out=out, **x["options"])
+PASSES = ("forward", "dq", "dkdv")
+MMAS = {"forward": 2, "dq": 3, "dkdv": 4}
+"""MMAs of a (query block, key block) pair in each pass: its FLOPs are MMAS / 2 times the forward's."""
 
 
-def triton_dq(x: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
-    return query_major(x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"], out=out, **x["options"])
+def triton_pass(x: dict[str, Any], which: str, out: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """The Triton kernels' forward output, ``dq`` (the separate pass), or ``(dk, dv)`` (no atomic ``dq``)."""
+    q, k, v, g, offsets, targets, options = x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"], x["options"]
+    if which == "dkdv":
+        return key_major(q, k, v, g, offsets, targets, None, out=out, **options)
+    first = None if out is None else out[0]
+    return (query_major(q, k, v, g if which == "dq" else None, offsets, targets, out=first, **options),)
 
 
-def gluon_dq(x: dict[str, Any], config: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    o = x["options"]
-    return attention_gluon.dq(x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"], out=out,
-                              config=config, max_seq_len=o["max_seq_len"], alpha=o["alpha"])  # fmt: skip
+def gluon_pass(x: dict[str, Any], which: str, config: str, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    o = dict(max_seq_len=x["options"]["max_seq_len"], alpha=x["options"]["alpha"], config=config)
+    q, k, v, g, offsets, targets = x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"]
+    if which == "forward":
+        return (attention_gluon.forward(q, k, v, offsets, targets, out=out[0], **o),)
+    if which == "dq":
+        return (attention_gluon.dq(q, k, v, g, offsets, targets, out=out[0], **o),)
+    return attention_gluon.dkdv(q, k, v, g, offsets, targets, out=out, **o)
 
 
-def gluon_forward(x: dict[str, Any], config: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    o = x["options"]
-    return attention_gluon.forward(x["q"], x["k"], x["v"], x["offsets"], x["targets"], out=out, config=config,
-                                   max_seq_len=o["max_seq_len"], alpha=o["alpha"])  # fmt: skip
-
-
-def reference_errors(x: dict[str, Any], outputs: dict[str, torch.Tensor], dq: bool = False) -> dict[str, float]:
-    """Each output's relative error against float64 on the first sequences (up to ``REFERENCE_ROWS`` rows):
-    against the attention output, or with ``dq`` against the gradient of ``q``."""
+def reference(x: dict[str, Any], which: str) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """The float64 kernel's result on the first sequences (up to ``REFERENCE_ROWS`` rows): their row
+    count and the output, ``dq``, or ``(dk, dv)``."""
     offsets = x["offsets"].cpu()
     seqs = max(1, int((offsets[1:] <= REFERENCE_ROWS).sum()))
     rows = int(offsets[seqs])
-    if rows == 0:
-        return {name: 0.0 for name in outputs}
     targets = None if x["targets"] is None else x["targets"][:seqs]
     o = x["options"]
-    leaves = [x[n][:rows].double().requires_grad_(dq) for n in ("q", "k", "v")]
-    exact = jagged_attention_reference(
+    leaves = [x[n][:rows].double().requires_grad_(which != "forward") for n in ("q", "k", "v")]
+    out = jagged_attention_reference(
         *leaves, x["offsets"][: seqs + 1],
         max_seq_len=o["max_seq_len"], alpha=o["alpha"], extras=AttentionExtras(num_targets=targets),
     )
-    if dq:
-        exact = torch.autograd.grad(exact, leaves[0], x["grad_out"][:rows].double())[0]
-    return {name: relative_error(out[:rows].double(), exact) for name, out in outputs.items()}
+    if which == "forward" or rows == 0:
+        return rows, (out,)
+    grads = torch.autograd.grad(out, leaves, x["grad_out"][:rows].double())
+    return rows, (grads[0],) if which == "dq" else (grads[1], grads[2])
 
 
-def check(x: dict[str, Any], configs: list[str], max_error: float,
-          forward: Callable[[dict[str, Any], str, torch.Tensor], torch.Tensor] = gluon_forward,
-          dq: bool = False) -> dict[str, Any]:
-    """Every config's output against the Triton kernel's and against float64 (with ``dq``: ``forward`` is
-    a ``dq`` pass, checked against the Triton one and the float64 gradient); ``failures`` lists what failed."""
-    base = triton_dq(x) if dq else triton_forward(x)
+def _error(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], rows: int | None = None) -> float:
+    """The largest relative error over the parts (``dk`` and ``dv``), on the first ``rows`` rows if given."""
+    return max(relative_error(a[:rows].double(), e.double()) if e.numel() else 0.0 for a, e in zip(actual, expected))
+
+
+def check(x: dict[str, Any], which: str, configs: list[str], max_error: float,
+          run: Callable[[dict[str, Any], str, str, tuple[torch.Tensor, ...]], object] = gluon_pass) -> dict[str, Any]:
+    """Every config's result of pass ``which`` against the Triton kernels' and against float64;
+    ``failures`` lists what failed. Each config writes into NaN-filled outputs."""
+    base = triton_pass(x, which)
     outputs = {"triton": base}
     for config in configs:
-        out = torch.full_like(base, float("nan"))
-        forward(x, config, out)
+        out = tuple(torch.full_like(b, float("nan")) for b in base)
+        run(x, which, config, out)
         outputs[config] = out
-    exact = reference_errors(x, outputs, dq)
-    result: dict[str, Any] = {"against_triton": {}, "against_float64": exact, "failures": []}
+    rows, exact = reference(x, which)
+    vs_exact = {name: _error(out, exact, rows) for name, out in outputs.items()}
+    result: dict[str, Any] = {"against_triton": {}, "against_float64": vs_exact, "failures": []}
     for config in configs:
-        err = relative_error(outputs[config].double(), base.double()) if base.numel() else 0.0
+        err = _error(outputs[config], base)
         result["against_triton"][config] = err
         if not err <= max_error:  # NaN fails
-            result["failures"].append(f"{config}: {err:.3g} from the Triton output (limit {max_error})")
-        if not exact[config] <= 2 * exact["triton"] + 1e-3:
-            result["failures"].append(f"{config}: {exact[config]:.3g} from float64, Triton {exact['triton']:.3g}")
+            result["failures"].append(f"{which} {config}: {err:.3g} from the Triton kernel (limit {max_error})")
+        if not vs_exact[config] <= 2 * vs_exact["triton"] + 1e-3:
+            result["failures"].append(f"{which} {config}: {vs_exact[config]:.3g} from float64, "
+                                      f"Triton {vs_exact['triton']:.3g}")  # fmt: skip
     return result
 
 
@@ -162,40 +174,43 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[
     x = make_inputs(name, args.seed, device)
     case = x["case"]
     row: dict[str, Any] = {"case": name, "rows": int(x["offsets"][-1]), "batch": len(x["lengths"]), "heads": case.heads,
-                           "dim": case.dim, "seed": args.seed}  # fmt: skip
-    row["check"] = check(x, args.configs, args.max_error)
-    dq_configs = [c for c in args.dq_configs if c]
-    if dq_configs:
-        row["dq_check"] = check(x, dq_configs, args.max_error, forward=gluon_dq, dq=True)
-    if row["check"]["failures"] or row.get("dq_check", {}).get("failures") or name == "edges":
-        return row  # edges: a correctness case, not a speed one
+                           "dim": case.dim, "seed": args.seed, "checks": {}, "timed": {}}  # fmt: skip
+    configs = {"forward": args.configs, "dq": args.dq_configs, "dkdv": args.dkdv_configs}
+    for which in PASSES:
+        if configs[which]:
+            row["checks"][which] = check(x, which, configs[which], args.max_error)
+    if name == "edges":
+        return row  # a correctness case, not a speed one
     work = flops(case, x["squares"])[0]
-    fns: dict[str, Callable[[], object]] = {"triton": lambda: triton_forward(x)}
-    for config in args.configs:
-        fns[config] = lambda c=config: gluon_forward(x, c)
-    times = rotated_rounds(fns, args.rounds)
-    row["forward"] = {n: {**spread(ms), "tflops": work / spread(ms)["median"] / 1e9} for n, ms in times.items()}
-    if dq_configs:  # the dq pass: three MMAs of the forward's size a step, 1.5x its FLOPs
-        fns = {"triton": lambda: triton_dq(x)} | {c: (lambda c=c: gluon_dq(x, c)) for c in dq_configs}
+    for which in PASSES:
+        if not configs[which] or row["checks"][which]["failures"]:
+            continue  # a config that fails is not timed
+        fns: dict[str, Callable[[], object]] = {"triton": lambda w=which: triton_pass(x, w)}
+        for config in configs[which]:
+            outs = tuple(torch.empty_like(b) for b in triton_pass(x, which))
+            fns[config] = lambda w=which, c=config, o=outs: gluon_pass(x, w, c, o)
         times = rotated_rounds(fns, args.rounds)
-        row["dq"] = {n: {**spread(ms), "tflops": 1.5 * work / spread(ms)["median"] / 1e9} for n, ms in times.items()}
+        scale = MMAS[which] / 2
+        row["timed"][which] = {n: {**spread(ms), "tflops": scale * work / spread(ms)["median"] / 1e9}
+                               for n, ms in times.items()}  # fmt: skip
     return row
 
 
-def print_table(rows: list[dict[str, Any]], which: str = "forward") -> None:
-    print(f"| case | kernel | {which} ms (q1-q3) | TFLOP/s | against Triton | error vs Triton | vs float64 |")
+def print_table(rows: list[dict[str, Any]], which: str) -> None:
+    print(f"\n| case | kernel | {which} ms (q1-q3) | TFLOP/s | against Triton | error vs Triton | vs float64 |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        c = row["check" if which == "forward" else "dq_check"]
-        timed = row.get(which, {})
+        c = row["checks"].get(which)
+        if c is None:
+            continue
+        timed = row["timed"].get(which, {})
         base = timed.get("triton", {}).get("median")
         for name in ["triton", *c["against_triton"]]:
             t = timed.get(name)
             speed = f"{base / t['median']:.3f}x" if t and base else "-"
             vs_triton = "-" if name == "triton" else f"{c['against_triton'][name]:.2e}"
-            print(f"| {row['case']} | {name} | {cell(t) if t else '-'} | {t['tflops']:.0f} |" if t else
-                  f"| {row['case']} | {name} | - | - |", end="")  # fmt: skip
-            print(f" {speed} | {vs_triton} | {c['against_float64'][name]:.2e} |")
+            timing = f"{cell(t)} | {t['tflops']:.0f}" if t else "- | -"
+            print(f"| {row['case']} | {name} | {timing} | {speed} | {vs_triton} | {c['against_float64'][name]:.2e} |")
         for failure in c["failures"]:
             print(f"FAILED {row['case']}: {failure}")
 
@@ -206,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(attention_gluon.CONFIGS))
     parser.add_argument("--dq-configs", default=",".join(attention_gluon.DQ_CONFIGS),
                         help="the dq pass's configs to check and time ('' for none)")
+    parser.add_argument("--dkdv-configs", default=",".join(attention_gluon.DKDV_CONFIGS),
+                        help="the dk/dv pass's configs ('' for none)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-error", type=float, default=1e-2)
@@ -214,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     args.cases = [c for c in args.cases.split(",") if c]
     args.configs = [c for c in args.configs.split(",") if c]
     args.dq_configs = [c for c in args.dq_configs.split(",") if c]
+    args.dkdv_configs = [c for c in args.dkdv_configs.split(",") if c]
     unknown = [c for c in args.cases if c != "edges" and c not in CASES] + [
         c for c in args.configs if c not in attention_gluon.CONFIGS] + [
-        c for c in args.dq_configs if c not in attention_gluon.DQ_CONFIGS]
+        c for c in args.dq_configs if c not in attention_gluon.DQ_CONFIGS] + [
+        c for c in args.dkdv_configs if c not in attention_gluon.DKDV_CONFIGS]
     if unknown:
         parser.error(f"unknown case or config: {', '.join(unknown)} (cases: edges, {', '.join(CASES)}; "
                      f"configs: {', '.join(attention_gluon.CONFIGS)})")  # fmt: skip
@@ -232,10 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.cases:
         rows.append(run_case(name, args, device))
         save_results(args.out, rows, seed=args.seed)
-    print_table(rows)
-    if args.dq_configs:
-        print_table(rows, "dq")
-    return 1 if any(r["check"]["failures"] or r.get("dq_check", {}).get("failures") for r in rows) else 0
+    for which in PASSES:
+        print_table(rows, which)
+    return 1 if any(c["failures"] for r in rows for c in r["checks"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("gem_kernels.attention_gluon")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from attention_gluon import Case, check, inputs_of, main, triton_dq, triton_forward
+from attention_gluon import Case, check, inputs_of, main, triton_pass
 
 
 def _inputs() -> dict:
@@ -22,40 +22,49 @@ def _inputs() -> dict:
                      device=torch.device("cpu"))
 
 
-def test_the_check_passes_a_kernel_equal_to_the_triton_forward() -> None:
+def _into(out, results):
+    for o, r in zip(out, results):
+        o.copy_(r)
+
+
+@pytest.mark.parametrize("which", ["forward", "dq", "dkdv"])
+def test_the_check_passes_a_kernel_equal_to_the_triton_one(which) -> None:
     x = _inputs()
-    result = check(x, ["m64n64"], 1e-2, forward=lambda x, config, out: triton_forward(x, out))
+    result = check(x, which, ["m64n64"], 1e-2, run=lambda x, w, c, out: _into(out, triton_pass(x, w)))
     assert result["failures"] == [], result
     assert result["against_triton"]["m64n64"] == 0.0
-    assert 0 < result["against_float64"]["triton"] < 1e-2  # bf16 P: not exact, not far
+    assert 0 < result["against_float64"]["triton"] < 2e-2  # bf16 P and ds: not exact, not far
 
 
 def test_the_check_fails_a_row_left_unwritten_and_a_wrong_scale() -> None:
     x = _inputs()
 
-    def skips_a_row(x, config, out):
-        full = triton_forward(x)
-        out[1:] = full[1:]  # row 0 stays NaN
+    def skips_a_row(x, which, config, out):
+        full = triton_pass(x, which)
+        for o, f in zip(out, full):
+            o[1:] = f[1:]  # row 0 stays NaN
 
-    def scaled(x, config, out):
-        out.copy_(triton_forward(x) * 1.05)
+    def scaled(x, which, config, out):
+        _into(out, [t * 1.05 for t in triton_pass(x, which)])
 
-    holes = check(x, ["m64n64"], 1e-2, forward=skips_a_row)
-    assert any("from the Triton output" in f for f in holes["failures"]), holes
-    wrong = check(x, ["m128n64"], 1e-2, forward=scaled)
+    holes = check(x, "forward", ["m64n64"], 1e-2, run=skips_a_row)
+    assert any("from the Triton kernel" in f for f in holes["failures"]), holes
+    wrong = check(x, "forward", ["m128n64"], 1e-2, run=scaled)
     assert any("m128n64" in f and "from float64" in f for f in wrong["failures"]), wrong
+    # dv right, dk unwritten in one row: the pair fails
+    holes = check(x, "dkdv", ["n128m32"], 1e-2, run=lambda x, w, c, out: (
+        _into(out, triton_pass(x, w)), out[0][3].fill_(float("nan"))))
+    assert len(holes["failures"]) == 2, holes
 
 
 def test_the_dq_check_compares_gradients_of_q() -> None:
     x = _inputs()
-    good = check(x, ["m64n64"], 1e-2, forward=lambda x, config, out: triton_dq(x, out), dq=True)
-    assert good["failures"] == [] and 0 < good["against_float64"]["triton"] < 2e-2, good
     # the forward's output in place of dq: caught against both references
-    bad = check(x, ["m64n64"], 1e-2, forward=lambda x, config, out: out.copy_(triton_forward(x)), dq=True)
+    bad = check(x, "dq", ["m64n64"], 1e-2, run=lambda x, w, c, out: _into(out, triton_pass(x, "forward")))
     assert len(bad["failures"]) == 2, bad
 
 
 def test_unknown_names_are_refused(capsys) -> None:
     with pytest.raises(SystemExit):
-        main(["--cases", "edges,n9", "--configs", "m999"])
-    assert "unknown case or config: n9, m999" in capsys.readouterr().err
+        main(["--cases", "edges,n9", "--configs", "m999", "--dkdv-configs", "n1"])
+    assert "unknown case or config: n9, m999, n1" in capsys.readouterr().err

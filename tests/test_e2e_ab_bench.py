@@ -165,6 +165,7 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         # the Gluon attention forward on (off as shipped: not yet run on a GPU)
         ("gluon_forward", "gem_kernels.attention_gluon", "FORWARD", False),
         ("gluon_dq", "gem_kernels.attention_gluon", "DQ", False),
+        ("gluon_dkdv", "gem_kernels.attention_gluon", "DKDV", False),
     ],
 )
 def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):

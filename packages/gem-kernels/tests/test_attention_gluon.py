@@ -26,6 +26,7 @@ for config, dims, targets in (("m128n64", (128, 128), True), ("m64n64", (128, 12
                               ("ws_m128n64", (128, 128), True), ("ws_m128n128", (128, 128), False)):
     print(json.dumps({"config": config, "dims": dims, **compile_gluon_forward(config, *dims, targets=targets)}))
 print(json.dumps({"config": "dq", "dims": [128, 128], **compile_gluon_forward("m128n64", dq=True)}))
+print(json.dumps({"config": "dkdv", "dims": [128, 128], **compile_gluon_forward("n128m32", dkdv=True)}))
 """
 
 
@@ -35,7 +36,11 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 6
+    assert len(reports) == 7
+    dkdv = reports.pop()
+    # the dk/dv pass: four MMAs a step, one wait leaving the two accumulating ones in flight
+    assert dkdv["mma_waits"].get("2") == 1 and dkdv["stack_bytes"] <= 8 and dkdv["tma_loads"] >= 4, dkdv
+    assert dkdv["shared_bytes"] <= HOPPER_SHARED_LIMIT, dkdv
     dq = reports.pop()
     # the dq pass: three MMAs a step (q k^T, g v^T, ds k), one wait leaving ds k in flight; at 255
     # registers it spills 8 bytes (attention_gluon.DQ_CONFIGS)
@@ -118,3 +123,24 @@ def test_dq_names_an_unknown_config() -> None:
     q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"config 'ws_m128n64' is not one of"):
         attention_gluon.dq(q, q, q, q, torch.tensor([0, 8]), None, max_seq_len=8, alpha=0.1, config="ws_m128n64")
+
+
+def test_key_major_sends_dk_dv_to_gluon_only_when_asked(monkeypatch, gen) -> None:
+    from gem_kernels.attention_triton_bias import BiasGrads
+    from gem_kernels.attention_triton_bwd import key_major
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(attention_gluon, "dkdv", lambda *a, **k: calls.append(a) or (a[1], a[2]))
+    monkeypatch.setattr(attention_gluon, "supported", lambda *tensors: True)
+    offsets = torch.tensor([0, 6, 13])
+    q, k, v, g = (torch.randn(13, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
+    options = dict(max_seq_len=7, alpha=0.25, max_attn_len=0)
+    monkeypatch.setattr(attention_gluon, "DKDV", False)
+    dk, dv = key_major(q, k, v, g, offsets, None, None, **options)
+    assert not calls and dk.shape == k.shape and dv.shape == v.shape
+    monkeypatch.setattr(attention_gluon, "DKDV", True)
+    key_major(q, k, v, g, offsets, None, None, bias_grads=BiasGrads(None, None), **options)  # the gap's call
+    assert len(calls) == 1 and calls[0][3] is g
+    # not with atomic dq (the Gluon pass has none)
+    key_major(q, k, v, g, offsets, None, torch.zeros(13, 2, 16), **options)
+    assert len(calls) == 1

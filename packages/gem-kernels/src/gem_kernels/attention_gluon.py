@@ -18,8 +18,9 @@ schedule by hand, FlashAttention-3's way, in one partition of 4 or 8 warps:
 * ``P`` goes to the second MMA from registers (no shared-memory round trip).
 
 The ``ws_*`` configs run :mod:`gem_kernels.attention_gluon_ws`'s kernel: the same math with the loads
-in a producer warp of their own. :mod:`gem_kernels.attention_gluon_dq` is the backward's ``dq`` pass
-with this schedule (:data:`DQ`, :func:`dq`).
+in a producer warp of their own. :mod:`gem_kernels.attention_gluon_dq` and
+:mod:`gem_kernels.attention_gluon_dkdv` are the backward's ``dq`` and ``dk``/``dv`` passes with this
+schedule (:data:`DQ`, :func:`dq`; :data:`DKDV`, :func:`dkdv`).
 
 Tiles and their order are the Triton forward's: (sequence, head, block of ``BLOCK_M`` query rows),
 claimed from a queue by a persistent grid through an atomic counter, the last block of a sequence
@@ -60,6 +61,9 @@ FORWARD = False
 DQ = False
 """Route qualifying ``dq`` passes of ``query_major`` to :mod:`gem_kernels.attention_gluon_dq` (read at
 call time)."""
+DKDV = False
+"""Route qualifying ``key_major`` calls (no atomic ``dq``, no bias) to :mod:`gem_kernels.attention_gluon_dkdv`
+(read at call time)."""
 
 CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # name: (BLOCK_M, BLOCK_N, num_warps, STAGES, programs per SM). 8 warps = two warpgroups of 64 query
@@ -78,6 +82,14 @@ DQ_CONFIGS = ("m128n64", "m64n64")
 """The configs the ``dq`` pass takes (one partition; in the sm_90 build both take 255 registers and
 spill 8 bytes, the 128-wide key blocks 576)."""
 DEFAULT_DQ_CONFIG = "m128n64"
+DKDV_CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
+    # name: (BLOCK_M queries a step, BLOCK_N keys a tile, num_warps, STAGES, programs per SM):
+    # two warpgroups of 64 keys, dk and dv in registers. In the sm_90 build both take 255 registers;
+    # 32-query steps spill 8 bytes, 64-query steps 312 (the Triton kernel's best is 32 x 128 too)
+    "n128m32": (32, 128, 8, 3, 1),
+    "n128m64": (64, 128, 8, 2, 1),
+}
+DEFAULT_DKDV_CONFIG = "n128m32"
 PRODUCER_REGISTERS = 40
 """Registers of the ``ws_*`` configs' producer warp (it computes addresses and waits on barriers)."""
 DEFAULT_CONFIG = "m128n64"
@@ -390,3 +402,44 @@ def dq(
             BLOCK_N=block_n, DQK=dim_qk, DV=v.shape[2], STAGES=stages, num_warps=warps,
         )
     return out
+
+
+def dkdv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    *,
+    max_seq_len: int,
+    alpha: float,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dk``, ``dv`` of the attention (:mod:`gem_kernels.attention_gluon_dkdv`), into ``out`` if given;
+    the caller has checked :func:`supported` with ``grad_out``."""
+    from gem_kernels.attention_triton_common import device_guard, queue_counter
+
+    rows, heads, dim_qk = q.shape
+    dk, dv = out if out is not None else (torch.empty_like(k, memory_format=torch.contiguous_format),
+                                          torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
+    num_seqs = seq_offsets.shape[0] - 1
+    if rows == 0 or num_seqs <= 0:
+        return dk, dv
+    name = config or DEFAULT_DKDV_CONFIG
+    if name not in DKDV_CONFIGS:
+        raise ValueError(f"attention_gluon.dkdv: config {name!r} is not one of {sorted(DKDV_CONFIGS)}")
+    block_m, block_n, warps, stages, per_sm = DKDV_CONFIGS[name]
+    from gem_kernels.attention_gluon_dkdv import dkdv_kernel
+
+    with device_guard(q.device):
+        grid = (torch.cuda.get_device_properties(q.device).multi_processor_count * per_sm,)
+        dkdv_kernel[grid](
+            row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m), row_view_descriptor(k, block_n),
+            row_view_descriptor(v, block_n), dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
+            queue_counter(q.device), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, heads,
+            0.5 * float(alpha), float(alpha) / max_seq_len, 1.0 / max_seq_len, HAS_TARGETS=num_targets is not None,
+            CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk, DVD=v.shape[2], STAGES=stages, num_warps=warps,
+        )
+    return dk, dv

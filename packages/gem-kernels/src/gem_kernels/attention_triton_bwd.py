@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_kernels import attention_gluon
 from gem_kernels.attention_triton import KEY_NAMES
 from gem_kernels.attention_triton_bias import (
     NO_BIAS,
@@ -312,6 +313,11 @@ def key_major(
     ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
+    no_bias_grads = bias_grads is None or (bias_grads.position is None and bias_grads.time is None)
+    if (attention_gluon.DKDV and dq_accum is None and no_bias_grads and blocks is None and max_attn_len <= 0
+            and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
+        return attention_gluon.dkdv(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
+                                    out=out)  # fmt: skip
     if out is not None:
         dk, dv = out
     else:

@@ -167,10 +167,11 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
 
 
 def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
-                          arch: int = 90, dq: bool = False) -> dict[str, Any]:
+                          arch: int = 90, dq: bool = False, dkdv: bool = False) -> dict[str, Any]:
     """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``; with ``dq``
-    the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq` instead) for ``arch`` with bf16 inputs, as
-    :func:`~gem_kernels.attention_gluon.forward` (:func:`~gem_kernels.attention_gluon.dq`) launches it: shared bytes,
+    the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq`, with ``dkdv`` the ``dk``/``dv`` pass of
+    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``) for ``arch`` with bf16
+    inputs, as :mod:`~gem_kernels.attention_gluon` launches it: shared bytes,
     registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
     (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
     ``tanh.approx`` (the silu) and the register counts the warp-specialized builds set (``setmaxnreg``)."""
@@ -179,22 +180,26 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
     from triton.runtime.jit import mangle_type
 
     from gem_kernels import attention_gluon as ag
+    from gem_kernels import attention_gluon_dkdv as dkdv_pass
     from gem_kernels import attention_gluon_dq as dq_pass
     from gem_kernels import attention_gluon_ws as ws
 
-    block_m, block_n, warps, stages, _ = ag.CONFIGS[config]
+    block_m, block_n, warps, stages, _ = (ag.DKDV_CONFIGS if dkdv else ag.CONFIGS)[config]
 
     def descriptor(rows: int, dim: int) -> str:  # the JIT's type string of a host descriptor, from a CPU tensor
         return mangle_type(ag.row_view_descriptor(torch.empty(16, 2, dim, dtype=torch.bfloat16), rows))
 
     specialized = config.startswith("ws_")
-    fn = dq_pass.dq_kernel if dq else (ws.forward_ws_kernel if specialized else ag.forward_kernel)
+    fn = dkdv_pass.dkdv_kernel if dkdv else (
+        dq_pass.dq_kernel if dq else (ws.forward_ws_kernel if specialized else ag.forward_kernel))
     types = {"q_desc": descriptor(block_m, dim_qk), "do_desc": descriptor(block_m, dim_v),
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
+             "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
              "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "half_alpha": "fp32",
              "out_scale": "fp32"}  # fmt: skip
-    constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk, DV=dim_v,
-                     STAGES=stages, **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}))  # fmt: skip
+    constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
+                     STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
+                     **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}))  # fmt: skip
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or n.startswith("stride")}  # fmt: skip

@@ -1,0 +1,221 @@
+"""The attention backward's key-major ``dk``/``dv`` pass for Hopper (sm_90) in Gluon, with the forward's
+schedule (:mod:`gem_kernels.attention_gluon`): the Triton ``key_major`` kernel without atomic ``dq`` and
+without biases, which :func:`gem_kernels.attention_triton_bwd.key_major` routes here when
+:data:`gem_kernels.attention_gluon.DKDV` is on.
+
+One tile = (sequence, head, block of ``BLOCK_N`` keys); ``k`` and ``v`` stay in shared memory, the
+``dk``, ``dv`` accumulators in registers (two warpgroups of 64 keys each), and the query blocks that see
+the keys stream through a TMA ring of ``(q, g)`` tiles. Per query block, with ``s^T = alpha k q^T``::
+
+    dv += (mask * silu(s^T)) g                   dk += (mask * (v g^T) * silu'(s^T)) q
+
+Each step issues ``S^T_j = k q_j^T`` and ``dP^T_j = v g_j^T`` with the previous block's two accumulating
+MMAs (``P^T_{j-1} g_{j-1}``, ``dS^T_{j-1} q_{j-1}``, their left operands from registers) as asynchronous
+``wgmma``, waits for the first two only (``wgmma.wait_group 2``), and computes ``P^T_j`` and ``dS^T_j``
+while the tensor cores run the other two. The query blocks and their masks are the Triton kernel's
+(``_key_block_ranges``): the diagonal's blocks, then the unmasked ones, then the tail (rows past the last
+whole block, and target rows).
+"""
+
+from __future__ import annotations
+
+from gem_kernels.attention_gluon import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from gem_kernels.attention_gluon import _scan_chunk, _tanh_approx
+
+    @gluon.jit
+    def _key_tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
+                     HAS_TARGETS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Queue entry ``tile`` (key blocks, the first first): first row, length, head, first key, history
+        length, and its query blocks: ``n_diag`` masked ones from ``diag_lo``, then from ``full_lo`` the
+        unmasked ones up to ``full_hi`` and the masked tail, ``n_blocks`` in all."""
+        before = tiles_end <= tile
+        seq = chunk0 + gl.sum(before.to(gl.int32), 0)
+        first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
+        seq_start = gl.load(SEQ_OFFSETS + seq).to(gl.int32)
+        seq_len = (gl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(gl.int32)
+        blocks = (seq_len + BLOCK_N - 1) // BLOCK_N
+        rank = tile - first_tile
+        head = rank // blocks
+        n0 = (rank - head * blocks) * BLOCK_N
+        if HAS_TARGETS:
+            targets = gl.load(NUM_TARGETS + seq).to(gl.int32)
+            history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
+        else:
+            history_len = seq_len
+        keys_end = gl.minimum(n0 + BLOCK_N, seq_len)
+        diag_lo = n0 // BLOCK_M * BLOCK_M
+        full_lo = (keys_end + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        whole_blocks_end = seq_len // BLOCK_M * BLOCK_M  # unmasked blocks hold no row past the sequence
+        rows_end = gl.where(n0 < history_len, seq_len, keys_end)  # target keys: seen by themselves only
+        # a block holding a target key has no unmasked rows
+        full_hi = gl.where(keys_end <= history_len, gl.maximum(whole_blocks_end, full_lo), full_lo)
+        n_diag = (full_lo - diag_lo) // BLOCK_M
+        n_rest = (full_hi - full_lo) // BLOCK_M + (gl.maximum(rows_end - full_hi, 0) + BLOCK_M - 1) // BLOCK_M
+        return seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_diag + n_rest
+
+    @gluon.jit
+    def _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M: gl.constexpr):
+        return gl.where(i < n_diag, diag_lo + i * BLOCK_M, full_lo + (i - n_diag) * BLOCK_M)
+
+    @gluon.jit
+    def _load_qdo(q_desc, do_desc, q_smem, do_smem, bars, slot, row, q_col, do_col, pred):
+        bar = bars.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(q_desc, [row, q_col], bar, q_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(do_desc, [row, do_col], bar, do_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _grads_t(s_t, dp_t, half_alpha, keys, queries, seq_len, history_len, MASKED: gl.constexpr):
+        """``silu(alpha s^T)`` and ``dP^T silu'(alpha s^T)`` on ``[keys, queries]`` tiles; masked per
+        KERNELS.md, and no row past the sequence (the ring's tiles hold the next sequence's there)."""
+        h = s_t * half_alpha
+        t = _tanh_approx(h)
+        ht = h * t
+        p_t = h + ht
+        ds_t = dp_t * ((0.5 + 0.5 * t) * (1.0 + h - ht))
+        if MASKED:
+            p_query = gl.minimum(queries, history_len)
+            p_key = gl.minimum(keys, history_len)
+            keep = (p_key[:, None] < p_query[None, :]) | (keys[:, None] == queries[None, :])
+            keep = keep & (queries < seq_len)[None, :]
+            p_t = gl.where(keep, p_t, 0.0)
+            ds_t = gl.where(keep, ds_t, 0.0)
+        return p_t, ds_t
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
+    def dkdv_kernel(
+        q_desc, do_desc, k_desc, v_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
+        stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs, num_heads, half_alpha, dk_scale, dv_scale,
+        HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, BLOCK_M, 16])
+        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                            instr_shape=[16, DQK, 16])
+        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                            instr_shape=[16, DVD, 16])
+        pk_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+        pv_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DVD], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DQK], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DVD], do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(bars.index(st), count=1)
+        fence_async_shared()
+
+        rows_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        cols_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        rows_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+        cols_k = gl.arange(0, DQK, layout=gl.SliceLayout(0, dk_layout))
+        rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
+        cols_v = gl.arange(0, DVD, layout=gl.SliceLayout(0, dv_layout))
+
+        loads = 0
+        kv_phase = 0
+        tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
+        tiles_before = tile * 0
+        for chunk0 in range(0, num_seqs, CHUNK):
+            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
+                                           BLOCK_N, CHUNK, chunk_layout)
+            chunk_end = tiles_before + gl.sum(tiles, 0)
+            while tile < chunk_end:
+                seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_blocks = (
+                    _key_tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
+                                 HAS_TARGETS, BLOCK_M, BLOCK_N))
+                next_tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
+                mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [seq_start + n0, head * DQK], kv_bar, k_smem)
+                tma.async_copy_global_to_shared(v_desc, [seq_start + n0, head * DVD], kv_bar, v_smem)
+                q_col = head * DQK
+                do_col = head * DVD
+                for i in gl.static_range(STAGES):
+                    _load_qdo(q_desc, do_desc, q_smem, do_smem, bars, (loads + i) % STAGES,
+                              seq_start + _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col,
+                              i < n_blocks)
+                keys = n0 + rows_s
+                mbarrier.wait(kv_bar, kv_phase)
+                kv_phase ^= 1
+                zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+                dk = gl.zeros([BLOCK_N, DQK], gl.float32, dk_layout)
+                dv = gl.zeros([BLOCK_N, DVD], gl.float32, dv_layout)
+
+                slot = loads % STAGES
+                mbarrier.wait(bars.index(slot), (loads // STAGES) & 1)
+                s_t = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
+                                     is_async=True)
+                s_t, dp_t = warpgroup_mma_wait(0, deps=[s_t, dp_t])
+                start = _query_start(0, n_diag, diag_lo, full_lo, BLOCK_M)
+                if (n_diag > 0) | (start >= full_hi):
+                    p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols_s, seq_len, history_len, True)
+                else:
+                    p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols_s, seq_len, history_len, False)
+                p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
+                ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
+                for i in range(1, n_blocks):
+                    prev = (loads + i - 1) % STAGES
+                    slot = (loads + i) % STAGES
+                    mbarrier.wait(bars.index(slot), ((loads + i) // STAGES) & 1)
+                    s_t = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
+                                        is_async=True)
+                    dp_t = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
+                                         is_async=True)
+                    dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
+                    dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
+                    s_t, dp_t = warpgroup_mma_wait(2, deps=[s_t, dp_t])  # this block's; the previous two run on
+                    start = _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M)
+                    if (i < n_diag) | (start >= full_hi):
+                        p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols_s, seq_len, history_len,
+                                             True)
+                    else:
+                        p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols_s, seq_len, history_len,
+                                             False)
+                    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op])
+                    p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
+                    ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
+                    nxt = i - 1 + STAGES  # block i - 1's slot is free
+                    _load_qdo(q_desc, do_desc, q_smem, do_smem, bars, prev,
+                              seq_start + _query_start(nxt, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col,
+                              nxt < n_blocks)
+                last = (loads + n_blocks - 1) % STAGES
+                dv = warpgroup_mma(p_op, do_smem.index(last), dv, is_async=True)
+                dk = warpgroup_mma(ds_op, q_smem.index(last), dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                loads += n_blocks
+
+                k_rows = (seq_start + n0 + rows_k).to(gl.int64)
+                gl.store(DK + k_rows[:, None] * stride_dkm + head * stride_dkh + cols_k[None, :],
+                         (dk * dk_scale).to(DK.dtype.element_ty), mask=((n0 + rows_k) < seq_len)[:, None])
+                v_rows = (seq_start + n0 + rows_v).to(gl.int64)
+                gl.store(DV + v_rows[:, None] * stride_dvm + head * stride_dvh + cols_v[None, :],
+                         (dv * dv_scale).to(DV.dtype.element_ty), mask=((n0 + rows_v) < seq_len)[:, None])
+                tile = next_tile
+            tiles_before = chunk_end
+        mbarrier.invalidate(kv_bar)
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(st))
+        done = gl.atomic_add(COUNTER + 1, 1)
+        if done == gl.num_programs(0) - 1:
+            gl.atomic_xchg(COUNTER, 0)
+            gl.atomic_xchg(COUNTER + 1, 0)
