@@ -40,21 +40,11 @@ from typing import Any
 
 import torch
 
-try:  # Gluon ships with Triton 3.5+; its Hopper module is what this kernel needs
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from gem_kernels.attention_gluon_common import HAVE_GLUON
 
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
+if HAVE_GLUON:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 FORWARD = False
 """Route qualifying forward calls of ``query_major`` here (read at call time)."""
@@ -99,195 +89,6 @@ CHUNK = 128
 """Sequences read per step of the queue scan (as the Triton kernel's ``CHUNK``)."""
 
 HEAD_DIMS = (64, 128)
-
-
-if HAVE_GLUON:
-
-    @gluon.jit
-    def _add(a, b):
-        return a + b
-
-    @gluon.jit
-    def _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
-                    BLOCK: gl.constexpr, CHUNK: gl.constexpr, layout: gl.constexpr):
-        """Per sequence of ``chunk0 .. chunk0 + CHUNK``: its tile count and the queue index past its last
-        tile (the Triton kernel's ``scan_chunk``)."""
-        seqs = chunk0 + gl.arange(0, CHUNK, layout=layout)
-        inside = seqs < num_seqs
-        starts = gl.load(SEQ_OFFSETS + seqs, mask=inside, other=0)
-        ends = gl.load(SEQ_OFFSETS + seqs + 1, mask=inside, other=0)
-        tiles = ((ends - starts + BLOCK - 1) // BLOCK).to(gl.int32) * num_heads
-        return tiles, gl.associative_scan(tiles, 0, _add) + tiles_before
-
-    @gluon.jit
-    def _tanh_approx(x):
-        return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _weights(s, half_alpha, queries, keys, seq_len, history_len, MASKED: gl.constexpr):
-        """``silu(alpha s)`` with ``h = alpha s / 2``, ``t = tanh(h)``: ``h + h t``; masked per KERNELS.md."""
-        h = s * half_alpha
-        w = h + h * _tanh_approx(h)
-        if MASKED:
-            p_query = gl.minimum(queries, history_len)
-            p_key = gl.minimum(keys, history_len)
-            keep = (p_key[None, :] < p_query[:, None]) | (queries[:, None] == keys[None, :])
-            keep = keep & (keys < seq_len)[None, :]
-            w = gl.where(keep, w, 0.0)
-        return w
-
-    @gluon.jit
-    def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, slot, row, k_col, v_col, pred):
-        bar = bars.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [row, k_col], bar, k_smem.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [row, v_col], bar, v_smem.index(slot), pred=pred)
-
-    @gluon.jit
-    def _block_start(i, n_hist, diag_lo, BLOCK_N: gl.constexpr):
-        """The ``i``-th key block of a query block: the history's blocks, then those of its diagonal."""
-        return gl.where(i < n_hist, i * BLOCK_N, diag_lo + (i - n_hist) * BLOCK_N)
-
-    @gluon.jit
-    def _tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
-                 HAS_TARGETS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Queue entry ``tile``: first row, length, head, first query row, history length, and its key
-        blocks (``full_hi``: end of the unmasked ones; ``n_hist`` history blocks, then the diagonal's
-        from ``diag_lo``; ``n_blocks`` in all)."""
-        before = tiles_end <= tile
-        seq = chunk0 + gl.sum(before.to(gl.int32), 0)
-        first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
-        seq_start = gl.load(SEQ_OFFSETS + seq).to(gl.int32)
-        seq_len = (gl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(gl.int32)
-        blocks = (seq_len + BLOCK_M - 1) // BLOCK_M
-        rank = tile - first_tile
-        head = rank // blocks
-        m0 = (blocks - 1 - (rank - head * blocks)) * BLOCK_M
-        if HAS_TARGETS:
-            targets = gl.load(NUM_TARGETS + seq).to(gl.int32)
-            history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
-        else:
-            history_len = seq_len
-        rows_end = gl.minimum(m0 + BLOCK_M, seq_len)
-        min_p = gl.minimum(m0, history_len)
-        max_p = gl.minimum(rows_end - 1, history_len)
-        full_hi = min_p // BLOCK_N * BLOCK_N
-        n_hist = (max_p + BLOCK_N - 1) // BLOCK_N
-        diag_lo = gl.maximum(m0 // BLOCK_N * BLOCK_N, n_hist * BLOCK_N)
-        n_blocks = n_hist + (gl.maximum(rows_end - diag_lo, 0) + BLOCK_N - 1) // BLOCK_N
-        return seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks
-
-    @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
-    def forward_kernel(
-        q_desc, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
-        stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
-        HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-    ):
-        NUM_WARPS: gl.constexpr = gl.num_warps()
-        dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, DV, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DQK], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for st in gl.static_range(STAGES):
-            mbarrier.init(kv_bars.index(st), count=1)
-        fence_async_shared()
-
-        rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
-
-        loads = 0  # key/value tiles loaded by this program so far: slot and phase of the next one
-        q_phase = 0
-        tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
-        tiles_before = tile * 0
-        for chunk0 in range(0, num_seqs, CHUNK):
-            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
-                                           BLOCK_M, CHUNK, chunk_layout)
-            chunk_end = tiles_before + gl.sum(tiles, 0)
-            while tile < chunk_end:
-                seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks = _tile_of(
-                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
-                    BLOCK_M, BLOCK_N)
-                next_tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
-
-                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], q_bar, q_smem)
-
-                k_col = head * DQK
-                v_col = head * DV
-
-                for i in gl.static_range(STAGES):  # fill the ring
-                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
-                             seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), k_col, v_col, i < n_blocks)
-
-                queries = m0 + rows_s
-                mbarrier.wait(q_bar, q_phase)
-                q_phase ^= 1
-
-                # block 0: its scores alone
-                slot = loads % STAGES
-                mbarrier.wait(kv_bars.index(slot), (loads // STAGES) & 1)
-                s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
-                                  gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s])
-                start = _block_start(0, n_hist, diag_lo, BLOCK_N)
-                if start + BLOCK_N > full_hi:
-                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
-                else:
-                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
-                p = gl.convert_layout(w.to(dtype), p_layout)
-                acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-                for i in range(1, n_blocks):
-                    prev = (loads + i - 1) % STAGES
-                    slot = (loads + i) % STAGES
-                    mbarrier.wait(kv_bars.index(slot), ((loads + i) // STAGES) & 1)
-                    s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
-                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                                      is_async=True)
-                    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                    s = warpgroup_mma_wait(1, deps=[s])  # this block's scores; the previous P v may run on
-                    start = _block_start(i, n_hist, diag_lo, BLOCK_N)
-                    if start + BLOCK_N > full_hi:
-                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
-                    else:
-                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
-                    acc = warpgroup_mma_wait(0, deps=[acc, p])[0]
-                    p = gl.convert_layout(w.to(dtype), p_layout)
-                    # block i - 1's slot is free: it takes block i - 1 + STAGES
-                    nxt = i - 1 + STAGES
-                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
-                             seq_start + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
-                last = (loads + n_blocks - 1) % STAGES
-                acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                loads += n_blocks  # block b of a tile went to slot (loads + b) % STAGES
-
-                out_rows = (seq_start + m0 + rows_o).to(gl.int64)
-                ptrs = OUT + out_rows[:, None] * stride_om + head * stride_oh + cols_o[None, :]
-                ok = (m0 + rows_o) < seq_len
-                gl.store(ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=ok[:, None])
-                tile = next_tile
-            tiles_before = chunk_end
-        mbarrier.invalidate(q_bar)
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(kv_bars.index(st))
-        done = gl.atomic_add(COUNTER + 1, 1)
-        if done == gl.num_programs(0) - 1:  # the last program out zeroes the queue for the next launch
-            gl.atomic_xchg(COUNTER, 0)
-            gl.atomic_xchg(COUNTER + 1, 0)
 
 
 def shared_layout(block: list[int], dtype: torch.dtype) -> Any:
@@ -358,6 +159,8 @@ def forward(
             forward_ws_kernel[grid](*descriptors, out, seq_offsets, targets, *scalars,
                                     PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
         else:
+            from gem_kernels.attention_gluon_fwd import forward_kernel
+
             forward_kernel[grid](*descriptors, out, seq_offsets, targets, queue_counter(q.device), *scalars,
                                  **constants)  # fmt: skip
     return out

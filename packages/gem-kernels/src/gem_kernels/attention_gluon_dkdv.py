@@ -19,7 +19,7 @@ whole block, and target rows).
 
 from __future__ import annotations
 
-from gem_kernels.attention_gluon import HAVE_GLUON
+from gem_kernels.attention_gluon_common import HAVE_GLUON
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -32,7 +32,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from gem_kernels.attention_gluon import _scan_chunk, _tanh_approx
+    from gem_kernels.attention_gluon_common import _scan_chunk, _tanh_approx
 
     @gluon.jit
     def _key_tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,

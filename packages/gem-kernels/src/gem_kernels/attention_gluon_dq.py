@@ -15,7 +15,7 @@ goes to its MMA from registers; ``q`` and ``g`` of the tile, and the ring's ``k`
 
 from __future__ import annotations
 
-from gem_kernels.attention_gluon import HAVE_GLUON
+from gem_kernels.attention_gluon_common import HAVE_GLUON
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -28,7 +28,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from gem_kernels.attention_gluon import _block_start, _load_kv, _scan_chunk, _tanh_approx, _tile_of
+    from gem_kernels.attention_gluon_common import _block_start, _load_kv, _scan_chunk, _tanh_approx, _tile_of
 
     @gluon.jit
     def _score_grads(s, dp, half_alpha, queries, keys, seq_len, history_len, MASKED: gl.constexpr):

@@ -19,7 +19,7 @@ mask are :mod:`~gem_kernels.attention_gluon`'s.
 
 from __future__ import annotations
 
-from gem_kernels.attention_gluon import HAVE_GLUON
+from gem_kernels.attention_gluon_common import HAVE_GLUON
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -32,7 +32,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from gem_kernels.attention_gluon import _block_start, _scan_chunk, _tile_of, _weights
+    from gem_kernels.attention_gluon_common import _block_start, _scan_chunk, _tile_of, _weights
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,

@@ -1,0 +1,130 @@
+"""The Gluon attention forward's kernel (one partition); :func:`gem_kernels.attention_gluon.forward`
+launches it, and its module docstring describes the schedule."""
+
+from __future__ import annotations
+
+from gem_kernels.attention_gluon_common import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from gem_kernels.attention_gluon_common import _block_start, _load_kv, _scan_chunk, _tile_of, _weights
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
+    def forward_kernel(
+        q_desc, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
+        stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+        HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                           instr_shape=[16, DV, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DQK], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(kv_bars.index(st), count=1)
+        fence_async_shared()
+
+        rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+
+        loads = 0  # key/value tiles loaded by this program so far: slot and phase of the next one
+        q_phase = 0
+        tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
+        tiles_before = tile * 0
+        for chunk0 in range(0, num_seqs, CHUNK):
+            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
+                                           BLOCK_M, CHUNK, chunk_layout)
+            chunk_end = tiles_before + gl.sum(tiles, 0)
+            while tile < chunk_end:
+                seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks = _tile_of(
+                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
+                    BLOCK_M, BLOCK_N)
+                next_tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
+
+                mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], q_bar, q_smem)
+
+                k_col = head * DQK
+                v_col = head * DV
+
+                for i in gl.static_range(STAGES):  # fill the ring
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
+                             seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), k_col, v_col, i < n_blocks)
+
+                queries = m0 + rows_s
+                mbarrier.wait(q_bar, q_phase)
+                q_phase ^= 1
+
+                # block 0: its scores alone
+                slot = loads % STAGES
+                mbarrier.wait(kv_bars.index(slot), (loads // STAGES) & 1)
+                s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
+                                  gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s])
+                start = _block_start(0, n_hist, diag_lo, BLOCK_N)
+                if start + BLOCK_N > full_hi:
+                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
+                else:
+                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
+                p = gl.convert_layout(w.to(dtype), p_layout)
+                acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+                for i in range(1, n_blocks):
+                    prev = (loads + i - 1) % STAGES
+                    slot = (loads + i) % STAGES
+                    mbarrier.wait(kv_bars.index(slot), ((loads + i) // STAGES) & 1)
+                    s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
+                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                      is_async=True)
+                    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+                    s = warpgroup_mma_wait(1, deps=[s])  # this block's scores; the previous P v may run on
+                    start = _block_start(i, n_hist, diag_lo, BLOCK_N)
+                    if start + BLOCK_N > full_hi:
+                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
+                    else:
+                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
+                    acc = warpgroup_mma_wait(0, deps=[acc, p])[0]
+                    p = gl.convert_layout(w.to(dtype), p_layout)
+                    # block i - 1's slot is free: it takes block i - 1 + STAGES
+                    nxt = i - 1 + STAGES
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
+                             seq_start + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
+                last = (loads + n_blocks - 1) % STAGES
+                acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                loads += n_blocks  # block b of a tile went to slot (loads + b) % STAGES
+
+                out_rows = (seq_start + m0 + rows_o).to(gl.int64)
+                ptrs = OUT + out_rows[:, None] * stride_om + head * stride_oh + cols_o[None, :]
+                ok = (m0 + rows_o) < seq_len
+                gl.store(ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=ok[:, None])
+                tile = next_tile
+            tiles_before = chunk_end
+        mbarrier.invalidate(q_bar)
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(kv_bars.index(st))
+        done = gl.atomic_add(COUNTER + 1, 1)
+        if done == gl.num_programs(0) - 1:  # the last program out zeroes the queue for the next launch
+            gl.atomic_xchg(COUNTER, 0)
+            gl.atomic_xchg(COUNTER + 1, 0)
