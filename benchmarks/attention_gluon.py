@@ -27,7 +27,11 @@ half of each sequence; the dq pass 1.5x the forward's FLOPs, the dk/dv pass 2x).
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/attention_gluon.py --out attention_gluon.json
 
 Exit status 1 when a check fails; ``--cases``, ``--configs``, ``--dq-configs`` and ``--dkdv-configs``
-narrow the run ('' skips a pass).
+narrow the run ('' skips a pass). ``--isolate SECONDS`` checks each kernel config in a process of its
+own with a time limit, so a kernel that hangs or faults does not take the others down (the first run
+of kernels that have never run):
+
+    python benchmarks/attention_gluon.py --isolate 120 --cases edges,big_config --out attention_gluon_checks.json
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -183,7 +188,7 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[
         return row  # a correctness case, not a speed one
     work = flops(case, x["squares"])[0]
     for which in PASSES:
-        if not configs[which] or row["checks"][which]["failures"]:
+        if not configs[which] or row["checks"][which]["failures"] or args.rounds <= 0:
             continue  # a config that fails is not timed
         fns: dict[str, Callable[[], object]] = {"triton": lambda w=which: triton_pass(x, w)}
         for config in configs[which]:
@@ -215,6 +220,46 @@ def print_table(rows: list[dict[str, Any]], which: str) -> None:
             print(f"FAILED {row['case']}: {failure}")
 
 
+def isolated(args: argparse.Namespace, timeout_s: float) -> int:
+    """Each (pass, config) checked alone in a process of its own on ``--cases`` (no timing), with a
+    time limit: a kernel that hangs on a barrier or faults takes only its own process down. Prints one
+    line per kernel (passed, failed with the check's reason, crashed with the tail of its stderr, or
+    hung) and keeps them in ``--out``."""
+    import json
+    import subprocess
+    import tempfile
+
+    kernels = [("--configs", "forward", c) for c in args.configs] + [
+        ("--dq-configs", "dq", c) for c in args.dq_configs] + [("--dkdv-configs", "dkdv", c) for c in args.dkdv_configs]
+    results = []
+    for flag, which, config in kernels:
+        passes = {"--configs": "", "--dq-configs": "", "--dkdv-configs": "", flag: config}
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, os.path.abspath(__file__), "--cases", ",".join(args.cases), "--seed",
+                       str(args.seed), "--rounds", "0", "--max-error", str(args.max_error), "--out", out.name,
+                       *(a for k, v in passes.items() for a in (k, v))]  # fmt: skip
+            started = time.perf_counter()
+            try:
+                run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+                verdict = "passed" if run.returncode == 0 else ("failed" if run.returncode == 1 else "crashed")
+                detail = [f for line in run.stdout.splitlines() if line.startswith("FAILED") for f in [line]]
+                if verdict == "crashed" or (verdict == "failed" and not detail):
+                    verdict, detail = "crashed", run.stderr.strip().splitlines()[-3:]
+                record = json.loads(Path(out.name).read_text() or "{}") if verdict != "crashed" else {}
+            except subprocess.TimeoutExpired:
+                verdict, detail, record = "hung", [f"no exit in {timeout_s:.0f} s"], {}
+        seconds = time.perf_counter() - started
+        print(f"{which:<8} {config:<12} {verdict:<8} {seconds:6.1f} s  {'; '.join(detail)[:400]}", flush=True)
+        results.append({"pass": which, "config": config, "verdict": verdict, "detail": detail, "seconds": seconds,
+                        "checks": [r.get("checks") for r in record.get("results", [])]})  # fmt: skip
+        if args.out:  # this process never touches the GPU: the device's name only where one is seen
+            device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none seen by the parent"
+            meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device,
+                    "command": " ".join(sys.argv), "seed": args.seed, "isolated": True}  # fmt: skip
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0 if all(r["verdict"] == "passed" for r in results) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
@@ -227,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-error", type=float, default=1e-2)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--isolate", type=float, default=None, metavar="SECONDS",
+                        help="check each kernel config in a process of its own with this time limit (no timing)")
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     args.configs = [c for c in args.configs.split(",") if c]
@@ -241,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"configs: {', '.join(attention_gluon.CONFIGS)})")  # fmt: skip
     if args.seed is None:
         args.seed = int(time.time()) % 100_000
-    print(f"seed {args.seed}")
+    print(f"seed {args.seed}", flush=True)
+    if args.isolate is not None:
+        return isolated(args, args.isolate)
     device = torch.device("cuda")
     q = torch.zeros(1, 1, 128, dtype=torch.bfloat16, device=device)
     if not attention_gluon.supported(q, q, q):
@@ -251,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.cases:
         rows.append(run_case(name, args, device))
         save_results(args.out, rows, seed=args.seed)
+        print(f"{name}: checked{' and timed' if args.rounds else ''}", flush=True)
     for which in PASSES:
         print_table(rows, which)
     return 1 if any(c["failures"] for r in rows for c in r["checks"].values()) else 0

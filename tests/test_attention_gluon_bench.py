@@ -68,3 +68,22 @@ def test_unknown_names_are_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--cases", "edges,n9", "--configs", "m999", "--dkdv-configs", "n1"])
     assert "unknown case or config: n9, m999, n1" in capsys.readouterr().err
+
+
+def test_isolate_runs_each_kernel_in_its_own_process_and_reports_crashes_and_hangs(tmp_path, capsys) -> None:
+    """On this CPU-only machine each child dies (no CUDA): its verdict says so, with the error's tail, and the
+    next kernel still runs; a child that does not exit in time is reported as hung."""
+    out = tmp_path / "checks.json"
+    status = main(["--isolate", "60", "--cases", "edges", "--configs", "m64n64", "--dq-configs", "",
+                   "--dkdv-configs", "n128m32", "--seed", "5", "--out", str(out)])
+    assert status == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("forward", "dkdv"))]
+    assert [line.split()[:3] for line in lines] == [["forward", "m64n64", "crashed"], ["dkdv", "n128m32", "crashed"]]
+    assert "CUDA" in lines[0] or "cuda" in lines[0], lines[0]
+    import json
+
+    record = json.loads(out.read_text())
+    assert [r["verdict"] for r in record["results"]] == ["crashed", "crashed"] and record["meta"]["isolated"]
+    assert main(["--isolate", "0.01", "--cases", "edges", "--configs", "m64n64", "--dq-configs", "",
+                 "--dkdv-configs", ""]) == 1
+    assert "hung" in capsys.readouterr().out
