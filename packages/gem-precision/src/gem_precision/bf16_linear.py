@@ -23,11 +23,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from gem_precision.cast_cache import CastCache
+
 BF16 = torch.bfloat16
 
 FLOAT32_GRADS = True
 """Whether a GPU linear writes its float32 gradients directly (False: autograd's bf16 gradients and
 their casts, the form before; ``benchmarks/ab_switches_precision.py`` measures one against the other)."""
+
+CAST_ONCE = True
+"""Whether a GPU linear of the ``bf16`` scheme reads its bf16 weight and bias from the scheme's
+:class:`~gem_precision.cast_cache.CastCache` (remade once per optimizer step, every linear's in one
+launch) instead of casting them at each call (read at call time; not under ``torch.compile``, which
+fuses the casts itself)."""
 
 
 def float32_weight_grad(grad_2d: torch.Tensor, x_2d: torch.Tensor) -> torch.Tensor:
@@ -43,9 +51,14 @@ class Bf16LinearFunction(torch.autograd.Function):
     the float32 gradients of the float32 ``weight`` and ``bias`` without a cast pass (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
-        w16 = weight.to(BF16)
-        y = F.linear(x, w16, None if bias is None else bias.to(BF16))
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                w16: torch.Tensor | None = None, b16: torch.Tensor | None = None) -> torch.Tensor:
+        """``w16``, ``b16``: the weight and bias already in bf16 (a :class:`CastCache`'s copies), else cast here."""
+        if w16 is None:
+            w16 = weight.to(BF16)
+        if bias is not None and b16 is None:
+            b16 = bias.to(BF16)
+        y = F.linear(x, w16, b16)
         ctx.save_for_backward(x, w16)
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -54,7 +67,7 @@ class Bf16LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, w16 = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
         dx = dw = db = None
         if need_dx:
@@ -63,7 +76,7 @@ class Bf16LinearFunction(torch.autograd.Function):
             dw = float32_weight_grad(g2, x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
         if need_db:
             db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db
+        return dx, dw, db, None, None
 
 
 def _direct(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -92,9 +105,21 @@ class Bf16Linear(SchemeLinear):
     (module docstring). The output has the dtype of the input (bfloat16 when the model's activations
     are)."""
 
+    cast_cache: CastCache | None = None
+
+    def use_cast_cache(self, cache: CastCache) -> None:
+        """Read the bf16 weight and bias from ``cache`` (shared by the scheme's linears) where :data:`CAST_ONCE`."""
+        self.cast_cache = cache
+        cache.add(self.weight)
+        cache.add(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(BF16)
         if _direct(x16, self.weight) and x16.numel():
+            cache = self.cast_cache
+            if CAST_ONCE and cache is not None and not torch.compiler.is_compiling():
+                b16 = None if self.bias is None else cache.get(self.bias)
+                return Bf16LinearFunction.apply(x16, self.weight, self.bias, cache.get(self.weight), b16).to(x.dtype)
             return Bf16LinearFunction.apply(x16, self.weight, self.bias).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(BF16)
         return F.linear(x16, self.weight.to(BF16), bias).to(x.dtype)

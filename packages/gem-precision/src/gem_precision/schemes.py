@@ -41,6 +41,7 @@ from torch import nn
 
 from gem_model.api import ComponentConfig, PrecisionScheme
 from gem_precision.bf16_linear import Bf16Linear
+from gem_precision.cast_cache import CastCache
 from gem_precision.device import (
     FP8_MIN_CAPABILITY,
     MX_NATIVE_MIN_CAPABILITY,
@@ -78,7 +79,12 @@ class Bf16Scheme(PrecisionScheme):
         pass
 
     def convert_linear(self, linear: nn.Linear, fqn: str) -> nn.Module:
-        return Bf16Linear(linear, fqn=fqn)
+        module = Bf16Linear(linear, fqn=fqn)
+        cache = getattr(self, "_cast_cache", None)
+        if cache is None:
+            cache = self._cast_cache = CastCache()  # one for the linears this scheme converts
+        module.use_cast_cache(cache)
+        return module
 
 
 class ScaledScheme(PrecisionScheme):
