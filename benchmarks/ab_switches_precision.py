@@ -87,8 +87,8 @@ PRECISION_VARIANTS: dict[str, Switch] = {
     # the bf16 linears' (and fp8_rowwise's bf16 weight GEMM's) gradients computed in bf16 and cast to
     # float32 in launches of their own, as before gem_precision.bf16_linear wrote them in float32
     "bf16_grads_cast": patched("gem_precision.bf16_linear", "FLOAT32_GRADS", False),
-    # the bf16 linears cast their weight and bias at every call (the form before the shared cast cache)
-    "cast_per_call": patched("gem_precision.bf16_linear", "CAST_ONCE", False),
+    # the bf16 linears read their weight and bias from the scheme's shared cast cache (one foreach copy a step)
+    "cast_once": patched("gem_precision.bf16_linear", "CAST_ONCE", True),
     # fp8_rowwise as configured by default (since 3bf6661: weight_gradient bf16, producer_quantization on)
     "fp8_rowwise": _precision("fp8_rowwise"),
     "fp8_tensorwise": _precision("fp8_tensorwise"),

@@ -31,11 +31,11 @@ FLOAT32_GRADS = True
 """Whether a GPU linear writes its float32 gradients directly (False: autograd's bf16 gradients and
 their casts, the form before; ``benchmarks/ab_switches_precision.py`` measures one against the other)."""
 
-CAST_ONCE = True
+CAST_ONCE = False
 """Whether a GPU linear of the ``bf16`` scheme reads its bf16 weight and bias from the scheme's
 :class:`~gem_precision.cast_cache.CastCache` (remade once per optimizer step, every linear's in one
 launch) instead of casting them at each call (read at call time; not under ``torch.compile``, which
-fuses the casts itself)."""
+fuses the casts itself). Off until timed on a GPU (e2e switch ``cast_once``)."""
 
 
 def float32_weight_grad(grad_2d: torch.Tensor, x_2d: torch.Tensor) -> torch.Tensor:

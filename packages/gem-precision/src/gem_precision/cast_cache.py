@@ -8,17 +8,40 @@ every linear of a model shares one set of copies: the first linear that finds it
 (the optimizer stepped, a checkpoint was loaded, the model moved) remakes every stale copy on that
 device in one ``torch._foreach_copy_``; until the parameters change again each call just reads them.
 
-A parameter has changed when its version counter (bumped by every in-place update: the optimizers',
-``load_state_dict``'s copies) or its storage (``module.to``, ``param.data = ...``) differs from what
-the copy was made from. A copy is remade in place, so a graph that saved it before the parameter
-changed would see autograd's "modified by an inplace operation" error rather than wrong gradients.
+A parameter counts as changed when any optimizer has stepped since its copy was made (a global
+post-step hook: torch's fused AdamW, the one the trainer uses on a GPU, updates parameters without
+bumping their version counters), or when its version counter (in-place updates through autograd's view
+of it: ``load_state_dict``'s copies, ``torch.no_grad()`` arithmetic) or its storage (``module.to``,
+``param.data = ...``) differs from what the copy was made from. What none of these sees is an in-place
+change through ``param.data`` outside an optimizer step; code that does that between two forwards
+must turn :data:`gem_precision.bf16_linear.CAST_ONCE` off. A copy is remade in place, so a graph that
+saved it before the parameter changed would see autograd's "modified by an inplace operation" error
+rather than wrong gradients.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
+
+_optimizer_steps = 0
+_hook: Any = None
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizers() -> None:
+    """Count every optimizer step of the process (registered once, by the first cache)."""
+    global _hook
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _hook = register_optimizer_step_post_hook(_count_step)
 
 
 class CastCache:
@@ -28,10 +51,11 @@ class CastCache:
         self.dtype = dtype
         self._params: list[torch.Tensor] = []
         self._copies: list[torch.Tensor | None] = []
-        self._made_from: list[tuple[int, int] | None] = []  # (storage address, version) of each copy's source
+        self._made_from: list[tuple[int, int, int] | None] = []  # (optimizer steps, address, version) at the copy
         self._slot: dict[int, int] = {}
         self.refreshes = 0
         """How many times copies were remade (each time, every stale one at once)."""
+        _watch_optimizers()
 
     def add(self, param: torch.Tensor | None) -> None:
         """Register ``param`` (idempotent; None is ignored)."""
@@ -55,7 +79,7 @@ class CastCache:
 
     def _stale(self, slot: int) -> bool:
         p = self._params[slot]
-        return self._made_from[slot] != (p.data_ptr(), p._version)
+        return self._made_from[slot] != (_optimizer_steps, p.data_ptr(), p._version)
 
     def _refresh(self, device: torch.device) -> None:
         """Remake every stale copy of a parameter on ``device`` (one foreach copy per source dtype)."""
@@ -73,5 +97,5 @@ class CastCache:
                 torch._foreach_copy_([self._copies[s] for s in slots], sources)  # type: ignore[misc]
                 for slot in slots:
                     p = self._params[slot]
-                    self._made_from[slot] = (p.data_ptr(), p._version)
+                    self._made_from[slot] = (_optimizer_steps, p.data_ptr(), p._version)
         self.refreshes += 1
