@@ -37,6 +37,7 @@ of kernels that have never run):
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -118,7 +119,8 @@ def triton_pass(x: dict[str, Any], which: str, out: tuple[torch.Tensor, ...] | N
 
 
 def gluon_pass(x: dict[str, Any], which: str, config: str, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    o = dict(max_seq_len=x["options"]["max_seq_len"], alpha=x["options"]["alpha"], config=config)
+    o = dict(max_seq_len=x["options"]["max_seq_len"], alpha=x["options"]["alpha"], config=config,
+             programs=x.get("programs"))
     q, k, v, g, offsets, targets = x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"]
     if which == "forward":
         return (attention_gluon.forward(q, k, v, offsets, targets, out=out[0], **o),)
@@ -151,6 +153,23 @@ def _error(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...],
     return max(relative_error(a[:rows].double(), e.double()) if e.numel() else 0.0 for a, e in zip(actual, expected))
 
 
+def worst_sequence(x: dict[str, Any], actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> str:
+    """Where a result departs most from the Triton kernels': the sequence (its index, length, targets),
+    the head and the row within the sequence, and how many sequences depart by more than 1 %: what a
+    failing kernel gets wrong (short sequences, targets, the last block...) at a glance."""
+    a, e = actual[0].double(), expected[0].double()
+    row_err = ((a - e).norm(dim=-1) / e.norm(dim=-1).clamp_min(1e-30)).nan_to_num(float("inf"))  # [L, H]
+    offsets = x["offsets"].cpu().tolist()
+    per_seq = [float(row_err[s:t].max()) if t > s else 0.0 for s, t in itertools.pairwise(offsets)]
+    b = max(range(len(per_seq)), key=per_seq.__getitem__)
+    flat = int(row_err[offsets[b]:offsets[b + 1]].argmax())
+    row, head = divmod(flat, row_err.shape[1])
+    targets = 0 if x["targets"] is None else int(x["targets"][b])
+    bad = sum(e > 1e-2 for e in per_seq)
+    return (f"sequence {b} (length {offsets[b + 1] - offsets[b]}, {targets} targets) row {row} head {head}: "
+            f"{per_seq[b]:.3g}; {bad} of {len(per_seq)} sequences above 1e-2")  # fmt: skip
+
+
 def check(x: dict[str, Any], which: str, configs: list[str], max_error: float,
           run: Callable[[dict[str, Any], str, str, tuple[torch.Tensor, ...]], object] = gluon_pass) -> dict[str, Any]:
     """Every config's result of pass ``which`` against the Triton kernels' and against float64;
@@ -163,12 +182,15 @@ def check(x: dict[str, Any], which: str, configs: list[str], max_error: float,
         outputs[config] = out
     rows, exact = reference(x, which)
     vs_exact = {name: _error(out, exact, rows) for name, out in outputs.items()}
-    result: dict[str, Any] = {"against_triton": {}, "against_float64": vs_exact, "failures": []}
+    result: dict[str, Any] = {"against_triton": {}, "against_float64": vs_exact, "failures": [], "worst": {}}
     for config in configs:
         err = _error(outputs[config], base)
         result["against_triton"][config] = err
         if not err <= max_error:  # NaN fails
-            result["failures"].append(f"{which} {config}: {err:.3g} from the Triton kernel (limit {max_error})")
+            worst = worst_sequence(x, outputs[config], base)
+            result["worst"][config] = worst
+            result["failures"].append(f"{which} {config}: {err:.3g} from the Triton kernel (limit {max_error}); "
+                                      f"worst: {worst}")  # fmt: skip
         if not vs_exact[config] <= 2 * vs_exact["triton"] + 1e-3:
             result["failures"].append(f"{which} {config}: {vs_exact[config]:.3g} from float64, "
                                       f"Triton {vs_exact['triton']:.3g}")  # fmt: skip
@@ -177,6 +199,7 @@ def check(x: dict[str, Any], which: str, configs: list[str], max_error: float,
 
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     x = make_inputs(name, args.seed, device)
+    x["programs"] = args.programs
     case = x["case"]
     row: dict[str, Any] = {"case": name, "rows": int(x["offsets"][-1]), "batch": len(x["lengths"]), "heads": case.heads,
                            "dim": case.dim, "seed": args.seed, "checks": {}, "timed": {}}  # fmt: skip
@@ -237,7 +260,8 @@ def isolated(args: argparse.Namespace, timeout_s: float) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             command = [sys.executable, os.path.abspath(__file__), "--cases", ",".join(args.cases), "--seed",
                        str(args.seed), "--rounds", "0", "--max-error", str(args.max_error), "--out", out.name,
-                       *(a for k, v in passes.items() for a in (k, v))]  # fmt: skip
+                       *(a for k, v in passes.items() for a in (k, v)),
+                       *(["--programs", str(args.programs)] if args.programs else [])]  # fmt: skip
             started = time.perf_counter()
             try:
                 run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
@@ -272,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-error", type=float, default=1e-2)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--programs", type=int, default=None,
+                        help="the Gluon kernels' grid size (1: every tile in one program, for a failing check)")
     parser.add_argument("--isolate", type=float, default=None, metavar="SECONDS",
                         help="check each kernel config in a process of its own with this time limit (no timing)")
     args = parser.parse_args(argv)

@@ -49,6 +49,8 @@ def test_the_check_fails_a_row_left_unwritten_and_a_wrong_scale() -> None:
 
     holes = check(x, "forward", ["m64n64"], 1e-2, run=skips_a_row)
     assert any("from the Triton kernel" in f for f in holes["failures"]), holes
+    # the row left NaN is row 0 of sequence 0 (length 7, 2 targets); every head of it
+    assert holes["worst"]["m64n64"].startswith("sequence 0 (length 7, 2 targets) row 0 head 0: inf"), holes
     wrong = check(x, "forward", ["m128n64"], 1e-2, run=scaled)
     assert any("m128n64" in f and "from float64" in f for f in wrong["failures"]), wrong
     # dv right, dk unwritten in one row: the pair fails

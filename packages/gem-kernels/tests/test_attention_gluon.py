@@ -144,3 +144,9 @@ def test_key_major_sends_dk_dv_to_gluon_only_when_asked(monkeypatch, gen) -> Non
     # not with atomic dq (the Gluon pass has none)
     key_major(q, k, v, g, offsets, None, torch.zeros(13, 2, 16), **options)
     assert len(calls) == 1
+
+
+def test_a_grid_of_no_program_is_refused() -> None:
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="programs must be at least 1, got 0"):
+        attention_gluon.forward(q, q, q, torch.tensor([0, 8]), None, max_seq_len=8, alpha=0.1, programs=0)

@@ -120,6 +120,14 @@ def row_view_descriptor(t: torch.Tensor, block_rows: int) -> Any:
     return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], block, shared_layout(block, t.dtype))
 
 
+def _grid(device: torch.device, per_sm: int, programs: int | None) -> int:
+    if programs is not None:
+        if programs < 1:
+            raise ValueError(f"attention_gluon: programs must be at least 1, got {programs}")
+        return programs
+    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,8 +139,11 @@ def forward(
     alpha: float,
     out: torch.Tensor | None = None,
     config: str | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
-    """The attention output ``[L, H, Dv]``; the caller has checked :func:`supported`."""
+    """The attention output ``[L, H, Dv]``; the caller has checked :func:`supported`. ``programs``: the
+    persistent grid's size (default: the config's programs per SM times the SMs; 1 runs every tile in
+    one program, one after another, which takes the races between programs out of a failing check)."""
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
@@ -152,7 +163,7 @@ def forward(
     constants = dict(HAS_TARGETS=num_targets is not None, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n,
                      DQK=dim_qk, DV=dim_v, STAGES=stages, num_warps=warps)  # fmt: skip
     with device_guard(q.device):
-        grid = (torch.cuda.get_device_properties(q.device).multi_processor_count * per_sm,)
+        grid = (_grid(q.device, per_sm, programs),)
         if name.startswith("ws_"):
             from gem_kernels.attention_gluon_ws import forward_ws_kernel
 
@@ -178,9 +189,10 @@ def dq(
     alpha: float,
     out: torch.Tensor | None = None,
     config: str | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """``dq`` ``[L, H, Dqk]`` of the attention (:mod:`gem_kernels.attention_gluon_dq`); the caller has
-    checked :func:`supported` with ``grad_out``."""
+    checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it."""
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
@@ -196,7 +208,7 @@ def dq(
     from gem_kernels.attention_gluon_dq import dq_kernel
 
     with device_guard(q.device):
-        grid = (torch.cuda.get_device_properties(q.device).multi_processor_count * per_sm,)
+        grid = (_grid(q.device, per_sm, programs),)
         dq_kernel[grid](
             row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m), row_view_descriptor(k, block_n),
             row_view_descriptor(v, block_n), out, seq_offsets, num_targets if num_targets is not None else seq_offsets,
@@ -219,9 +231,10 @@ def dkdv(
     alpha: float,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: str | None = None,
+    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk``, ``dv`` of the attention (:mod:`gem_kernels.attention_gluon_dkdv`), into ``out`` if given;
-    the caller has checked :func:`supported` with ``grad_out``."""
+    the caller has checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it."""
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
@@ -237,7 +250,7 @@ def dkdv(
     from gem_kernels.attention_gluon_dkdv import dkdv_kernel
 
     with device_guard(q.device):
-        grid = (torch.cuda.get_device_properties(q.device).multi_processor_count * per_sm,)
+        grid = (_grid(q.device, per_sm, programs),)
         dkdv_kernel[grid](
             row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m), row_view_descriptor(k, block_n),
             row_view_descriptor(v, block_n), dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
