@@ -150,3 +150,44 @@ def test_a_grid_of_no_program_is_refused() -> None:
     q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="programs must be at least 1, got 0"):
         attention_gluon.forward(q, q, q, torch.tensor([0, 8]), None, max_seq_len=8, alpha=0.1, programs=0)
+
+
+@pytest.mark.parametrize("which", ["forward", "ws", "dq", "dkdv"])
+def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> None:
+    """The launchers never run on the CPU; here each kernel is replaced by a recorder, and what the
+    launcher hands it must bind to the kernel's own parameters (names, count, constexprs), with the
+    scales and grid as asked."""
+    import inspect
+
+    from gem_kernels import attention_gluon_dkdv, attention_gluon_dq, attention_gluon_fwd, attention_gluon_ws
+
+    module, name = {"forward": (attention_gluon_fwd, "forward_kernel"), "ws": (attention_gluon_ws, "forward_ws_kernel"),
+                    "dq": (attention_gluon_dq, "dq_kernel"), "dkdv": (attention_gluon_dkdv, "dkdv_kernel")}[which]
+    real = getattr(module, name)
+    calls: list[tuple] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    monkeypatch.setattr(module, name, Recorder())
+    q, k, v, g = (torch.randn(40, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(4))
+    offsets, targets = torch.tensor([0, 15, 15, 40]), torch.tensor([2, 0, 1])
+    options = dict(max_seq_len=25, alpha=0.5, programs=3)
+    if which in ("forward", "ws"):
+        attention_gluon.forward(q, k, v, offsets, targets, config="ws_m128n64" if which == "ws" else "m64n64", **options)
+    elif which == "dq":
+        attention_gluon.dq(q, k, v, g, offsets, targets, config="m64n64", **options)
+    else:
+        attention_gluon.dkdv(q, k, v, g, offsets, targets, config="n128m32", **options)
+    (grid, args, kwargs), = calls
+    assert grid == (3,)
+    launch = {key: kwargs.pop(key) for key in ("num_warps",)}
+    bound = inspect.signature(real.fn).bind(*args, **kwargs)  # raises on a missing, extra or misplaced argument
+    values = bound.arguments
+    assert values["half_alpha"] == 0.25 and values["num_seqs"] == 3 and values["num_heads"] == 2
+    assert values["SEQ_OFFSETS"] is offsets and values["NUM_TARGETS"] is targets and values["HAS_TARGETS"] is True
+    scale = {"forward": ("out_scale", 1 / 25), "ws": ("out_scale", 1 / 25), "dq": ("out_scale", 0.5 / 25),
+             "dkdv": ("dk_scale", 0.5 / 25)}[which]
+    assert values[scale[0]] == pytest.approx(scale[1])
+    assert launch["num_warps"] in (4, 8)

@@ -120,12 +120,32 @@ def row_view_descriptor(t: torch.Tensor, block_rows: int) -> Any:
     return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], block, shared_layout(block, t.dtype))
 
 
-def _grid(device: torch.device, per_sm: int, programs: int | None) -> int:
+def _config(kind: str, config: str | None, names: dict | tuple, default: str) -> tuple[int, int, int, int, int]:
+    """The launch of config ``config`` (or ``default``) of pass ``kind``; a clear error for an unknown one."""
+    name = config or default
+    if name not in names:
+        raise ValueError(f"attention_gluon.{kind}: config {name!r} is not one of {sorted(names)}")
+    return (DKDV_CONFIGS if kind == "dkdv" else CONFIGS)[name]
+
+
+def _grid(device: torch.device, per_sm: int, programs: int | None) -> tuple[int]:
+    """The persistent grid: ``programs`` if given, else the config's programs per SM on every SM."""
     if programs is not None:
         if programs < 1:
             raise ValueError(f"attention_gluon: programs must be at least 1, got {programs}")
-        return programs
-    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+        return (programs,)
+    return (torch.cuda.get_device_properties(device).multi_processor_count * per_sm,)
+
+
+def _common(seq_offsets: torch.Tensor, num_targets: torch.Tensor | None, heads: int, alpha: float,
+            block_m: int, block_n: int, stages: int, warps: int) -> tuple[tuple, dict]:  # fmt: skip
+    """What every launch passes: the offsets, the targets (the offsets stand in when there are none;
+    unread), the sequence and head counts and ``alpha / 2``; and the constants they share."""
+    targets = num_targets if num_targets is not None else seq_offsets
+    args = (seq_offsets, targets)
+    constants = dict(HAS_TARGETS=num_targets is not None, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n,
+                     STAGES=stages, num_warps=warps)  # fmt: skip
+    return (args, (seq_offsets.shape[0] - 1, heads, 0.5 * float(alpha))), constants
 
 
 def forward(
@@ -147,33 +167,25 @@ def forward(
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
-    dim_v = v.shape[2]
-    if out is None:
-        out = torch.empty((rows, heads, dim_v), dtype=v.dtype, device=v.device)
-    num_seqs = seq_offsets.shape[0] - 1
-    if rows == 0 or num_seqs <= 0:
+    out = out if out is not None else torch.empty((rows, heads, v.shape[2]), dtype=v.dtype, device=v.device)
+    block_m, block_n, warps, stages, per_sm = _config("forward", config, CONFIGS, DEFAULT_CONFIG)
+    if rows == 0 or seq_offsets.shape[0] <= 1:
         return out
-    name = config or DEFAULT_CONFIG
-    if name not in CONFIGS:
-        raise ValueError(f"attention_gluon.forward: config {name!r} is not one of {sorted(CONFIGS)}")
-    block_m, block_n, warps, stages, per_sm = CONFIGS[name]
+    (pointers, counts), constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
     descriptors = (row_view_descriptor(q, block_m), row_view_descriptor(k, block_n), row_view_descriptor(v, block_n))
-    targets = num_targets if num_targets is not None else seq_offsets
-    scalars = (out.stride(0), out.stride(1), num_seqs, heads, 0.5 * float(alpha), 1.0 / max_seq_len)
-    constants = dict(HAS_TARGETS=num_targets is not None, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n,
-                     DQK=dim_qk, DV=dim_v, STAGES=stages, num_warps=warps)  # fmt: skip
+    scalars = (out.stride(0), out.stride(1), *counts, 1.0 / max_seq_len)
     with device_guard(q.device):
-        grid = (_grid(q.device, per_sm, programs),)
-        if name.startswith("ws_"):
+        grid = _grid(q.device, per_sm, programs)
+        if (config or DEFAULT_CONFIG).startswith("ws_"):
             from gem_kernels.attention_gluon_ws import forward_ws_kernel
 
-            forward_ws_kernel[grid](*descriptors, out, seq_offsets, targets, *scalars,
+            forward_ws_kernel[grid](*descriptors, out, *pointers, *scalars, DQK=dim_qk, DV=v.shape[2],
                                     PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
         else:
             from gem_kernels.attention_gluon_fwd import forward_kernel
 
-            forward_kernel[grid](*descriptors, out, seq_offsets, targets, queue_counter(q.device), *scalars,
-                                 **constants)  # fmt: skip
+            forward_kernel[grid](*descriptors, out, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk,
+                                 DV=v.shape[2], **constants)  # fmt: skip
     return out
 
 
@@ -196,25 +208,18 @@ def dq(
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
-    if out is None:
-        out = torch.empty((rows, heads, dim_qk), dtype=q.dtype, device=q.device)
-    num_seqs = seq_offsets.shape[0] - 1
-    if rows == 0 or num_seqs <= 0:
+    out = out if out is not None else torch.empty((rows, heads, dim_qk), dtype=q.dtype, device=q.device)
+    block_m, block_n, warps, stages, per_sm = _config("dq", config, DQ_CONFIGS, DEFAULT_DQ_CONFIG)
+    if rows == 0 or seq_offsets.shape[0] <= 1:
         return out
-    name = config or DEFAULT_DQ_CONFIG
-    if name not in DQ_CONFIGS:
-        raise ValueError(f"attention_gluon.dq: config {name!r} is not one of {list(DQ_CONFIGS)}")
-    block_m, block_n, warps, stages, per_sm = CONFIGS[name]
     from gem_kernels.attention_gluon_dq import dq_kernel
 
+    (pointers, counts), constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
     with device_guard(q.device):
-        grid = (_grid(q.device, per_sm, programs),)
-        dq_kernel[grid](
+        dq_kernel[_grid(q.device, per_sm, programs)](
             row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m), row_view_descriptor(k, block_n),
-            row_view_descriptor(v, block_n), out, seq_offsets, num_targets if num_targets is not None else seq_offsets,
-            queue_counter(q.device), out.stride(0), out.stride(1), num_seqs, heads, 0.5 * float(alpha),
-            float(alpha) / max_seq_len, HAS_TARGETS=num_targets is not None, CHUNK=CHUNK, BLOCK_M=block_m,
-            BLOCK_N=block_n, DQK=dim_qk, DV=v.shape[2], STAGES=stages, num_warps=warps,
+            row_view_descriptor(v, block_n), out, *pointers, queue_counter(q.device), out.stride(0), out.stride(1),
+            *counts, float(alpha) / max_seq_len, DQK=dim_qk, DV=v.shape[2], **constants,
         )
     return out
 
@@ -240,22 +245,17 @@ def dkdv(
     rows, heads, dim_qk = q.shape
     dk, dv = out if out is not None else (torch.empty_like(k, memory_format=torch.contiguous_format),
                                           torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
-    num_seqs = seq_offsets.shape[0] - 1
-    if rows == 0 or num_seqs <= 0:
+    block_m, block_n, warps, stages, per_sm = _config("dkdv", config, DKDV_CONFIGS, DEFAULT_DKDV_CONFIG)
+    if rows == 0 or seq_offsets.shape[0] <= 1:
         return dk, dv
-    name = config or DEFAULT_DKDV_CONFIG
-    if name not in DKDV_CONFIGS:
-        raise ValueError(f"attention_gluon.dkdv: config {name!r} is not one of {sorted(DKDV_CONFIGS)}")
-    block_m, block_n, warps, stages, per_sm = DKDV_CONFIGS[name]
     from gem_kernels.attention_gluon_dkdv import dkdv_kernel
 
+    (pointers, counts), constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
     with device_guard(q.device):
-        grid = (_grid(q.device, per_sm, programs),)
-        dkdv_kernel[grid](
+        dkdv_kernel[_grid(q.device, per_sm, programs)](
             row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m), row_view_descriptor(k, block_n),
-            row_view_descriptor(v, block_n), dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
-            queue_counter(q.device), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, heads,
-            0.5 * float(alpha), float(alpha) / max_seq_len, 1.0 / max_seq_len, HAS_TARGETS=num_targets is not None,
-            CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk, DVD=v.shape[2], STAGES=stages, num_warps=warps,
+            row_view_descriptor(v, block_n), dk, dv, *pointers, queue_counter(q.device), dk.stride(0), dk.stride(1),
+            dv.stride(0), dv.stride(1), *counts, float(alpha) / max_seq_len, 1.0 / max_seq_len, DQK=dim_qk,
+            DVD=v.shape[2], **constants,
         )
     return dk, dv

@@ -39,25 +39,59 @@ if HAVE_GLUON:
         return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
                                          is_pure=True, pack=1)
 
+    @gluon.constexpr_function
+    def mma_layout(num_warps, n):
+        """The ``wgmma`` accumulator layout of a ``[num_warps * 16, n]`` tile (instructions ``m64 n k16``)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+    @gluon.jit
+    def _init_barriers(bars, COUNT: gl.constexpr):
+        for i in gl.static_range(COUNT):
+            mbarrier.init(bars.index(i), count=1)
+
+    @gluon.jit
+    def _invalidate_barriers(bars, COUNT: gl.constexpr):
+        for i in gl.static_range(COUNT):
+            mbarrier.invalidate(bars.index(i))
+
+    @gluon.jit
+    def _release_queue(COUNTER):
+        """Every program's last act: the last one out zeroes the tile queue for the next launch (the
+        Triton kernels' ``release_queue``)."""
+        done = gl.atomic_add(COUNTER + 1, 1)
+        if done == gl.num_programs(0) - 1:
+            gl.atomic_xchg(COUNTER, 0)
+            gl.atomic_xchg(COUNTER + 1, 0)
+
+    @gluon.jit
+    def _allowed(rows, cols, seq_len, history_len, QUERY_ROWS: gl.constexpr):
+        """KERNELS.md's mask ``i == j or p(j) < p(i)`` (``p = min(., history_len)``) on a tile whose rows
+        are queries and columns keys (``QUERY_ROWS``), or the other way round; and no key (or query) past
+        the sequence: the tiles that TMA loads hold the next sequence's rows there."""
+        p_rows = gl.minimum(rows, history_len)[:, None]
+        p_cols = gl.minimum(cols, history_len)[None, :]
+        if QUERY_ROWS:
+            keep = p_cols < p_rows
+        else:
+            keep = p_rows < p_cols
+        return (keep | (rows[:, None] == cols[None, :])) & (cols < seq_len)[None, :]
+
     @gluon.jit
     def _weights(s, half_alpha, queries, keys, seq_len, history_len, MASKED: gl.constexpr):
         """``silu(alpha s)`` with ``h = alpha s / 2``, ``t = tanh(h)``: ``h + h t``; masked per KERNELS.md."""
         h = s * half_alpha
         w = h + h * _tanh_approx(h)
         if MASKED:
-            p_query = gl.minimum(queries, history_len)
-            p_key = gl.minimum(keys, history_len)
-            keep = (p_key[None, :] < p_query[:, None]) | (queries[:, None] == keys[None, :])
-            keep = keep & (keys < seq_len)[None, :]
-            w = gl.where(keep, w, 0.0)
+            w = gl.where(_allowed(queries, keys, seq_len, history_len, True), w, 0.0)
         return w
 
     @gluon.jit
-    def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, slot, row, k_col, v_col, pred):
+    def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, slot, row, a_col, b_col, pred):
+        """Tiles of two row-aligned tensors (k and v; q and g) into ring ``slot``, on its barrier."""
         bar = bars.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [row, k_col], bar, k_smem.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [row, v_col], bar, v_smem.index(slot), pred=pred)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [row, a_col], bar, a_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(b_desc, [row, b_col], bar, b_smem.index(slot), pred=pred)
 
     @gluon.jit
     def _block_start(i, n_hist, diag_lo, BLOCK_N: gl.constexpr):
@@ -65,25 +99,36 @@ if HAVE_GLUON:
         return gl.where(i < n_hist, i * BLOCK_N, diag_lo + (i - n_hist) * BLOCK_N)
 
     @gluon.jit
-    def _tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
-                 HAS_TARGETS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Queue entry ``tile``: first row, length, head, first query row, history length, and its key
-        blocks (``full_hi``: end of the unmasked ones; ``n_hist`` history blocks, then the diagonal's
-        from ``diag_lo``; ``n_blocks`` in all)."""
+    def _locate(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
+                HAS_TARGETS: gl.constexpr, BLOCK: gl.constexpr):
+        """Queue entry ``tile`` (the Triton kernels' ``locate_tile``): its sequence's first row and length,
+        its head, its block's index within the sequence and the sequence's block count, and the history
+        length ``n - targets`` (clamped to ``[0, n]``)."""
         before = tiles_end <= tile
         seq = chunk0 + gl.sum(before.to(gl.int32), 0)
         first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
         seq_start = gl.load(SEQ_OFFSETS + seq).to(gl.int32)
         seq_len = (gl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(gl.int32)
-        blocks = (seq_len + BLOCK_M - 1) // BLOCK_M
+        blocks = (seq_len + BLOCK - 1) // BLOCK
         rank = tile - first_tile
         head = rank // blocks
-        m0 = (blocks - 1 - (rank - head * blocks)) * BLOCK_M
         if HAS_TARGETS:
             targets = gl.load(NUM_TARGETS + seq).to(gl.int32)
             history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
         else:
             history_len = seq_len
+        return seq_start, seq_len, head, rank - head * blocks, blocks, history_len
+
+    @gluon.jit
+    def _tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
+                 HAS_TARGETS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Queue entry ``tile`` of the query-major kernels: first row, length, head, first query row (the
+        sequence's last block first: it sees the most keys), history length, and its key blocks
+        (``full_hi``: end of the unmasked ones; ``n_hist`` history blocks, then the diagonal's from
+        ``diag_lo``; ``n_blocks`` in all)."""
+        seq_start, seq_len, head, block, blocks, history_len = _locate(
+            tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS, BLOCK_M)
+        m0 = (blocks - 1 - block) * BLOCK_M
         rows_end = gl.minimum(m0 + BLOCK_M, seq_len)
         min_p = gl.minimum(m0, history_len)
         max_p = gl.minimum(rows_end - 1, history_len)
@@ -92,4 +137,3 @@ if HAVE_GLUON:
         diag_lo = gl.maximum(m0 // BLOCK_N * BLOCK_N, n_hist * BLOCK_N)
         n_blocks = n_hist + (gl.maximum(rows_end - diag_lo, 0) + BLOCK_N - 1) // BLOCK_N
         return seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks
-

@@ -32,7 +32,17 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from gem_kernels.attention_gluon_common import _scan_chunk, _tanh_approx
+    from gem_kernels.attention_gluon_common import (
+        _allowed,
+        _init_barriers,
+        _invalidate_barriers,
+        _load_pair,
+        _locate,
+        _release_queue,
+        _scan_chunk,
+        _tanh_approx,
+        mma_layout,
+    )
 
     @gluon.jit
     def _key_tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
@@ -40,20 +50,9 @@ if HAVE_GLUON:
         """Queue entry ``tile`` (key blocks, the first first): first row, length, head, first key, history
         length, and its query blocks: ``n_diag`` masked ones from ``diag_lo``, then from ``full_lo`` the
         unmasked ones up to ``full_hi`` and the masked tail, ``n_blocks`` in all."""
-        before = tiles_end <= tile
-        seq = chunk0 + gl.sum(before.to(gl.int32), 0)
-        first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
-        seq_start = gl.load(SEQ_OFFSETS + seq).to(gl.int32)
-        seq_len = (gl.load(SEQ_OFFSETS + seq + 1) - seq_start).to(gl.int32)
-        blocks = (seq_len + BLOCK_N - 1) // BLOCK_N
-        rank = tile - first_tile
-        head = rank // blocks
-        n0 = (rank - head * blocks) * BLOCK_N
-        if HAS_TARGETS:
-            targets = gl.load(NUM_TARGETS + seq).to(gl.int32)
-            history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
-        else:
-            history_len = seq_len
+        seq_start, seq_len, head, block, _, history_len = _locate(
+            tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS, BLOCK_N)
+        n0 = block * BLOCK_N
         keys_end = gl.minimum(n0 + BLOCK_N, seq_len)
         diag_lo = n0 // BLOCK_M * BLOCK_M
         full_lo = (keys_end + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -70,13 +69,6 @@ if HAVE_GLUON:
         return gl.where(i < n_diag, diag_lo + i * BLOCK_M, full_lo + (i - n_diag) * BLOCK_M)
 
     @gluon.jit
-    def _load_qdo(q_desc, do_desc, q_smem, do_smem, bars, slot, row, q_col, do_col, pred):
-        bar = bars.index(slot)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(q_desc, [row, q_col], bar, q_smem.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(do_desc, [row, do_col], bar, do_smem.index(slot), pred=pred)
-
-    @gluon.jit
     def _grads_t(s_t, dp_t, half_alpha, keys, queries, seq_len, history_len, MASKED: gl.constexpr):
         """``silu(alpha s^T)`` and ``dP^T silu'(alpha s^T)`` on ``[keys, queries]`` tiles; masked per
         KERNELS.md, and no row past the sequence (the ring's tiles hold the next sequence's there)."""
@@ -86,10 +78,7 @@ if HAVE_GLUON:
         p_t = h + ht
         ds_t = dp_t * ((0.5 + 0.5 * t) * (1.0 + h - ht))
         if MASKED:
-            p_query = gl.minimum(queries, history_len)
-            p_key = gl.minimum(keys, history_len)
-            keep = (p_key[:, None] < p_query[None, :]) | (keys[:, None] == queries[None, :])
-            keep = keep & (queries < seq_len)[None, :]
+            keep = _allowed(keys, queries, seq_len, history_len, False)
             p_t = gl.where(keep, p_t, 0.0)
             ds_t = gl.where(keep, ds_t, 0.0)
         return p_t, ds_t
@@ -103,12 +92,9 @@ if HAVE_GLUON:
     ):
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])
-        dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                            instr_shape=[16, DQK, 16])
-        dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                            instr_shape=[16, DVD, 16])
+        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
+        dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
+        dv_layout: gl.constexpr = mma_layout(NUM_WARPS, DVD)
         pk_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
         pv_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -120,8 +106,7 @@ if HAVE_GLUON:
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        for st in gl.static_range(STAGES):
-            mbarrier.init(bars.index(st), count=1)
+        _init_barriers(bars, STAGES)
         fence_async_shared()
 
         rows_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -150,7 +135,7 @@ if HAVE_GLUON:
                 q_col = head * DQK
                 do_col = head * DVD
                 for i in gl.static_range(STAGES):
-                    _load_qdo(q_desc, do_desc, q_smem, do_smem, bars, (loads + i) % STAGES,
+                    _load_pair(q_desc, do_desc, q_smem, do_smem, bars, (loads + i) % STAGES,
                               seq_start + _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col,
                               i < n_blocks)
                 keys = n0 + rows_s
@@ -195,7 +180,7 @@ if HAVE_GLUON:
                     p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
                     ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
                     nxt = i - 1 + STAGES  # block i - 1's slot is free
-                    _load_qdo(q_desc, do_desc, q_smem, do_smem, bars, prev,
+                    _load_pair(q_desc, do_desc, q_smem, do_smem, bars, prev,
                               seq_start + _query_start(nxt, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col,
                               nxt < n_blocks)
                 last = (loads + n_blocks - 1) % STAGES
@@ -213,9 +198,5 @@ if HAVE_GLUON:
                 tile = next_tile
             tiles_before = chunk_end
         mbarrier.invalidate(kv_bar)
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(st))
-        done = gl.atomic_add(COUNTER + 1, 1)
-        if done == gl.num_programs(0) - 1:
-            gl.atomic_xchg(COUNTER, 0)
-            gl.atomic_xchg(COUNTER + 1, 0)
+        _invalidate_barriers(bars, STAGES)
+        _release_queue(COUNTER)

@@ -28,7 +28,18 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from gem_kernels.attention_gluon_common import _block_start, _load_kv, _scan_chunk, _tanh_approx, _tile_of
+    from gem_kernels.attention_gluon_common import (
+        _allowed,
+        _block_start,
+        _init_barriers,
+        _invalidate_barriers,
+        _load_pair,
+        _release_queue,
+        _scan_chunk,
+        _tanh_approx,
+        _tile_of,
+        mma_layout,
+    )
 
     @gluon.jit
     def _score_grads(s, dp, half_alpha, queries, keys, seq_len, history_len, MASKED: gl.constexpr):
@@ -39,11 +50,7 @@ if HAVE_GLUON:
         ht = h * t
         w = dp * ((0.5 + 0.5 * t) * (1.0 + h - ht))
         if MASKED:
-            p_query = gl.minimum(queries, history_len)
-            p_key = gl.minimum(keys, history_len)
-            keep = (p_key[None, :] < p_query[:, None]) | (queries[:, None] == keys[None, :])
-            keep = keep & (keys < seq_len)[None, :]
-            w = gl.where(keep, w, 0.0)
+            w = gl.where(_allowed(queries, keys, seq_len, history_len, True), w, 0.0)
         return w
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
@@ -55,10 +62,8 @@ if HAVE_GLUON:
     ):
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, DQK, 16])
+        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
 
@@ -69,8 +74,7 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for st in gl.static_range(STAGES):
-            mbarrier.init(kv_bars.index(st), count=1)
+        _init_barriers(kv_bars, STAGES)
         fence_async_shared()
 
         rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -97,7 +101,7 @@ if HAVE_GLUON:
                 k_col = head * DQK
                 v_col = head * DV
                 for i in gl.static_range(STAGES):
-                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
+                    _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
                              seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), k_col, v_col, i < n_blocks)
                 queries = m0 + rows_s
                 mbarrier.wait(q_bar, q_phase)
@@ -134,7 +138,7 @@ if HAVE_GLUON:
                     acc = warpgroup_mma_wait(0, deps=[acc, ds])[0]
                     ds = gl.convert_layout(w.to(dtype), p_layout)
                     nxt = i - 1 + STAGES
-                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
+                    _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
                              seq_start + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
                 last = (loads + n_blocks - 1) % STAGES
                 acc = warpgroup_mma(ds, k_smem.index(last), acc, is_async=True)
@@ -148,9 +152,5 @@ if HAVE_GLUON:
                 tile = next_tile
             tiles_before = chunk_end
         mbarrier.invalidate(q_bar)
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(kv_bars.index(st))
-        done = gl.atomic_add(COUNTER + 1, 1)
-        if done == gl.num_programs(0) - 1:
-            gl.atomic_xchg(COUNTER, 0)
-            gl.atomic_xchg(COUNTER + 1, 0)
+        _invalidate_barriers(kv_bars, STAGES)
+        _release_queue(COUNTER)

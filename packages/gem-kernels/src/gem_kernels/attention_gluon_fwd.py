@@ -16,7 +16,17 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from gem_kernels.attention_gluon_common import _block_start, _load_kv, _scan_chunk, _tile_of, _weights
+    from gem_kernels.attention_gluon_common import (
+        _block_start,
+        _init_barriers,
+        _invalidate_barriers,
+        _load_pair,
+        _release_queue,
+        _scan_chunk,
+        _tile_of,
+        _weights,
+        mma_layout,
+    )
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def forward_kernel(
@@ -27,10 +37,8 @@ if HAVE_GLUON:
     ):
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, DV, 16])
+        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(NUM_WARPS, DV)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
 
@@ -40,8 +48,7 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for st in gl.static_range(STAGES):
-            mbarrier.init(kv_bars.index(st), count=1)
+        _init_barriers(kv_bars, STAGES)
         fence_async_shared()
 
         rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -70,7 +77,7 @@ if HAVE_GLUON:
                 v_col = head * DV
 
                 for i in gl.static_range(STAGES):  # fill the ring
-                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
+                    _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
                              seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), k_col, v_col, i < n_blocks)
 
                 queries = m0 + rows_s
@@ -108,7 +115,7 @@ if HAVE_GLUON:
                     p = gl.convert_layout(w.to(dtype), p_layout)
                     # block i - 1's slot is free: it takes block i - 1 + STAGES
                     nxt = i - 1 + STAGES
-                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
+                    _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
                              seq_start + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
                 last = (loads + n_blocks - 1) % STAGES
                 acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
@@ -122,9 +129,5 @@ if HAVE_GLUON:
                 tile = next_tile
             tiles_before = chunk_end
         mbarrier.invalidate(q_bar)
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(kv_bars.index(st))
-        done = gl.atomic_add(COUNTER + 1, 1)
-        if done == gl.num_programs(0) - 1:  # the last program out zeroes the queue for the next launch
-            gl.atomic_xchg(COUNTER, 0)
-            gl.atomic_xchg(COUNTER + 1, 0)
+        _invalidate_barriers(kv_bars, STAGES)
+        _release_queue(COUNTER)

@@ -32,7 +32,15 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from gem_kernels.attention_gluon_common import _block_start, _scan_chunk, _tile_of, _weights
+    from gem_kernels.attention_gluon_common import (
+        _block_start,
+        _init_barriers,
+        _invalidate_barriers,
+        _scan_chunk,
+        _tile_of,
+        _weights,
+        mma_layout,
+    )
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
@@ -80,10 +88,8 @@ if HAVE_GLUON:
                   DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                           instr_shape=[16, DV, 16])
+        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(NUM_WARPS, DV)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
         rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
@@ -165,12 +171,10 @@ if HAVE_GLUON:
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(2):
-            mbarrier.init(q_ready.index(st), count=1)
-            mbarrier.init(q_empty.index(st), count=1)
-        for st in gl.static_range(STAGES):
-            mbarrier.init(kv_ready.index(st), count=1)
-            mbarrier.init(kv_empty.index(st), count=1)
+        _init_barriers(q_ready, 2)
+        _init_barriers(q_empty, 2)
+        _init_barriers(kv_ready, STAGES)
+        _init_barriers(kv_empty, STAGES)
         fence_async_shared()
         gl.warp_specialize(
             [
@@ -184,9 +188,7 @@ if HAVE_GLUON:
             [1],
             [PRODUCER_REGS],
         )
-        for st in gl.static_range(2):
-            mbarrier.invalidate(q_ready.index(st))
-            mbarrier.invalidate(q_empty.index(st))
-        for st in gl.static_range(STAGES):
-            mbarrier.invalidate(kv_ready.index(st))
-            mbarrier.invalidate(kv_empty.index(st))
+        _invalidate_barriers(q_ready, 2)
+        _invalidate_barriers(q_empty, 2)
+        _invalidate_barriers(kv_ready, STAGES)
+        _invalidate_barriers(kv_empty, STAGES)
