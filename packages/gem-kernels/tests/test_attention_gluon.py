@@ -27,6 +27,7 @@ for config, dims, targets in (("m128n64", (128, 128), True), ("m64n64", (128, 12
     print(json.dumps({"config": config, "dims": dims, **compile_gluon_forward(config, *dims, targets=targets)}))
 print(json.dumps({"config": "dq", "dims": [128, 128], **compile_gluon_forward("m128n64", dq=True)}))
 print(json.dumps({"config": "dkdv", "dims": [128, 128], **compile_gluon_forward("n128m32", dkdv=True)}))
+print(json.dumps({"config": "dkdv_ws", "dims": [128, 128], **compile_gluon_forward("ws_n128m16", dkdv=True)}))
 """
 
 
@@ -36,7 +37,10 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 7
+    assert len(reports) == 8
+    dkdv_ws = reports.pop()
+    # the dk/dv pass with a producer warp: no spills at 16-query steps in the consumers' 240 registers
+    assert dkdv_ws["stack_bytes"] == 0 and 240 in dkdv_ws["setmaxnreg"] and dkdv_ws["mma_waits"].get("2") == 1, dkdv_ws
     dkdv = reports.pop()
     # the dk/dv pass: four MMAs a step, one wait leaving the two accumulating ones in flight
     assert dkdv["mma_waits"].get("2") == 1 and dkdv["stack_bytes"] <= 8 and dkdv["tma_loads"] >= 4, dkdv
@@ -152,7 +156,7 @@ def test_a_grid_of_no_program_is_refused() -> None:
         attention_gluon.forward(q, q, q, torch.tensor([0, 8]), None, max_seq_len=8, alpha=0.1, programs=0)
 
 
-@pytest.mark.parametrize("which", ["forward", "ws", "dq", "dkdv"])
+@pytest.mark.parametrize("which", ["forward", "ws", "dq", "dkdv", "dkdv_ws"])
 def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> None:
     """The launchers never run on the CPU; here each kernel is replaced by a recorder, and what the
     launcher hands it must bind to the kernel's own parameters (names, count, constexprs), with the
@@ -162,7 +166,8 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     from gem_kernels import attention_gluon_dkdv, attention_gluon_dq, attention_gluon_fwd, attention_gluon_ws
 
     module, name = {"forward": (attention_gluon_fwd, "forward_kernel"), "ws": (attention_gluon_ws, "forward_ws_kernel"),
-                    "dq": (attention_gluon_dq, "dq_kernel"), "dkdv": (attention_gluon_dkdv, "dkdv_kernel")}[which]
+                    "dq": (attention_gluon_dq, "dq_kernel"), "dkdv": (attention_gluon_dkdv, "dkdv_kernel"),
+                    "dkdv_ws": (attention_gluon_dkdv, "dkdv_ws_kernel")}[which]
     real = getattr(module, name)
     calls: list[tuple] = []
 
@@ -179,7 +184,8 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     elif which == "dq":
         attention_gluon.dq(q, k, v, g, offsets, targets, config="m64n64", **options)
     else:
-        attention_gluon.dkdv(q, k, v, g, offsets, targets, config="n128m32", **options)
+        config = "ws_n128m16" if which == "dkdv_ws" else "n128m32"
+        attention_gluon.dkdv(q, k, v, g, offsets, targets, config=config, **options)
     (grid, args, kwargs), = calls
     assert grid == (3,)
     launch = {key: kwargs.pop(key) for key in ("num_warps",)}
@@ -188,6 +194,6 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     assert values["half_alpha"] == 0.25 and values["num_seqs"] == 3 and values["num_heads"] == 2
     assert values["SEQ_OFFSETS"] is offsets and values["NUM_TARGETS"] is targets and values["HAS_TARGETS"] is True
     scale = {"forward": ("out_scale", 1 / 25), "ws": ("out_scale", 1 / 25), "dq": ("out_scale", 0.5 / 25),
-             "dkdv": ("dk_scale", 0.5 / 25)}[which]
+             "dkdv": ("dk_scale", 0.5 / 25), "dkdv_ws": ("dv_scale", 1 / 25)}[which]
     assert values[scale[0]] == pytest.approx(scale[1])
     assert launch["num_warps"] in (4, 8)

@@ -78,6 +78,10 @@ DKDV_CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # 32-query steps spill 8 bytes, 64-query steps 312 (the Triton kernel's best is 32 x 128 too)
     "n128m32": (32, 128, 8, 3, 1),
     "n128m64": (64, 128, 8, 2, 1),
+    # the loads in a producer warp (attention_gluon_dkdv.dkdv_ws_kernel): two k/v slots; the consumer
+    # warpgroups' 240 registers fit 16-query steps without spills, 32-query steps spill
+    "ws_n128m16": (16, 128, 8, 4, 1),
+    "ws_n128m32": (32, 128, 8, 3, 1),
 }
 DEFAULT_DKDV_CONFIG = "n128m32"
 PRODUCER_REGISTERS = 40
@@ -248,14 +252,19 @@ def dkdv(
     block_m, block_n, warps, stages, per_sm = _config("dkdv", config, DKDV_CONFIGS, DEFAULT_DKDV_CONFIG)
     if rows == 0 or seq_offsets.shape[0] <= 1:
         return dk, dv
-    from gem_kernels.attention_gluon_dkdv import dkdv_kernel
+    from gem_kernels.attention_gluon_dkdv import dkdv_kernel, dkdv_ws_kernel
 
     (pointers, counts), constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
+    descriptors = (row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m),
+                   row_view_descriptor(k, block_n), row_view_descriptor(v, block_n))  # fmt: skip
+    scalars = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *counts, float(alpha) / max_seq_len,
+               1.0 / max_seq_len)  # fmt: skip
     with device_guard(q.device):
-        dkdv_kernel[_grid(q.device, per_sm, programs)](
-            row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m), row_view_descriptor(k, block_n),
-            row_view_descriptor(v, block_n), dk, dv, *pointers, queue_counter(q.device), dk.stride(0), dk.stride(1),
-            dv.stride(0), dv.stride(1), *counts, float(alpha) / max_seq_len, 1.0 / max_seq_len, DQK=dim_qk,
-            DVD=v.shape[2], **constants,
-        )
+        grid = _grid(q.device, per_sm, programs)
+        if (config or DEFAULT_DKDV_CONFIG).startswith("ws_"):
+            dkdv_ws_kernel[grid](*descriptors, dk, dv, *pointers, *scalars, DQK=dim_qk, DVD=v.shape[2],
+                                 PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
+        else:
+            dkdv_kernel[grid](*descriptors, dk, dv, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk,
+                              DVD=v.shape[2], **constants)  # fmt: skip
     return dk, dv

@@ -83,6 +83,88 @@ if HAVE_GLUON:
             ds_t = gl.where(keep, ds_t, 0.0)
         return p_t, ds_t
 
+    @gluon.jit
+    def _dkdv_steps(k_tile, v_tile, q_smem, do_smem, ready, empty, loads, n_blocks, n_diag, diag_lo, full_lo,
+                    full_hi, n0, seq_len, history_len, half_alpha, q_desc, do_desc, q_row, q_col, do_col,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQK: gl.constexpr, DVD: gl.constexpr,
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WS: gl.constexpr):
+        """One key tile's ``dk`` and ``dv`` (float32, unscaled) over its ``n_blocks`` query blocks, whose
+        ``(q, g)`` tiles come through the ring: block ``b`` in slot ``(loads + b) % STAGES`` on barrier
+        ``ready``. A slot whose MMAs have retired is refilled here with the block ``STAGES`` ahead (one
+        partition), or handed back on ``empty`` to the producer warp (``WS``)."""
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
+        dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
+        dv_layout: gl.constexpr = mma_layout(NUM_WARPS, DVD)
+        pk_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
+        pv_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
+        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        dk = gl.zeros([BLOCK_N, DQK], gl.float32, dk_layout)
+        dv = gl.zeros([BLOCK_N, DVD], gl.float32, dv_layout)
+
+        slot = loads % STAGES
+        mbarrier.wait(ready.index(slot), (loads // STAGES) & 1)
+        s_t = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s_t, dp_t = warpgroup_mma_wait(0, deps=[s_t, dp_t])
+        start = _query_start(0, n_diag, diag_lo, full_lo, BLOCK_M)
+        if (n_diag > 0) | (start >= full_hi):
+            p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, True)
+        else:
+            p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, False)
+        p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
+        ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
+        for i in range(1, n_blocks):
+            prev = (loads + i - 1) % STAGES
+            slot = (loads + i) % STAGES
+            mbarrier.wait(ready.index(slot), ((loads + i) // STAGES) & 1)
+            s_t = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
+            s_t, dp_t = warpgroup_mma_wait(2, deps=[s_t, dp_t])  # this block's; the previous two run on
+            start = _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M)
+            if (i < n_diag) | (start >= full_hi):
+                p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, True)
+            else:
+                p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, False)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op])
+            p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
+            ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
+            if WS:  # block i - 1's slot goes back to the producer
+                mbarrier.arrive(empty.index(prev), count=1)
+            else:  # it takes block i - 1 + STAGES
+                nxt = i - 1 + STAGES
+                _load_pair(q_desc, do_desc, q_smem, do_smem, ready, prev,
+                           q_row + _query_start(nxt, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col,
+                           nxt < n_blocks)
+        last = (loads + n_blocks - 1) % STAGES
+        dv = warpgroup_mma(p_op, do_smem.index(last), dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_smem.index(last), dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+        if WS:
+            mbarrier.arrive(empty.index(last), count=1)
+        return dk, dv
+
+    @gluon.jit
+    def _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+                    dk_scale, dv_scale, BLOCK_N: gl.constexpr, DQK: gl.constexpr, DVD: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+        dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
+        dv_layout: gl.constexpr = mma_layout(NUM_WARPS, DVD)
+        rows_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+        cols_k = gl.arange(0, DQK, layout=gl.SliceLayout(0, dk_layout))
+        rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
+        cols_v = gl.arange(0, DVD, layout=gl.SliceLayout(0, dv_layout))
+        k_rows = (seq_start + n0 + rows_k).to(gl.int64)
+        gl.store(DK + k_rows[:, None] * stride_dkm + head * stride_dkh + cols_k[None, :],
+                 (dk * dk_scale).to(DK.dtype.element_ty), mask=((n0 + rows_k) < seq_len)[:, None])
+        v_rows = (seq_start + n0 + rows_v).to(gl.int64)
+        gl.store(DV + v_rows[:, None] * stride_dvm + head * stride_dvh + cols_v[None, :],
+                 (dv * dv_scale).to(DV.dtype.element_ty), mask=((n0 + rows_v) < seq_len)[:, None])
+
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def dkdv_kernel(
         q_desc, do_desc, k_desc, v_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
@@ -92,13 +174,7 @@ if HAVE_GLUON:
     ):
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
-        dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
-        dv_layout: gl.constexpr = mma_layout(NUM_WARPS, DVD)
-        pk_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk_layout, k_width=2)
-        pv_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DQK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DVD], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DQK], q_desc.layout)
@@ -108,13 +184,6 @@ if HAVE_GLUON:
         mbarrier.init(kv_bar, count=1)
         _init_barriers(bars, STAGES)
         fence_async_shared()
-
-        rows_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        cols_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        rows_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
-        cols_k = gl.arange(0, DQK, layout=gl.SliceLayout(0, dk_layout))
-        rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
-        cols_v = gl.arange(0, DVD, layout=gl.SliceLayout(0, dv_layout))
 
         loads = 0
         kv_phase = 0
@@ -132,71 +201,134 @@ if HAVE_GLUON:
                 mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [seq_start + n0, head * DQK], kv_bar, k_smem)
                 tma.async_copy_global_to_shared(v_desc, [seq_start + n0, head * DVD], kv_bar, v_smem)
-                q_col = head * DQK
-                do_col = head * DVD
                 for i in gl.static_range(STAGES):
                     _load_pair(q_desc, do_desc, q_smem, do_smem, bars, (loads + i) % STAGES,
-                              seq_start + _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col,
-                              i < n_blocks)
-                keys = n0 + rows_s
+                               seq_start + _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M), head * DQK,
+                               head * DVD, i < n_blocks)
                 mbarrier.wait(kv_bar, kv_phase)
                 kv_phase ^= 1
-                zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-                dk = gl.zeros([BLOCK_N, DQK], gl.float32, dk_layout)
-                dv = gl.zeros([BLOCK_N, DVD], gl.float32, dv_layout)
-
-                slot = loads % STAGES
-                mbarrier.wait(bars.index(slot), (loads // STAGES) & 1)
-                s_t = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
-                dp_t = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
-                                     is_async=True)
-                s_t, dp_t = warpgroup_mma_wait(0, deps=[s_t, dp_t])
-                start = _query_start(0, n_diag, diag_lo, full_lo, BLOCK_M)
-                if (n_diag > 0) | (start >= full_hi):
-                    p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols_s, seq_len, history_len, True)
-                else:
-                    p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols_s, seq_len, history_len, False)
-                p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
-                ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
-                for i in range(1, n_blocks):
-                    prev = (loads + i - 1) % STAGES
-                    slot = (loads + i) % STAGES
-                    mbarrier.wait(bars.index(slot), ((loads + i) // STAGES) & 1)
-                    s_t = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
-                                        is_async=True)
-                    dp_t = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
-                                         is_async=True)
-                    dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
-                    dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
-                    s_t, dp_t = warpgroup_mma_wait(2, deps=[s_t, dp_t])  # this block's; the previous two run on
-                    start = _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M)
-                    if (i < n_diag) | (start >= full_hi):
-                        p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols_s, seq_len, history_len,
-                                             True)
-                    else:
-                        p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols_s, seq_len, history_len,
-                                             False)
-                    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op])
-                    p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
-                    ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
-                    nxt = i - 1 + STAGES  # block i - 1's slot is free
-                    _load_pair(q_desc, do_desc, q_smem, do_smem, bars, prev,
-                              seq_start + _query_start(nxt, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col,
-                              nxt < n_blocks)
-                last = (loads + n_blocks - 1) % STAGES
-                dv = warpgroup_mma(p_op, do_smem.index(last), dv, is_async=True)
-                dk = warpgroup_mma(ds_op, q_smem.index(last), dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                dk, dv = _dkdv_steps(k_smem, v_smem, q_smem, do_smem, bars, bars, loads, n_blocks, n_diag, diag_lo,
+                                     full_lo, full_hi, n0, seq_len, history_len, half_alpha, q_desc, do_desc,
+                                     seq_start, head * DQK, head * DVD, BLOCK_M, BLOCK_N, DQK, DVD, STAGES,
+                                     NUM_WARPS, False)
                 loads += n_blocks
-
-                k_rows = (seq_start + n0 + rows_k).to(gl.int64)
-                gl.store(DK + k_rows[:, None] * stride_dkm + head * stride_dkh + cols_k[None, :],
-                         (dk * dk_scale).to(DK.dtype.element_ty), mask=((n0 + rows_k) < seq_len)[:, None])
-                v_rows = (seq_start + n0 + rows_v).to(gl.int64)
-                gl.store(DV + v_rows[:, None] * stride_dvm + head * stride_dvh + cols_v[None, :],
-                         (dv * dv_scale).to(DV.dtype.element_ty), mask=((n0 + rows_v) < seq_len)[:, None])
+                _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm,
+                            stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS)
                 tile = next_tile
             tiles_before = chunk_end
         mbarrier.invalidate(kv_bar)
         _invalidate_barriers(bars, STAGES)
         _release_queue(COUNTER)
+
+    @gluon.jit
+    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty,
+                       ready, empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads,
+                       HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr):
+        """The loads of the warp-specialized kernel: each tile's k and v into one of two slots, then its
+        query blocks' q and g through the ring, each slot once its MMAs are done with it."""
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        programs = gl.num_programs(0)
+        tile = gl.program_id(0)
+        tiles_before = tile * 0
+        loads = 0
+        done = 0
+        for chunk0 in range(0, num_seqs, CHUNK):
+            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
+                                           BLOCK_N, CHUNK, chunk_layout)
+            chunk_end = tiles_before + gl.sum(tiles, 0)
+            while tile < chunk_end:
+                seq_start, _len, head, n0, _hist, diag_lo, full_lo, _full, n_diag, n_blocks = _key_tile_of(
+                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
+                    BLOCK_M, BLOCK_N)
+                kv = done % 2
+                mbarrier.wait(kv_empty.index(kv), ((done // 2) & 1) ^ 1)
+                bar = kv_ready.index(kv)
+                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [seq_start + n0, head * DQK], bar, k_smem.index(kv))
+                tma.async_copy_global_to_shared(v_desc, [seq_start + n0, head * DVD], bar, v_smem.index(kv))
+                for i in range(n_blocks):
+                    c = loads + i
+                    mbarrier.wait(empty.index(c % STAGES), ((c // STAGES) & 1) ^ 1)
+                    _load_pair(q_desc, do_desc, q_smem, do_smem, ready, c % STAGES,
+                               seq_start + _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M), head * DQK,
+                               head * DVD, True)
+                loads += n_blocks
+                done += 1
+                tile += programs
+            tiles_before = chunk_end
+
+    @gluon.jit
+    def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty, ready, empty, DK, DV, SEQ_OFFSETS,
+                       NUM_TARGETS, stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs, num_heads, half_alpha,
+                       dk_scale, dv_scale, HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr):
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        programs = gl.num_programs(0)
+        tile = gl.program_id(0)
+        tiles_before = tile * 0
+        loads = 0
+        done = 0
+        for chunk0 in range(0, num_seqs, CHUNK):
+            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
+                                           BLOCK_N, CHUNK, chunk_layout)
+            chunk_end = tiles_before + gl.sum(tiles, 0)
+            while tile < chunk_end:
+                seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_blocks = (
+                    _key_tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
+                                 HAS_TARGETS, BLOCK_M, BLOCK_N))
+                kv = done % 2
+                mbarrier.wait(kv_ready.index(kv), (done // 2) & 1)
+                dk, dv = _dkdv_steps(k_smem.index(kv), v_smem.index(kv), q_smem, do_smem, ready, empty, loads,
+                                     n_blocks, n_diag, diag_lo, full_lo, full_hi, n0, seq_len, history_len,
+                                     half_alpha, None, None, seq_start, head * DQK, head * DVD, BLOCK_M, BLOCK_N,
+                                     DQK, DVD, STAGES, NUM_WARPS, True)
+                mbarrier.arrive(kv_empty.index(kv), count=1)  # every MMA that read this k and v is done
+                loads += n_blocks
+                done += 1
+                _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm,
+                            stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS)
+                tile += programs
+            tiles_before = chunk_end
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
+    def dkdv_ws_kernel(
+        q_desc, do_desc, k_desc, v_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS,
+        stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs, num_heads, half_alpha, dk_scale, dv_scale,
+        HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """:func:`dkdv_kernel` with its loads in a producer warp (``warp_specialize``); two k/v slots, so
+        the next tile's keys load while this one runs; tiles dealt statically to both partitions."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, DVD], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DQK], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DVD], do_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        _init_barriers(kv_ready, 2)
+        _init_barriers(kv_empty, 2)
+        _init_barriers(ready, STAGES)
+        _init_barriers(empty, STAGES)
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty, ready, empty, DK, DV,
+                                  SEQ_OFFSETS, NUM_TARGETS, stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs,
+                                  num_heads, half_alpha, dk_scale, dv_scale, HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N,
+                                  DQK, DVD, STAGES)),
+                (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, kv_ready,
+                                  kv_empty, ready, empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS,
+                                  CHUNK, BLOCK_M, BLOCK_N, DQK, DVD, STAGES)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )
+        _invalidate_barriers(kv_ready, 2)
+        _invalidate_barriers(kv_empty, 2)
+        _invalidate_barriers(ready, STAGES)
+        _invalidate_barriers(empty, STAGES)

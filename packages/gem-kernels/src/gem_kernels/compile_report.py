@@ -191,7 +191,7 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
         return mangle_type(ag.row_view_descriptor(torch.empty(16, 2, dim, dtype=torch.bfloat16), rows))
 
     specialized = config.startswith("ws_")
-    fn = dkdv_pass.dkdv_kernel if dkdv else (
+    fn = (dkdv_pass.dkdv_ws_kernel if specialized else dkdv_pass.dkdv_kernel) if dkdv else (
         dq_pass.dq_kernel if dq else (ws.forward_ws_kernel if specialized else fwd.forward_kernel))
     types = {"q_desc": descriptor(block_m, dim_qk), "do_desc": descriptor(block_m, dim_v),
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
