@@ -28,6 +28,73 @@ if HAVE_GLUON:
         mma_layout,
     )
 
+    @gluon.jit
+    def _forward_steps(q_tile, k_smem, v_smem, ready, empty, loads, n_blocks, n_hist, diag_lo, full_hi, m0, seq_len,
+                       history_len, half_alpha, k_desc, v_desc, kv_row, k_col, v_col, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                       WS: gl.constexpr):
+        """One query tile's output (float32, before the ``1 / N``) over its ``n_blocks`` key blocks, whose
+        k and v come through the ring: block ``b`` in slot ``(loads + b) % STAGES`` on barrier ``ready``.
+        A slot whose MMAs have retired is refilled here with the block ``STAGES`` ahead (one partition),
+        or handed back on ``empty`` to the producer warp (``WS``)."""
+        dtype: gl.constexpr = q_tile.dtype
+        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(NUM_WARPS, DV)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+        # block 0: its scores alone
+        slot = loads % STAGES
+        mbarrier.wait(ready.index(slot), (loads // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        start = _block_start(0, n_hist, diag_lo, BLOCK_N)
+        if start + BLOCK_N > full_hi:
+            w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, True)
+        else:
+            w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, False)
+        p = gl.convert_layout(w.to(dtype), p_layout)
+        acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
+        for i in range(1, n_blocks):
+            prev = (loads + i - 1) % STAGES
+            slot = (loads + i) % STAGES
+            mbarrier.wait(ready.index(slot), ((loads + i) // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])  # this block's scores; the previous P v may run on
+            start = _block_start(i, n_hist, diag_lo, BLOCK_N)
+            if start + BLOCK_N > full_hi:
+                w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, True)
+            else:
+                w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, False)
+            acc = warpgroup_mma_wait(0, deps=[acc, p])[0]
+            p = gl.convert_layout(w.to(dtype), p_layout)
+            if WS:  # block i - 1's slot goes back to the producer
+                mbarrier.arrive(empty.index(prev), count=1)
+            else:  # it takes block i - 1 + STAGES
+                nxt = i - 1 + STAGES
+                _load_pair(k_desc, v_desc, k_smem, v_smem, ready, prev,
+                           kv_row + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
+        last = (loads + n_blocks - 1) % STAGES
+        acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if WS:
+            mbarrier.arrive(empty.index(last), count=1)
+        return acc
+
+    @gluon.jit
+    def _store_rows(acc, OUT, seq_start, m0, head, seq_len, stride_om, stride_oh, scale,
+                    BLOCK_M: gl.constexpr, D: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """``acc * scale`` into the tile's rows of ``OUT`` (``[L, H, D]``), none past the sequence."""
+        layout: gl.constexpr = mma_layout(NUM_WARPS, D)
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        out_rows = (seq_start + m0 + rows).to(gl.int64)
+        ptrs = OUT + out_rows[:, None] * stride_om + head * stride_oh + cols[None, :]
+        gl.store(ptrs, (acc * scale).to(OUT.dtype.element_ty), mask=((m0 + rows) < seq_len)[:, None])
+
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def forward_kernel(
         q_desc, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
@@ -37,11 +104,7 @@ if HAVE_GLUON:
     ):
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
-        o_layout: gl.constexpr = mma_layout(NUM_WARPS, DV)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DQK], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
@@ -50,11 +113,6 @@ if HAVE_GLUON:
         mbarrier.init(q_bar, count=1)
         _init_barriers(kv_bars, STAGES)
         fence_async_shared()
-
-        rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
 
         loads = 0  # key/value tiles loaded by this program so far: slot and phase of the next one
         q_phase = 0
@@ -69,63 +127,20 @@ if HAVE_GLUON:
                     tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
                     BLOCK_M, BLOCK_N)
                 next_tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
-
                 mbarrier.expect(q_bar, q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], q_bar, q_smem)
-
-                k_col = head * DQK
-                v_col = head * DV
-
                 for i in gl.static_range(STAGES):  # fill the ring
                     _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
-                             seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), k_col, v_col, i < n_blocks)
-
-                queries = m0 + rows_s
+                               seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), head * DQK, head * DV,
+                               i < n_blocks)
                 mbarrier.wait(q_bar, q_phase)
                 q_phase ^= 1
-
-                # block 0: its scores alone
-                slot = loads % STAGES
-                mbarrier.wait(kv_bars.index(slot), (loads // STAGES) & 1)
-                s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
-                                  gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s])
-                start = _block_start(0, n_hist, diag_lo, BLOCK_N)
-                if start + BLOCK_N > full_hi:
-                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
-                else:
-                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
-                p = gl.convert_layout(w.to(dtype), p_layout)
-                acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-                for i in range(1, n_blocks):
-                    prev = (loads + i - 1) % STAGES
-                    slot = (loads + i) % STAGES
-                    mbarrier.wait(kv_bars.index(slot), ((loads + i) // STAGES) & 1)
-                    s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
-                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                                      is_async=True)
-                    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                    s = warpgroup_mma_wait(1, deps=[s])  # this block's scores; the previous P v may run on
-                    start = _block_start(i, n_hist, diag_lo, BLOCK_N)
-                    if start + BLOCK_N > full_hi:
-                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
-                    else:
-                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
-                    acc = warpgroup_mma_wait(0, deps=[acc, p])[0]
-                    p = gl.convert_layout(w.to(dtype), p_layout)
-                    # block i - 1's slot is free: it takes block i - 1 + STAGES
-                    nxt = i - 1 + STAGES
-                    _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
-                             seq_start + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
-                last = (loads + n_blocks - 1) % STAGES
-                acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+                acc = _forward_steps(q_smem, k_smem, v_smem, kv_bars, kv_bars, loads, n_blocks, n_hist, diag_lo,
+                                     full_hi, m0, seq_len, history_len, half_alpha, k_desc, v_desc, seq_start,
+                                     head * DQK, head * DV, BLOCK_M, BLOCK_N, DV, STAGES, NUM_WARPS, False)
                 loads += n_blocks  # block b of a tile went to slot (loads + b) % STAGES
-
-                out_rows = (seq_start + m0 + rows_o).to(gl.int64)
-                ptrs = OUT + out_rows[:, None] * stride_om + head * stride_oh + cols_o[None, :]
-                ok = (m0 + rows_o) < seq_len
-                gl.store(ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=ok[:, None])
+                _store_rows(acc, OUT, seq_start, m0, head, seq_len, stride_om, stride_oh, out_scale, BLOCK_M, DV,
+                            NUM_WARPS)
                 tile = next_tile
             tiles_before = chunk_end
         mbarrier.invalidate(q_bar)

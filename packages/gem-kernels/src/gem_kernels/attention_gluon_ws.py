@@ -28,8 +28,6 @@ if HAVE_GLUON:
         fence_async_shared,
         mbarrier,
         tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
     )
 
     from gem_kernels.attention_gluon_common import (
@@ -38,9 +36,8 @@ if HAVE_GLUON:
         _invalidate_barriers,
         _scan_chunk,
         _tile_of,
-        _weights,
-        mma_layout,
     )
+    from gem_kernels.attention_gluon_fwd import _forward_steps, _store_rows
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
@@ -87,15 +84,7 @@ if HAVE_GLUON:
                   HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
         NUM_WARPS: gl.constexpr = gl.num_warps()
-        dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
-        o_layout: gl.constexpr = mma_layout(NUM_WARPS, DV)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
         programs = gl.num_programs(0)
         tile = gl.program_id(0)
         tiles_before = tile * 0
@@ -109,50 +98,16 @@ if HAVE_GLUON:
                 seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks = _tile_of(
                     tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
                     BLOCK_M, BLOCK_N)
-                queries = m0 + rows_s
                 q_slot = done % 2
-                q_tile = q_smem.index(q_slot)
                 mbarrier.wait(q_ready.index(q_slot), (done // 2) & 1)
-                slot = loads % STAGES
-                mbarrier.wait(kv_ready.index(slot), (loads // STAGES) & 1)
-                s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
-                                  gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[s])
-                start = _block_start(0, n_hist, diag_lo, BLOCK_N)
-                if start + BLOCK_N > full_hi:
-                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
-                else:
-                    w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
-                p = gl.convert_layout(w.to(dtype), p_layout)
-                acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
-                for i in range(1, n_blocks):
-                    prev = (loads + i - 1) % STAGES
-                    slot = (loads + i) % STAGES
-                    mbarrier.wait(kv_ready.index(slot), ((loads + i) // STAGES) & 1)
-                    s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
-                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                                      is_async=True)
-                    acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-                    s = warpgroup_mma_wait(1, deps=[s])
-                    start = _block_start(i, n_hist, diag_lo, BLOCK_N)
-                    if start + BLOCK_N > full_hi:
-                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, True)
-                    else:
-                        w = _weights(s, half_alpha, queries, start + cols_s, seq_len, history_len, False)
-                    acc = warpgroup_mma_wait(0, deps=[acc, p])[0]
-                    mbarrier.arrive(kv_empty.index(prev), count=1)  # block i - 1's k and v are read
-                    p = gl.convert_layout(w.to(dtype), p_layout)
-                last = (loads + n_blocks - 1) % STAGES
-                acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(kv_empty.index(last), count=1)
-                mbarrier.arrive(q_empty.index(q_slot), count=1)
+                acc = _forward_steps(q_smem.index(q_slot), k_smem, v_smem, kv_ready, kv_empty, loads, n_blocks,
+                                     n_hist, diag_lo, full_hi, m0, seq_len, history_len, half_alpha, None, None,
+                                     seq_start, head * DQK, head * DV, BLOCK_M, BLOCK_N, DV, STAGES, NUM_WARPS, True)
+                mbarrier.arrive(q_empty.index(q_slot), count=1)  # every MMA that read this q is done
                 loads += n_blocks
                 done += 1
-                out_rows = (seq_start + m0 + rows_o).to(gl.int64)
-                ptrs = OUT + out_rows[:, None] * stride_om + head * stride_oh + cols_o[None, :]
-                ok = (m0 + rows_o) < seq_len
-                gl.store(ptrs, (acc * out_scale).to(OUT.dtype.element_ty), mask=ok[:, None])
+                _store_rows(acc, OUT, seq_start, m0, head, seq_len, stride_om, stride_oh, out_scale, BLOCK_M, DV,
+                            NUM_WARPS)
                 tile += programs
             tiles_before = chunk_end
 
