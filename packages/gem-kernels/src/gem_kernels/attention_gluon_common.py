@@ -137,3 +137,14 @@ if HAVE_GLUON:
         diag_lo = gl.maximum(m0 // BLOCK_N * BLOCK_N, n_hist * BLOCK_N)
         n_blocks = n_hist + (gl.maximum(rows_end - diag_lo, 0) + BLOCK_N - 1) // BLOCK_N
         return seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks
+
+    @gluon.jit
+    def _store_rows(acc, OUT, seq_start, m0, head, seq_len, stride_om, stride_oh, scale,
+                    BLOCK_M: gl.constexpr, D: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """``acc * scale`` into the tile's rows of ``OUT`` (``[L, H, D]``), none past the sequence."""
+        layout: gl.constexpr = mma_layout(NUM_WARPS, D)
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        out_rows = (seq_start + m0 + rows).to(gl.int64)
+        ptrs = OUT + out_rows[:, None] * stride_om + head * stride_oh + cols[None, :]
+        gl.store(ptrs, (acc * scale).to(OUT.dtype.element_ty), mask=((m0 + rows) < seq_len)[:, None])

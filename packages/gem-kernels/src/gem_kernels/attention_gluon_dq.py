@@ -36,6 +36,7 @@ if HAVE_GLUON:
         _load_pair,
         _release_queue,
         _scan_chunk,
+        _store_rows,
         _tanh_approx,
         _tile_of,
         mma_layout,
@@ -79,8 +80,6 @@ if HAVE_GLUON:
 
         rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols_o = gl.arange(0, DQK, layout=gl.SliceLayout(0, o_layout))
 
         loads = 0
         q_phase = 0
@@ -145,10 +144,8 @@ if HAVE_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 loads += n_blocks
 
-                out_rows = (seq_start + m0 + rows_o).to(gl.int64)
-                ptrs = DQ + out_rows[:, None] * stride_om + head * stride_oh + cols_o[None, :]
-                ok = (m0 + rows_o) < seq_len
-                gl.store(ptrs, (acc * out_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
+                _store_rows(acc, DQ, seq_start, m0, head, seq_len, stride_om, stride_oh, out_scale, BLOCK_M, DQK,
+                            NUM_WARPS)
                 tile = next_tile
             tiles_before = chunk_end
         mbarrier.invalidate(q_bar)

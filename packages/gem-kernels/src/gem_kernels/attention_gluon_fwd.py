@@ -23,6 +23,7 @@ if HAVE_GLUON:
         _load_pair,
         _release_queue,
         _scan_chunk,
+        _store_rows,
         _tile_of,
         _weights,
         mma_layout,
@@ -83,17 +84,6 @@ if HAVE_GLUON:
         if WS:
             mbarrier.arrive(empty.index(last), count=1)
         return acc
-
-    @gluon.jit
-    def _store_rows(acc, OUT, seq_start, m0, head, seq_len, stride_om, stride_oh, scale,
-                    BLOCK_M: gl.constexpr, D: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """``acc * scale`` into the tile's rows of ``OUT`` (``[L, H, D]``), none past the sequence."""
-        layout: gl.constexpr = mma_layout(NUM_WARPS, D)
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-        out_rows = (seq_start + m0 + rows).to(gl.int64)
-        ptrs = OUT + out_rows[:, None] * stride_om + head * stride_oh + cols[None, :]
-        gl.store(ptrs, (acc * scale).to(OUT.dtype.element_ty), mask=((m0 + rows) < seq_len)[:, None])
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def forward_kernel(

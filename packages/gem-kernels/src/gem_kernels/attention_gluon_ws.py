@@ -35,9 +35,10 @@ if HAVE_GLUON:
         _init_barriers,
         _invalidate_barriers,
         _scan_chunk,
+        _store_rows,
         _tile_of,
     )
-    from gem_kernels.attention_gluon_fwd import _forward_steps, _store_rows
+    from gem_kernels.attention_gluon_fwd import _forward_steps
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
