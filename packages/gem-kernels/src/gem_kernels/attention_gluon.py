@@ -1,37 +1,37 @@
-"""Jagged HSTU attention forward for Hopper (sm_90) in Gluon: the next ``q k^T`` runs on the tensor
-cores while the current scores go through the silu.
+"""Jagged HSTU attention for Hopper (sm_90) in Gluon: the switches, configs and launchers of the
+forward, the ``dq`` pass and the ``dk``/``dv`` pass, whose kernels keep the tensor cores busy while the
+silu runs.
 
-Same operation as :mod:`gem_kernels.attention_triton`'s forward (no relative bias, no window)::
+Same operation as :mod:`gem_kernels.attention_triton` (no relative bias, no window)::
 
     out[i, h] = sum_j mask(i, j) * silu(alpha * <q[i, h], k[j, h]>) / N * v[j, h]
 
-Why a second kernel. On the H200 the Triton forward keeps the tensor pipe busy about half of its
-cycles (Nsight, 2026-12-04): it waits for each ``q k^T`` before its silu, and Triton 3.6 does not
+Why second kernels. On the H200 the Triton kernels keep the tensor pipe busy about half of their
+cycles (Nsight, 2026-12-04): they wait for each ``q k^T`` before its silu, and Triton 3.6 does not
 generate a producer / consumer split for Hopper. Gluon (Triton's lower-level language) writes the
-schedule by hand, FlashAttention-3's way, in one partition of 4 or 8 warps:
+schedule by hand, FlashAttention-3's way:
 
-* key and value tiles come by TMA into a ring of ``STAGES`` shared-memory slots, each with an
-  mbarrier; a slot is reloaded as soon as the MMA that read it has retired;
-* each step issues ``S_i = q k_i^T`` and ``O += P_{i-1} v_{i-1}`` as asynchronous warpgroup MMAs,
-  waits for ``S_i`` only, and computes ``P_i = silu(alpha S_i)`` (one ``tanh.approx`` per score, as
-  the Triton kernel) while the tensor cores run ``P_{i-1} v_{i-1}``;
-* ``P`` goes to the second MMA from registers (no shared-memory round trip).
+* the streamed tiles (k and v; q and g in the dk/dv pass) come by TMA into a ring of ``STAGES``
+  shared-memory slots, each with an mbarrier; a slot is reloaded as soon as the MMAs that read it
+  have retired;
+* each step issues its score MMAs (``S_i = q k_i^T``; with ``dP_i = g v_i^T`` in the backward) and the
+  previous step's accumulating MMAs as asynchronous warpgroup MMAs, waits for the scores only, and
+  computes the silu (one ``tanh.approx`` per score, as the Triton kernels) while the tensor cores run
+  the others;
+* the accumulating MMAs' left operands (``P``, ``ds``) go from registers.
 
-The ``ws_*`` configs run :mod:`gem_kernels.attention_gluon_ws`'s kernel: the same math with the loads
-in a producer warp of their own. :mod:`gem_kernels.attention_gluon_dq` and
-:mod:`gem_kernels.attention_gluon_dkdv` are the backward's ``dq`` and ``dk``/``dv`` passes with this
-schedule (:data:`DQ`, :func:`dq`; :data:`DKDV`, :func:`dkdv`).
+Modules: :mod:`~gem_kernels.attention_gluon_fwd` (the forward), :mod:`~gem_kernels.attention_gluon_ws`
+(the forward with its loads in a producer warp: the ``ws_*`` configs),
+:mod:`~gem_kernels.attention_gluon_dq`, :mod:`~gem_kernels.attention_gluon_dkdv` (with its own ``ws_*``
+kernel), :mod:`~gem_kernels.attention_gluon_common` (what they share). Tiles and their order are the
+Triton kernels': (sequence, head, block) claimed from a queue by a persistent grid (dealt statically to
+the ``ws_*`` kernels' two partitions); blocks wholly inside the mask run without mask math.
 
-Tiles and their order are the Triton forward's: (sequence, head, block of ``BLOCK_M`` query rows),
-claimed from a queue by a persistent grid through an atomic counter, the last block of a sequence
-first; key blocks wholly inside the mask run without mask math, and target rows skip the key blocks
-between the history and their diagonal.
-
-What it does not do (the Triton kernel does): relative biases, ``max_attn_len``, fp8 inputs, the
-``dq`` pass, head dims other than 64 and 128, and any GPU other than sm_90. :func:`supported` says
-whether a call qualifies; :func:`gem_kernels.attention_triton.query_major` routes there when
-:data:`FORWARD` is on (off by default: the kernel is compiled and checked on the CPU for sm_90, its
-numbers on the GPU are ``benchmarks/attention_gluon.py``'s to give).
+What they do not do (the Triton kernels do): relative biases, ``max_attn_len``, fp8 inputs, atomic
+``dq``, head dims other than 64 and 128, and any GPU other than sm_90. :func:`supported` says whether
+a call qualifies. ``query_major`` and ``key_major`` route there when :data:`FORWARD`, :data:`DQ` or
+:data:`DKDV` is on. All three are off by default: the kernels are compiled for sm_90 on the CPU and
+checked there; their numbers on the GPU are ``benchmarks/attention_gluon.py``'s to give.
 """
 
 from __future__ import annotations
