@@ -65,6 +65,19 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     one, ws = (next(r for r in reports if r["config"] == c) for c in ("m128n64", "ws_m128n64"))
     assert 240 in ws["setmaxnreg"] and 24 in ws["setmaxnreg"] and one["setmaxnreg"] == [], ws
     assert ws["barriers"] < one["barriers"], (ws, one)
+    # the loop's issue order: the scores' group (m64 n64: q k^T over 64 keys), then P v's (n128: the
+    # head dim), then the wait that leaves P v in flight; and a slot is handed back to the producer only
+    # after a barrier of the consumer warps (the other warpgroup's MMAs are done with it)
+    for r in (one, ws):
+        assert _follows(r["mma_order"], ["64x64", "64x128", "wait1"]), r["mma_order"]
+    assert ws["arrives_after_barrier"] and dkdv_ws["arrives_after_barrier"], (ws, dkdv_ws)
+    assert _follows(dq["mma_order"], ["64x64", "64x64", "64x128", "wait1"]), dq["mma_order"]
+    assert _follows(dkdv["mma_order"], ["64x32", "64x32", "64x128", "64x128", "wait2"]), dkdv["mma_order"]
+
+
+def _follows(order: list[str], run: list[str]) -> bool:
+    """Whether ``run`` appears in ``order`` as consecutive entries."""
+    return any(order[i:i + len(run)] == run for i in range(len(order)))
 
 
 def test_supported_wants_a_hopper_gpu_and_a_two_dimensional_view() -> None:

@@ -209,10 +209,38 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
     ptx = compiled.asm["ptx"]
     waits = {int(n): ptx.count(f"wgmma.wait_group.sync.aligned {n};") for n in set(re.findall(r"wgmma.wait_group.sync.aligned (\d+);", ptx))}
     return {"shared_bytes": compiled.metadata.shared, "barriers": ptx.count("bar.sync"),
+            "mma_order": _mma_order(ptx), "arrives_after_barrier": _arrives_after_barrier(ptx),
             "async_mmas": ptx.count("wgmma.mma_async"), "mma_waits": waits,
             "tma_loads": ptx.count("cp.async.bulk.tensor"), "tanh_approx": "tanh.approx.f32" in ptx,
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}),
             **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}  # fmt: skip
+
+
+def _mma_order(ptx: str) -> list[str]:
+    """The ``wgmma`` commit groups and waits in the PTX's text order: ``"64x64"`` for a group of
+    ``m64n64`` instructions, ``"wait1"`` for ``wgmma.wait_group 1``. The partial wait of a loop follows
+    the groups it leaves in flight, so the order shows which group a wait lets through."""
+    order: list[str] = []
+    shape = None
+    for line in ptx.splitlines():
+        found = re.search(r"wgmma\.mma_async\.sync\.aligned\.m(\d+)n(\d+)k\d+", line)
+        if found:
+            shape = f"{found[1]}x{found[2]}"
+        elif "wgmma.commit_group" in line and shape is not None:
+            order.append(shape)
+            shape = None
+        elif "wgmma.wait_group" in line:
+            order.append("wait" + line.split()[-1].rstrip(";"))
+    return order
+
+
+def _arrives_after_barrier(ptx: str) -> bool:
+    """Whether every plain ``mbarrier.arrive`` (one elected thread's) follows a barrier of its warps
+    within a few instructions: with two warpgroups, the other one's MMAs must be done before the slot
+    is handed back."""
+    lines = ptx.splitlines()
+    arrives = [i for i, line in enumerate(lines) if "mbarrier.arrive.shared" in line and "expect_tx" not in line]
+    return all(any(prev.strip().startswith("bar.sync") for prev in lines[max(0, i - 6):i]) for i in arrives)
 
 
 def _narrow_accesses(ptx: str) -> dict[str, int]:
