@@ -67,10 +67,12 @@ CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # warpgroups at 240 registers (setmaxnreg), two query slots; no spills at either key block
     "ws_m128n64": (128, 64, 8, 3, 1),
     "ws_m128n128": (128, 128, 8, 2, 1),
+    "ws_m128n32": (128, 32, 8, 4, 1),  # the dq pass's (DQ_CONFIGS)
 }
-DQ_CONFIGS = ("m128n64", "m64n64")
-"""The configs the ``dq`` pass takes (one partition; in the sm_90 build both take 255 registers and
-spill 8 bytes, the 128-wide key blocks 576)."""
+DQ_CONFIGS = ("m128n64", "m64n64", "ws_m128n32", "ws_m128n64")
+"""The configs the ``dq`` pass takes: one partition (in the sm_90 build both take 255 registers and
+spill 8 bytes, the 128-wide key blocks 576), or the loads in a producer warp (``ws_*``: 32-key blocks fit
+the consumers' 240 registers)."""
 DEFAULT_DQ_CONFIG = "m128n64"
 DKDV_CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # name: (BLOCK_M queries a step, BLOCK_N keys a tile, num_warps, STAGES, programs per SM):
@@ -216,15 +218,20 @@ def dq(
     block_m, block_n, warps, stages, per_sm = _config("dq", config, DQ_CONFIGS, DEFAULT_DQ_CONFIG)
     if rows == 0 or seq_offsets.shape[0] <= 1:
         return out
-    from gem_kernels.attention_gluon_dq import dq_kernel
+    from gem_kernels.attention_gluon_dq import dq_kernel, dq_ws_kernel
 
     (pointers, counts), constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
+    descriptors = (row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m),
+                   row_view_descriptor(k, block_n), row_view_descriptor(v, block_n))  # fmt: skip
+    scalars = (out.stride(0), out.stride(1), *counts, float(alpha) / max_seq_len)
     with device_guard(q.device):
-        dq_kernel[_grid(q.device, per_sm, programs)](
-            row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m), row_view_descriptor(k, block_n),
-            row_view_descriptor(v, block_n), out, *pointers, queue_counter(q.device), out.stride(0), out.stride(1),
-            *counts, float(alpha) / max_seq_len, DQK=dim_qk, DV=v.shape[2], **constants,
-        )
+        grid = _grid(q.device, per_sm, programs)
+        if (config or DEFAULT_DQ_CONFIG).startswith("ws_"):
+            dq_ws_kernel[grid](*descriptors, out, *pointers, *scalars, DQK=dim_qk, DV=v.shape[2],
+                               PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
+        else:
+            dq_kernel[grid](*descriptors, out, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk, DV=v.shape[2],
+                            **constants)  # fmt: skip
     return out
 
 

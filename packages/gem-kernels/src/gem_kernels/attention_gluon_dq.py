@@ -41,6 +41,7 @@ if HAVE_GLUON:
         _tile_of,
         mma_layout,
     )
+    from gem_kernels.attention_gluon_ws import _producer
 
     @gluon.jit
     def _score_grads(s, dp, half_alpha, queries, keys, seq_len, history_len, MASKED: gl.constexpr):
@@ -54,6 +55,62 @@ if HAVE_GLUON:
             w = gl.where(_allowed(queries, keys, seq_len, history_len, True), w, 0.0)
         return w
 
+    @gluon.jit
+    def _dq_steps(q_tile, do_tile, k_smem, v_smem, ready, empty, loads, n_blocks, n_hist, diag_lo, full_hi, m0,
+                  seq_len, history_len, half_alpha, k_desc, v_desc, kv_row, k_col, v_col, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, DQK: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                  WS: gl.constexpr):
+        """One query tile's ``dq`` (float32, before ``alpha / N``) over its ``n_blocks`` key blocks, whose
+        k and v come through the ring (block ``b`` in slot ``(loads + b) % STAGES`` on ``ready``); a
+        retired slot is refilled here (one partition) or handed back on ``empty`` (``WS``)."""
+        dtype: gl.constexpr = q_tile.dtype
+        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        queries = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+        slot = loads % STAGES
+        mbarrier.wait(ready.index(slot), (loads // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=[s, dp])
+        start = _block_start(0, n_hist, diag_lo, BLOCK_N)
+        if start + BLOCK_N > full_hi:
+            w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, True)
+        else:
+            w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, False)
+        ds = gl.convert_layout(w.to(dtype), p_layout)
+        acc = gl.zeros([BLOCK_M, DQK], gl.float32, o_layout)
+        for i in range(1, n_blocks):
+            prev = (loads + i - 1) % STAGES
+            slot = (loads + i) % STAGES
+            mbarrier.wait(ready.index(slot), ((loads + i) // STAGES) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+            acc = warpgroup_mma(ds, k_smem.index(prev), acc, is_async=True)
+            s, dp = warpgroup_mma_wait(1, deps=[s, dp])  # this block's; the previous ds k may run on
+            start = _block_start(i, n_hist, diag_lo, BLOCK_N)
+            if start + BLOCK_N > full_hi:
+                w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, True)
+            else:
+                w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, False)
+            acc = warpgroup_mma_wait(0, deps=[acc, ds])[0]
+            ds = gl.convert_layout(w.to(dtype), p_layout)
+            if WS:
+                mbarrier.arrive(empty.index(prev), count=1)
+            else:
+                nxt = i - 1 + STAGES
+                _load_pair(k_desc, v_desc, k_smem, v_smem, ready, prev,
+                           kv_row + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
+        last = (loads + n_blocks - 1) % STAGES
+        acc = warpgroup_mma(ds, k_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if WS:
+            mbarrier.arrive(empty.index(last), count=1)
+        return acc
+
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def dq_kernel(
         q_desc, do_desc, k_desc, v_desc, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
@@ -63,11 +120,7 @@ if HAVE_GLUON:
     ):
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
-        s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
-        o_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DQK], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DV], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
@@ -77,9 +130,6 @@ if HAVE_GLUON:
         mbarrier.init(q_bar, count=1)
         _init_barriers(kv_bars, STAGES)
         fence_async_shared()
-
-        rows_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
 
         loads = 0
         q_phase = 0
@@ -97,53 +147,16 @@ if HAVE_GLUON:
                 mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], q_bar, q_smem)
                 tma.async_copy_global_to_shared(do_desc, [seq_start + m0, head * DV], q_bar, do_smem)
-                k_col = head * DQK
-                v_col = head * DV
                 for i in gl.static_range(STAGES):
                     _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bars, (loads + i) % STAGES,
-                             seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), k_col, v_col, i < n_blocks)
-                queries = m0 + rows_s
+                               seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), head * DQK, head * DV,
+                               i < n_blocks)
                 mbarrier.wait(q_bar, q_phase)
                 q_phase ^= 1
-
-                slot = loads % STAGES
-                mbarrier.wait(kv_bars.index(slot), (loads // STAGES) & 1)
-                zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-                s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
-                dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
-                s, dp = warpgroup_mma_wait(0, deps=[s, dp])
-                start = _block_start(0, n_hist, diag_lo, BLOCK_N)
-                if start + BLOCK_N > full_hi:
-                    w = _score_grads(s, dp, half_alpha, queries, start + cols_s, seq_len, history_len, True)
-                else:
-                    w = _score_grads(s, dp, half_alpha, queries, start + cols_s, seq_len, history_len, False)
-                ds = gl.convert_layout(w.to(dtype), p_layout)
-                acc = gl.zeros([BLOCK_M, DQK], gl.float32, o_layout)
-                for i in range(1, n_blocks):
-                    prev = (loads + i - 1) % STAGES
-                    slot = (loads + i) % STAGES
-                    mbarrier.wait(kv_bars.index(slot), ((loads + i) // STAGES) & 1)
-                    s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
-                                      is_async=True)
-                    dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), zeros, use_acc=False,
-                                       is_async=True)
-                    acc = warpgroup_mma(ds, k_smem.index(prev), acc, is_async=True)
-                    s, dp = warpgroup_mma_wait(1, deps=[s, dp])  # this block's; the previous ds k may run on
-                    start = _block_start(i, n_hist, diag_lo, BLOCK_N)
-                    if start + BLOCK_N > full_hi:
-                        w = _score_grads(s, dp, half_alpha, queries, start + cols_s, seq_len, history_len, True)
-                    else:
-                        w = _score_grads(s, dp, half_alpha, queries, start + cols_s, seq_len, history_len, False)
-                    acc = warpgroup_mma_wait(0, deps=[acc, ds])[0]
-                    ds = gl.convert_layout(w.to(dtype), p_layout)
-                    nxt = i - 1 + STAGES
-                    _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bars, prev,
-                             seq_start + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
-                last = (loads + n_blocks - 1) % STAGES
-                acc = warpgroup_mma(ds, k_smem.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
+                acc = _dq_steps(q_smem, do_smem, k_smem, v_smem, kv_bars, kv_bars, loads, n_blocks, n_hist, diag_lo,
+                                full_hi, m0, seq_len, history_len, half_alpha, k_desc, v_desc, seq_start, head * DQK,
+                                head * DV, BLOCK_M, BLOCK_N, DQK, STAGES, NUM_WARPS, False)
                 loads += n_blocks
-
                 _store_rows(acc, DQ, seq_start, m0, head, seq_len, stride_om, stride_oh, out_scale, BLOCK_M, DQK,
                             NUM_WARPS)
                 tile = next_tile
@@ -151,3 +164,76 @@ if HAVE_GLUON:
         mbarrier.invalidate(q_bar)
         _invalidate_barriers(kv_bars, STAGES)
         _release_queue(COUNTER)
+
+    @gluon.jit
+    def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, DQ, SEQ_OFFSETS,
+                     NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+                     HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        programs = gl.num_programs(0)
+        tile = gl.program_id(0)
+        tiles_before = tile * 0
+        loads = 0
+        done = 0
+        for chunk0 in range(0, num_seqs, CHUNK):
+            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
+                                           BLOCK_M, CHUNK, chunk_layout)
+            chunk_end = tiles_before + gl.sum(tiles, 0)
+            while tile < chunk_end:
+                seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks = _tile_of(
+                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
+                    BLOCK_M, BLOCK_N)
+                q_slot = done % 2
+                mbarrier.wait(q_ready.index(q_slot), (done // 2) & 1)
+                acc = _dq_steps(q_smem.index(q_slot), do_smem.index(q_slot), k_smem, v_smem, kv_ready, kv_empty,
+                                loads, n_blocks, n_hist, diag_lo, full_hi, m0, seq_len, history_len, half_alpha, None,
+                                None, seq_start, head * DQK, head * DV, BLOCK_M, BLOCK_N, DQK, STAGES, NUM_WARPS, True)
+                mbarrier.arrive(q_empty.index(q_slot), count=1)  # every MMA that read this q and g is done
+                loads += n_blocks
+                done += 1
+                _store_rows(acc, DQ, seq_start, m0, head, seq_len, stride_om, stride_oh, out_scale, BLOCK_M, DQK,
+                            NUM_WARPS)
+                tile += programs
+            tiles_before = chunk_end
+
+    @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
+    def dq_ws_kernel(
+        q_desc, do_desc, k_desc, v_desc, DQ, SEQ_OFFSETS, NUM_TARGETS,
+        stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+        HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """:func:`dq_kernel` with its loads in the forward's producer warp (``attention_gluon_ws._producer``,
+        which also loads the output gradient's rows); two query slots; tiles dealt statically."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DQK], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DV], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        _init_barriers(q_ready, 2)
+        _init_barriers(q_empty, 2)
+        _init_barriers(kv_ready, STAGES)
+        _init_barriers(kv_empty, STAGES)
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, DQ, SEQ_OFFSETS,
+                                NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+                                HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                             kv_ready, kv_empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK,
+                             BLOCK_M, BLOCK_N, DQK, DV, STAGES, True)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )
+        _invalidate_barriers(q_ready, 2)
+        _invalidate_barriers(q_empty, 2)
+        _invalidate_barriers(kv_ready, STAGES)
+        _invalidate_barriers(kv_empty, STAGES)

@@ -34,6 +34,7 @@ if HAVE_GLUON:
         _block_start,
         _init_barriers,
         _invalidate_barriers,
+        _load_pair,
         _scan_chunk,
         _store_rows,
         _tile_of,
@@ -41,10 +42,13 @@ if HAVE_GLUON:
     from gem_kernels.attention_gluon_fwd import _forward_steps
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                  SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads,
+    def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready,
+                  kv_empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads,
                   HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+                  DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, WITH_GRAD: gl.constexpr):
+        """The loads of a query-major kernel's producer warp: per tile its queries (and with ``WITH_GRAD``
+        the output gradient's rows: the dq pass) into one of two slots, then its key blocks' k and v
+        through the ring, each slot once the consumer has handed it back."""
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         programs = gl.num_programs(0)
         tile = gl.program_id(0)
@@ -62,18 +66,18 @@ if HAVE_GLUON:
                 # two query slots: this tile's q loads while the consumer works on the previous tile
                 q_slot = done % 2
                 mbarrier.wait(q_empty.index(q_slot), ((done // 2) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(q_slot), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], q_ready.index(q_slot),
-                                                q_smem.index(q_slot))
+                bar = q_ready.index(q_slot)
+                if WITH_GRAD:
+                    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(do_desc, [seq_start + m0, head * DV], bar, do_smem.index(q_slot))
+                else:
+                    mbarrier.expect(bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [seq_start + m0, head * DQK], bar, q_smem.index(q_slot))
                 for i in range(n_blocks):
                     c = loads + i
-                    slot = c % STAGES
-                    mbarrier.wait(kv_empty.index(slot), ((c // STAGES) & 1) ^ 1)
-                    bar = kv_ready.index(slot)
-                    row = seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N)
-                    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [row, head * DQK], bar, k_smem.index(slot))
-                    tma.async_copy_global_to_shared(v_desc, [row, head * DV], bar, v_smem.index(slot))
+                    mbarrier.wait(kv_empty.index(c % STAGES), ((c // STAGES) & 1) ^ 1)
+                    _load_pair(k_desc, v_desc, k_smem, v_smem, kv_ready, c % STAGES,
+                               seq_start + _block_start(i, n_hist, diag_lo, BLOCK_N), head * DQK, head * DV, True)
                 loads += n_blocks
                 done += 1
                 tile += programs
@@ -137,9 +141,9 @@ if HAVE_GLUON:
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT, SEQ_OFFSETS,
                              NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
                              HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty,
-                             SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N,
-                             DQK, DV, STAGES)),
+                (_producer, (q_desc, None, k_desc, v_desc, q_smem, None, k_smem, v_smem, q_ready, q_empty,
+                             kv_ready, kv_empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK,
+                             BLOCK_M, BLOCK_N, DQK, DV, STAGES, False)),
             ],
             [1],
             [PRODUCER_REGS],

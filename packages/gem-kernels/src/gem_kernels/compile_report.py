@@ -192,7 +192,8 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
 
     specialized = config.startswith("ws_")
     fn = (dkdv_pass.dkdv_ws_kernel if specialized else dkdv_pass.dkdv_kernel) if dkdv else (
-        dq_pass.dq_kernel if dq else (ws.forward_ws_kernel if specialized else fwd.forward_kernel))
+        (dq_pass.dq_ws_kernel if specialized else dq_pass.dq_kernel) if dq
+        else (ws.forward_ws_kernel if specialized else fwd.forward_kernel))
     types = {"q_desc": descriptor(block_m, dim_qk), "do_desc": descriptor(block_m, dim_v),
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
              "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
