@@ -40,11 +40,8 @@ from typing import Any
 
 import torch
 
-from gem_kernels.attention_gluon_common import HAVE_GLUON
-
-if HAVE_GLUON:
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+# Gluon and the kernels are imported where a call needs them, not here: ``attention_triton`` imports this
+# module for its switches, and defining the Gluon kernels costs ~0.1 s at every start.
 
 FORWARD = False
 """Route qualifying forward calls of ``query_major`` here (read at call time)."""
@@ -99,13 +96,19 @@ HEAD_DIMS = (64, 128)
 
 def shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     """The NVMMA (wgmma-readable, 128-byte swizzled) shared layout of a ``block`` tile."""
+    from triton.experimental.gluon import language as gl
+
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *grad_out: torch.Tensor) -> bool:
     """Whether these kernels can take the forward (or with ``grad_out``, the ``dq`` pass) of these
     ``[L, H, D]`` tensors on their device."""
-    if not HAVE_GLUON or not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    from gem_kernels.attention_gluon_common import HAVE_GLUON  # imports Gluon: only where it could run
+
+    if not HAVE_GLUON:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in (k, v, *grad_out)):
         return False
@@ -123,6 +126,8 @@ def row_view_descriptor(t: torch.Tensor, block_rows: int) -> Any:
     """A host tensor descriptor over ``[L, H, D]`` seen as ``[L, H D]``, in ``[block_rows, D]`` tiles."""
     rows, heads, dim = t.shape
     block = [block_rows, dim]
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], block, shared_layout(block, t.dtype))
 
 
@@ -144,14 +149,13 @@ def _grid(device: torch.device, per_sm: int, programs: int | None) -> tuple[int]
 
 
 def _common(seq_offsets: torch.Tensor, num_targets: torch.Tensor | None, heads: int, alpha: float,
-            block_m: int, block_n: int, stages: int, warps: int) -> tuple[tuple, dict]:  # fmt: skip
-    """What every launch passes: the offsets, the targets (the offsets stand in when there are none;
-    unread), the sequence and head counts and ``alpha / 2``; and the constants they share."""
+            block_m: int, block_n: int, stages: int, warps: int) -> tuple[tuple, tuple, dict]:  # fmt: skip
+    """What every launch passes: the offsets and targets (the offsets stand in when there are none;
+    unread); the sequence and head counts and ``alpha / 2``; and the constants they share."""
     targets = num_targets if num_targets is not None else seq_offsets
-    args = (seq_offsets, targets)
     constants = dict(HAS_TARGETS=num_targets is not None, CHUNK=CHUNK, BLOCK_M=block_m, BLOCK_N=block_n,
                      STAGES=stages, num_warps=warps)  # fmt: skip
-    return (args, (seq_offsets.shape[0] - 1, heads, 0.5 * float(alpha))), constants
+    return (seq_offsets, targets), (seq_offsets.shape[0] - 1, heads, 0.5 * float(alpha)), constants
 
 
 def forward(
@@ -177,7 +181,7 @@ def forward(
     block_m, block_n, warps, stages, per_sm = _config("forward", config, CONFIGS, DEFAULT_CONFIG)
     if rows == 0 or seq_offsets.shape[0] <= 1:
         return out
-    (pointers, counts), constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
+    pointers, counts, constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
     descriptors = (row_view_descriptor(q, block_m), row_view_descriptor(k, block_n), row_view_descriptor(v, block_n))
     scalars = (out.stride(0), out.stride(1), *counts, 1.0 / max_seq_len)
     with device_guard(q.device):
@@ -220,7 +224,7 @@ def dq(
         return out
     from gem_kernels.attention_gluon_dq import dq_kernel, dq_ws_kernel
 
-    (pointers, counts), constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
+    pointers, counts, constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
     descriptors = (row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m),
                    row_view_descriptor(k, block_n), row_view_descriptor(v, block_n))  # fmt: skip
     scalars = (out.stride(0), out.stride(1), *counts, float(alpha) / max_seq_len)
@@ -261,7 +265,7 @@ def dkdv(
         return dk, dv
     from gem_kernels.attention_gluon_dkdv import dkdv_kernel, dkdv_ws_kernel
 
-    (pointers, counts), constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
+    pointers, counts, constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
     descriptors = (row_view_descriptor(q, block_m), row_view_descriptor(grad_out, block_m),
                    row_view_descriptor(k, block_n), row_view_descriptor(v, block_n))  # fmt: skip
     scalars = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *counts, float(alpha) / max_seq_len,
