@@ -245,44 +245,55 @@ def print_table(rows: list[dict[str, Any]], which: str) -> None:
             print(f"FAILED {row['case']}: {failure}")
 
 
-def isolated(args: argparse.Namespace, timeout_s: float) -> int:
-    """Each (pass, config) checked alone in a process of its own on ``--cases`` (no timing), with a
-    time limit: a kernel that hangs on a barrier or faults takes only its own process down. Prints one
-    line per kernel (passed, failed with the check's reason, crashed with the tail of its stderr, or
-    hung) and keeps them in ``--out``."""
+def _check_alone(args: argparse.Namespace, timeout_s: float, flag: str, config: str) -> tuple[str, list[str], dict, float]:
+    """One kernel config checked in a process of its own: (verdict, detail, its --out record, seconds)."""
     import json
     import subprocess
     import tempfile
 
+    passes = {"--configs": "", "--dq-configs": "", "--dkdv-configs": "", flag: config}
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, os.path.abspath(__file__), "--cases", ",".join(args.cases), "--seed",
+                   str(args.seed), "--rounds", "0", "--max-error", str(args.max_error), "--out", out.name,
+                   *(a for k, v in passes.items() for a in (k, v)),
+                   *(["--programs", str(args.programs)] if args.programs else [])]  # fmt: skip
+        started = time.perf_counter()
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+            verdict = "passed" if run.returncode == 0 else ("failed" if run.returncode == 1 else "crashed")
+            detail = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+            if verdict == "crashed" or (verdict == "failed" and not detail):
+                verdict, detail = "crashed", run.stderr.strip().splitlines()[-3:]
+            record = json.loads(Path(out.name).read_text() or "{}") if verdict != "crashed" else {}
+        except subprocess.TimeoutExpired:
+            verdict, detail, record = "hung", [f"no exit in {timeout_s:.0f} s"], {}
+    return verdict, detail, record, time.perf_counter() - started
+
+
+def isolated(args: argparse.Namespace, timeout_s: float) -> int:
+    """Each (pass, config) checked alone in a process of its own on ``--cases`` (no timing), with a
+    time limit: a kernel that hangs on a barrier or faults takes only its own process down. ``--jobs``
+    processes run at once (they share the GPU; a check does not time anything). Prints one line per
+    kernel (passed, failed with the check's reason, crashed with the tail of its stderr, or hung) and
+    keeps them in ``--out``."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
     kernels = [("--configs", "forward", c) for c in args.configs] + [
         ("--dq-configs", "dq", c) for c in args.dq_configs] + [("--dkdv-configs", "dkdv", c) for c in args.dkdv_configs]
     results = []
-    for flag, which, config in kernels:
-        passes = {"--configs": "", "--dq-configs": "", "--dkdv-configs": "", flag: config}
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            command = [sys.executable, os.path.abspath(__file__), "--cases", ",".join(args.cases), "--seed",
-                       str(args.seed), "--rounds", "0", "--max-error", str(args.max_error), "--out", out.name,
-                       *(a for k, v in passes.items() for a in (k, v)),
-                       *(["--programs", str(args.programs)] if args.programs else [])]  # fmt: skip
-            started = time.perf_counter()
-            try:
-                run = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-                verdict = "passed" if run.returncode == 0 else ("failed" if run.returncode == 1 else "crashed")
-                detail = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
-                if verdict == "crashed" or (verdict == "failed" and not detail):
-                    verdict, detail = "crashed", run.stderr.strip().splitlines()[-3:]
-                record = json.loads(Path(out.name).read_text() or "{}") if verdict != "crashed" else {}
-            except subprocess.TimeoutExpired:
-                verdict, detail, record = "hung", [f"no exit in {timeout_s:.0f} s"], {}
-        seconds = time.perf_counter() - started
-        print(f"{which:<8} {config:<12} {verdict:<8} {seconds:6.1f} s  {'; '.join(detail)[:400]}", flush=True)
-        results.append({"pass": which, "config": config, "verdict": verdict, "detail": detail, "seconds": seconds,
-                        "checks": [r.get("checks") for r in record.get("results", [])]})  # fmt: skip
-        if args.out:  # this process never touches the GPU: the device's name only where one is seen
-            device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none seen by the parent"
-            meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device,
-                    "command": " ".join(sys.argv), "seed": args.seed, "isolated": True}  # fmt: skip
-            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(_check_alone, args, timeout_s, flag, config) for flag, _, config in kernels]
+        for (_, which, config), future in zip(kernels, futures):
+            verdict, detail, record, seconds = future.result()
+            print(f"{which:<8} {config:<12} {verdict:<8} {seconds:6.1f} s  {'; '.join(detail)[:400]}", flush=True)
+            results.append({"pass": which, "config": config, "verdict": verdict, "detail": detail,
+                            "seconds": seconds, "checks": [r.get("checks") for r in record.get("results", [])]})
+            if args.out:  # this process never touches the GPU: the device's name only where one is seen
+                device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none seen by the parent"
+                meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device,
+                        "command": " ".join(sys.argv), "seed": args.seed, "isolated": True}  # fmt: skip
+                Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0 if all(r["verdict"] == "passed" for r in results) else 1
 
 
@@ -302,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Gluon kernels' grid size (1: every tile in one program, for a failing check)")
     parser.add_argument("--isolate", type=float, default=None, metavar="SECONDS",
                         help="check each kernel config in a process of its own with this time limit (no timing)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="with --isolate: how many of those processes run at once")
     args = parser.parse_args(argv)
     args.cases = [c for c in args.cases.split(",") if c]
     args.configs = [c for c in args.configs.split(",") if c]

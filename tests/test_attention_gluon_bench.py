@@ -77,7 +77,7 @@ def test_isolate_runs_each_kernel_in_its_own_process_and_reports_crashes_and_han
     next kernel still runs; a child that does not exit in time is reported as hung."""
     out = tmp_path / "checks.json"
     status = main(["--isolate", "60", "--cases", "edges", "--configs", "m64n64", "--dq-configs", "",
-                   "--dkdv-configs", "n128m32", "--seed", "5", "--out", str(out)])
+                   "--dkdv-configs", "n128m32", "--seed", "5", "--out", str(out), "--jobs", "2"])
     assert status == 1
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("forward", "dkdv"))]
     assert [line.split()[:3] for line in lines] == [["forward", "m64n64", "crashed"], ["dkdv", "n128m32", "crashed"]]
