@@ -297,6 +297,35 @@ def isolated(args: argparse.Namespace, timeout_s: float) -> int:
     return 0 if all(r["verdict"] == "passed" for r in results) else 1
 
 
+def once(args: argparse.Namespace, device: torch.device) -> int:
+    """For a profiler: per case, every listed kernel (the Triton one and each config of each pass) called
+    once to compile, then once more between ``cudaProfilerStart`` and ``cudaProfilerStop`` (wrap it in
+    ``ncu --profile-from-start off``). No check, no timing."""
+    configs = {"forward": args.configs, "dq": args.dq_configs, "dkdv": args.dkdv_configs}
+    for name in args.cases:
+        x = make_inputs(name, args.seed, device)
+        x["programs"] = args.programs
+        calls: list[Callable[[], object]] = []
+        for which in PASSES:
+            if not configs[which]:
+                continue
+            shapes = triton_pass(x, which)
+            calls.append(lambda w=which, x=x: triton_pass(x, w))
+            for config in configs[which]:
+                outs = tuple(torch.empty_like(b) for b in shapes)
+                calls.append(lambda w=which, c=config, o=outs, x=x: gluon_pass(x, w, c, o))
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"{name}: {len(calls)} kernels called once for the profiler", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES))
@@ -313,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Gluon kernels' grid size (1: every tile in one program, for a failing check)")
     parser.add_argument("--isolate", type=float, default=None, metavar="SECONDS",
                         help="check each kernel config in a process of its own with this time limit (no timing)")
+    parser.add_argument("--once", action="store_true",
+                        help="call each kernel once between cudaProfilerStart/Stop, for ncu (no check, no timing)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="with --isolate: how many of those processes run at once")
     args = parser.parse_args(argv)
@@ -337,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     if not attention_gluon.supported(q, q, q):
         print(f"the Gluon forward does not run here ({torch.cuda.get_device_name()}): it needs sm_90")
         return 1
+    if args.once:
+        return once(args, device)
     rows = []
     for name in args.cases:
         rows.append(run_case(name, args, device))
