@@ -70,7 +70,8 @@ DQ_CONFIGS = ("m128n64", "m64n64", "ws_m128n32", "ws_m128n64")
 """The configs the ``dq`` pass takes: one partition (in the sm_90 build both take 255 registers and
 spill 8 bytes, the 128-wide key blocks 576), or the loads in a producer warp (``ws_*``: 32-key blocks fit
 the consumers' 240 registers)."""
-DEFAULT_DQ_CONFIG = "m128n64"
+DEFAULT_DQ_CONFIG = "m64n64"
+"""The fastest on the H200 (2026-12-05): 0.947x the Triton dq pass at the big config's lengths, 0.968x at 1024."""
 DKDV_CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # name: (BLOCK_M queries a step, BLOCK_N keys a tile, num_warps, STAGES, programs per SM):
     # two warpgroups of 64 keys, dk and dv in registers. In the sm_90 build both take 255 registers;
@@ -83,10 +84,12 @@ DKDV_CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "ws_n128m32": (32, 128, 8, 3, 1),
 }
 DEFAULT_DKDV_CONFIG = "n128m32"
+"""The fastest on the H200 (2026-12-05): 0.877x the Triton dk/dv pass at the big config's lengths."""
 PRODUCER_REGISTERS = 40
 """Registers of the ``ws_*`` configs' producer warp (it computes addresses and waits on barriers)."""
-DEFAULT_CONFIG = "m128n64"
-"""The launch used unless ``config`` says otherwise (a guess until timed on the GPU)."""
+DEFAULT_CONFIG = "m64n64"
+"""The launch used unless ``config`` says otherwise: the fastest forward on the H200 (2026-12-05), still
+0.817x the Triton forward at the big config's lengths (``benchmarks/results/e2e_ab.md``)."""
 
 CHUNK = 128
 """Sequences read per step of the queue scan (as the Triton kernel's ``CHUNK``)."""
