@@ -47,9 +47,12 @@ TILES = [(32, 64, 4), (64, 64, 4), (32, 32, 4), (32, 128, 4), (16, 64, 4), (32, 
 """(BLOCK_M, BLOCK_D, warps) candidates for ``--tiles``; the first is the shipped one."""
 
 
-def data(batch: int, exponent: float, max_len: int, dim: int, k: int, dev: torch.device, gen: torch.Generator):
+def data(batch: int, exponent: float, max_len: int, dim: int, k: int, dev: torch.device, gen: torch.Generator,
+         min_len: int = 0):
+    """Power-law lengths of at least ``min_len`` (the smoke run's 4 sequences take 2: a draw of lengths
+    0 and 1 only has no next item, and the loss then uses no item row)."""
     n = torch.arange(max_len + 1, dtype=torch.float64)
-    lengths = torch.multinomial((n + 1) ** -exponent, batch, replacement=True, generator=gen)
+    lengths = torch.multinomial((n + 1) ** -exponent, batch, replacement=True, generator=gen).clamp_min(min_len)
     rows = int(lengths.sum())
     query = torch.randn(rows, dim, generator=gen).to(dev, torch.bfloat16)
     items = (0.1 * torch.randn(rows, dim, generator=gen)).to(dev)
@@ -123,7 +126,7 @@ def main() -> None:
     results = []
     for case, (batch, exponent) in CASES.items():
         batch = 4 if args.smoke else batch
-        inputs, host = data(batch, exponent, max_len, dim, k, dev, gen)
+        inputs, host = data(batch, exponent, max_len, dim, k, dev, gen, min_len=2 if args.smoke else 0)
         fns = {name: step(kernel, inputs, host, k) for name, kernel in kernels.items()}
         want, got = fns["torch"](), fns["triton"]()
         again = fns["triton"]()  # no atomics: a second call must give the same bits
