@@ -198,6 +198,17 @@ def check(x: dict[str, Any], which: str, configs: list[str], max_error: float,
     return result
 
 
+def kernel_calls(x: dict[str, Any], which: str, configs: list[str]) -> dict[str, Callable[[], object]]:
+    """Pass ``which`` as calls: the Triton kernels' (``"triton"``) and each Gluon config's, the latter
+    into outputs allocated once (shapes from one Triton call)."""
+    shapes = triton_pass(x, which)
+    fns: dict[str, Callable[[], object]] = {"triton": lambda: triton_pass(x, which)}
+    for config in configs:
+        outs = tuple(torch.empty_like(b) for b in shapes)
+        fns[config] = lambda c=config, o=outs: gluon_pass(x, which, c, o)
+    return fns
+
+
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     x = make_inputs(name, args.seed, device)
     x["programs"] = args.programs
@@ -214,12 +225,7 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[
     for which in PASSES:
         if not configs[which] or row["checks"][which]["failures"] or args.rounds <= 0:
             continue  # a config that fails is not timed
-        fns: dict[str, Callable[[], object]] = {"triton": lambda w=which: triton_pass(x, w)}
-        shapes = triton_pass(x, which)  # the outputs' shapes and dtypes, once per pass
-        for config in configs[which]:
-            outs = tuple(torch.empty_like(b) for b in shapes)
-            fns[config] = lambda w=which, c=config, o=outs: gluon_pass(x, w, c, o)
-        times = rotated_rounds(fns, args.rounds)
+        times = rotated_rounds(kernel_calls(x, which, configs[which]), args.rounds)
         scale = MMAS[which] / 2
         row["timed"][which] = {n: {**spread(ms), "tflops": scale * work / spread(ms)["median"] / 1e9}
                                for n, ms in times.items()}  # fmt: skip
@@ -281,18 +287,18 @@ def isolated(args: argparse.Namespace, timeout_s: float) -> int:
 
     kernels = [("--configs", "forward", c) for c in args.configs] + [
         ("--dq-configs", "dq", c) for c in args.dq_configs] + [("--dkdv-configs", "dkdv", c) for c in args.dkdv_configs]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none seen by the parent"
+    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device,
+            "command": " ".join(sys.argv), "seed": args.seed, "isolated": True}  # fmt: skip
     results = []
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(_check_alone, args, timeout_s, flag, config) for flag, _, config in kernels]
         for (_, which, config), future in zip(kernels, futures):
             verdict, detail, record, seconds = future.result()
             print(f"{which:<8} {config:<12} {verdict:<8} {seconds:6.1f} s  {'; '.join(detail)[:400]}", flush=True)
             results.append({"pass": which, "config": config, "verdict": verdict, "detail": detail,
                             "seconds": seconds, "checks": [r.get("checks") for r in record.get("results", [])]})
-            if args.out:  # this process never touches the GPU: the device's name only where one is seen
-                device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none seen by the parent"
-                meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": device,
-                        "command": " ".join(sys.argv), "seed": args.seed, "isolated": True}  # fmt: skip
+            if args.out:  # after each kernel: a later hang or crash loses nothing
                 Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0 if all(r["verdict"] == "passed" for r in results) else 1
 
@@ -305,15 +311,7 @@ def once(args: argparse.Namespace, device: torch.device) -> int:
     for name in args.cases:
         x = make_inputs(name, args.seed, device)
         x["programs"] = args.programs
-        calls: list[Callable[[], object]] = []
-        for which in PASSES:
-            if not configs[which]:
-                continue
-            shapes = triton_pass(x, which)
-            calls.append(lambda w=which, x=x: triton_pass(x, w))
-            for config in configs[which]:
-                outs = tuple(torch.empty_like(b) for b in shapes)
-                calls.append(lambda w=which, c=config, o=outs, x=x: gluon_pass(x, w, c, o))
+        calls = [fn for which in PASSES if configs[which] for fn in kernel_calls(x, which, configs[which]).values()]
         for call in calls:
             call()
         torch.cuda.synchronize()
@@ -355,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         c for c in args.configs if c not in attention_gluon.CONFIGS] + [
         c for c in args.dq_configs if c not in attention_gluon.DQ_CONFIGS] + [
         c for c in args.dkdv_configs if c not in attention_gluon.DKDV_CONFIGS]
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if unknown:
         parser.error(f"unknown case or config: {', '.join(unknown)} (cases: edges, {', '.join(CASES)}; "
                      f"configs: {', '.join(attention_gluon.CONFIGS)})")  # fmt: skip
