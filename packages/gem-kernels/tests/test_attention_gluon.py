@@ -29,6 +29,10 @@ print(json.dumps({"config": "dq", "dims": [128, 128], **compile_gluon_forward("m
 print(json.dumps({"config": "dkdv", "dims": [128, 128], **compile_gluon_forward("n128m32", dkdv=True)}))
 print(json.dumps({"config": "dkdv_ws", "dims": [128, 128], **compile_gluon_forward("ws_n128m16", dkdv=True)}))
 print(json.dumps({"config": "dq_ws", "dims": [128, 128], **compile_gluon_forward("ws_m128n32", dq=True)}))
+for config in ("m64n32", "qr_m64n32", "m64n16"):
+    print(json.dumps({"config": config, "dims": [128, 128], **compile_gluon_forward(config)}))
+for config in ("m64n32s2", "m64n16"):
+    print(json.dumps({"config": "dq_" + config, "dims": [128, 128], **compile_gluon_forward(config, dq=True)}))
 """
 
 
@@ -38,7 +42,22 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 9
+    assert len(reports) == 14
+    # every config launches no more programs an SM than its registers and shared memory let in
+    assert all(r["fit_per_sm"] >= r["programs_per_sm"] for r in reports), [
+        (r["config"], r["fit_per_sm"], r["programs_per_sm"]) for r in reports]
+    three = {r["config"]: reports.pop() for r in list(reports[-5:])[::-1]}
+    # three programs an SM, as the Triton forward's best: registers capped at 168 (three of 4 warps in
+    # 65,536), 64 KiB of shared memory or less; the forward without spills, the queries in registers too
+    # (qr_m64n32: q k^T from registers), the dq pass's 16-key blocks without, its 32-key blocks 32 bytes
+    assert all(r["register_cap"] == 168 and r["registers"] <= 168 and r["fit_per_sm"] >= 3 for r in three.values()), three
+    assert all(r["shared_bytes"] <= 66 * 1024 for r in three.values()), three
+    for config in ("m64n32", "qr_m64n32", "m64n16", "dq_m64n16"):
+        assert three[config]["stack_bytes"] == 0, three[config]
+    assert three["dq_m64n32s2"]["stack_bytes"] <= 32, three["dq_m64n32s2"]
+    assert three["qr_m64n32"]["registers"] > three["m64n32"]["registers"] + 16  # the 64 x 128 queries: 32 a thread
+    for config in ("m64n32", "qr_m64n32", "m64n16"):
+        assert _follows(three[config]["mma_order"], ["64x" + config[-2:], "64x128", "wait1"]), three[config]["mma_order"]
     dq_ws = reports.pop()
     assert dq_ws["stack_bytes"] == 0 and dq_ws["arrives_after_barrier"], dq_ws
     assert _follows(dq_ws["mma_order"], ["64x32", "64x32", "64x128", "wait1"]), dq_ws["mma_order"]
@@ -173,7 +192,7 @@ def test_a_grid_of_no_program_is_refused() -> None:
         attention_gluon.forward(q, q, q, torch.tensor([0, 8]), None, max_seq_len=8, alpha=0.1, programs=0)
 
 
-@pytest.mark.parametrize("which", ["forward", "ws", "dq", "dq_ws", "dkdv", "dkdv_ws"])
+@pytest.mark.parametrize("which", ["forward", "forward_qr", "ws", "dq", "dq3", "dq_ws", "dkdv", "dkdv_ws"])
 def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> None:
     """The launchers never run on the CPU; here each kernel is replaced by a recorder, and what the
     launcher hands it must bind to the kernel's own parameters (names, count, constexprs), with the
@@ -183,6 +202,7 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     from gem_kernels import attention_gluon_dkdv, attention_gluon_dq, attention_gluon_fwd, attention_gluon_ws
 
     module, name = {"forward": (attention_gluon_fwd, "forward_kernel"), "ws": (attention_gluon_ws, "forward_ws_kernel"),
+                    "forward_qr": (attention_gluon_fwd, "forward_kernel"), "dq3": (attention_gluon_dq, "dq_kernel"),
                     "dq": (attention_gluon_dq, "dq_kernel"), "dq_ws": (attention_gluon_dq, "dq_ws_kernel"),
                     "dkdv": (attention_gluon_dkdv, "dkdv_kernel"),
                     "dkdv_ws": (attention_gluon_dkdv, "dkdv_ws_kernel")}[which]
@@ -197,23 +217,36 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     q, k, v, g = (torch.randn(40, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(4))
     offsets, targets = torch.tensor([0, 15, 15, 40]), torch.tensor([2, 0, 1])
     options = dict(max_seq_len=25, alpha=0.5, programs=3)
-    if which in ("forward", "ws"):
-        attention_gluon.forward(q, k, v, offsets, targets, config="ws_m128n64" if which == "ws" else "m64n64", **options)
-    elif which in ("dq", "dq_ws"):
-        attention_gluon.dq(q, k, v, g, offsets, targets, config="ws_m128n32" if which == "dq_ws" else "m64n64",
-                           **options)
+    config = {"forward": "m64n64", "forward_qr": "qr_m64n32", "ws": "ws_m128n64", "dq": "m64n64", "dq3": "m64n32s2",
+              "dq_ws": "ws_m128n32"}.get(which)  # fmt: skip
+    if which in ("forward", "forward_qr", "ws"):
+        attention_gluon.forward(q, k, v, offsets, targets, config=config, **options)
+    elif which in ("dq", "dq3", "dq_ws"):
+        attention_gluon.dq(q, k, v, g, offsets, targets, config=config, **options)
     else:
         config = "ws_n128m16" if which == "dkdv_ws" else "n128m32"
         attention_gluon.dkdv(q, k, v, g, offsets, targets, config=config, **options)
     (grid, args, kwargs), = calls
     assert grid == (3,)
-    launch = {key: kwargs.pop(key) for key in ("num_warps",)}
+    launch = {key: kwargs.pop(key) for key in ("num_warps", "maxnreg") if key in kwargs}
     bound = inspect.signature(real.fn).bind(*args, **kwargs)  # raises on a missing, extra or misplaced argument
     values = bound.arguments
     assert values["half_alpha"] == 0.25 and values["num_seqs"] == 3 and values["num_heads"] == 2
     assert values["SEQ_OFFSETS"] is offsets and values["NUM_TARGETS"] is targets and values["HAS_TARGETS"] is True
-    scale = {"forward": ("out_scale", 1 / 25), "ws": ("out_scale", 1 / 25), "dq": ("out_scale", 0.5 / 25),
-             "dq_ws": ("out_scale", 0.5 / 25),
+    scale = {"forward": ("out_scale", 1 / 25), "forward_qr": ("out_scale", 1 / 25), "ws": ("out_scale", 1 / 25),
+             "dq": ("out_scale", 0.5 / 25), "dq3": ("out_scale", 0.5 / 25), "dq_ws": ("out_scale", 0.5 / 25),
              "dkdv": ("dk_scale", 0.5 / 25), "dkdv_ws": ("dv_scale", 1 / 25)}[which]
     assert values[scale[0]] == pytest.approx(scale[1])
     assert launch["num_warps"] in (4, 8)
+    # three programs of 4 warps an SM: registers capped so that they fit; the others need no cap
+    assert launch.get("maxnreg") == (168 if which in ("forward_qr", "dq3") else None), launch
+    if which in ("forward", "forward_qr"):
+        assert values["QUERY_REGS"] is (which == "forward_qr")
+
+
+@pytest.mark.parametrize(("warps", "per_sm", "cap"), [(4, 1, None), (4, 2, None), (4, 3, 168), (4, 4, 128), (8, 1, None),
+                                                      (8, 2, 128)])
+def test_the_register_cap_lets_the_programs_an_sm_fit(warps, per_sm, cap) -> None:
+    assert attention_gluon.register_cap(warps, per_sm) == cap
+    if cap is not None:
+        assert per_sm * warps * 32 * cap <= attention_gluon.REGISTER_FILE < per_sm * warps * 32 * (cap + 8)

@@ -60,16 +60,25 @@ CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "m64n64": (64, 64, 4, 2, 2),
     "m128n128": (128, 128, 8, 2, 1),
     "m64n128": (64, 128, 4, 2, 1),
+    # three programs an SM, as the Triton forward's best (64 x 32, 3 stages): 64 KiB of shared memory
+    # each, registers capped at 168 (register_cap). The forward takes ~135 (the 2-stage ring 138, the
+    # queries in registers, qr_*, ~165); the dq pass 2 stages (3 would take 80 KiB), capped from 182 it
+    # spills 32 bytes, and 16-key blocks with 4 stages, which fit 157 without spills
+    "m64n32": (64, 32, 4, 3, 3),
+    "m64n32s2": (64, 32, 4, 2, 3),
+    "m64n16": (64, 16, 4, 4, 3),
+    "qr_m64n32": (64, 32, 4, 3, 3),
     # the loads in a producer warp of their own (attention_gluon_ws): one program an SM, its consumer
     # warpgroups at 240 registers (setmaxnreg), two query slots; no spills at either key block
     "ws_m128n64": (128, 64, 8, 3, 1),
     "ws_m128n128": (128, 128, 8, 2, 1),
     "ws_m128n32": (128, 32, 8, 4, 1),  # the dq pass's (DQ_CONFIGS)
 }
-DQ_CONFIGS = ("m128n64", "m64n64", "ws_m128n32", "ws_m128n64")
-"""The configs the ``dq`` pass takes: one partition (in the sm_90 build both take 255 registers and
-spill 8 bytes, the 128-wide key blocks 576), or the loads in a producer warp (``ws_*``: 32-key blocks fit
-the consumers' 240 registers)."""
+DQ_CONFIGS = ("m128n64", "m64n64", "m64n32s2", "m64n16", "ws_m128n32", "ws_m128n64")
+"""The configs the ``dq`` pass takes: one partition (in the sm_90 build ``m128n64`` and ``m64n64`` take
+255 registers and spill 8 bytes, the 128-wide key blocks 576; ``m64n32s2`` and ``m64n16`` run three
+programs an SM), or the loads in a producer warp (``ws_*``: 32-key blocks fit the consumers' 240
+registers)."""
 DEFAULT_DQ_CONFIG = "m64n64"
 """The fastest on the H200 (2026-12-05): 0.947x the Triton dq pass at the big config's lengths, 0.968x at 1024."""
 DKDV_CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
@@ -93,6 +102,23 @@ DEFAULT_CONFIG = "m64n64"
 
 CHUNK = 128
 """Sequences read per step of the queue scan (as the Triton kernel's ``CHUNK``)."""
+
+REGISTER_FILE = 65536
+"""32-bit registers an SM has (sm_90)."""
+
+
+def register_cap(warps: int, per_sm: int) -> int | None:
+    """The registers a thread may take so that ``per_sm`` programs of ``warps`` warps share an SM's
+    register file (allocated 8 a thread at a time), or ``None`` where the 255 a thread can address
+    already fit. ``ptxas`` spills what does not fit under the cap: ``compile_report`` shows how much."""
+    cap = REGISTER_FILE // (per_sm * warps * 32) // 8 * 8
+    return None if cap >= 255 else cap
+
+
+def _limits(warps: int, per_sm: int) -> dict[str, int]:
+    """The launch options of a config besides its constants: the register cap where it needs one."""
+    cap = register_cap(warps, per_sm)
+    return {} if cap is None else {"maxnreg": cap}
 
 HEAD_DIMS = (64, 128)
 
@@ -198,7 +224,8 @@ def forward(
             from gem_kernels.attention_gluon_fwd import forward_kernel
 
             forward_kernel[grid](*descriptors, out, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk,
-                                 DV=v.shape[2], **constants)  # fmt: skip
+                                 DV=v.shape[2], QUERY_REGS=(config or DEFAULT_CONFIG).startswith("qr_"),
+                                 **constants, **_limits(warps, per_sm))  # fmt: skip
     return out
 
 
@@ -238,7 +265,7 @@ def dq(
                                PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
         else:
             dq_kernel[grid](*descriptors, out, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk, DV=v.shape[2],
-                            **constants)  # fmt: skip
+                            **constants, **_limits(warps, per_sm))  # fmt: skip
     return out
 
 
@@ -280,5 +307,5 @@ def dkdv(
                                  PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
         else:
             dkdv_kernel[grid](*descriptors, dk, dv, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk,
-                              DVD=v.shape[2], **constants)  # fmt: skip
+                              DVD=v.shape[2], **constants, **_limits(warps, per_sm))  # fmt: skip
     return dk, dv

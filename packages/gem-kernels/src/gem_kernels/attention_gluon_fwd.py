@@ -90,11 +90,15 @@ if HAVE_GLUON:
         q_desc, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
         stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
         HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+        DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, QUERY_REGS: gl.constexpr,
     ):
+        """``QUERY_REGS``: each tile's queries go from shared memory into registers once, and every
+        ``q k^T`` takes them from there (``wgmma``'s register operand), so that its narrow MMAs read only
+        the key tile from shared memory (the ``qr_*`` configs)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout(NUM_WARPS, BLOCK_N), k_width=2)
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DQK], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
@@ -125,7 +129,11 @@ if HAVE_GLUON:
                                i < n_blocks)
                 mbarrier.wait(q_bar, q_phase)
                 q_phase ^= 1
-                acc = _forward_steps(q_smem, k_smem, v_smem, kv_bars, kv_bars, loads, n_blocks, n_hist, diag_lo,
+                if QUERY_REGS:
+                    q_op = q_smem.load(q_layout)
+                else:
+                    q_op = q_smem
+                acc = _forward_steps(q_op, k_smem, v_smem, kv_bars, kv_bars, loads, n_blocks, n_hist, diag_lo,
                                      full_hi, m0, seq_len, history_len, half_alpha, k_desc, v_desc, seq_start,
                                      head * DQK, head * DV, BLOCK_M, BLOCK_N, DV, STAGES, NUM_WARPS, False)
                 loads += n_blocks  # block b of a tile went to slot (loads + b) % STAGES

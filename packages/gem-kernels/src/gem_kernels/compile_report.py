@@ -185,7 +185,7 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
     from gem_kernels import attention_gluon_fwd as fwd
     from gem_kernels import attention_gluon_ws as ws
 
-    block_m, block_n, warps, stages, _ = (ag.DKDV_CONFIGS if dkdv else ag.CONFIGS)[config]
+    block_m, block_n, warps, stages, per_sm = (ag.DKDV_CONFIGS if dkdv else ag.CONFIGS)[config]
 
     def descriptor(rows: int, dim: int) -> str:  # the JIT's type string of a host descriptor, from a CPU tensor
         return mangle_type(ag.row_view_descriptor(torch.empty(16, 2, dim, dtype=torch.bfloat16), rows))
@@ -201,20 +201,41 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
              "out_scale": "fp32"}  # fmt: skip
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
                      STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
-                     **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}))  # fmt: skip
+                     **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}),
+                     **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}))  # fmt: skip
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or n.startswith("stride")}  # fmt: skip
+    cap = ag.register_cap(warps, per_sm)
     compiled = triton.compile(GluonASTSource(fn, signature, constants, hints), target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": warps})  # fmt: skip
+                              options={"num_warps": warps, **({"maxnreg": cap} if cap else {})})  # fmt: skip
     ptx = compiled.asm["ptx"]
+    usage = _cubin_usage(compiled.asm["cubin"])
     waits = {int(n): ptx.count(f"wgmma.wait_group.sync.aligned {n};") for n in set(re.findall(r"wgmma.wait_group.sync.aligned (\d+);", ptx))}
     return {"shared_bytes": compiled.metadata.shared, "barriers": ptx.count("bar.sync"),
             "mma_order": _mma_order(ptx), "arrives_after_barrier": _arrives_after_barrier(ptx),
             "async_mmas": ptx.count("wgmma.mma_async"), "mma_waits": waits,
             "tma_loads": ptx.count("cp.async.bulk.tensor"), "tanh_approx": "tanh.approx.f32" in ptx,
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}),
-            **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}  # fmt: skip
+            "register_cap": cap, "programs_per_sm": per_sm,
+            "fit_per_sm": programs_fitting(usage["registers"], compiled.metadata.shared, warps, arch),
+            **_narrow_accesses(ptx), **usage}  # fmt: skip
+
+
+SHARED_PER_SM = {90: 228 * 1024}
+"""Shared memory an SM has, by architecture; each resident program also takes 1 KiB the runtime keeps."""
+
+
+def programs_fitting(registers: int | None, shared_bytes: int, warps: int, arch: int = 90) -> int | None:
+    """How many programs of ``warps`` warps, ``registers`` a thread (allocated 8 at a time) and
+    ``shared_bytes`` fit one SM of ``arch`` at once, by registers and shared memory (at most 64 warps);
+    ``None`` where the registers are not known."""
+    if registers is None or arch not in SHARED_PER_SM:
+        return None
+    from gem_kernels.attention_gluon import REGISTER_FILE
+
+    by_registers = REGISTER_FILE // (warps * 32 * -(-registers // 8) * 8)
+    return min(by_registers, SHARED_PER_SM[arch] // (shared_bytes + 1024), 64 // warps)
 
 
 def _mma_order(ptx: str) -> list[str]:
