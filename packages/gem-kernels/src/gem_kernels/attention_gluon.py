@@ -87,6 +87,11 @@ DKDV_CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # 32-query steps spill 8 bytes, 64-query steps 312 (the Triton kernel's best is 32 x 128 too)
     "n128m32": (32, 128, 8, 3, 1),
     "n128m64": (64, 128, 8, 2, 1),
+    # one warpgroup of 64 keys, two programs an SM (the same 8 warps an SM, in two independent programs
+    # whose phases overlap, as three forward programs do): 255 registers at 32-query steps (80 KiB; no
+    # spills in Triton 3.6's build, 8 bytes in 3.7's), 223 at 16-query steps (64 KiB)
+    "n64m32": (32, 64, 4, 3, 2),
+    "n64m16": (16, 64, 4, 4, 2),
     # the loads in a producer warp (attention_gluon_dkdv.dkdv_ws_kernel): two k/v slots; the consumer
     # warpgroups' 240 registers fit 16-query steps without spills, 32-query steps spill
     "ws_n128m16": (16, 128, 8, 4, 1),
