@@ -54,6 +54,7 @@ from rounds import cell, rotated_rounds, save_results, spread
 
 from gem_kernels import attention_gluon
 from gem_kernels.attention_triton import query_major
+from gem_kernels.attention_triton_autograd import last_configs
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.reference import jagged_attention_reference
 from gem_kernels.testing import relative_error
@@ -229,6 +230,10 @@ def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[
         scale = MMAS[which] / 2
         row["timed"][which] = {n: {**spread(ms), "tflops": scale * work / spread(ms)["median"] / 1e9}
                                for n, ms in times.items()}  # fmt: skip
+    # which tiles the Triton kernels ran here: their tuner picks per length bucket, and a table that
+    # names the Triton row's tiles has to take them from here (session 28's said 64 x 64; the grid that
+    # Nsight Compute saw, 3 programs an SM, was the 64 x 32 config's)
+    row["triton_configs"] = last_configs()
     return row
 
 
@@ -249,6 +254,8 @@ def print_table(rows: list[dict[str, Any]], which: str) -> None:
             print(f"| {row['case']} | {name} | {timing} | {speed} | {vs_triton} | {c['against_float64'][name]:.2e} |")
         for failure in c["failures"]:
             print(f"FAILED {row['case']}: {failure}")
+        if row.get("triton_configs", {}).get(which):  # the pass names are the Triton kernels' names
+            print(f"  ({row['case']}: the Triton {which} ran {row['triton_configs'][which]})")
 
 
 def _check_alone(args: argparse.Namespace, timeout_s: float, flag: str, config: str) -> tuple[str, list[str], dict, float]:

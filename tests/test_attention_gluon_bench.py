@@ -89,3 +89,20 @@ def test_isolate_runs_each_kernel_in_its_own_process_and_reports_crashes_and_han
     assert main(["--isolate", "0.01", "--cases", "edges", "--configs", "m64n64", "--dq-configs", "",
                  "--dkdv-configs", ""]) == 1
     assert "hung" in capsys.readouterr().out
+
+
+def test_a_case_names_the_tiles_the_triton_kernels_ran(capsys) -> None:
+    """The Triton row of a table names its tiles from the tuner's record of the case's own launches,
+    not from memory (session 28's table said 64 x 64 where the kernel ran 64 x 32)."""
+    from attention_gluon import print_table
+
+    from gem_kernels.attention_triton_autograd import last_configs
+
+    x = _inputs()
+    triton_pass(x, "forward")
+    configs = last_configs()
+    row = {"case": "c", "checks": {"forward": {"against_triton": {}, "against_float64": {"triton": 1e-3}, "failures": []}},
+           "timed": {}, "triton_configs": configs}  # fmt: skip
+    print_table([row], "forward")
+    assert f"(c: the Triton forward ran {configs['forward']})" in capsys.readouterr().out
+    assert configs["forward"].startswith("BLOCK_M=")
