@@ -20,7 +20,8 @@ schedule by hand, FlashAttention-3's way:
   the others;
 * the accumulating MMAs' left operands (``P``, ``ds``) go from registers.
 
-Modules: :mod:`~gem_kernels.attention_gluon_fwd` (the forward), :mod:`~gem_kernels.attention_gluon_ws`
+Modules: :mod:`~gem_kernels.attention_gluon_fwd` (the forward; its ``qr_*`` configs hold each tile's
+queries in registers), :mod:`~gem_kernels.attention_gluon_ws`
 (the forward with its loads in a producer warp: the ``ws_*`` configs),
 :mod:`~gem_kernels.attention_gluon_dq`, :mod:`~gem_kernels.attention_gluon_dkdv` (with its own ``ws_*``
 kernel), :mod:`~gem_kernels.attention_gluon_common` (what they share). Tiles and their order are the
