@@ -259,3 +259,15 @@ def test_the_register_cap_lets_the_programs_an_sm_fit(warps, per_sm, cap) -> Non
     assert attention_gluon.register_cap(warps, per_sm) == cap
     if cap is not None:
         assert per_sm * warps * 32 * cap <= attention_gluon.REGISTER_FILE < per_sm * warps * 32 * (cap + 8)
+
+
+def test_programs_fitting_counts_registers_in_eights_and_shared_memory_with_its_reserve() -> None:
+    from gem_kernels.compile_report import programs_fitting
+
+    assert programs_fitting(154, 66560, 4) == 3  # the Triton forward's best (64 x 32, 3 stages)
+    assert programs_fitting(179, 82072, 4) == 2  # Gluon m64n64: 184 registers a thread as allocated
+    assert programs_fitting(170, 1024, 4) == 2  # 176 as allocated: not three
+    assert programs_fitting(119, 49304, 4) == 4  # registers allow 4; shared memory 4 (49 KiB + 1 KiB each)
+    assert programs_fitting(64, 76 * 1024, 4) == 2  # shared memory alone: 3 x 77 KiB > 228 KiB
+    assert programs_fitting(32, 1024, 4) == 16  # at most 64 warps an SM
+    assert programs_fitting(None, 1024, 4) is None
