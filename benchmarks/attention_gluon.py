@@ -210,13 +210,22 @@ def kernel_calls(x: dict[str, Any], which: str, configs: list[str]) -> dict[str,
     return fns
 
 
+def pass_configs(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The Gluon configs asked for, by pass."""
+    return {"forward": args.configs, "dq": args.dq_configs, "dkdv": args.dkdv_configs}
+
+
+def case_inputs(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Case ``name``'s inputs, with the Gluon grid size asked for."""
+    return {**make_inputs(name, args.seed, device), "programs": args.programs}
+
+
 def run_case(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    x = make_inputs(name, args.seed, device)
-    x["programs"] = args.programs
+    x = case_inputs(name, args, device)
     case = x["case"]
     row: dict[str, Any] = {"case": name, "rows": int(x["offsets"][-1]), "batch": len(x["lengths"]), "heads": case.heads,
                            "dim": case.dim, "seed": args.seed, "checks": {}, "timed": {}}  # fmt: skip
-    configs = {"forward": args.configs, "dq": args.dq_configs, "dkdv": args.dkdv_configs}
+    configs = pass_configs(args)
     for which in PASSES:
         if configs[which]:
             row["checks"][which] = check(x, which, configs[which], args.max_error)
@@ -314,10 +323,9 @@ def once(args: argparse.Namespace, device: torch.device) -> int:
     """For a profiler: per case, every listed kernel (the Triton one and each config of each pass) called
     once to compile, then once more between ``cudaProfilerStart`` and ``cudaProfilerStop`` (wrap it in
     ``ncu --profile-from-start off``). No check, no timing."""
-    configs = {"forward": args.configs, "dq": args.dq_configs, "dkdv": args.dkdv_configs}
+    configs = pass_configs(args)
     for name in args.cases:
-        x = make_inputs(name, args.seed, device)
-        x["programs"] = args.programs
+        x = case_inputs(name, args, device)
         calls = [fn for which in PASSES if configs[which] for fn in kernel_calls(x, which, configs[which]).values()]
         for call in calls:
             call()

@@ -213,7 +213,8 @@ def forward(
 
     rows, heads, dim_qk = q.shape
     out = out if out is not None else torch.empty((rows, heads, v.shape[2]), dtype=v.dtype, device=v.device)
-    block_m, block_n, warps, stages, per_sm = _config("forward", config, CONFIGS, DEFAULT_CONFIG)
+    name = config or DEFAULT_CONFIG
+    block_m, block_n, warps, stages, per_sm = _config("forward", name, CONFIGS, DEFAULT_CONFIG)
     if rows == 0 or seq_offsets.shape[0] <= 1:
         return out
     pointers, counts, constants = _common(seq_offsets, num_targets, heads, alpha, block_m, block_n, stages, warps)
@@ -221,7 +222,7 @@ def forward(
     scalars = (out.stride(0), out.stride(1), *counts, 1.0 / max_seq_len)
     with device_guard(q.device):
         grid = _grid(q.device, per_sm, programs)
-        if (config or DEFAULT_CONFIG).startswith("ws_"):
+        if name.startswith("ws_"):
             from gem_kernels.attention_gluon_ws import forward_ws_kernel
 
             forward_ws_kernel[grid](*descriptors, out, *pointers, *scalars, DQK=dim_qk, DV=v.shape[2],
@@ -230,7 +231,7 @@ def forward(
             from gem_kernels.attention_gluon_fwd import forward_kernel
 
             forward_kernel[grid](*descriptors, out, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk,
-                                 DV=v.shape[2], QUERY_REGS=(config or DEFAULT_CONFIG).startswith("qr_"),
+                                 DV=v.shape[2], QUERY_REGS=name.startswith("qr_"),
                                  **constants, **_limits(warps, per_sm))  # fmt: skip
     return out
 

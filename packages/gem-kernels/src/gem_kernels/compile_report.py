@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from gem_kernels import attention_triton, attention_triton_bias, attention_triton_bwd
+from gem_kernels.attention_gluon import REGISTER_FILE
 from gem_kernels.attention_triton_common import CHUNK, INTERPRET, dim_block
 
 KERNELS = ("forward", "dq", "dkdv", "dkdv_atomic")
@@ -232,8 +233,6 @@ def programs_fitting(registers: int | None, shared_bytes: int, warps: int, arch:
     ``None`` where the registers are not known."""
     if registers is None or arch not in SHARED_PER_SM:
         return None
-    from gem_kernels.attention_gluon import REGISTER_FILE
-
     by_registers = REGISTER_FILE // (warps * 32 * -(-registers // 8) * 8)
     return min(by_registers, SHARED_PER_SM[arch] // (shared_bytes + 1024), 64 // warps)
 
