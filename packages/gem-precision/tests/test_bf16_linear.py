@@ -79,3 +79,36 @@ def test_module_takes_the_plain_form_on_cpu(gen: torch.Generator, monkeypatch: p
     y = module(x)
     assert not called and y.dtype == x.dtype
     assert torch.equal(y, plain(x.to(BF16), module.weight, module.bias).float())
+
+
+@pytest.mark.parametrize("shape", [(50,), (3, 17)], ids=["2d", "3d"])
+def test_a_supplied_gemm_runs_in_place_of_f_linear(gen: torch.Generator, shape: tuple[int, ...]) -> None:
+    """``gemm=`` (``gem_model.api.LinearGemm``): called once on the input's rows with the bf16 weight and
+    bias; its result is the output, and the backward is the scheme's own (same ``dx``, ``dW``, ``db`` as
+    without it, here with a GEMM that computes what ``F.linear`` does, plus one)."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    module = Bf16Linear(nn.Linear(96, 40), fqn="blocks.0.uvqk")
+    seen = []
+
+    def gemm(x2: torch.Tensor, w16: torch.Tensor, b16: torch.Tensor | None) -> torch.Tensor:
+        seen.append((tuple(x2.shape), w16.dtype, None if b16 is None else b16.dtype))
+        return F.linear(x2, w16, b16) + 1
+
+    x = torch.randn(*shape, 96, generator=gen).to(BF16)
+    gy = torch.randn(*shape, 40, generator=gen).to(BF16)
+    assert module.takes_gemm(x)
+    supplied = grads(lambda t, w, b: module(t, gemm=gemm), x.requires_grad_(), module, gy)
+    assert seen == [((x.numel() // 96, 96), BF16, BF16)]
+    own = grads(lambda t, w, b: Bf16LinearFunction.apply(t, w, b) + 1, x, module, gy)
+    for name, a, b in zip(("y", "dx", "dW", "db"), supplied, own, strict=True):
+        assert torch.equal(a, b), name
+    assert supplied[0].shape == (*shape, 40)
+
+
+def test_a_supplied_gemm_is_refused_where_the_linear_does_not_take_one(monkeypatch) -> None:
+    module = Bf16Linear(nn.Linear(32, 16), fqn="blocks.3.uvqk")
+    x = torch.randn(4, 32).to(BF16)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not module.takes_gemm(x)
+    with pytest.raises(ValueError, match="blocks.3.uvqk: a supplied GEMM runs only where takes_gemm"):
+        module(x, gemm=lambda *a: F.linear(*a))

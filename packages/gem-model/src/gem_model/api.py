@@ -31,6 +31,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # ... and the backward's side: a linear whose output gradient arrives quantized by its producer
     "gem_model.grad_rows": ("GradRows", "GradRowsSlot", "attach_grad_rows", "attached_grad_rows", "grad_rows_slot"),
     "gem_model.linear_bias": ("bias_grad_elsewhere",),  # a linear whose bias gradient a fused kernel sums
+    "gem_model.linear_gemm": ("GemmTakingLinear", "LinearGemm", "takes_gemm"),  # ... whose forward GEMM a kernel supplies
     "gem_model.results": ("ReportSection", "RunSummary", "StepResult"),  # what a run hands back
     # the parallel degrees, their runtime view, the run a planner lays out, a planner's decision
     "gem_model.parallel_dims": (
@@ -105,12 +106,14 @@ __all__ = [
     "GemError",
     "GemModel",
     "GemPluginManager",
+    "GemmTakingLinear",
     "GradRows",
     "GradRowsSlot",
     "JaggedAttentionKernel",
     "Kernel",
     "KernelUnavailableError",
     "Layout",
+    "LinearGemm",
     "LoadBalancer",
     "MeasuredSteps",
     "MemoryFit",
@@ -175,6 +178,7 @@ __all__ = [
     "sequence_ids",
     "set_submodule",
     "step_loss",
+    "takes_gemm",
     "time_bias_matrix",
     "time_bucket_matrix",
     "time_buckets",
@@ -250,6 +254,7 @@ if TYPE_CHECKING:
     from gem_model.layout import Layout
     from gem_model.lifecycle import Callback, TrainPipeline
     from gem_model.linear_bias import bias_grad_elsewhere
+    from gem_model.linear_gemm import GemmTakingLinear, LinearGemm, takes_gemm
     from gem_model.model.flops import count_flops
     from gem_model.model.gem import GemModel
     from gem_model.model.next_item import L2_EPS, next_item_loss, unit_rows, unit_rows_vjp

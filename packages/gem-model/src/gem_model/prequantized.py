@@ -143,13 +143,18 @@ def wanted_quantization(linear: Callable[..., Any], device: torch.device) -> Row
 
 
 def call_linear(
-    linear: Callable[..., torch.Tensor], x: torch.Tensor, rows: PrequantizedRows | None, grad_rows: Any = None
+    linear: Callable[..., torch.Tensor], x: torch.Tensor, rows: PrequantizedRows | None, grad_rows: Any = None,
+    gemm: Any = None,
 ) -> torch.Tensor:
-    """``linear(x)``, handing it ``rows`` (``x`` quantized as it asked) when there are some, and
-    ``grad_rows`` (the :class:`gem_model.grad_rows.GradRowsSlot` it made) when given."""
+    """``linear(x)``, handing it ``rows`` (``x`` quantized as it asked) when there are some, ``grad_rows``
+    (the :class:`gem_model.grad_rows.GradRowsSlot` it made) and ``gemm`` (a
+    :data:`gem_model.linear_gemm.LinearGemm`, for a linear that :func:`~gem_model.linear_gemm.takes_gemm`)
+    when given."""
     kwargs: dict[str, Any] = {}
     if rows is not None:
         kwargs["prequantized"] = rows
     if grad_rows is not None:
         kwargs["grad_rows"] = grad_rows
+    if gemm is not None:
+        kwargs["gemm"] = gemm
     return linear(x, **kwargs)

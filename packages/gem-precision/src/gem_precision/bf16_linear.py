@@ -9,6 +9,11 @@ GEMM for a float32 output (``torch.mm(..., out_dtype=torch.float32)``: bf16 oper
 accumulation, as before, but no rounding to bf16 in between) and sums the bias gradient into float32
 directly. The forward is unchanged.
 
+A fused block may supply the forward GEMM (``gem_model.api.LinearGemm``: gem-kernels' uvqk projection
+writes the silu of its output in the GEMM's epilogue): ``Bf16Linear(x, gemm=...)`` runs it in place of
+``F.linear`` through the same function, so the backward stays this one (``takes_gemm``: not under
+``torch.compile``, nor for a DTensor weight).
+
 Elsewhere (the CPU has no ``mm`` with ``out_dtype``; a DTensor weight under tensor parallelism has no
 sharding rule for it) the gradients are computed as autograd computed them, in bf16 and then cast:
 the CPU's bits are those of the plain form.
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from gem_model.api import LinearGemm
 from gem_precision.cast_cache import CastCache
 
 BF16 = torch.bfloat16
@@ -52,13 +58,19 @@ class Bf16LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
-                w16: torch.Tensor | None = None, b16: torch.Tensor | None = None) -> torch.Tensor:
-        """``w16``, ``b16``: the weight and bias already in bf16 (a :class:`CastCache`'s copies), else cast here."""
+                w16: torch.Tensor | None = None, b16: torch.Tensor | None = None,
+                gemm: LinearGemm | None = None) -> torch.Tensor:
+        """``w16``, ``b16``: the weight and bias already in bf16 (a :class:`CastCache`'s copies), else cast
+        here. ``gemm``: the forward GEMM a fused kernel supplies (``gem_model.api.LinearGemm``, on ``x``'s
+        rows), else ``F.linear``."""
         if w16 is None:
             w16 = weight.to(BF16)
         if bias is not None and b16 is None:
             b16 = bias.to(BF16)
-        y = F.linear(x, w16, b16)
+        if gemm is None:
+            y = F.linear(x, w16, b16)
+        else:
+            y = gemm(x.reshape(-1, x.shape[-1]), w16, b16).view(*x.shape[:-1], w16.shape[0])
         ctx.save_for_backward(x, w16)
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -76,7 +88,7 @@ class Bf16LinearFunction(torch.autograd.Function):
             dw = float32_weight_grad(g2, x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
         if need_db:
             db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def _direct(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -113,14 +125,21 @@ class Bf16Linear(SchemeLinear):
         cache.add(self.weight)
         cache.add(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_gemm(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x`` runs a supplied forward GEMM (``gem_model.api.takes_gemm``): not for a
+        DTensor weight (tensor parallelism's sharding rules are ``F.linear``'s), nor under ``torch.compile``."""
+        return not isinstance(self.weight, DTensor) and not torch.compiler.is_compiling()
+
+    def forward(self, x: torch.Tensor, *, gemm: LinearGemm | None = None) -> torch.Tensor:
         x16 = x.to(BF16)
-        if _direct(x16, self.weight) and x16.numel():
+        if gemm is not None and not self.takes_gemm(x16):
+            raise ValueError(f"{self.fqn}: a supplied GEMM runs only where takes_gemm(x) is true")
+        if (_direct(x16, self.weight) or gemm is not None) and x16.numel():
             cache = self.cast_cache
             if CAST_ONCE and cache is not None and not torch.compiler.is_compiling():
                 b16 = None if self.bias is None else cache.get(self.bias)
-                return Bf16LinearFunction.apply(x16, self.weight, self.bias, cache.get(self.weight), b16).to(x.dtype)
-            return Bf16LinearFunction.apply(x16, self.weight, self.bias).to(x.dtype)
+                return Bf16LinearFunction.apply(x16, self.weight, self.bias, cache.get(self.weight), b16, gemm).to(x.dtype)
+            return Bf16LinearFunction.apply(x16, self.weight, self.bias, None, None, gemm).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(BF16)
         return F.linear(x16, self.weight.to(BF16), bias).to(x.dtype)
 
