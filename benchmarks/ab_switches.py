@@ -295,6 +295,10 @@ VARIANTS: dict[str, Switch] = {
     "gluon_attention": all_of(patched("gem_kernels.attention_gluon", "FORWARD", True),
                               patched("gem_kernels.attention_gluon", "DQ", True),
                               patched("gem_kernels.attention_gluon", "DKDV", True)),
+    # the bf16 uvqk GEMM in Triton with silu(v, q, k) in its epilogue, in place of cuBLAS and the silu pass
+    "linear_silu": patched("gem_kernels.hstu_block", "LINEAR_SILU", True),
+    # the bf16 out GEMM in Triton with the residual added in its epilogue, in place of cuBLAS and the add
+    "linear_residual": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", True),
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

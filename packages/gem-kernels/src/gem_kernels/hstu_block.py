@@ -31,20 +31,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
 
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
+from gem_kernels.linear_epilogue_triton import fits_epilogue, linear_residual, linear_silu
 from gem_model.api import (
     attach_grad_rows,
     attached_grad_rows,
     bias_grad_elsewhere,
     call_linear,
     grad_rows_slot,
+    takes_gemm,
     wanted_quantization,
 )
+
+LINEAR_RESIDUAL = False
+"""Whether an ``out`` linear that takes a supplied GEMM runs
+:func:`gem_kernels.linear_epilogue_triton.linear_residual`, which adds the residual in its epilogue, in
+place of cuBLAS and the add. Off until timed on the H200 (e2e switch ``linear_residual``)."""
+LINEAR_SILU = False
+"""Whether a ``uvqk`` linear that takes a supplied GEMM (the ``bf16`` scheme's) runs
+:func:`gem_kernels.linear_epilogue_triton.linear_silu`, whose epilogue writes ``silu(v, q, k)`` beside
+``pre``, in place of cuBLAS and the gap's silu pass. Off until timed on the H200 (e2e switch ``linear_silu``)."""
 
 
 def hstu_block_triton(
@@ -67,11 +79,69 @@ def hstu_block_triton(
                                   grad_rows=attached_grad_rows(x))  # the previous block's out linear's slot
     with bias_grad_elsewhere(uvqk) if bias_grad_in_gap else nullcontext() as pre_bias:
         slot = grad_rows_slot(uvqk, x.device)  # asked with the bias lent, so no column sums for it
-        pre = call_linear(uvqk, ln, ln_rows, slot)
+        post = _epilogue_post(uvqk, ln, ln_rows, slot, gap_options)
+        gemm = None if post is None else partial(_linear_silu_into, post=post)
+        pre = call_linear(uvqk, ln, ln_rows, slot, gemm)
     y, y_rows = hstu_gap_triton(pre, gate_weight, gate_bias, seq_offsets, quantize=wanted_quantization(out, x.device),
-                                pre_bias=pre_bias, grad_rows=slot, **gap_options)  # fmt: skip
+                                pre_bias=pre_bias, grad_rows=slot, post=post, **gap_options)  # fmt: skip
     out_slot = grad_rows_slot(out, x.device)
+    if _residual_epilogue(out, y, y_rows, out_slot, skip):  # the residual added in out's GEMM epilogue
+        summed = call_linear(out, y, None, None, partial(_linear_residual_into, residual=skip))
+        return ResidualInEpilogue.apply(summed, skip)
     result = skip + call_linear(out, y, y_rows, out_slot).to(x.dtype)
     if out_slot is not None:  # the next block's layer norm writes result's gradient: out's, through the add
         attach_grad_rows(result, out_slot)
     return result
+
+
+def _epilogue_post(uvqk: Callable[..., torch.Tensor], ln: torch.Tensor, ln_rows: object, slot: object,
+                   gap_options: dict[str, Any]) -> torch.Tensor | None:  # fmt: skip
+    """The buffer for ``silu(pre[:, H Dv:])`` when the uvqk GEMM's epilogue writes it (:data:`LINEAR_SILU`,
+    a linear that takes a supplied GEMM, its input not pre-quantized, no saved format or fp8 forward,
+    whose silu passes write more), else None."""
+    if not LINEAR_SILU or ln_rows is not None or slot is not None or not ln.numel() or ln.dim() != 2:
+        return None
+    if gap_options.get("saved_format") is not None or gap_options.get("fp8_forward") or not takes_gemm(uvqk, ln):
+        return None
+    hv = gap_options["num_heads"] * gap_options["value_dim"]
+    width = gap_options["num_heads"] * (2 * gap_options["value_dim"] + 2 * gap_options["attention_dim"])
+    if not fits_epilogue(hv, width, ln.shape[1]) or ln.dtype != torch.bfloat16:
+        return None
+    return torch.empty((ln.shape[0], width - hv), dtype=ln.dtype, device=ln.device)
+
+
+def _linear_silu_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                      post: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The :data:`gem_model.api.LinearGemm` handed to uvqk: its ``pre``, with ``post`` (the silu of its last
+    ``post.shape[1]`` columns) written beside it."""
+    return linear_silu(x, weight, bias, weight.shape[0] - post.shape[1], post=post)[0]
+
+
+def _residual_epilogue(out: Callable[..., torch.Tensor], y: torch.Tensor, y_rows: object, slot: object,
+                       skip: torch.Tensor) -> bool:  # fmt: skip
+    """Whether ``out``'s GEMM adds the residual (:data:`LINEAR_RESIDUAL`, a linear that takes a supplied GEMM,
+    bf16 rows, its input not pre-quantized and its output gradient not asked for in rows)."""
+    if not LINEAR_RESIDUAL or y_rows is not None or slot is not None or y.dim() != 2 or not y.shape[0]:
+        return False
+    if y.dtype != torch.bfloat16 or skip.dtype != torch.bfloat16 or not skip.is_contiguous():
+        return False
+    return fits_epilogue(0, skip.shape[1], y.shape[1]) and takes_gemm(out, y)
+
+
+def _linear_residual_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                          residual: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The :data:`gem_model.api.LinearGemm` handed to ``out``: ``residual + F.linear(x, weight, bias)``."""
+    return linear_residual(x, weight, bias, residual.detach())
+
+
+class ResidualInEpilogue(torch.autograd.Function):
+    """``summed`` (``out``'s output, the residual already added in its GEMM's epilogue) as the block's
+    output, with the residual's gradient routed back to it: the same gradient as ``summed``'s."""
+
+    @staticmethod
+    def forward(ctx: Any, summed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return summed
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return grad, grad

@@ -138,7 +138,8 @@ class HSTUGapFunction(torch.autograd.Function):
         heads, dqk, dv = shape
         ctx.pre_bias_dtype = pre_bias.dtype if pre_bias is not None and ctx.needs_input_grad[5] else None
         rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
-        post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device)
+        given_post = options.pop("post")
+        post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device) if given_post is None else None
         # e4m3_row: pre kept in e4m3 rows written by the silu pass, post recomputed in backward
         ctx.expand_to = pre.dtype if options["saved_format"] == E4M3_ROW and any(ctx.needs_input_grad) else None
         fp8 = None
@@ -147,6 +148,9 @@ class HSTUGapFunction(torch.autograd.Function):
         elif options["fp8_forward"]:  # the silu pass of q, k also writes their e4m3 copies (attention_fp8)
             silu_columns(pre[:, hv:2 * hv], post[:, :hv])
             fp8 = silu_quantize_qk(pre[:, 2 * hv:], post[:, hv:], heads)
+            kept = (pre, post)
+        elif given_post is not None:  # written by the uvqk GEMM's epilogue (gem_kernels.linear_epilogue_triton)
+            post = given_post
             kept = (pre, post)
         else:
             kept = (pre, silu_columns(pre[:, hv:], post))
@@ -274,6 +278,17 @@ def _complete_with_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, slot: G
     return col_sum if bias_sums else None
 
 
+def _check_post(post: torch.Tensor, pre: torch.Tensor, hv: int, options: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``post`` can stand for the silu pass's output under ``options``."""
+    if options["saved_format"] is not None or options["fp8_forward"]:
+        raise ValueError("hstu_gap: post (from the uvqk GEMM's epilogue) cannot be given with saved_format or "
+                         "fp8_forward, whose silu passes write more than post")  # fmt: skip
+    want = (pre.shape[0], pre.shape[1] - hv)
+    if post.shape != want or post.dtype != pre.dtype or post.device != pre.device or not post.is_contiguous():
+        raise ValueError(f"hstu_gap: post must be a contiguous {pre.dtype} {list(want)} on {pre.device} "
+                         f"(silu of pre's v, q, k columns), got {post.dtype} {list(post.shape)} on {post.device}")  # fmt: skip
+
+
 def _kernel_options(options: dict[str, Any]) -> dict[str, Any]:
     return {k: options[k] for k in ("max_seq_len", "alpha", "max_attn_len", "blocks")}
 
@@ -298,6 +313,7 @@ def hstu_gap_triton(
     fp8_forward: bool = False,
     pre_bias: torch.Tensor | None = None,
     grad_rows: GradRowsSlot | None = None,
+    post: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PrequantizedRows | None]:
     """The fused gap ``pre -> y`` (``[L, H (2 Dv + 2 Dqk)] -> [L, H Dv]``); attention arguments as in
     :func:`gem_kernels.attention_triton_autograd.jagged_attention_triton`, ``eps`` the norm-gate's.
@@ -308,7 +324,10 @@ def hstu_gap_triton(
     ``pre_bias``: the bias already added into ``pre`` (the ``uvqk`` linear's, lent by
     ``gem_model.api.bias_grad_elsewhere``), whose gradient the backward then sums (:mod:`gem_kernels.hstu_gap_bias`).
     ``grad_rows``: the ``uvqk`` linear's slot (``gem_model.api.GradRowsSlot``), offered the e4m3 rows of
-    ``pre``'s gradient by the backward's last pass (:mod:`gem_kernels.hstu_gap_grad_rows`)."""
+    ``pre``'s gradient by the backward's last pass (:mod:`gem_kernels.hstu_gap_grad_rows`).
+    ``post``: ``silu(pre[:, H Dv:])``, already written by the ``uvqk`` GEMM's epilogue
+    (:mod:`gem_kernels.linear_epilogue_triton`): the forward's silu pass is skipped (not with ``saved_format``
+    or ``fp8_forward``, whose silu passes write more)."""
     if grad_rows is not None and not isinstance(grad_rows, GradRowsSlot):
         raise TypeError(f"hstu_gap: grad_rows must be a gem_model.api.GradRowsSlot, got {type(grad_rows).__name__}")
     if saved_format not in (None, E4M3_ROW):
@@ -331,7 +350,9 @@ def hstu_gap_triton(
     bias = prepare_bias(position_bias, time_bias, extras.timestamps, extras.query_timestamps, max_seq_len)
     options = dict(max_seq_len=max_seq_len, alpha=float(alpha), max_attn_len=max_attn_len, blocks=blocks,
                    dq_mode=dq_mode, eps=eps, quantize=quantize, fp8_forward=fp8_forward, grad_rows=grad_rows,
-                   saved_format=saved_format if torch.is_grad_enabled() else None)  # fmt: skip
+                   saved_format=saved_format if torch.is_grad_enabled() else None, post=post)  # fmt: skip
+    if post is not None:
+        _check_post(post, pre, num_heads * value_dim, options)
     if pre_bias is not None and pre_bias.shape != (width,):
         raise ValueError(f"hstu_gap: pre_bias must be [{width}] (uvqk's bias), got {tuple(pre_bias.shape)}")
     out = HSTUGapFunction.apply(pre, gate_weight, gate_bias, position_bias, time_bias, pre_bias, seq_offsets,
