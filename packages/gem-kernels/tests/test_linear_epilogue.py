@@ -48,6 +48,17 @@ def test_matches_matmul_and_silu_pass(gen: torch.Generator, m: int, k: int, n: i
     torch.testing.assert_close(post.double(), F.silu(ref[:, silu_from:]), rtol=2**-7, atol=1e-3)
 
 
+@pytest.mark.parametrize("config", ["m128n256k64s4", "m128n256k64s3"])
+def test_the_epilogue_in_two_halves_writes_what_the_whole_tile_writes(gen: torch.Generator, config: str) -> None:
+    """``subtile``: each tile's epilogue in two halves (32-wide tiles under the interpreter, 16 a half)."""
+    x, w, b = _inputs(gen, 37, 48, 96)
+    pre, post = linear_silu(x, w, b, 32, config=config)
+    whole_pre, whole_post = linear_silu(x, w, b, 32)
+    assert torch.equal(pre, whole_pre) and torch.equal(post, whole_post)
+    residual = torch.randn(37, 96, generator=gen).bfloat16()
+    assert torch.equal(linear_residual(x, w, b, residual, config=config), linear_residual(x, w, b, residual))
+
+
 def test_pre_only_leaves_post_unwritten(gen: torch.Generator) -> None:
     x, w, b = _inputs(gen, 20, 16, 32)
     pre, post = linear_silu(x, w, b, 16, write_post=False)
@@ -114,7 +125,7 @@ c = CONFIGS[DEFAULT_CONFIG]
 pointers = dict.fromkeys(("X", "W", "BIAS", "OUT", "EXTRA"), "*bf16")
 for epilogue in (SILU, RESIDUAL):
     constants = dict(HAS_BIAS=True, EPILOGUE=epilogue, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                     GROUP_M=c.group_m, INTERP=False)
+                     GROUP_M=c.group_m, SUBTILE=c.subtile, INTERP=False)
     signature = {n: pointers.get(n, "i32") for n in _linear_epilogue.arg_names if n not in constants}
     report = compile_kernel(_linear_epilogue, signature, constants, c.warps, c.stages, divisible=("N", "K", "SILU_FROM"))
     print(json.dumps({"epilogue": epilogue, **report}))

@@ -50,6 +50,9 @@ class GemmConfig:
     stages: int
     warps: int
     group_m: int = 8
+    subtile: bool = False
+    """The epilogue in two halves of ``block_n / 2`` columns: half the shared memory for its stores, which
+    leaves room for one more pipeline stage."""
 
 
 CONFIGS: dict[str, GemmConfig] = {
@@ -57,6 +60,8 @@ CONFIGS: dict[str, GemmConfig] = {
     "m128n128k64": GemmConfig(128, 128, 64, 4, 8),
     "m128n128k64w4": GemmConfig(128, 128, 64, 4, 4),
     "m256n128k64": GemmConfig(256, 128, 64, 3, 8),
+    "m128n256k64s3": GemmConfig(128, 256, 64, 3, 8, subtile=True),
+    "m128n256k64s4": GemmConfig(128, 256, 64, 4, 8, subtile=True),
 }
 """The candidates ``benchmarks/linear_epilogue.py`` times; the first is Triton's Hopper tutorial's choice for
 large bf16 GEMMs. The interpreter runs every config with 16-wide tiles (:func:`_tiles`)."""
@@ -83,19 +88,20 @@ _SILU, _RESIDUAL = tl.constexpr(SILU), tl.constexpr(RESIDUAL)  # as the kernel s
 @triton.jit
 def _linear_epilogue(X, W, BIAS, OUT, EXTRA, M, N, K, SILU_FROM, HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     INTERP: tl.constexpr):  # fmt: skip
+                     SUBTILE: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     """``OUT = X @ W^T (+ BIAS)``, then by ``EPILOGUE``: 0 nothing more; ``SILU``: ``EXTRA = silu(OUT[:,
     SILU_FROM:])`` (``EXTRA [M, N - SILU_FROM]``; ``SILU_FROM`` a multiple of ``BLOCK_N``, the host checks,
     so a tile is wholly before it or wholly after); ``RESIDUAL``: ``OUT = EXTRA + X @ W^T (+ BIAS)``
     (``EXTRA [M, N]``). Row-major, contiguous ``X [M, K]``, ``W [N, K]``, ``OUT [M, N]``."""
     x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(W, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
-    out_desc = tl.make_tensor_descriptor(OUT, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    PIECE: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    out_desc = tl.make_tensor_descriptor(OUT, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, PIECE])
     if EPILOGUE == _SILU:
         extra_desc = tl.make_tensor_descriptor(EXTRA, shape=[M, N - SILU_FROM], strides=[N - SILU_FROM, 1],
-                                               block_shape=[BLOCK_M, BLOCK_N])  # fmt: skip
+                                               block_shape=[BLOCK_M, PIECE])  # fmt: skip
     else:
-        extra_desc = tl.make_tensor_descriptor(EXTRA, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        extra_desc = tl.make_tensor_descriptor(EXTRA, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, PIECE])
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -108,23 +114,36 @@ def _linear_epilogue(X, W, BIAS, OUT, EXTRA, M, N, K, SILU_FROM, HAS_BIAS: tl.co
             a = x_desc.load([off_m, ki * BLOCK_K])
             b = w_desc.load([off_n, ki * BLOCK_K])
             acc = dot(a, b.T, acc, False, INTERP)
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if EPILOGUE == _RESIDUAL:
-            acc += extra_desc.load([off_m, off_n]).to(tl.float32)
-        out = cast(acc, OUT.dtype.element_ty, INTERP)
-        out_desc.store([off_m, off_n], out)
-        if EPILOGUE == _SILU:
-            if off_n >= SILU_FROM:
-                z = out.to(tl.float32)
-                extra_desc.store([off_m, off_n - SILU_FROM], cast(z * tl.sigmoid(z), EXTRA.dtype.element_ty, INTERP))
+        if SUBTILE:
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, PIECE)), (0, 2, 1)))
+            _finish(left, off_m, off_n, BIAS, OUT, EXTRA, out_desc, extra_desc, N, SILU_FROM, HAS_BIAS, EPILOGUE, PIECE, INTERP)
+            _finish(right, off_m, off_n + PIECE, BIAS, OUT, EXTRA, out_desc, extra_desc, N, SILU_FROM, HAS_BIAS, EPILOGUE, PIECE,
+                    INTERP)  # fmt: skip
+        else:
+            _finish(acc, off_m, off_n, BIAS, OUT, EXTRA, out_desc, extra_desc, N, SILU_FROM, HAS_BIAS, EPILOGUE, PIECE, INTERP)
+
+
+@triton.jit
+def _finish(acc, off_m, off_n, BIAS, OUT, EXTRA, out_desc, extra_desc, N, SILU_FROM, HAS_BIAS: tl.constexpr,
+            EPILOGUE: tl.constexpr, WIDTH: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """The epilogue of ``WIDTH`` columns of a tile from ``off_n``: bias, residual, the store, the silu."""
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, WIDTH)
+        acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if EPILOGUE == _RESIDUAL:
+        acc += extra_desc.load([off_m, off_n]).to(tl.float32)
+    out = cast(acc, OUT.dtype.element_ty, INTERP)
+    out_desc.store([off_m, off_n], out)
+    if EPILOGUE == _SILU:
+        if off_n >= SILU_FROM:
+            z = out.to(tl.float32)
+            extra_desc.store([off_m, off_n - SILU_FROM], cast(z * tl.sigmoid(z), EXTRA.dtype.element_ty, INTERP))
 
 
 def _tiles(config: GemmConfig) -> GemmConfig:
     """The config as launched: the interpreter runs 16-wide tiles (the tests' tiny shapes, in seconds)."""
     if INTERPRET:
-        return GemmConfig(16, 16, 16, 1, 1, 2)
+        return GemmConfig(16, 32 if config.subtile else 16, 16, 1, 1, 2, config.subtile)
     return config
 
 
@@ -163,7 +182,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         _linear_epilogue[(num_programs(x.device, 1, num_tiles),)](
             x, weight, bias if bias is not None else x, out, extra, m, n, x.shape[1], silu_from,
             HAS_BIAS=bias is not None, EPILOGUE=epilogue, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, INTERP=INTERPRET, num_warps=tiles.warps,
+            BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m, SUBTILE=tiles.subtile, INTERP=INTERPRET, num_warps=tiles.warps,
             num_stages=tiles.stages,
         )  # fmt: skip
 
