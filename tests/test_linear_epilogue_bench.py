@@ -38,7 +38,7 @@ def test_the_check_passes_the_kernels_and_every_variant_runs(small, case: str) -
     assert 0 <= errors["m128n128k64"] < 1e-2
     fns = bench.variants(case, x, w, b, extra, ["m128n128k64"])
     baseline = "cublas+silu_columns" if case == "uvqk" else "cublas+add"
-    assert list(fns)[0] == baseline and "cublas" in fns
+    assert next(iter(fns)) == baseline and "cublas" in fns
     for fn in fns.values():
         fn()
 
