@@ -25,6 +25,11 @@ from the kernel that wrote that gradient: ``uvqk`` from the gap's last backward 
 the residual add, which hands the gradient on unchanged (the block's output carries ``out``'s slot,
 ``attach_grad_rows``; the last block's output goes elsewhere, and its ``out`` quantizes its gradient
 itself).
+
+A linear that takes a supplied forward GEMM (``gem_model.api.takes_gemm``: the ``bf16`` scheme's) may
+run gem-kernels' own (:mod:`gem_kernels.linear_epilogue_triton`), with the work beside it in the
+epilogue: ``uvqk``'s writes ``silu(v, q, k)`` for the gap (:data:`LINEAR_SILU`), ``out``'s adds the
+residual (:data:`LINEAR_RESIDUAL`). The scheme keeps its weights, casts and backward.
 """
 
 from __future__ import annotations
