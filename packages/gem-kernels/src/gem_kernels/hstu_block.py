@@ -43,7 +43,7 @@ import torch
 
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
-from gem_kernels.linear_epilogue_triton import fits_epilogue, linear_residual, linear_silu
+from gem_kernels.linear_epilogue_triton import DEFAULT_CONFIG, fits_epilogue, linear_residual, linear_silu
 from gem_model.api import (
     attach_grad_rows,
     attached_grad_rows,
@@ -58,6 +58,8 @@ LINEAR_RESIDUAL = False
 """Whether an ``out`` linear that takes a supplied GEMM runs
 :func:`gem_kernels.linear_epilogue_triton.linear_residual`, which adds the residual in its epilogue, in
 place of cuBLAS and the add. Off until timed on the H200 (e2e switch ``linear_residual``)."""
+UVQK_CONFIG = OUT_CONFIG = DEFAULT_CONFIG
+"""The tiles of each GEMM (:data:`gem_kernels.linear_epilogue_triton.CONFIGS`)."""
 LINEAR_SILU = False
 """Whether a ``uvqk`` linear that takes a supplied GEMM (the ``bf16`` scheme's) runs
 :func:`gem_kernels.linear_epilogue_triton.linear_silu`, whose epilogue writes ``silu(v, q, k)`` beside
@@ -110,7 +112,7 @@ def _epilogue_post(uvqk: Callable[..., torch.Tensor], ln: torch.Tensor, ln_rows:
         return None
     hv = gap_options["num_heads"] * gap_options["value_dim"]
     width = gap_options["num_heads"] * (2 * gap_options["value_dim"] + 2 * gap_options["attention_dim"])
-    if not fits_epilogue(hv, width, ln.shape[1]) or ln.dtype != torch.bfloat16:
+    if not fits_epilogue(hv, width, ln.shape[1], UVQK_CONFIG) or ln.dtype != torch.bfloat16:
         return None
     return torch.empty((ln.shape[0], width - hv), dtype=ln.dtype, device=ln.device)
 
@@ -119,7 +121,7 @@ def _linear_silu_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       post: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The :data:`gem_model.api.LinearGemm` handed to uvqk: its ``pre``, with ``post`` (the silu of its last
     ``post.shape[1]`` columns) written beside it."""
-    return linear_silu(x, weight, bias, weight.shape[0] - post.shape[1], post=post)[0]
+    return linear_silu(x, weight, bias, weight.shape[0] - post.shape[1], post=post, config=UVQK_CONFIG)[0]
 
 
 def _residual_epilogue(out: Callable[..., torch.Tensor], y: torch.Tensor, y_rows: object, slot: object,
@@ -130,13 +132,13 @@ def _residual_epilogue(out: Callable[..., torch.Tensor], y: torch.Tensor, y_rows
         return False
     if y.dtype != torch.bfloat16 or skip.dtype != torch.bfloat16 or not skip.is_contiguous():
         return False
-    return fits_epilogue(0, skip.shape[1], y.shape[1]) and takes_gemm(out, y)
+    return fits_epilogue(0, skip.shape[1], y.shape[1], OUT_CONFIG) and takes_gemm(out, y)
 
 
 def _linear_residual_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
                           residual: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The :data:`gem_model.api.LinearGemm` handed to ``out``: ``residual + F.linear(x, weight, bias)``."""
-    return linear_residual(x, weight, bias, residual.detach())
+    return linear_residual(x, weight, bias, residual.detach(), config=OUT_CONFIG)
 
 
 class ResidualInEpilogue(torch.autograd.Function):

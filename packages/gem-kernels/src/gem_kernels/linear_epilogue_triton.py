@@ -147,10 +147,10 @@ def _tiles(config: GemmConfig) -> GemmConfig:
     return config
 
 
-def fits_epilogue(silu_from: int, n: int, k: int, dtype_bytes: int = 2) -> bool:
-    """Whether the kernel takes these sizes with its default config: ``silu_from`` (0 for
-    ``linear_residual``) tile-aligned, 16-byte rows for the tensor descriptors."""
-    tiles = _tiles(CONFIGS[DEFAULT_CONFIG])
+def fits_epilogue(silu_from: int, n: int, k: int, config: str = DEFAULT_CONFIG, dtype_bytes: int = 2) -> bool:
+    """Whether the kernel takes these sizes with ``config``: ``silu_from`` (0 for ``linear_residual``)
+    a multiple of its tile width, 16-byte rows for the tensor descriptors."""
+    tiles = _tiles(CONFIGS[config])
     return 0 <= silu_from < n and silu_from % tiles.block_n == 0 and (k * dtype_bytes) % 16 == 0
 
 
