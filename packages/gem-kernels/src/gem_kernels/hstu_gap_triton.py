@@ -138,8 +138,8 @@ class HSTUGapFunction(torch.autograd.Function):
         heads, dqk, dv = shape
         ctx.pre_bias_dtype = pre_bias.dtype if pre_bias is not None and ctx.needs_input_grad[5] else None
         rows, hv, hq = pre.shape[0], heads * dv, heads * dqk
-        given_post = options.pop("post")
-        post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device) if given_post is None else None
+        given_post = options.pop("post")  # written by the uvqk GEMM's epilogue (gem_kernels.linear_epilogue_triton)
+        post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device) if given_post is None else given_post
         # e4m3_row: pre kept in e4m3 rows written by the silu pass, post recomputed in backward
         ctx.expand_to = pre.dtype if options["saved_format"] == E4M3_ROW and any(ctx.needs_input_grad) else None
         fp8 = None
@@ -149,8 +149,7 @@ class HSTUGapFunction(torch.autograd.Function):
             silu_columns(pre[:, hv:2 * hv], post[:, :hv])
             fp8 = silu_quantize_qk(pre[:, 2 * hv:], post[:, hv:], heads)
             kept = (pre, post)
-        elif given_post is not None:  # written by the uvqk GEMM's epilogue (gem_kernels.linear_epilogue_triton)
-            post = given_post
+        elif given_post is not None:
             kept = (pre, post)
         else:
             kept = (pre, silu_columns(pre[:, hv:], post))

@@ -64,7 +64,8 @@ CONFIGS: dict[str, GemmConfig] = {
     "m128n256k64s4": GemmConfig(128, 256, 64, 4, 8, subtile=True),
 }
 """The candidates ``benchmarks/linear_epilogue.py`` times; the first is Triton's Hopper tutorial's choice for
-large bf16 GEMMs. The interpreter runs every config with 16-wide tiles (:func:`_tiles`)."""
+large bf16 GEMMs. The interpreter runs every config with 16-wide tiles, 32 for the halved epilogues
+(:func:`_tiles`)."""
 DEFAULT_CONFIG = "m128n256k64"
 
 
