@@ -291,7 +291,9 @@ VARIANTS: dict[str, Switch] = {
     # the Gluon forward (attention_gluon: asynchronous wgmma, the next q k^T during the silu) where it applies
     "gluon_forward": patched("gem_kernels.attention_gluon", "FORWARD", True),
     "gluon_dq": patched("gem_kernels.attention_gluon", "DQ", True),  # the backward's dq pass in Gluon
-    "gluon_dkdv": patched("gem_kernels.attention_gluon", "DKDV", True),  # and its dk/dv pass
+    # the backward's dk/dv pass in Triton (the Gluon pass is shipped since 2026-12-05; this session's
+    # commands named it ``gluon_dkdv``)
+    "triton_dkdv": patched("gem_kernels.attention_gluon", "DKDV", False),
     "gluon_attention": all_of(patched("gem_kernels.attention_gluon", "FORWARD", True),
                               patched("gem_kernels.attention_gluon", "DQ", True),
                               patched("gem_kernels.attention_gluon", "DKDV", True)),

@@ -164,11 +164,13 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         # fp8_saved's rows expanded before the norm-gate backward; the norm-gate forward's rows as bytes
         ("fp8_saved_rows_expanded", "gem_kernels.hstu_gap_triton", "E4M3_ROWS_IN_NORM_GATE", True),
         ("fp8_byte_stores", "gem_kernels.norm_gate_triton", "E4M3_WORD_STORES", True),
-        # the Gluon attention forward on (off as shipped: not yet run on a GPU)
+        # the Gluon attention forward and dq pass on (off as shipped: not faster in a step on the H200)
         ("gluon_forward", "gem_kernels.attention_gluon", "FORWARD", False),
         ("gluon_dq", "gem_kernels.attention_gluon", "DQ", False),
-        ("gluon_dkdv", "gem_kernels.attention_gluon", "DKDV", False),
-        # the uvqk GEMM with the silu in its epilogue (off as shipped: not yet timed in a step)
+        # the Triton dk/dv pass (the Gluon one is shipped)
+        ("triton_dkdv", "gem_kernels.attention_gluon", "DKDV", True),
+        # the uvqk GEMM with the silu in its epilogue, out's with the residual (off as shipped: slower, or no
+        # resolvable gain, on the H200)
         ("linear_silu", "gem_kernels.hstu_block", "LINEAR_SILU", False),
         ("linear_residual", "gem_kernels.hstu_block", "LINEAR_RESIDUAL", False),
     ],

@@ -31,8 +31,10 @@ the ``ws_*`` kernels' two partitions); blocks wholly inside the mask run without
 What they do not do (the Triton kernels do): relative biases, ``max_attn_len``, fp8 inputs, atomic
 ``dq``, head dims other than 64 and 128, and any GPU other than sm_90. :func:`supported` says whether
 a call qualifies. ``query_major`` and ``key_major`` route there when :data:`FORWARD`, :data:`DQ` or
-:data:`DKDV` is on. All three are off by default: the kernels are compiled for sm_90 on the CPU and
-checked there; their numbers on the GPU are ``benchmarks/attention_gluon.py``'s to give.
+:data:`DKDV` is on. The kernels are compiled for sm_90 on the CPU and checked there; their numbers on
+the GPU are ``benchmarks/attention_gluon.py``'s (``benchmarks/results/jagged_attention.md``). On the H200
+(2026-12-05) the dk/dv pass at two programs an SM (``n64m32``) is faster than the Triton one, and
+:data:`DKDV` is on; the forward and the ``dq`` pass are not (their switches stay off).
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ FORWARD = False
 DQ = False
 """Route qualifying ``dq`` passes of ``query_major`` to :mod:`gem_kernels.attention_gluon_dq` (read at
 call time)."""
-DKDV = False
+DKDV = True
 """Route qualifying ``key_major`` calls (no atomic ``dq``, no bias) to :mod:`gem_kernels.attention_gluon_dkdv`
-(read at call time)."""
+(read at call time). On since 2026-12-05: on the H200 the pass is 1.182x the Triton one at the big
+config's lengths and 1.105x at 1,024 (``benchmarks/attention_gluon.py``), and the big config's step
+1.021x (IQR 1.013-1.032) over 60 batches (``benchmarks/e2e_ab.py``; e2e switch ``triton_dkdv`` turns it off)."""
 
 CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # name: (BLOCK_M, BLOCK_N, num_warps, STAGES, programs per SM). 8 warps = two warpgroups of 64 query
@@ -98,8 +102,10 @@ DKDV_CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "ws_n128m16": (16, 128, 8, 4, 1),
     "ws_n128m32": (32, 128, 8, 3, 1),
 }
-DEFAULT_DKDV_CONFIG = "n128m32"
-"""The fastest on the H200 (2026-12-05): 0.877x the Triton dk/dv pass at the big config's lengths."""
+DEFAULT_DKDV_CONFIG = "n64m32"
+"""The fastest on the H200 (2026-12-05, ``benchmarks/attention_gluon.py --rounds 8``): 3.434 ms against
+the Triton pass's 4.059 at the big config's lengths (1.182x; ``n128m32``, the default before, 0.868x),
+2.844 against 3.144 at 1,024."""
 PRODUCER_REGISTERS = 40
 """Registers of the ``ws_*`` configs' producer warp (it computes addresses and waits on barriers)."""
 DEFAULT_CONFIG = "m64n64"
