@@ -228,7 +228,7 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     "silu_grad_sums": (silu_grad_sums, (16, 128, 3), list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
                        2 * WIDTH + 4 * (WIDTH - D) + 4 * WIDTH),
     # fp8_saved's last pass: pre's v, q, k columns read from its e4m3 rows (1 byte a value)
-    "silu_grad_sums_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_pre=True), (16, 128, 3),
+    "silu_grad_sums_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_pre=True), (8, 64, 3),
                             list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
                             2 * WIDTH + 3 * (WIDTH - D) + 4 * WIDTH + 4),
     # fp8_rowwise's producers (e4m3 rows beside the bf16 output; 1 byte a value more, and a scale a row)
@@ -262,11 +262,11 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # shipped (8, 4) until the 2026-12-02 run of this script
     "norm_bwd": (norm_bwd, (4, 4, 0), list(itertools.product((2, 4, 8, 16), (4, 8), (0,))), 8 * D),
     # fp8_saved's silu pass (pre read whole, post and pre's e4m3 rows written) and its backward expansion
-    "silu_quantize": (silu_quantize, (2, 4096, 8), list(itertools.product((1, 2, 4), (1024, 4096), (4, 8, 16))),
+    "silu_quantize": (silu_quantize, (1, 4096, 4), list(itertools.product((1, 2, 4), (1024, 4096), (4, 8, 16))),
                       2 * WIDTH + 2 * (WIDTH - D) + WIDTH + 4),
     # tiles of up to 8 values a thread (e.g. 4 x 256 on 4 warps) keep one layout; larger ones convert the
     # bytes' layout through shared memory (hstu_gap_saved.EXPAND_TILE)
-    "expand_post": (expand_post, (16, 256, 4), list(itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024), (4, 8))),
+    "expand_post": (expand_post, (4, 256, 4), list(itertools.product((1, 2, 4, 8, 16, 32), (256, 512, 1024), (4, 8))),
                     (WIDTH - D) + 4 + 2 * (WIDTH - D)),
     "silu_fwd": (lambda t, r, c, w: silu(t, r, c, w, False), (16, 256, 4),
                  list(itertools.product((16, 32), (256, 512, 1024), (4, 8))), 4 * (WIDTH - D)),

@@ -43,6 +43,11 @@ accumulator (not measured with it, so it runs without). At 200,000 x 4,096 on th
 (``benchmarks/pointwise_tiles.py``, 2026-12-04, each timing including a reset copy of the gradient): the
 bf16 step's sums-only pass 1.015x (16 warps), the pass that writes the e4m3 rows (``fp8_rowwise``) 1.091x
 (8 warps: 2.269 -> 2.079 ms with the copy)."""
+E4M3_PRE_LAUNCH = (4, 8) if INTERPRET else (64, 8)
+"""(rows a program walks, warps) of the sums-only pass that reads ``pre`` from its e4m3 rows (``fp8_saved``'s
+last pass). At 207,000 x 4,096 on the H200 (``benchmarks/pointwise_tiles.py --kernels silu_grad_sums_e4m3``,
+2026-12-05, each timing with a reset copy of the gradient): 64 rows on 8 warps 1.811 ms, the bf16 pass's
+128 rows on 16 warps 1.925 (1.063x)."""
 ROWS_AT_ONCE = 2 if INTERPRET else 1
 """Rows a program loads in one iteration (more loads in flight, more registers)."""
 WARPS_WIDE = {False: 8, True: 4}
@@ -91,10 +96,13 @@ def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_
         tl.store(SUMS + pid * W + cols, sums, mask=cols_ok)
 
 
-def _warps(block_w: int, rows_out: bool, has_dq: bool) -> int:
+def _launch(block_w: int, rows_out: bool, has_dq: bool, e4m3: bool) -> tuple[int, int]:
+    """(rows a program walks, warps)."""
     if block_w < 4096:
-        return 4
-    return WARPS_WIDE[has_dq] if rows_out or has_dq else WARPS_SUMS_ONLY
+        return ROWS_PER_PROGRAM, 4
+    if rows_out or has_dq:
+        return ROWS_PER_PROGRAM, WARPS_WIDE[has_dq]
+    return E4M3_PRE_LAUNCH if e4m3 else (ROWS_PER_PROGRAM, WARPS_SUMS_ONLY)
 
 
 def fits(width: int) -> bool:
@@ -121,20 +129,21 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
         raise ValueError(f"silu_grad_rows: out must hold [{num_rows}, {width}] rows without column maxima")
     if out is None and not col_sum:
         raise ValueError("silu_grad_rows: neither rows nor column sums asked for (the plain pass is silu_columns)")
-    programs = max(1, triton.cdiv(num_rows, ROWS_PER_PROGRAM))
+    e4m3 = scale_inv is not None
+    block_w = triton.next_power_of_2(width)
+    rows_per_program, warps = _launch(block_w, out is not None, dq is not None, e4m3)
+    programs = max(1, triton.cdiv(num_rows, rows_per_program))
     sums = torch.empty((programs, width) if col_sum else (1,), dtype=torch.float32, device=d_pre.device)
     if not num_rows:
         return sums.zero_()[0] if col_sum else None
     accum, q_cols = dq if dq is not None else (d_pre, slice(0, 0))
-    e4m3 = scale_inv is not None
-    block_w = triton.next_power_of_2(width)
     with device_guard(d_pre.device):
         _silu_grad_rows[(programs,)](
             d_pre, pre.view(torch.uint8) if e4m3 else pre, scale_inv if e4m3 else pre, accum,
             sums if out is None else out.data, sums if out is None else out.scale_inv, sums, d_pre.stride(0),
-            pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, ROWS_PER_PROGRAM, W=width,
+            pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, rows_per_program, W=width,
             BLOCK_W=block_w, ROWS=ROWS_AT_ONCE, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
-            COL_SUM=col_sum, INTERP=INTERPRET, num_warps=_warps(block_w, out is not None, dq is not None),
+            COL_SUM=col_sum, INTERP=INTERPRET, num_warps=warps,
             STAGES=PIPELINE_STAGES if dq is None else None,
         )  # fmt: skip
     return sums.sum(0) if col_sum else None
