@@ -57,13 +57,24 @@ from gem_model.api import (
 LINEAR_RESIDUAL = False
 """Whether an ``out`` linear that takes a supplied GEMM runs
 :func:`gem_kernels.linear_epilogue_triton.linear_residual`, which adds the residual in its epilogue, in
-place of cuBLAS and the add. Off until timed on the H200 (e2e switch ``linear_residual``)."""
-UVQK_CONFIG = OUT_CONFIG = DEFAULT_CONFIG
-"""The tiles of each GEMM (:data:`gem_kernels.linear_epilogue_triton.CONFIGS`)."""
+place of cuBLAS and the add (e2e switch ``linear_residual``). Off: on the H200 (2026-12-05) the GEMM and
+add take 0.864 ms against cuBLAS's 0.971 at 207,000 rows (``benchmarks/linear_epilogue.py``), but the step
+moved 1.003x (IQR 0.992-1.009 and 0.996-1.015; A/A 1.000x and 1.001x), inside what the benchmark
+resolves, and cuBLAS stays the GEMM for every shape that was not timed."""
+UVQK_CONFIG = DEFAULT_CONFIG
+"""The tiles of uvqk's GEMM (:data:`gem_kernels.linear_epilogue_triton.CONFIGS`): the fastest with ``post``
+on the H200 (2026-12-05)."""
+OUT_CONFIG = "m256n128k64"
+"""The tiles of out's GEMM: the fastest with the residual on the H200 at 207,000 rows (2026-12-05; 0.864 ms
+against 0.901 for ``m128n256k64``)."""
 LINEAR_SILU = False
 """Whether a ``uvqk`` linear that takes a supplied GEMM (the ``bf16`` scheme's) runs
 :func:`gem_kernels.linear_epilogue_triton.linear_silu`, whose epilogue writes ``silu(v, q, k)`` beside
-``pre``, in place of cuBLAS and the gap's silu pass. Off until timed on the H200 (e2e switch ``linear_silu``)."""
+``pre``, in place of cuBLAS and the gap's silu pass (e2e switch ``linear_silu``). Off: slower on the H200
+(2026-12-05, ``benchmarks/linear_epilogue.py`` at 207,000 rows): 3.593 ms against 3.209 for cuBLAS and the
+pass (0.893x). The GEMM alone runs at 627 TFLOP/s to cuBLAS's 706, and writing ``post`` adds 0.82 ms where
+its bytes take ~0.3: the epilogue's stores are not overlapped with the next tile's MMAs (one partition,
+no asynchronous stores), which a warp-specialized GEMM would need."""
 
 
 def hstu_block_triton(
