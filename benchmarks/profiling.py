@@ -286,7 +286,7 @@ def torch_kernel(name: str) -> bool:
 def profile_steps(step: Callable[[], None], steps: int) -> dict:
     """Device time per kernel category, the top kernels and where the device waited, over ``steps``
     calls of ``step`` under ``torch.profiler`` (per call)."""
-    from gem_model.profiling.step_time import KERNEL_CATEGORIES, categorize
+    from gem_model.profiling.step_time import categorize_kernel
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -298,7 +298,7 @@ def profile_steps(step: Callable[[], None], steps: int) -> dict:
     events = device_events(trace)
     categories: dict[str, float] = {}
     for e in events:
-        c = categorize(e["name"], KERNEL_CATEGORIES)
+        c = categorize_kernel(e["name"])
         categories[c] = categories.get(c, 0.0) + e.get("dur", 0) / 1e3 / steps
     idle = device_idle(events)
     return {"busy_ms_per_step": idle.get("busy_ms", 0.0) / steps, "categories_ms_per_step": categories,

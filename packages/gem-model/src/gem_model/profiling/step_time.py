@@ -75,6 +75,14 @@ KERNEL_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 """Device kernels by name (CUDA): kernels launched outside any op (Triton's direct launches, the
 backward on autograd's device thread) have no op to inherit a category from, so on CUDA the
 breakdown names each kernel itself."""
+KERNEL_NAMES: dict[str, str] = {
+    # gem_kernels' Gluon attention (attention_gluon_*), whose names are too plain to match by a part
+    "forward_kernel": "attention", "forward_ws_kernel": "attention", "dq_kernel": "attention",
+    "dq_ws_kernel": "attention", "dkdv_kernel": "attention", "dkdv_ws_kernel": "attention",
+    # gem_kernels' GEMM with its pointwise work in the epilogue (linear_epilogue_triton)
+    "_linear_epilogue": "gemm",
+}  # fmt: skip
+"""Device kernels whose whole name gives their category, before :data:`KERNEL_CATEGORIES` is searched."""
 
 
 def categorize(name: str, table: tuple[tuple[str, tuple[str, ...]], ...] = CATEGORIES) -> str:
@@ -83,6 +91,11 @@ def categorize(name: str, table: tuple[tuple[str, tuple[str, ...]], ...] = CATEG
         if any(n in low for n in needles):
             return category
     return "pointwise"
+
+
+def categorize_kernel(name: str) -> str:
+    """The category of a device kernel, by its whole name or else a part of it."""
+    return KERNEL_NAMES.get(name) or categorize(name, KERNEL_CATEGORIES)
 
 
 def busy_seconds(spans: list[tuple[float, float]]) -> float:
@@ -123,7 +136,7 @@ def top_kernels(kernels: list[tuple[str, float, float]], steps: int, limit: int 
         calls[name] = calls.get(name, 0) + 1
     ranked = sorted(total, key=lambda n: -total[n])[:limit]
     n = max(steps, 1)
-    return [[name if len(name) <= 90 else name[:87] + "...", categorize(name, KERNEL_CATEGORIES),
+    return [[name if len(name) <= 90 else name[:87] + "...", categorize_kernel(name),
              total[name] / 1e3 / n, calls[name] / n] for name in ranked]  # fmt: skip
 
 
@@ -139,7 +152,7 @@ def kernel_breakdown(kernels: list[tuple[str, float, float]], wall_s: float) -> 
     wall time less the union of the kernels' intervals (the device waiting for the host)."""
     out = dict.fromkeys(ORDER, 0.0)
     for name, start, end in kernels:
-        out[categorize(name, KERNEL_CATEGORIES)] += (end - start) / 1e6
+        out[categorize_kernel(name)] += (end - start) / 1e6
     out["idle"] = max(0.0, wall_s - busy_seconds([(a, b) for _, a, b in kernels]))
     return out
 
