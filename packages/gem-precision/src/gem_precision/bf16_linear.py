@@ -21,6 +21,7 @@ the CPU's bits are those of the plain form.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -41,7 +42,15 @@ CAST_ONCE = False
 """Whether a GPU linear of the ``bf16`` scheme reads its bf16 weight and bias from the scheme's
 :class:`~gem_precision.cast_cache.CastCache` (remade once per optimizer step, every linear's in one
 launch) instead of casting them at each call (read at call time; not under ``torch.compile``, which
-fuses the casts itself). Off until timed on a GPU (e2e switch ``cast_once``)."""
+fuses the casts itself). Off until timed on a GPU (e2e switch ``cast_once``). It may be switched either way
+between steps: the linears register their parameters with the cache when converted, whatever its value.
+
+A weight or bias the cache does not know (neither the parameter the linear was converted with nor an
+alias of its memory, such as the detached bias that ``gem_model.api.bias_grad_elsewhere`` lends: a
+parameter replaced since, by ``load_state_dict(assign=True)`` or a wrapper that swaps parameters in) is
+cast at each call instead, which gives the same bits, with one warning per linear naming it: a switch
+that only saves time should not stop a run, but should not silently do nothing either.
+``linear.use_cast_cache(linear.cast_cache)`` registers the parameters it has now."""
 
 
 def float32_weight_grad(grad_2d: torch.Tensor, x_2d: torch.Tensor) -> torch.Tensor:
@@ -118,12 +127,27 @@ class Bf16Linear(SchemeLinear):
     are)."""
 
     cast_cache: CastCache | None = None
+    _warned_uncached = False
 
     def use_cast_cache(self, cache: CastCache) -> None:
         """Read the bf16 weight and bias from ``cache`` (shared by the scheme's linears) where :data:`CAST_ONCE`."""
         self.cast_cache = cache
         cache.add(self.weight)
         cache.add(self.bias)
+        self._warned_uncached = False
+
+    def _cached(self, cache: CastCache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The bf16 weight and bias from ``cache``; None for one it does not know (cast per call: :data:`CAST_ONCE`)."""
+        w16 = cache.find(self.weight)  # first: a moved weight's refresh reindexes the cache for a lent bias
+        b16 = None if self.bias is None else cache.find(self.bias)
+        if (w16 is None or (self.bias is not None and b16 is None)) and not self._warned_uncached:
+            self._warned_uncached = True
+            missing = ", ".join(name for name, t, t16 in (("weight", self.weight, w16), ("bias", self.bias, b16))
+                                if t is not None and t16 is None)  # fmt: skip
+            warnings.warn(f"{self.fqn}: CAST_ONCE is on but the cast cache does not know this linear's {missing} "
+                          "(replaced since the linear was converted?); cast at each call instead, same bits. "
+                          "linear.use_cast_cache(linear.cast_cache) registers the current parameters.", stacklevel=3)
+        return w16, b16
 
     def takes_gemm(self, x: torch.Tensor) -> bool:
         """Whether a call on ``x`` runs a supplied forward GEMM (``gem_model.api.takes_gemm``): not for a
@@ -137,8 +161,8 @@ class Bf16Linear(SchemeLinear):
         if (_direct(x16, self.weight) or gemm is not None) and x16.numel():
             cache = self.cast_cache
             if CAST_ONCE and cache is not None and not torch.compiler.is_compiling():
-                b16 = None if self.bias is None else cache.get(self.bias)
-                return Bf16LinearFunction.apply(x16, self.weight, self.bias, cache.get(self.weight), b16, gemm).to(x.dtype)
+                w16, b16 = self._cached(cache)
+                return Bf16LinearFunction.apply(x16, self.weight, self.bias, w16, b16, gemm).to(x.dtype)
             return Bf16LinearFunction.apply(x16, self.weight, self.bias, None, None, gemm).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(BF16)
         return F.linear(x16, self.weight.to(BF16), bias).to(x.dtype)
