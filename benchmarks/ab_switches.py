@@ -244,6 +244,18 @@ def switch_ddp_no_sync(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_recat_cache(run: object) -> Callable[[], None]:
+    """torchrec's input-distribution feature permutation made once per shape
+    (``gem_parallel.recat_cache``, what ``parallel.planner.options.cache_recat`` installs): two host syncs
+    a step fewer in the big config's forward. Refused if the cache is already in (the run's own option:
+    the A rows would not be without it)."""
+    from gem_parallel import recat_cache
+
+    if recat_cache.installed():
+        raise ValueError("recat_cache: the cache is already installed (parallel.planner.options.cache_recat is on)")
+    return recat_cache.install()
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -301,6 +313,8 @@ VARIANTS: dict[str, Switch] = {
     "linear_silu": patched("gem_kernels.hstu_block", "LINEAR_SILU", True),
     # the bf16 out GEMM in Triton with the residual added in its epilogue, in place of cuBLAS and the add
     "linear_residual": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", True),
+    # torchrec's input-distribution permutation made once per shape (no host sync in the forward)
+    "recat_cache": switch_recat_cache,
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

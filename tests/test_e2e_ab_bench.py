@@ -206,3 +206,21 @@ def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
     undo()
     assert launches() == shipped
 
+
+
+def test_the_recat_cache_switch_installs_and_undoes_and_refuses_a_second_cache(monkeypatch):
+    """``recat_cache`` puts gem_parallel.recat_cache in front of torchrec's permutation and takes it out;
+    with the run's own option on it refuses (its A rows would not be without the cache)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+    from torchrec.distributed import dist_data
+
+    from gem_parallel import recat_cache
+
+    original = dist_data._get_recat
+    undo = VARIANTS["recat_cache"](None)
+    assert recat_cache.installed() and dist_data._get_recat is not original
+    with pytest.raises(ValueError, match="recat_cache: the cache is already installed"):
+        VARIANTS["recat_cache"](None)
+    undo()
+    assert not recat_cache.installed() and dist_data._get_recat is original

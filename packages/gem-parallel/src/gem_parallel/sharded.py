@@ -45,6 +45,7 @@ from gem_model.api import (
     SparseOptimizerSpec,
     TablePlacement,
 )
+from gem_parallel import recat_cache
 from gem_parallel.single import dense_modules
 from gem_parallel.state import copy_full_into_shards
 
@@ -58,6 +59,11 @@ class TorchrecDDPConfig(ComponentConfig):
     )
     bucket_cap_mb: int = Field(25, gt=0, description="DDP gradient bucket size")
     static_graph: bool = Field(False, description="DDP static_graph (every parameter used every step)")
+    cache_recat: bool = Field(
+        False,
+        description="make torchrec's input-distribution feature permutation once per shape instead of every "
+        "forward, which removes its host sync (gem_parallel.recat_cache; off until timed on a GPU)",
+    )
 
 
 class _CommAwareDDP(DefaultDataParallelWrapper):
@@ -119,6 +125,8 @@ class TorchrecDDPPlanner(ParallelPlanner):
             sparse_optimizer=ctx.sparse_optimizer, data_parallel_wrapper=_CommAwareDDP(ctx.comm, self.config),
         )  # fmt: skip
         dense = list(in_backward_optimizer_filter(dmp.named_parameters()))
+        if self.config.cache_recat:
+            recat_cache.install()  # for the process: the run's forwards from here on
         return PreparedModel(
             module=dmp,
             dense_parameters=dense,
