@@ -39,6 +39,18 @@ def test_each_shape_is_made_once_and_equals_torchrecs(cache) -> None:
     assert cache(local_split=0, num_splits=4, stagger=1, device=None) is None  # an empty local split, as torchrec
 
 
+def test_the_cache_keeps_the_shapes_used_last(cache, monkeypatch) -> None:
+    """Variable batch sizes per rank need not repeat: the least recently used shape goes first."""
+    monkeypatch.setattr(recat_cache, "MAX_ENTRIES", 2)
+    shape = dict(local_split=2, num_splits=2, stagger=1, device=torch.device("cpu"))
+    a, b = cache(**shape, batch_size_per_rank=[1, 2]), cache(**shape, batch_size_per_rank=[2, 2])
+    assert cache(**shape, batch_size_per_rank=[1, 2]) is a  # used again: now the most recent
+    c = cache(**shape, batch_size_per_rank=[3, 2])  # b goes
+    assert list(cache.cache.values()) == [a, c]
+    again = cache(**shape, batch_size_per_rank=[2, 2])
+    assert again is not b and torch.equal(again, b)
+
+
 def test_uninstall_puts_torchrecs_function_back_and_a_second_install_is_a_no_op() -> None:
     original = dist_data._get_recat
     undo = recat_cache.install()

@@ -14,7 +14,9 @@ each sharded module; they are the only host syncs in its forward
 :func:`install` puts a cache in front of ``_get_recat``: the first call with given arguments makes the
 tensor as torchrec does, later calls return that tensor. The permutation is read only (fbgemm's
 permute operators take it as an index), and the cache holds it, so its memory is never handed to
-another tensor. :func:`install` returns the function that takes the cache out again.
+another tensor. With variable batch sizes per rank (``batch_size_per_rank``) the shapes may not repeat:
+the cache keeps the :data:`MAX_ENTRIES` used last. :func:`install` returns the function that takes the
+cache out again.
 
 ``parallel.planner.options.cache_recat`` (``torchrec_ddp``) installs it for a run; off by default until
 timed on a GPU (``benchmarks/e2e_ab.py`` switch ``recat_cache``).
@@ -23,11 +25,14 @@ timed on a GPU (``benchmarks/e2e_ab.py`` switch ``recat_cache``).
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+MAX_ENTRIES = 256
+"""Permutations kept (the least recently used goes first)."""
 EXPECTED_PARAMETERS = ("local_split", "num_splits", "stagger", "device", "batch_size_per_rank")
 """``_get_recat``'s parameters, as torchrec 1.6 to 1.8 define them."""
 
@@ -63,15 +68,19 @@ def install() -> Callable[[], None]:
             f"cache_recat: torchrec {getattr(torchrec, '__version__', '?')}'s dist_data._get_recat has parameters "
             f"{params}, expected {EXPECTED_PARAMETERS}; turn parallel.planner.options.cache_recat off"
         )
-    cache: dict[tuple, torch.Tensor | None] = {}
+    cache: OrderedDict[tuple, torch.Tensor | None] = OrderedDict()
 
     def cached_recat(local_split: int, num_splits: int, stagger: int = 1, device: torch.device | None = None,
                      batch_size_per_rank: list[int] | None = None) -> torch.Tensor | None:  # fmt: skip
         key = (local_split, num_splits, stagger, None if device is None else str(torch.device(device)),
                None if batch_size_per_rank is None else tuple(batch_size_per_rank))  # fmt: skip
-        if key not in cache:
-            cache[key] = original(local_split, num_splits, stagger, device, batch_size_per_rank)
-        return cache[key]
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        cache[key] = made = original(local_split, num_splits, stagger, device, batch_size_per_rank)
+        if len(cache) > MAX_ENTRIES:
+            cache.popitem(last=False)
+        return made
 
     cached_recat.cache = cache  # type: ignore[attr-defined]  # what the tests and a debugger read
     dist_data._get_recat = cached_recat
