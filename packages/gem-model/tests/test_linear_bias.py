@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gem_model.api import bias_grad_elsewhere
+from gem_model.api import bias_grad_elsewhere, lent_from
 
 
 def test_the_forward_is_the_same_and_only_the_caller_routes_the_bias_gradient():
@@ -40,3 +40,14 @@ def test_the_bias_is_given_back_when_the_call_fails():
     except RuntimeError:
         pass
     assert linear.bias is own
+
+
+def test_lent_from_names_the_bias_a_lent_alias_stands_for():
+    linear = torch.nn.Linear(3, 2)
+    bias = linear.bias
+    with bias_grad_elsewhere(linear):
+        alias = linear.bias
+        assert alias is not bias and lent_from(alias) is bias
+    assert lent_from(bias) is bias and lent_from(linear.weight) is linear.weight
+    detached = bias.detach()
+    assert lent_from(detached) is detached  # only the alias the context lends

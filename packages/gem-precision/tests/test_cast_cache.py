@@ -185,26 +185,25 @@ def test_cast_once_switched_on_between_steps_of_a_live_run(gen: torch.Generator,
         assert torch.equal(cached, plain)
 
 
-def test_an_alias_of_a_registered_parameter_reads_its_copy(gen: torch.Generator) -> None:
+def test_the_alias_bias_grad_elsewhere_lends_reads_its_parameters_copy(gen: torch.Generator) -> None:
     p = nn.Parameter(torch.randn(6, 4, generator=gen))
     other = nn.Parameter(torch.randn(6, 4, generator=gen))
     cache = CastCache()
     cache.add(p)
     cache.add(other)
-    alias = nn.Parameter(p.detach(), requires_grad=False)  # what bias_grad_elsewhere lends
-    assert cache.get(alias) is cache.get(p) and cache.refreshes == 1
-    assert cache.get(p.detach()) is cache.get(p)
-    with torch.no_grad():
-        alias.mul_(2.0)  # in place through the alias: the copy follows (shared version counter)
-    assert torch.equal(cache.get(alias), p.detach().to(BF16)) and cache.refreshes == 2
-    for not_it in (p.detach().clone(), p.detach()[1:], p.detach().t(), p.detach().view(24), p.detach().double()):
-        assert cache.find(not_it) is None  # same values or memory, but not the parameter's tensor
+    linear = nn.Linear(4, 6)
+    linear.bias = p  # any module with a bias Parameter: bias_grad_elsewhere lends it
+    with bias_grad_elsewhere(linear) as lent:
+        alias = linear.bias
+        assert lent is p and alias is not p
+        assert cache.get(alias) is cache.get(p) and cache.refreshes == 1
+        with torch.no_grad():
+            alias.mul_(2.0)  # in place through the alias: the copy follows (shared version counter)
+        assert torch.equal(cache.get(alias), p.detach().to(BF16)) and cache.refreshes == 2
+    for not_it in (p.detach(), p.detach().clone(), p.detach()[1:], p.detach().double()):
+        assert cache.find(not_it) is None  # the same memory or values, but not a lent alias
         with pytest.raises(KeyError, match="was never added"):
             cache.get(not_it)
-    p.data = torch.randn(6, 4, generator=gen)  # moved (as module.to does): the old memory is no longer p
-    assert cache.find(alias) is None
-    assert torch.equal(cache.get(p), p.detach().to(BF16)) and cache.refreshes == 3  # p first, as a linear's weight
-    assert cache.get(nn.Parameter(p.detach(), requires_grad=False)) is cache.get(p) and cache.refreshes == 3
 
 
 def test_a_parameter_the_cache_never_saw_is_cast_per_call_with_a_warning(gen: torch.Generator,

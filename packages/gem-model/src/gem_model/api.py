@@ -30,7 +30,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     # ... and the backward's side: a linear whose output gradient arrives quantized by its producer
     "gem_model.grad_rows": ("GradRows", "GradRowsSlot", "attach_grad_rows", "attached_grad_rows", "grad_rows_slot"),
-    "gem_model.linear_bias": ("bias_grad_elsewhere",),  # a linear whose bias gradient a fused kernel sums
+    "gem_model.linear_bias": ("bias_grad_elsewhere", "lent_from"),  # a linear whose bias gradient a fused kernel sums
     "gem_model.linear_gemm": ("GemmTakingLinear", "LinearGemm", "takes_gemm"),  # ... whose forward GEMM a kernel supplies
     "gem_model.results": ("ReportSection", "RunSummary", "StepResult"),  # what a run hands back
     # the parallel degrees, their runtime view, the run a planner lays out, a planner's decision
@@ -166,6 +166,7 @@ __all__ = [
     "gather_bias",
     "grad_rows_slot",
     "hookimpl",
+    "lent_from",
     "load_config",
     "next_item_loss",
     "offsets_of",
@@ -253,7 +254,7 @@ if TYPE_CHECKING:
     )
     from gem_model.layout import Layout
     from gem_model.lifecycle import Callback, TrainPipeline
-    from gem_model.linear_bias import bias_grad_elsewhere
+    from gem_model.linear_bias import bias_grad_elsewhere, lent_from
     from gem_model.linear_gemm import GemmTakingLinear, LinearGemm, takes_gemm
     from gem_model.model.flops import count_flops
     from gem_model.model.gem import GemModel

@@ -1,4 +1,4 @@
-"""A linear whose bias gradient another kernel sums: :func:`bias_grad_elsewhere`.
+"""A linear whose bias gradient another kernel sums: :func:`bias_grad_elsewhere` (and :func:`lent_from`).
 
 A linear's bias gradient is the column sum of its output's gradient, one more pass over that gradient
 after whatever wrote it. When the kernels that write the gradient can sum its columns as they go (the
@@ -30,8 +30,17 @@ def bias_grad_elsewhere(linear: object) -> Iterator[torch.nn.Parameter | None]:
     if type(bias) is not torch.nn.Parameter or not bias.requires_grad or not torch.is_grad_enabled():
         yield None
         return
-    params["bias"] = torch.nn.Parameter(bias.detach(), requires_grad=False)
+    alias = torch.nn.Parameter(bias.detach(), requires_grad=False)
+    alias._lent_from = bias  # type: ignore[attr-defined]  # lent_from's answer
+    params["bias"] = alias
     try:
         yield bias
     finally:
         params["bias"] = bias
+
+
+def lent_from(t: torch.Tensor) -> torch.Tensor:
+    """The parameter that ``t`` stands for: the bias itself when ``t`` is the detached alias
+    :func:`bias_grad_elsewhere` put in its place (same storage, so always the same value), else ``t``.
+    For code keyed by the parameter object, such as a cache of its casts."""
+    return getattr(t, "_lent_from", t)

@@ -45,9 +45,9 @@ launch) instead of casting them at each call (read at call time; not under ``tor
 fuses the casts itself). Off until timed on a GPU (e2e switch ``cast_once``). It may be switched either way
 between steps: the linears register their parameters with the cache when converted, whatever its value.
 
-A weight or bias the cache does not know (neither the parameter the linear was converted with nor an
-alias of its memory, such as the detached bias that ``gem_model.api.bias_grad_elsewhere`` lends: a
-parameter replaced since, by ``load_state_dict(assign=True)`` or a wrapper that swaps parameters in) is
+A weight or bias the cache does not know (neither the parameter the linear was converted with nor the
+alias ``gem_model.api.bias_grad_elsewhere`` lends in its place: a parameter replaced since, by
+``load_state_dict(assign=True)`` or a wrapper that swaps parameters in) is
 cast at each call instead, which gives the same bits, with one warning per linear naming it: a switch
 that only saves time should not stop a run, but should not silently do nothing either.
 ``linear.use_cast_cache(linear.cast_cache)`` registers the parameters it has now."""
@@ -138,7 +138,7 @@ class Bf16Linear(SchemeLinear):
 
     def _cached(self, cache: CastCache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The bf16 weight and bias from ``cache``; None for one it does not know (cast per call: :data:`CAST_ONCE`)."""
-        w16 = cache.find(self.weight)  # first: a moved weight's refresh reindexes the cache for a lent bias
+        w16 = cache.find(self.weight)
         b16 = None if self.bias is None else cache.find(self.bias)
         if (w16 is None or (self.bias is not None and b16 is None)) and not self._warned_uncached:
             self._warned_uncached = True

@@ -18,15 +18,9 @@ must turn :data:`gem_precision.bf16_linear.CAST_ONCE` off. A copy is remade in p
 saved it before the parameter changed would see autograd's "modified by an inplace operation" error
 rather than wrong gradients.
 
-A parameter is looked up as the registered object or as any alias of it: a tensor of the same memory,
-dtype, shape and strides (``param.detach()``, ``nn.Parameter(param.detach())``), whose value is the
-parameter's at every moment. :func:`gem_model.api.bias_grad_elsewhere` is one: it lends a fused kernel
-the bias and gives the linear such an alias for the duration of the call. The copy read is the
-registered parameter's, so its staleness is the parameter's. Aliases are matched against the memory
-the parameters had when last indexed (again at the first unmatched lookup after an optimizer step, a
-refresh or an added parameter): an alias of a parameter that moved since is found once the parameter
-itself has been looked up (which refreshes its copy), as a linear looks up its weight before its bias.
-A tensor that is no parameter's costs a dictionary miss per lookup between those changes.
+A parameter is looked up as the registered object, or through the alias that
+:func:`gem_model.api.bias_grad_elsewhere` lends a linear in its bias's place (``lent_from``: same
+storage, so always the parameter's value); the copy read is the parameter's, and so is its staleness.
 """
 
 from __future__ import annotations
@@ -35,7 +29,8 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from gem_model.api import lent_from
 
 _optimizer_steps = 0
 _hook: Any = None
@@ -55,17 +50,6 @@ def _watch_optimizers() -> None:
         _hook = register_optimizer_step_post_hook(_count_step)
 
 
-_Memory = tuple[torch.device, torch.dtype, int, tuple[int, ...], tuple[int, ...]]
-
-
-def _memory(t: torch.Tensor) -> _Memory | None:
-    """What makes two tensors one value at every moment (device, dtype, address, shape, strides); None
-    where there is no memory to compare (empty, meta, a wrapper subclass such as a DTensor)."""
-    if not t.numel() or t.is_meta or is_traceable_wrapper_subclass(t):
-        return None
-    return t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride()
-
-
 class CastCache:
     """Copies of registered parameters in ``dtype``, remade together when any of them is stale."""
 
@@ -75,8 +59,6 @@ class CastCache:
         self._copies: list[torch.Tensor | None] = []
         self._made_from: list[tuple[int, int, int] | None] = []  # (optimizer steps, address, version) at the copy
         self._slot: dict[int, int] = {}
-        self._by_memory: dict[_Memory, int] = {}  # the parameters' memory when last indexed: aliases' lookup
-        self._indexed_at: tuple[int, int, int] | None = None  # (optimizer steps, refreshes, parameters) then
         self.refreshes = 0
         """How many times copies were remade (each time, every stale one at once)."""
         _watch_optimizers()
@@ -92,8 +74,8 @@ class CastCache:
 
     def find(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param`` in ``dtype``, as of its current value (no autograd history: a constant of the graph),
-        where ``param`` is a registered parameter or an alias of one (module docstring); else None."""
-        slot = self._slot_of(param)
+        where ``param`` is a registered parameter or the alias lent in its place (module docstring); else None."""
+        slot = self._slot.get(id(lent_from(param)))
         if slot is None:
             return None
         if self._stale(slot):
@@ -106,28 +88,8 @@ class CastCache:
         """:meth:`find`, raising ``KeyError`` for a tensor that is neither a registered parameter nor an alias of one."""
         copy = self.find(param)
         if copy is None:
-            raise KeyError(f"CastCache.get: a parameter of shape {tuple(param.shape)} was never added "
-                           "(neither a registered parameter nor an alias of one's memory)")
+            raise KeyError(f"CastCache.get: a parameter of shape {tuple(param.shape)} was never added")
         return copy
-
-    def _slot_of(self, t: torch.Tensor) -> int | None:
-        slot = self._slot.get(id(t))
-        if slot is not None:
-            return slot
-        memory = _memory(t)
-        if memory is None:
-            return None
-        slot = self._by_memory.get(memory)
-        if slot is not None and _memory(self._params[slot]) == memory:
-            return slot
-        # not indexed, or the parameters moved since: index again, at most once between changes (module
-        # docstring), so that a tensor that is no parameter's costs a miss per call, not a walk over them
-        stamp = (_optimizer_steps, self.refreshes, len(self._params))
-        if self._indexed_at == stamp:
-            return None
-        self._by_memory = {m: s for s, p in enumerate(self._params) if (m := _memory(p)) is not None}
-        self._indexed_at = stamp
-        return self._by_memory.get(memory)
 
     def _stale(self, slot: int) -> bool:
         p = self._params[slot]
