@@ -256,6 +256,27 @@ def switch_recat_cache(run: object) -> Callable[[], None]:
     return recat_cache.install()
 
 
+def switch_loss_at_tables(run: object) -> Callable[[], None]:
+    """The step's loss sums read inside backward at the tables' gate, the loss built on the device
+    (``trainer.loss_check=before_tables``, :mod:`gem_model.train.loss_check`), instead of a host read
+    between forward and backward. Refused where the run already does so, or where its layout or
+    ``trainer.non_finite`` cannot (the same check the step makes)."""
+    from gem_model.train.loss_check import check_in_backward
+
+    step = run.core_step  # type: ignore[attr-defined]
+    if step.in_backward:
+        raise ValueError("loss_at_tables: the run already reads its loss at the tables (trainer.loss_check)")
+    trainer = step.config.trainer.model_copy(update={"loss_check": "before_tables"})
+    if not check_in_backward(trainer, step.layout):
+        raise ValueError(f"loss_at_tables: trainer.non_finite={trainer.non_finite} needs the loss before backward")
+    step.in_backward = True
+
+    def undo() -> None:
+        step.in_backward = False
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -315,6 +336,8 @@ VARIANTS: dict[str, Switch] = {
     "linear_residual": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", True),
     # torchrec's input-distribution permutation made once per shape (no host sync in the forward)
     "recat_cache": switch_recat_cache,
+    # the loss read inside backward at the tables' gate (no host sync between forward and backward)
+    "loss_at_tables": switch_loss_at_tables,
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

@@ -26,7 +26,7 @@ def test_two_variants_train_the_same_batches_and_the_steady_rounds_are_compared(
     monkeypatch.setattr(sys, "argv", [
         "e2e_ab.py", "--worker", "--config", str(ROOT / "configs" / "tiny.yaml"), "--device", "cpu",
         "--warmup", "1", "--steps", "3", "--steady", "2", "--steady-rounds", "3",
-        "--variants", "A=base,B=index_add_mean+pageable_bags+torch_loss+rows_by_element",
+        "--variants", "A=base,B=index_add_mean+pageable_bags+torch_loss+rows_by_element+loss_at_tables",
         "--out", str(out),
     ])  # fmt: skip
     from gem_model import host_copy, jagged
@@ -224,3 +224,29 @@ def test_the_recat_cache_switch_installs_and_undoes_and_refuses_a_second_cache(m
         VARIANTS["recat_cache"](None)
     undo()
     assert not recat_cache.installed() and dist_data._get_recat is original
+
+
+@pytest.mark.parametrize("non_finite", ["halt", "skip"])
+def test_the_loss_at_tables_switch_moves_the_read_and_refuses_what_cannot_run(monkeypatch, tmp_path, non_finite):
+    """``loss_at_tables`` on a real one-process run: the step reads its loss at the tables' gate until
+    undone; a second switch, or a run under ``trainer.non_finite=skip``, is refused naming why."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    from gem_model.config_io import load_config
+    from gem_model.plugins import GemPluginManager
+    from gem_model.trainer import started_run
+
+    overrides = [*testing.INLINE_OVERRIDES, f"trainer.output_dir={tmp_path}", f"trainer.non_finite={non_finite}"]
+    with started_run(load_config(None, overrides), GemPluginManager(autoload=False, plugins=[testing])) as run:
+        assert run.core_step.in_backward is False
+        if non_finite == "skip":
+            with pytest.raises(ValueError, match="loss_at_tables: trainer.non_finite=skip needs the loss before backward"):
+                VARIANTS["loss_at_tables"](run)
+            return
+        undo = VARIANTS["loss_at_tables"](run)
+        assert run.core_step.in_backward is True
+        with pytest.raises(ValueError, match="loss_at_tables: the run already reads its loss at the tables"):
+            VARIANTS["loss_at_tables"](run)
+        undo()
+        assert run.core_step.in_backward is False

@@ -212,6 +212,13 @@ class TrainerConfig(Strict):
         "update (parameters and optimizer state unchanged) and halt after non_finite_max_skips in a row",
     )
     non_finite_max_skips: int = Field(3, ge=1, description="with non_finite=skip: halt at this many consecutive skips")
+    loss_check: Literal["before_backward", "before_tables", "auto"] = Field(
+        "before_backward",
+        description="where the host reads the step's reduced loss sums (gem_model.train.loss_check): before "
+        "backward (one host sync between forward and backward), or inside backward where the gradient reaches "
+        "the tables (no wait for the device; needs non_finite=halt and a loss group of every rank); auto: "
+        "before_tables where it can run",
+    )
     loss_spike_factor: float | None = Field(
         10.0,
         gt=1.0,
@@ -239,6 +246,16 @@ class TrainerConfig(Strict):
         "many seconds exits at once (128 + signum) without a checkpoint, so a stalled rank does not outlive its "
         "peers; None: wait however long the step and the checkpoint take",
     )
+    @model_validator(mode="after")
+    def _loss_check_with_skip(self) -> TrainerConfig:
+        if self.loss_check == "before_tables" and self.non_finite == "skip":
+            raise ValueError(
+                "trainer.loss_check=before_tables cannot go with trainer.non_finite=skip: a skipped step would have "
+                "to go on after its backward was abandoned at the tables; use loss_check before_backward or auto "
+                "(auto reads the loss before backward under skip)"
+            )
+        return self
+
     @field_validator("output_dir")
     @classmethod
     def _output_dir_placeholders(cls, value: str) -> str:

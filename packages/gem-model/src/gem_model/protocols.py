@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from torch import nn
 
@@ -66,6 +68,11 @@ class ShardableModel(Protocol):
 
     def set_table_grad_scale(self, scale: float) -> None:
         """Multiply the tables' output gradients by ``scale`` (a planner whose all-to-all sums them)."""
+        ...
+
+    def set_table_grad_gate(self, gate: Callable[[], None] | None) -> None:
+        """Call ``gate()`` in backward before any gradient reaches a table (its update is fused into the
+        lookup's backward): where ``trainer.loss_check=before_tables`` refuses a non-finite loss's update."""
         ...
 
     def set_activation_dtype(self, dtype: torch.dtype) -> None:

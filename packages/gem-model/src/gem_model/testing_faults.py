@@ -3,7 +3,8 @@
 - ``inline_fault`` (callback): a dead (SIGKILL, or ``os._exit``) or stalled peer in a chosen step
   on a chosen rank;
 - ``inline_nan_forward`` (callback): a NaN loss on one rank only, in chosen steps (its peers' are finite);
-- ``inline_digests`` (callback): every rank's SHA-256 of each tensor of the model state after every step;
+- ``inline_digests`` (callback): every rank's SHA-256 of each tensor of the model state after every step
+  (``on_raise``: also after a step that raised);
 - ``inline_state_dump`` (callback): the run's state as loaded, written with DCP before step 1,
   to compare a resumed (or resharded) run with the checkpoint it loaded;
 - ``inline_uneven`` (data source): the synthetic data, as if each rank held another copy of it.
@@ -104,6 +105,7 @@ def _nan_task_loss(module: torch.nn.Module, args: Any, out: Any) -> Any:
 
 class DigestsConfig(ComponentConfig):
     path: str
+    on_raise: bool = False  # also record the state after a step that raised (marked "raised": true)
 
 
 class Digests(Callback):
@@ -119,18 +121,27 @@ class Digests(Callback):
 
     @hookimpl(wrapper=True)
     def gem_train_step(self, run, step):
-        result = yield
+        try:
+            result = yield
+        except BaseException:
+            if self.config.on_raise:
+                self._record(run, step, raised=True)
+            raise
+        self._record(run, step)
+        return result
+
+    def _record(self, run: Any, step: int, **extra: bool) -> None:
         state = run.model.state_dict()
         record = {
             "step": step + 1,
             "digests": {key: _sha256(value) for key, value in state.items()},
             "sharded": [key for key, value in state.items() if _split_over_ranks(value)],
+            **extra,
         }
         out = Path(self.config.path)
         out.mkdir(parents=True, exist_ok=True)
         with (out / f"rank{run.layout.rank}.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
-        return result
 
 
 def _split_over_ranks(value: Any) -> bool:

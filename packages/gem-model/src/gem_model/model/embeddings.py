@@ -8,6 +8,8 @@ may shard both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
@@ -19,20 +21,24 @@ from gem_model.model.lookup_bags import even_bags, lengths_by_key
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 
 
-class _ScaleGrad(torch.autograd.Function):
+class _TableOutput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.scale = scale
+    def forward(ctx, x: torch.Tensor, scale: float, gate: Callable[[], None] | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale, ctx.gate = scale, gate
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad * ctx.scale, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        if ctx.gate is not None:
+            ctx.gate()  # may raise: then no gradient reaches the tables
+        return (grad if ctx.scale == 1.0 else grad * ctx.scale), None, None
 
 
-def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Identity forward; multiplies the gradient by ``scale``."""
-    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+def table_output(x: torch.Tensor, scale: float, gate: Callable[[], None] | None = None) -> torch.Tensor:
+    """Identity forward on a table's output; in backward calls ``gate()`` first (before the gradient
+    goes on to the table, whose update torchrec fuses into the lookup's backward), then multiplies the
+    gradient by ``scale``."""
+    return x if scale == 1.0 and gate is None else _TableOutput.apply(x, scale, gate)
 
 
 def table_bound(rows: int) -> float:
@@ -60,6 +66,7 @@ class SparseArch(nn.Module):
         super().__init__()
         self.spec = spec
         self.grad_scale = 1.0
+        self.grad_gate: Callable[[], None] | None = None  # GemModel.set_table_grad_gate
         self.lookup_bags_per_sample = lookup_bags_per_sample
         self.on_meta = on_meta
         if on_meta and sequence_init_std is not None:
@@ -145,12 +152,12 @@ class SparseArch(nn.Module):
         looked_up = self.ec(sequence if bags is None or pipelined else even_bags(sequence, bags))
         lengths = lengths_by_key(sequence)  # the batch's own bags: the lookup's may be re-split
         seq = {
-            k: JaggedTensor(values=scale_grad(jt.values(), self.grad_scale), lengths=lengths[k])
+            k: JaggedTensor(values=table_output(jt.values(), self.grad_scale, self.grad_gate), lengths=lengths[k])
             for k, jt in looked_up.items()
         }
         pooled_out: dict[str, torch.Tensor] = {}
         if self.ebc is not None:
-            pooled_out = {k: scale_grad(v, self.grad_scale) for k, v in self.ebc(pooled).to_dict().items()}
+            pooled_out = {k: table_output(v, self.grad_scale, self.grad_gate) for k, v in self.ebc(pooled).to_dict().items()}
         return seq, pooled_out
 
     def item_table(self) -> torch.Tensor:

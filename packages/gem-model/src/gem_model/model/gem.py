@@ -18,6 +18,7 @@ of a data-parallel run equals the loss of the same global batch on one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -218,6 +219,9 @@ class GemModel(nn.Module):
 
     def set_table_grad_scale(self, scale: float) -> None:
         self.sparse.grad_scale = scale
+
+    def set_table_grad_gate(self, gate: Callable[[], None] | None) -> None:
+        self.sparse.grad_gate = gate
 
     # ------------------------------------------------------------------------------------ forward
 

@@ -35,6 +35,7 @@ from gem_model.train import state as run_state
 from gem_model.train.collector import GcSchedule
 from gem_model.train.dense_optimizer import dense_adamw
 from gem_model.train.finite import first_non_finite
+from gem_model.train.loss_check import TableGate
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
 from gem_model.train.optim import sparse_optimizer_spec
 from gem_model.train.prepare import initial_model, prepare_model
@@ -131,6 +132,8 @@ class Run:
         components.pipeline.setup(
             model=self.prepared.module, optimizers=self.optimizers, feed=self.feed, layout=self.layout
         )
+        self.table_gate = TableGate()  # where trainer.loss_check=before_tables reads the loss (train.loss_check)
+        self.model.set_table_grad_gate(self.table_gate)
         self.core_step = CoreStep(
             config=config,
             layout=self.layout,
@@ -140,8 +143,9 @@ class Run:
             dense_parameters=[p for _, p in self.prepared.dense_parameters],
             device=env.device,
             resume_point=self._after_halt,
-            first_non_finite=lambda: first_non_finite(self.prepared.module),
+            first_non_finite=lambda gradients: first_non_finite(self.prepared.module, gradients=gradients),
             stop=self.stop,
+            table_gate=self.table_gate,
         )
         self.context = RunContext(
             config=config,
