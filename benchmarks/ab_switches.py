@@ -277,6 +277,20 @@ def switch_loss_at_tables(run: object) -> Callable[[], None]:
     return undo
 
 
+def switch_loss_before_backward(run: object) -> Callable[[], None]:
+    """The step's loss sums read by the host between forward and backward (``trainer.loss_check=
+    before_backward``, the default before 2026-12-05), where the run reads them at the tables."""
+    step = run.core_step  # type: ignore[attr-defined]
+    if not step.in_backward:
+        raise ValueError("loss_before_backward: the run already reads its loss before backward (trainer.loss_check)")
+    step.in_backward = False
+
+    def undo() -> None:
+        step.in_backward = True
+
+    return undo
+
+
 VARIANTS: dict[str, Switch] = {
     "base": switch_base,
     "compile": switch_compile,
@@ -338,6 +352,8 @@ VARIANTS: dict[str, Switch] = {
     "recat_cache": switch_recat_cache,
     # the loss read inside backward at the tables' gate (no host sync between forward and backward)
     "loss_at_tables": switch_loss_at_tables,
+    # the loss read by the host between forward and backward (the default until 2026-12-05)
+    "loss_before_backward": switch_loss_before_backward,
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

@@ -26,7 +26,7 @@ def test_two_variants_train_the_same_batches_and_the_steady_rounds_are_compared(
     monkeypatch.setattr(sys, "argv", [
         "e2e_ab.py", "--worker", "--config", str(ROOT / "configs" / "tiny.yaml"), "--device", "cpu",
         "--warmup", "1", "--steps", "3", "--steady", "2", "--steady-rounds", "3",
-        "--variants", "A=base,B=index_add_mean+pageable_bags+torch_loss+rows_by_element+loss_at_tables",
+        "--variants", "A=base,B=index_add_mean+pageable_bags+torch_loss+rows_by_element+loss_before_backward",
         "--out", str(out),
     ])  # fmt: skip
     from gem_model import host_copy, jagged
@@ -227,9 +227,10 @@ def test_the_recat_cache_switch_installs_and_undoes_and_refuses_a_second_cache(m
 
 
 @pytest.mark.parametrize("non_finite", ["halt", "skip"])
-def test_the_loss_at_tables_switch_moves_the_read_and_refuses_what_cannot_run(monkeypatch, tmp_path, non_finite):
-    """``loss_at_tables`` on a real one-process run: the step reads its loss at the tables' gate until
-    undone; a second switch, or a run under ``trainer.non_finite=skip``, is refused naming why."""
+def test_the_loss_check_switches_move_the_read_and_refuse_what_cannot_run(monkeypatch, tmp_path, non_finite):
+    """``loss_at_tables`` and ``loss_before_backward`` on a real one-process run: each moves where the
+    step reads its loss until undone; switching to where it already is, or to the tables under
+    ``trainer.non_finite=skip``, is refused naming why."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from ab_switches import VARIANTS
 
@@ -239,14 +240,21 @@ def test_the_loss_at_tables_switch_moves_the_read_and_refuses_what_cannot_run(mo
 
     overrides = [*testing.INLINE_OVERRIDES, f"trainer.output_dir={tmp_path}", f"trainer.non_finite={non_finite}"]
     with started_run(load_config(None, overrides), GemPluginManager(autoload=False, plugins=[testing])) as run:
-        assert run.core_step.in_backward is False
-        if non_finite == "skip":
+        step = run.core_step
+        if non_finite == "skip":  # auto reads it before backward under skip
+            assert step.in_backward is False
             with pytest.raises(ValueError, match="loss_at_tables: trainer.non_finite=skip needs the loss before backward"):
                 VARIANTS["loss_at_tables"](run)
+            with pytest.raises(ValueError, match="loss_before_backward: the run already reads its loss before backward"):
+                VARIANTS["loss_before_backward"](run)
             return
-        undo = VARIANTS["loss_at_tables"](run)
-        assert run.core_step.in_backward is True
+        assert step.in_backward is True  # auto, under halt, on one rank
         with pytest.raises(ValueError, match="loss_at_tables: the run already reads its loss at the tables"):
             VARIANTS["loss_at_tables"](run)
+        undo = VARIANTS["loss_before_backward"](run)
+        assert step.in_backward is False
+        again = VARIANTS["loss_at_tables"](run)
+        assert step.in_backward is True
+        again()
         undo()
-        assert run.core_step.in_backward is False
+        assert step.in_backward is True

@@ -20,6 +20,7 @@ from gem_model.parallel_dims import ParallelDims
 from gem_model.train.loss_check import LossNotFinite, PendingSums, StepSums, TableGate, check_in_backward
 
 AT_TABLES = "trainer.loss_check=before_tables"
+BEFORE = "trainer.loss_check=before_backward"
 POISON = ["kernels.jagged_attention=poison", "kernels.jagged_attention.options.nan_from_call=3"]
 
 
@@ -77,7 +78,7 @@ class Snapshots:
 
 
 def test_at_the_tables_the_run_trains_the_same_bits_and_the_gate_checks_every_step_first(tmp_path):
-    before = testing.tiny_run(output_dir=tmp_path / "before", steps=4)
+    before = testing.tiny_run(BEFORE, output_dir=tmp_path / "before", steps=4)
     probe = TableGradients()
     at = testing.tiny_run(AT_TABLES, output_dir=tmp_path / "at", steps=4, plugins=[probe])
     assert [x.hex() for x in at.losses] == [x.hex() for x in before.losses]
@@ -88,10 +89,14 @@ def test_at_the_tables_the_run_trains_the_same_bits_and_the_gate_checks_every_st
     assert all(checks == s for s, checks in probe.seen), probe.seen
 
 
-def test_before_backward_leaves_the_gate_unarmed(tmp_path):
+def test_before_backward_leaves_the_gate_unarmed_and_auto_is_the_default_at_the_tables(tmp_path):
     probe = TableGradients()
-    testing.tiny_run(output_dir=tmp_path, steps=2, plugins=[probe])
+    testing.tiny_run(BEFORE, output_dir=tmp_path / "before", steps=2, plugins=[probe])
     assert probe.checks_after == {1: 0, 2: 0} and probe.seen
+    assert load_config(None, []).trainer.loss_check == "auto"
+    default = TableGradients()
+    testing.tiny_run(output_dir=tmp_path / "default", steps=2, plugins=[default])
+    assert default.checks_after == {1: 1, 2: 2}
 
 
 def test_a_non_finite_loss_halts_at_the_tables_with_nothing_applied(tmp_path):

@@ -213,7 +213,7 @@ class TrainerConfig(Strict):
     )
     non_finite_max_skips: int = Field(3, ge=1, description="with non_finite=skip: halt at this many consecutive skips")
     loss_check: Literal["before_backward", "before_tables", "auto"] = Field(
-        "before_backward",
+        "auto",
         description="where the host reads the step's reduced loss sums (gem_model.train.loss_check): before "
         "backward (one host sync between forward and backward), or inside backward where the gradient reaches "
         "the tables (no wait for the device; needs non_finite=halt and a loss group of every rank); auto: "
