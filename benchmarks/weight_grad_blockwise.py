@@ -28,7 +28,8 @@ A whole scheme in blocks would let every producer work on 128 x 128 tiles, whose
 it can both write; this row says whether its forward GEMM keeps the row-scaled one's speed.
 
 Checks, on fresh random data: the fp8 GEMM against the float64 product of its own dequantized operands
-(float32 accumulation: ~1e-6; a misread scale layout gives errors of order 1), and both forms against
+(within 1e-3: on the H200 the float32-output form is 1.25e-4 off over 207,000 tokens, the
+accumulation of Hopper's fp8 MMA, while a misread scale layout gives errors of order 1), and both forms against
 the float64 ``g^T x`` (bf16 ~1e-3, e4m3 operands a few per cent). The scales' layout the GEMM accepts is
 found by trying the candidates in order; the JSON says which one ran.
 """
@@ -54,8 +55,10 @@ CASES = {"uvqk": (207_000, 1024, 4096), "out": (207_000, 1024, 1024)}
 """(tokens, in, out) of ``configs/h200-large.yaml``'s block linears; ~207,000 tokens a step."""
 SMOKE_CASE = (300, 32, 48)
 BLOCK = 128
-GEMM_TOLERANCE = 1e-4
-"""The fp8 GEMM against the float64 product of the same dequantized operands (float32 accumulation)."""
+GEMM_TOLERANCE = 1e-3
+"""The fp8 GEMM against the float64 product of the same dequantized operands: Hopper's fp8 MMA accumulates
+with fewer bits than float32 (1.25e-4 measured over 207,000 tokens on the H200, 2026-12-05); a misread
+scale layout is off by order 1."""
 
 
 def dequantized(op: Fp8Operand) -> torch.Tensor:
