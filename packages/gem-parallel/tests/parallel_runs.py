@@ -27,3 +27,18 @@ def gem_train(
 
 def step_losses(path: Path) -> list[float]:
     return [json.loads(x)["step_loss"] for x in (path / "metrics.jsonl").read_text().splitlines() if "step_loss" in x]
+
+
+def gem_train_failing(args: list[str], *, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """``gem-train run`` under torchrun in ``nproc`` processes (the launcher's own imports left out),
+    for a run that must fail: its process, whose non-zero status is asserted."""
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "gem_model", "run"]
+    proc = subprocess.run([sys.executable, *launch, *args], capture_output=True, text=True, env=ENV, timeout=timeout)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    return proc
+
+
+def rank_digests(path: Path, rank: int) -> dict[int, dict]:
+    """``inline_digests``'s records of ``rank`` by step (counted from 1)."""
+    lines = [json.loads(x) for x in (path / f"rank{rank}.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines}

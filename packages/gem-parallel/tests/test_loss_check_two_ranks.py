@@ -12,24 +12,13 @@ after every step, and after the step that raised: the halted step's state must e
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from parallel_runs import gem_train_failing, rank_digests
 
 from gem_model.cli import EXIT_NON_FINITE
 
 pytestmark = pytest.mark.multiprocess
-
-ENV = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "OMP_NUM_THREADS": "1"}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-
-
-def digests(path: Path, rank: int) -> dict[int, dict]:
-    lines = [json.loads(x) for x in (path / f"rank{rank}.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines}
 
 
 def test_a_nan_on_one_rank_halts_both_at_the_tables_with_no_update(reference_overrides, tmp_path):
@@ -41,18 +30,18 @@ def test_a_nan_on_one_rank_halts_both_at_the_tables_with_no_update(reference_ove
     args = [*reference_overrides, "data.global_batch_size=8", "model.num_blocks=1", "trainer.eval_at_end=false",
             "parallel.planner=torchrec_ddp", "trainer.loss_check=before_tables", "trainer.steps=6", callbacks,
             "trainer.collective_timeout_s=30", f"trainer.output_dir={out}"]  # fmt: skip
-    proc = subprocess.run([*TORCHRUN, "-m", "gem_model", "run", *args], capture_output=True, text=True, env=ENV,
-                          timeout=300)  # fmt: skip
-    assert proc.returncode != 0, proc.stderr[-3000:]
+    proc = gem_train_failing(args)
     for rank in (0, 1):
-        assert f"NonFiniteLossError: step 3 (rank {rank}): the loss is nan (task nan" in proc.stderr, proc.stderr[-3000:]
+        assert f"NonFiniteLossError: step 3 (rank {rank}): the loss is nan (task nan" in proc.stderr, proc.stderr[
+            -3000:
+        ]
     assert proc.stderr.count("First non-finite parameter on this rank: none (every parameter is finite") == 2
     assert f"exitcode  : {EXIT_NON_FINITE} " in proc.stderr
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "step_loss" in r] == [1, 2]
 
     for rank in (0, 1):
-        steps = digests(sums, rank)
+        steps = rank_digests(sums, rank)
         assert sorted(steps) == [1, 2, 3] and steps[3].get("raised") is True, (rank, sorted(steps))
         assert steps[2]["digests"] != steps[1]["digests"]  # step 2 trained
         assert steps[3]["digests"] == steps[2]["digests"], rank  # the halted step moved no table, no weight

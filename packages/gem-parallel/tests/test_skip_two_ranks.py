@@ -14,24 +14,13 @@ rank's SHA-256 of every tensor of its model state after every step.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from parallel_runs import gem_train_failing, rank_digests
 
 from gem_model.cli import EXIT_NON_FINITE
 
 pytestmark = pytest.mark.multiprocess
-
-ENV = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "OMP_NUM_THREADS": "1"}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-
-
-def digests(path: Path, rank: int) -> dict[int, dict]:
-    lines = [json.loads(x) for x in (path / f"rank{rank}.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines}
 
 
 def test_a_nan_on_one_rank_is_skipped_by_both_and_halts_both_after_k_in_a_row(reference_overrides, tmp_path):
@@ -47,9 +36,7 @@ def test_a_nan_on_one_rank_is_skipped_by_both_and_halts_both_after_k_in_a_row(re
     # (ranks that decided apart would pair one's backward collectives with the other's next forward:
     # a hang, or garbage; the short timeout makes that a failure in seconds)
     # torchrun itself (as gem-train run --nproc 2 starts it), without the launcher's own imports
-    proc = subprocess.run([*TORCHRUN, "-m", "gem_model", "run", *args], capture_output=True, text=True, env=ENV,
-                          timeout=300)  # fmt: skip
-    assert proc.returncode != 0, proc.stderr[-3000:]
+    proc = gem_train_failing(args)
 
     # both ranks halted at step 5, rank 0 on its peer's NaN, and each exits 3 (torchrun: 1)
     assert "NonFiniteLossError: step 5 (rank 1): the loss is nan (task nan" in proc.stderr, proc.stderr[-3000:]
@@ -62,7 +49,7 @@ def test_a_nan_on_one_rank_is_skipped_by_both_and_halts_both_after_k_in_a_row(re
     skips = [(r["step"], r["in_a_row"], r["non_finite_loss"]) for r in records if r.get("event") == "non_finite_skip"]
     assert skips == [(3, 1, "nan"), (4, 2, "nan")]
 
-    by_rank = [digests(sums, 0), digests(sums, 1)]
+    by_rank = [rank_digests(sums, 0), rank_digests(sums, 1)]
     for rank, steps in enumerate(by_rank):
         assert sorted(steps) == [1, 2, 3, 4], (rank, sorted(steps))  # step 5 raised before its hook returned
         assert steps[2]["digests"] != steps[1]["digests"]  # step 2 trained
