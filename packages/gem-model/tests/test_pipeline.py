@@ -78,12 +78,17 @@ def test_a_pipeline_trains_exactly_like_sequential_when_it_only_calls_its_stages
     assert (a.first_loss, a.last_loss) == (b.first_loss, b.last_loss)
 
 
-def test_the_non_finite_guard_stays_in_the_core(pm, tiny_overrides):
+@pytest.mark.parametrize("check", ["before_backward", "before_tables"])
+def test_the_non_finite_guard_stays_in_the_core(pm, tiny_overrides, check):
     pm.register(StagedPlugin(), name="staged")
     Staged.poison_at = 1
+    overrides = [*tiny_overrides, "trainer.steps=3", "trainer.pipeline=inline_staged", f"trainer.loss_check={check}"]
     with pytest.raises(NonFiniteLossError, match=r"step 2 \(rank 0\): the loss is nan"):
-        train(load_config(None, [*tiny_overrides, "trainer.steps=3", "trainer.pipeline=inline_staged"]), pm)
-    assert Staged.log == ["batch 0", "forward", "backward", "step", "batch 1", "forward"]  # no backward of step 1
+        train(load_config(None, overrides), pm)
+    # before backward: no backward of step 1; at the tables (trainer.loss_check): its backward stopped
+    # at the tables' gate, and no optimizer step
+    halted = ["forward"] if check == "before_backward" else ["forward", "backward"]
+    assert Staged.log == ["batch 0", "forward", "backward", "step", "batch 1", *halted]
 
 
 def test_gradient_clipping_stays_in_the_core(pm, tiny_overrides):
