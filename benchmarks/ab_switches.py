@@ -256,39 +256,31 @@ def switch_recat_cache(run: object) -> Callable[[], None]:
     return recat_cache.install()
 
 
-def switch_loss_at_tables(run: object) -> Callable[[], None]:
-    """The step's loss sums read inside backward at the tables' gate, the loss built on the device
-    (``trainer.loss_check=before_tables``, :mod:`gem_model.train.loss_check`), instead of a host read
-    between forward and backward. Refused where the run already does so, or where its layout or
-    ``trainer.non_finite`` cannot (the same check the step makes)."""
-    from gem_model.train.loss_check import check_in_backward
+def _loss_read(at_tables: bool) -> Switch:
+    """Where the step reads its loss sums: inside backward at the tables' gate, the loss built on the
+    device (``at_tables``: ``trainer.loss_check=before_tables``, :mod:`gem_model.train.loss_check`), or
+    by the host between forward and backward (``before_backward``, the default until 2026-12-05).
+    Refused where the run already reads it there, or, for the tables, where its layout or
+    ``trainer.non_finite`` cannot (the step's own check)."""
+    name, where = ("loss_at_tables", "at the tables") if at_tables else ("loss_before_backward", "before backward")
 
-    step = run.core_step  # type: ignore[attr-defined]
-    if step.in_backward:
-        raise ValueError("loss_at_tables: the run already reads its loss at the tables (trainer.loss_check)")
-    trainer = step.config.trainer.model_copy(update={"loss_check": "before_tables"})
-    if not check_in_backward(trainer, step.layout):
-        raise ValueError(f"loss_at_tables: trainer.non_finite={trainer.non_finite} needs the loss before backward")
-    step.in_backward = True
+    def apply(run: object) -> Callable[[], None]:
+        from gem_model.train.loss_check import check_in_backward
 
-    def undo() -> None:
-        step.in_backward = False
+        step = run.core_step  # type: ignore[attr-defined]
+        if step.in_backward == at_tables:
+            raise ValueError(f"{name}: the run already reads its loss {where} (trainer.loss_check)")
+        trainer = step.config.trainer.model_copy(update={"loss_check": "before_tables"})
+        if at_tables and not check_in_backward(trainer, step.layout):
+            raise ValueError(f"{name}: trainer.non_finite={trainer.non_finite} needs the loss before backward")
+        step.in_backward = at_tables
 
-    return undo
+        def undo() -> None:
+            step.in_backward = not at_tables
 
+        return undo
 
-def switch_loss_before_backward(run: object) -> Callable[[], None]:
-    """The step's loss sums read by the host between forward and backward (``trainer.loss_check=
-    before_backward``, the default before 2026-12-05), where the run reads them at the tables."""
-    step = run.core_step  # type: ignore[attr-defined]
-    if not step.in_backward:
-        raise ValueError("loss_before_backward: the run already reads its loss before backward (trainer.loss_check)")
-    step.in_backward = False
-
-    def undo() -> None:
-        step.in_backward = True
-
-    return undo
+    return apply
 
 
 VARIANTS: dict[str, Switch] = {
@@ -351,9 +343,9 @@ VARIANTS: dict[str, Switch] = {
     # torchrec's input-distribution permutation made once per shape (no host sync in the forward)
     "recat_cache": switch_recat_cache,
     # the loss read inside backward at the tables' gate (no host sync between forward and backward)
-    "loss_at_tables": switch_loss_at_tables,
+    "loss_at_tables": _loss_read(at_tables=True),
     # the loss read by the host between forward and backward (the default until 2026-12-05)
-    "loss_before_backward": switch_loss_before_backward,
+    "loss_before_backward": _loss_read(at_tables=False),
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     **PRECISION_VARIANTS,

@@ -132,8 +132,8 @@ class Run:
         components.pipeline.setup(
             model=self.prepared.module, optimizers=self.optimizers, feed=self.feed, layout=self.layout
         )
-        self.table_gate = TableGate()  # where trainer.loss_check=before_tables reads the loss (train.loss_check)
-        self.model.set_table_grad_gate(self.table_gate)
+        table_gate = TableGate()  # where trainer.loss_check=before_tables reads the loss (train.loss_check)
+        self.model.set_table_grad_gate(table_gate)
         self.core_step = CoreStep(
             config=config,
             layout=self.layout,
@@ -145,7 +145,7 @@ class Run:
             resume_point=self._after_halt,
             first_non_finite=lambda gradients: first_non_finite(self.prepared.module, gradients=gradients),
             stop=self.stop,
-            table_gate=self.table_gate,
+            table_gate=table_gate,
         )
         self.context = RunContext(
             config=config,

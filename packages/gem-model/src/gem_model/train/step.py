@@ -52,7 +52,7 @@ class CoreStep:
         resume_point: Callable[[int, float], str],
         first_non_finite: Callable[[bool], str | None],
         stop: StopRequest | None = None,
-        table_gate: TableGate | None = None,
+        table_gate: TableGate,
     ):
         self.config, self.layout, self.comm, self.pipeline = config, layout, comm, pipeline
         self.optimizers, self.dense_parameters, self.device = optimizers, dense_parameters, device
@@ -61,14 +61,10 @@ class CoreStep:
         self.clock = StepClock()
         self.deadline: float | None = None  # perf_counter() time when trainer.time_limit_s runs out
         self.skipped_in_a_row = 0  # steps whose update trainer.non_finite=skip skipped, consecutively
-        # where the host reads the loss sums (trainer.loss_check, gem_model.train.loss_check)
+        # where the host reads the loss sums (trainer.loss_check, gem_model.train.loss_check): inside
+        # backward at ``table_gate``, which the model calls before any gradient reaches a table
         self.in_backward = check_in_backward(config.trainer, layout)
-        if self.in_backward and table_gate is None:
-            raise ValueError(
-                f"trainer.loss_check={config.trainer.loss_check}: the model has no table gate to check the loss at "
-                "(set_table_grad_gate); use trainer.loss_check=before_backward"
-            )
-        self.table_gate = table_gate if table_gate is not None else TableGate()
+        self.table_gate = table_gate
 
     def __call__(self, step: int) -> StepResult:
         """Forward, global loss reduction (and non-finite check) before any update, backward, update.
@@ -183,12 +179,11 @@ class CoreStep:
         try:
             self.pipeline.backward(loss)
         except LossNotFinite:
-            sums = pending.get()
-            raise self._halt(step, sums, sums.value(mc), "", "", gradients=False) from None
+            pass  # the gate refused it before any table update: the halt below
         finally:
             self.table_gate.disarm()
         sums = pending.get()
-        if not math.isfinite(sums.value(mc)):  # no gradient came through the gate: no table is trained
+        if not math.isfinite(sums.value(mc)):  # also where no gradient came through the gate (no table trained)
             raise self._halt(step, sums, sums.value(mc), "", "", gradients=False)
         return sums
 
