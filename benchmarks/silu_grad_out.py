@@ -1,0 +1,105 @@
+"""The fused HSTU gap's backward with ``silu'`` in the attention passes' epilogues
+(``gem_kernels.hstu_gap_triton.SILU_GRAD_IN_ATTENTION``, :mod:`gem_kernels.silu_grad_out`) against the
+last pass over the whole gradient (``silu_grad_rows``), at the big config's shapes, on one GPU.
+
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/silu_grad_out.py --rounds 15 --out s.json
+
+Inputs: ``hstu_gap.py``'s (B=384 histories, P(n) ~ (n + 1)^-0.95 over 1..4095, one target each, H=8,
+Dqk=Dv=128, bf16), drawn from ``--seed``, with the ``uvqk`` bias lent to the gap (its gradient summed by
+the backward, as the big config runs) and the separate ``dq`` pass (as ``auto`` picks at these
+lengths; the epilogue needs it). First both forms' gradients (``pre``, the gate's weight and
+bias, the ``uvqk`` bias) are compared on the same inputs: within ``--max-error`` of each other (the
+epilogue rounds ``dq``, ``dk``, ``dv`` once where the last pass rounds twice; the bias sums add in
+another order). Then the forward and backward are timed, both forms in rotated order, ``--rounds``
+rounds after a warm-up call each (every kernel tuned and compiled), as medians with their quartiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from gem_kernels import hstu_gap_triton as gap
+from gem_kernels.testing import relative_error
+from gem_model.api import AttentionExtras
+from rounds import cell, rotated_rounds, save_results, spread
+
+NAMES = ("d_pre", "d_gate_weight", "d_gate_bias", "d_uvqk_bias")
+
+
+def inputs(args: argparse.Namespace, device: torch.device) -> dict:
+    B, N, H, D = args.batch, args.max_len, args.heads, args.dim
+    gen = torch.Generator().manual_seed(args.seed)
+    weights = (torch.arange(N - 1, dtype=torch.float64) + 1) ** -0.95
+    lengths = torch.multinomial(weights, B, replacement=True, generator=gen) + 1
+    offsets = torch.zeros(B + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    rows = int(offsets[-1])
+    dgen = torch.Generator(device).manual_seed(args.seed)
+    return dict(
+        pre=torch.randn(rows, 4 * H * D, generator=dgen, device=device).to(torch.bfloat16),
+        weight=1 + 0.1 * torch.randn(H * D, generator=dgen, device=device),
+        bias=0.1 * torch.randn(H * D, generator=dgen, device=device),
+        pre_bias=0.1 * torch.randn(4 * H * D, generator=dgen, device=device).to(torch.bfloat16),
+        dy=torch.randn(rows, H * D, generator=dgen, device=device).to(torch.bfloat16),
+        offsets=offsets.to(device), targets=torch.ones(B, dtype=torch.int64, device=device), rows=rows,
+        shape=(N, H, D),
+    )
+
+
+def fwd_bwd(x: dict, in_attention: bool):
+    leaves = [t.detach().requires_grad_() for t in (x["pre"], x["weight"], x["bias"], x["pre_bias"])]
+    N, H, D = x["shape"]
+
+    def run() -> tuple:
+        gap.SILU_GRAD_IN_ATTENTION = in_attention
+        y, _ = gap.hstu_gap_triton(leaves[0], leaves[1], leaves[2], x["offsets"], num_heads=H, attention_dim=D,
+                                   value_dim=D, max_seq_len=N, alpha=1 / D**0.5, eps=1e-6, pre_bias=leaves[3],
+                                   extras=AttentionExtras(num_targets=x["targets"]), dq_mode="separate")  # fmt: skip
+        return y, torch.autograd.grad(y, leaves, x["dy"])
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--max-error", type=float, default=1e-2)
+    p.add_argument("--batch", type=int, default=384)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--check-only", action="store_true", help="compare the two forms, time nothing (the CPU's test)")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    x = inputs(args, device)
+    runs = {"last_pass": fwd_bwd(x, False), "in_attention": fwd_bwd(x, True)}
+    (y_a, g_a), (y_b, g_b) = runs["last_pass"](), runs["in_attention"]()
+    errors = {"y": relative_error(y_b, y_a)} | {n: relative_error(b, a) for n, a, b in zip(NAMES, g_a, g_b)}
+    print("in_attention against last_pass, relative errors:", {k: f"{v:.2e}" for k, v in errors.items()}, flush=True)
+    bad = {k: v for k, v in errors.items() if not v <= args.max_error}
+    if bad:
+        print(f"FAILED: above {args.max_error}: {bad}", file=sys.stderr)
+        if not args.check_only:
+            save_results(args.out, [], rows=x["rows"], errors=errors, failed=bad)
+        return 1
+    if args.check_only:
+        return 0
+    times = rotated_rounds(runs, args.rounds)
+    stats = {n: spread(t) for n, t in times.items()}
+    base = stats["last_pass"]["median"]
+    print(f"\nrows {x['rows']:,}, seed {args.seed}; forward + backward ms, median (q1-q3) of {args.rounds} rotated rounds")
+    for name, s in stats.items():
+        print(f"{name:<14} {cell(s):>26}  {base / s['median']:.3f}x")
+    save_results(args.out, [{"variant": n, **s} for n, s in stats.items()], rows=x["rows"], seed=args.seed,
+                 errors=errors)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
