@@ -11,7 +11,8 @@ lengths; the epilogue needs it). First both forms' gradients (``pre``, the gate'
 bias, the ``uvqk`` bias) are compared on the same inputs: within ``--max-error`` of each other (the
 epilogue rounds ``dq``, ``dk``, ``dv`` once where the last pass rounds twice; the bias sums add in
 another order). Then the forward and backward are timed, both forms in rotated order, ``--rounds``
-rounds after a warm-up call each (every kernel tuned and compiled), as medians with their quartiles.
+rounds after a warm-up call each (every kernel tuned and compiled), as medians with their quartiles;
+then the backward's kernels one by one, each with and without its part of the work (:func:`parts`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import argparse
 import sys
 
 import torch
+from rounds import cell, rotated_rounds, save_results, spread
 
 from gem_kernels import hstu_gap_triton as gap
 from gem_kernels.testing import relative_error
 from gem_model.api import AttentionExtras
-from rounds import cell, rotated_rounds, save_results, spread
 
 NAMES = ("d_pre", "d_gate_weight", "d_gate_bias", "d_uvqk_bias")
 
@@ -63,6 +64,47 @@ def fwd_bwd(x: dict, in_attention: bool):
     return run
 
 
+def parts(x: dict) -> dict[str, object]:
+    """The backward's kernels one by one on the gap's own tensors, with and without their share of the
+    work: the dk/dv pass and the dq pass with the epilogue or plain, the norm-gate backward with the
+    ``u`` column sums or without, and the last pass itself (in place over ``d_pre``, sums only)."""
+    from gem_kernels.attention_triton import query_major
+    from gem_kernels.attention_triton_bwd import key_major
+    from gem_kernels.hstu_gap_grad_rows import silu_grad_rows
+    from gem_kernels.norm_gate_triton import norm_gate_backward
+    from gem_kernels.silu_grad_out import SiluGradOut
+
+    N, H, D = x["shape"]
+    pre, rows, hd = x["pre"], x["rows"], H * D
+    d_pre = torch.randn(pre.shape, device=pre.device).to(pre.dtype)
+    sums = torch.zeros(4 * hd, device=pre.device)
+
+    def cols(t: torch.Tensor, i: int) -> torch.Tensor:
+        return t[:, i * hd:(i + 1) * hd].view(rows, H, D)
+
+    u, (v, q, k) = pre[:, :hd], (torch.nn.functional.silu(cols(pre, i)) for i in (1, 2, 3))
+    g = x["dy"].view(rows, H, D)
+    kw = dict(max_seq_len=N, alpha=1 / D**0.5, max_attn_len=0)
+    offsets, targets = x["offsets"], x["targets"]
+
+    def epi(i: int) -> SiluGradOut:
+        return SiluGradOut(cols(pre, i), sums[i * hd:(i + 1) * hd])
+
+    attn = torch.randn(rows, hd, device=pre.device).to(pre.dtype)
+    mean, rstd = attn.float().mean(1), torch.rsqrt(attn.float().var(1) + 1e-6)
+    ng = (x["dy"], attn, u, x["weight"], x["bias"], mean, rstd)
+    return {
+        "dkdv": lambda: key_major(q, k, v, g, offsets, targets, None, out=(cols(d_pre, 3), cols(d_pre, 1)), **kw),
+        "dkdv+epilogue": lambda: key_major(q, k, v, g, offsets, targets, None, out=(cols(d_pre, 3), cols(d_pre, 1)),
+                                           silu_pre=(epi(3), epi(1)), **kw),
+        "dq": lambda: query_major(q, k, v, g, offsets, targets, out=cols(d_pre, 2), **kw),
+        "dq+epilogue": lambda: query_major(q, k, v, g, offsets, targets, out=cols(d_pre, 2), silu_pre=epi(2), **kw),
+        "norm_gate_bwd": lambda: norm_gate_backward(*ng, silu_gate=True, du_out=d_pre[:, :hd]),
+        "norm_gate_bwd+sums": lambda: norm_gate_backward(*ng, silu_gate=True, du_out=d_pre[:, :hd], du_sums=sums[:hd]),
+        "last_pass": lambda: silu_grad_rows(pre, d_pre, hd, None, col_sum=True),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=15)
@@ -96,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrows {x['rows']:,}, seed {args.seed}; forward + backward ms, median (q1-q3) of {args.rounds} rotated rounds")
     for name, s in stats.items():
         print(f"{name:<14} {cell(s):>26}  {base / s['median']:.3f}x")
+    kernels = {n: spread(t) for n, t in rotated_rounds(parts(x), args.rounds).items()}
+    print(f"\nthe backward's kernels alone, ms, median (q1-q3) of {args.rounds} rotated rounds")
+    for name, s in kernels.items():
+        print(f"{name:<20} {cell(s):>26}")
     save_results(args.out, [{"variant": n, **s} for n, s in stats.items()], rows=x["rows"], seed=args.seed,
-                 errors=errors)  # fmt: skip
+                 errors=errors, kernels=kernels)  # fmt: skip
     return 0
 
 

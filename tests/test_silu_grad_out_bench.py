@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: bench_modules beside this file
-from bench_modules import load_benchmark  # noqa: E402
+from bench_modules import load_benchmark
 
 ARGS = ["--device", "cpu", "--batch", "3", "--max-len", "12", "--heads", "2", "--dim", "16", "--check-only"]
 

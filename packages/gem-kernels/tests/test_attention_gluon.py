@@ -270,7 +270,8 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     if which.startswith("dkdv") and which != "dkdv_ws":
         assert values["SILU_OUT"] is values["SUM_OUT"] is (which == "dkdv_silu"), values
     if which == "dkdv_silu":
-        assert values["PRE_K"] is silu_pre[0].pre and values["PRE_V"] is silu_pre[1].pre
+        assert values["pre_k_desc"].base is silu_pre[0].pre and values["pre_v_desc"].base is silu_pre[1].pre
+        assert values["pre_k_desc"].block_shape == [64, 64] and values["pre_k_desc"].strides == [4 * 64, 1]
         assert values["SUMS_K"] is silu_pre[0].sums and values["SUMS_V"] is silu_pre[1].sums
         assert values["DK"] is out[0] and values["stride_dkm"] == 4 * 64 and values["stride_dkh"] == 64
 

@@ -328,12 +328,13 @@ def dkdv(
                 silu_pre[0].finish(dk)
                 silu_pre[1].finish(dv)
         else:
-            pre_k, pre_v = (dk, dv) if silu_pre is None else (silu_pre[0].pre, silu_pre[1].pre)
+            pre = descriptors[2:] if silu_pre is None else (row_view_descriptor(silu_pre[0].pre, block_n),
+                                                            row_view_descriptor(silu_pre[1].pre, block_n))  # fmt: skip
             sums = (None, None) if silu_pre is None else (silu_pre[0].sums, silu_pre[1].sums)
             if (sums[0] is None) != (sums[1] is None):
                 raise ValueError("attention_gluon.dkdv: silu_pre sums for both dk and dv, or for neither")
             sum_k, sum_v = (dk, dv) if sums[0] is None else sums
-            dkdv_kernel[grid](*descriptors, dk, dv, pre_k, pre_v, sum_k, sum_v, *pointers, queue_counter(q.device),
+            dkdv_kernel[grid](*descriptors, *pre, dk, dv, sum_k, sum_v, *pointers, queue_counter(q.device),
                               *scalars, DQK=dim_qk, DVD=v.shape[2], SILU_OUT=silu_pre is not None,
                               SUM_OUT=sums[0] is not None, **constants, **_limits(warps, per_sm))  # fmt: skip
     return dk, dv

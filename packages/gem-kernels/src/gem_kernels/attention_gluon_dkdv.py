@@ -32,6 +32,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
+
     from gem_kernels.attention_gluon_common import (
         _allowed,
         _init_barriers,
@@ -155,47 +157,48 @@ if HAVE_GLUON:
         return sig * (1.0 + z * (1.0 - sig))
 
     @gluon.jit
-    def _store_grad(acc, OUT, PRE, SUMS, seq_start, n0, head, seq_len, stride_m, stride_h, scale,
+    def _store_grad(acc, OUT, pre_smem, SUMS, seq_start, n0, head, seq_len, stride_m, stride_h, scale,
                     BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_WARPS: gl.constexpr, SILU_OUT: gl.constexpr,
                     SUM_OUT: gl.constexpr):
         """``acc * scale`` into the tile's key rows of ``OUT`` (``[L, H, D]``), none past the sequence;
-        with ``SILU_OUT`` times ``silu'(PRE)`` (``PRE`` laid out as ``OUT``) before the rounding, and with
-        ``SUM_OUT`` the column sums of what it stores added into ``SUMS + head * D``
+        with ``SILU_OUT`` times ``silu'`` of the tile of ``pre`` in ``pre_smem`` before the rounding, and
+        with ``SUM_OUT`` the column sums of what it stores added into ``SUMS + head * D``
         (:mod:`gem_kernels.silu_grad_out`)."""
         layout: gl.constexpr = mma_layout(NUM_WARPS, D)
         rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
         offs = (seq_start + n0 + rows).to(gl.int64)[:, None] * stride_m + head * stride_h + cols[None, :]
         inside = ((n0 + rows) < seq_len)[:, None]
-        result = acc * scale
-        if SILU_OUT:
-            result = result * _silu_grad(gl.load(PRE + offs, mask=inside, other=0.0).to(gl.float32))
-        stored = result.to(OUT.dtype.element_ty)
+        stored = (acc * scale).to(OUT.dtype.element_ty)
+        if SILU_OUT:  # rounded first, as the gap's own pass rounds it: the float32 accumulators are free here
+            stored = (stored.to(gl.float32) * _silu_grad(pre_smem.load(layout).to(gl.float32))).to(OUT.dtype.element_ty)
         gl.store(OUT + offs, stored, mask=inside)
         if SUM_OUT:
             sums = gl.sum(gl.where(inside, stored.to(gl.float32), 0.0), 0)
             gl.atomic_add(SUMS + head * D + cols, sums, sem="relaxed")
 
     @gluon.jit
-    def _store_dkdv(dk, dv, DK, DV, PRE_K, PRE_V, SUMS_K, SUMS_V, seq_start, n0, head, seq_len, stride_dkm,
+    def _store_dkdv(dk, dv, DK, DV, pre_k, pre_v, SUMS_K, SUMS_V, seq_start, n0, head, seq_len, stride_dkm,
                     stride_dkh, stride_dvm, stride_dvh, dk_scale, dv_scale, BLOCK_N: gl.constexpr, DQK: gl.constexpr,
                     DVD: gl.constexpr, NUM_WARPS: gl.constexpr, SILU_OUT: gl.constexpr, SUM_OUT: gl.constexpr):
-        _store_grad(dk, DK, PRE_K, SUMS_K, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, dk_scale, BLOCK_N,
+        _store_grad(dk, DK, pre_k, SUMS_K, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, dk_scale, BLOCK_N,
                     DQK, NUM_WARPS, SILU_OUT, SUM_OUT)
-        _store_grad(dv, DV, PRE_V, SUMS_V, seq_start, n0, head, seq_len, stride_dvm, stride_dvh, dv_scale, BLOCK_N,
+        _store_grad(dv, DV, pre_v, SUMS_V, seq_start, n0, head, seq_len, stride_dvm, stride_dvh, dv_scale, BLOCK_N,
                     DVD, NUM_WARPS, SILU_OUT, SUM_OUT)
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def dkdv_kernel(
-        q_desc, do_desc, k_desc, v_desc, DK, DV, PRE_K, PRE_V, SUMS_K, SUMS_V, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
+        q_desc, do_desc, k_desc, v_desc, pre_k_desc, pre_v_desc, DK, DV, SUMS_K, SUMS_V, SEQ_OFFSETS, NUM_TARGETS,
+        COUNTER,
         stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs, num_heads, half_alpha, dk_scale, dv_scale,
         HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr, SILU_OUT: gl.constexpr = False,
         SUM_OUT: gl.constexpr = False,
     ):
         """``dk``, ``dv`` of every key tile; with ``SILU_OUT`` / ``SUM_OUT`` each stored times ``silu'`` of
-        ``PRE_K`` / ``PRE_V`` (laid out as ``DK`` / ``DV``) and its column sums added into ``SUMS_K`` /
-        ``SUMS_V`` (:func:`_store_grad`)."""
+        its tile of ``pre`` (``pre_k_desc`` / ``pre_v_desc``: loaded by TMA into the tile's k and v slots
+        once its MMAs are done, so no address registers beside dk and dv) and its column sums added into
+        ``SUMS_K`` / ``SUMS_V`` (:func:`_store_grad`)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -236,9 +239,18 @@ if HAVE_GLUON:
                                      seq_start, head * DQK, head * DVD, BLOCK_M, BLOCK_N, DQK, DVD, STAGES,
                                      NUM_WARPS, False)
                 loads += n_blocks
-                _store_dkdv(dk, dv, DK, DV, PRE_K, PRE_V, SUMS_K, SUMS_V, seq_start, n0, head, seq_len, stride_dkm,
+                if SILU_OUT:  # every MMA that read k and v is done: their slots take this tile's pre
+                    mbarrier.expect(kv_bar, pre_k_desc.block_type.nbytes + pre_v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(pre_k_desc, [seq_start + n0, head * DQK], kv_bar, k_smem)
+                    tma.async_copy_global_to_shared(pre_v_desc, [seq_start + n0, head * DVD], kv_bar, v_smem)
+                    mbarrier.wait(kv_bar, kv_phase)
+                    kv_phase ^= 1
+                _store_dkdv(dk, dv, DK, DV, k_smem, v_smem, SUMS_K, SUMS_V, seq_start, n0, head, seq_len, stride_dkm,
                             stride_dkh, stride_dvm, stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS,
                             SILU_OUT, SUM_OUT)
+                if SILU_OUT:  # every thread has read them before the next tile's keys land there
+                    _cta_barrier()
+                    fence_async_shared()
                 tile = next_tile
             tiles_before = chunk_end
         mbarrier.invalidate(kv_bar)
@@ -312,8 +324,9 @@ if HAVE_GLUON:
                 mbarrier.arrive(kv_empty.index(kv), count=1)  # every MMA that read this k and v is done
                 loads += n_blocks
                 done += 1
-                _store_dkdv(dk, dv, DK, DV, DK, DV, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh,
-                            stride_dvm, stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS, False, False)
+                _store_dkdv(dk, dv, DK, DV, k_smem, v_smem, DK, DV, seq_start, n0, head, seq_len, stride_dkm,
+                            stride_dkh, stride_dvm, stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS, False,
+                            False)
                 tile += programs
             tiles_before = chunk_end
 

@@ -202,7 +202,8 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
              "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
              "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "half_alpha": "fp32",
-             "out_scale": "fp32", "PRE_K": "*bf16", "PRE_V": "*bf16", "SUMS_K": "*fp32", "SUMS_V": "*fp32"}  # fmt: skip
+             "out_scale": "fp32", "pre_k_desc": descriptor(block_n, dim_qk), "pre_v_desc": descriptor(block_n, dim_v),
+             "SUMS_K": "*fp32", "SUMS_V": "*fp32"}  # fmt: skip
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
                      STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
                      **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}),
