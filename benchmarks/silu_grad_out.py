@@ -66,7 +66,7 @@ def fwd_bwd(x: dict, in_attention: bool):
 
 def parts(x: dict) -> dict[str, object]:
     """The backward's kernels one by one on the gap's own tensors, with and without their share of the
-    work: the dk/dv pass and the dq pass with the epilogue or plain, the norm-gate backward with the
+    work: the dk/dv pass and the dq pass plain, with the epilogue's ``silu'`` only, or with its sums too, the norm-gate backward with the
     ``u`` column sums or without, and the last pass itself (in place over ``d_pre``, sums only)."""
     from gem_kernels.attention_triton import query_major
     from gem_kernels.attention_triton_bwd import key_major
@@ -87,8 +87,8 @@ def parts(x: dict) -> dict[str, object]:
     kw = dict(max_seq_len=N, alpha=1 / D**0.5, max_attn_len=0)
     offsets, targets = x["offsets"], x["targets"]
 
-    def epi(i: int) -> SiluGradOut:
-        return SiluGradOut(cols(pre, i), sums[i * hd:(i + 1) * hd])
+    def epi(i: int, summed: bool = True) -> SiluGradOut:
+        return SiluGradOut(cols(pre, i), sums[i * hd:(i + 1) * hd] if summed else None)
 
     attn = torch.randn(rows, hd, device=pre.device).to(pre.dtype)
     mean, rstd = attn.float().mean(1), torch.rsqrt(attn.float().var(1) + 1e-6)
@@ -97,8 +97,11 @@ def parts(x: dict) -> dict[str, object]:
         "dkdv": lambda: key_major(q, k, v, g, offsets, targets, None, out=(cols(d_pre, 3), cols(d_pre, 1)), **kw),
         "dkdv+epilogue": lambda: key_major(q, k, v, g, offsets, targets, None, out=(cols(d_pre, 3), cols(d_pre, 1)),
                                            silu_pre=(epi(3), epi(1)), **kw),
+        "dkdv+silu": lambda: key_major(q, k, v, g, offsets, targets, None, out=(cols(d_pre, 3), cols(d_pre, 1)),
+                                       silu_pre=(epi(3, False), epi(1, False)), **kw),
         "dq": lambda: query_major(q, k, v, g, offsets, targets, out=cols(d_pre, 2), **kw),
         "dq+epilogue": lambda: query_major(q, k, v, g, offsets, targets, out=cols(d_pre, 2), silu_pre=epi(2), **kw),
+        "dq+silu": lambda: query_major(q, k, v, g, offsets, targets, out=cols(d_pre, 2), silu_pre=epi(2, False), **kw),
         "norm_gate_bwd": lambda: norm_gate_backward(*ng, silu_gate=True, du_out=d_pre[:, :hd]),
         "norm_gate_bwd+sums": lambda: norm_gate_backward(*ng, silu_gate=True, du_out=d_pre[:, :hd], du_sums=sums[:hd]),
         "last_pass": lambda: silu_grad_rows(pre, d_pre, hd, None, col_sum=True),
