@@ -152,9 +152,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _silu_grad(z):
-        """``silu'(z)`` in float32, exact (the Triton kernels' ``silu_grad``)."""
-        sig = 1.0 / (1.0 + gl.exp(-z))
-        return sig * (1.0 + z * (1.0 - sig))
+        """``silu'(z)`` in float32 by one ``tanh.approx`` (``h = z / 2``, ``t = tanh(h)``: ``(1 + t) / 2 *
+        (1 + h (1 - t))``), as the scores' own silu: no division, one MUFU operation."""
+        h = 0.5 * z
+        t = _tanh_approx(h)
+        return (0.5 + 0.5 * t) * (1.0 + h - h * t)
 
     @gluon.jit
     def _store_grad(acc, OUT, pre_smem, SUMS, seq_start, n0, head, seq_len, stride_m, stride_h, scale,
