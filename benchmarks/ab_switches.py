@@ -340,8 +340,6 @@ VARIANTS: dict[str, Switch] = {
     "linear_silu": patched("gem_kernels.hstu_block", "LINEAR_SILU", True),
     # the bf16 out GEMM in Triton with the residual added in its epilogue, in place of cuBLAS and the add
     "linear_residual": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", True),
-    # the gap backward's silu' and uvqk bias sums in the attention passes' epilogues, no last pass over d_pre
-    "silu_grad_in_attention": patched("gem_kernels.hstu_gap_triton", "SILU_GRAD_IN_ATTENTION", True),
     # torchrec's input-distribution permutation made once per shape (no host sync in the forward)
     "recat_cache": switch_recat_cache,
     # the loss read inside backward at the tables' gate (no host sync between forward and backward)

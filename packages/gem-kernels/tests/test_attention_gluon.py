@@ -202,8 +202,7 @@ def test_a_grid_of_no_program_is_refused() -> None:
         attention_gluon.forward(q, q, q, torch.tensor([0, 8]), None, max_seq_len=8, alpha=0.1, programs=0)
 
 
-@pytest.mark.parametrize("which", ["forward", "forward_qr", "ws", "dq", "dq3", "dq_ws", "dkdv", "dkdv_default", "dkdv_ws",
-                                   "dkdv_silu"])
+@pytest.mark.parametrize("which", ["forward", "forward_qr", "ws", "dq", "dq3", "dq_ws", "dkdv", "dkdv_default", "dkdv_ws"])
 def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> None:
     """The launchers never run on the CPU; here each kernel is replaced by a recorder, and what the
     launcher hands it must bind to the kernel's own parameters (names, count, constexprs), with the
@@ -216,8 +215,7 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
                     "forward_qr": (attention_gluon_fwd, "forward_kernel"), "dq3": (attention_gluon_dq, "dq_kernel"),
                     "dq": (attention_gluon_dq, "dq_kernel"), "dq_ws": (attention_gluon_dq, "dq_ws_kernel"),
                     "dkdv": (attention_gluon_dkdv, "dkdv_kernel"), "dkdv_default": (attention_gluon_dkdv, "dkdv_kernel"),
-                    "dkdv_ws": (attention_gluon_dkdv, "dkdv_ws_kernel"),
-                    "dkdv_silu": (attention_gluon_dkdv, "dkdv_kernel")}[which]
+                    "dkdv_ws": (attention_gluon_dkdv, "dkdv_ws_kernel")}[which]
     real = getattr(module, name)
     calls: list[tuple] = []
 
@@ -238,16 +236,7 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     else:
         # dkdv_default: the shipped config (DEFAULT_DKDV_CONFIG, two programs an SM)
         config = {"dkdv_ws": "ws_n128m16", "dkdv": "n128m32"}.get(which)
-        silu_pre = None
-        if which == "dkdv_silu":  # the silu' and column-sum epilogue (gem_kernels.silu_grad_out)
-            from gem_kernels.silu_grad_out import SiluGradOut
-
-            pre = torch.randn(40, 4, 64, generator=gen).to(torch.bfloat16)
-            sums = torch.zeros(2, 128)
-            silu_pre = (SiluGradOut(pre[:, :2], sums[0]), SiluGradOut(pre[:, 2:], sums[1]))
-            out = (torch.empty(40, 4, 64, dtype=torch.bfloat16)[:, :2], torch.empty(40, 4, 64, dtype=torch.bfloat16)[:, 2:])
-            options["out"] = out
-        attention_gluon.dkdv(q, k, v, g, offsets, targets, config=config, silu_pre=silu_pre, **options)
+        attention_gluon.dkdv(q, k, v, g, offsets, targets, config=config, **options)
     (grid, args, kwargs), = calls
     assert grid == (3,)
     launch = {key: kwargs.pop(key) for key in ("num_warps", "maxnreg") if key in kwargs}
@@ -257,8 +246,7 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     assert values["SEQ_OFFSETS"] is offsets and values["NUM_TARGETS"] is targets and values["HAS_TARGETS"] is True
     scale = {"forward": ("out_scale", 1 / 25), "forward_qr": ("out_scale", 1 / 25), "ws": ("out_scale", 1 / 25),
              "dq": ("out_scale", 0.5 / 25), "dq3": ("out_scale", 0.5 / 25), "dq_ws": ("out_scale", 0.5 / 25),
-             "dkdv": ("dk_scale", 0.5 / 25), "dkdv_default": ("dk_scale", 0.5 / 25), "dkdv_ws": ("dv_scale", 1 / 25),
-             "dkdv_silu": ("dk_scale", 0.5 / 25)}[which]
+             "dkdv": ("dk_scale", 0.5 / 25), "dkdv_default": ("dk_scale", 0.5 / 25), "dkdv_ws": ("dv_scale", 1 / 25)}[which]
     assert values[scale[0]] == pytest.approx(scale[1])
     assert launch["num_warps"] in (4, 8)
     if which == "dkdv_default":  # n64m32: one warpgroup of 64 keys, two programs an SM
@@ -267,13 +255,6 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     assert launch.get("maxnreg") == (168 if which in ("forward_qr", "dq3") else None), launch
     if which in ("forward", "forward_qr"):
         assert values["QUERY_REGS"] is (which == "forward_qr")
-    if which.startswith("dkdv") and which != "dkdv_ws":
-        assert values["SILU_OUT"] is values["SUM_OUT"] is (which == "dkdv_silu"), values
-    if which == "dkdv_silu":
-        assert values["pre_k_desc"].base is silu_pre[0].pre and values["pre_v_desc"].base is silu_pre[1].pre
-        assert values["pre_k_desc"].block_shape == [64, 64] and values["pre_k_desc"].strides == [4 * 64, 1]
-        assert values["SUMS_K"] is silu_pre[0].sums and values["SUMS_V"] is silu_pre[1].sums
-        assert values["DK"] is out[0] and values["stride_dkm"] == 4 * 64 and values["stride_dkh"] == 64
 
 
 @pytest.mark.parametrize(("warps", "per_sm", "cap"), [(4, 1, None), (4, 2, None), (4, 3, 168), (4, 4, 128), (8, 1, None),

@@ -295,21 +295,15 @@ def dkdv(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: str | None = None,
     programs: int | None = None,
-    silu_pre: tuple[Any, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk``, ``dv`` of the attention (:mod:`gem_kernels.attention_gluon_dkdv`), into ``out`` if given;
-    the caller has checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it.
-    ``silu_pre``: two :class:`gem_kernels.silu_grad_out.SiluGradOut` (for ``dk``, for ``dv``), applied in
-    the kernel's epilogue (after it, by a pass, for the ``ws_*`` configs)."""
+    the caller has checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it."""
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
     dk, dv = out if out is not None else (torch.empty_like(k, memory_format=torch.contiguous_format),
                                           torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
     block_m, block_n, warps, stages, per_sm = _config("dkdv", config, DKDV_CONFIGS, DEFAULT_DKDV_CONFIG)
-    if silu_pre is not None:
-        silu_pre[0].check(dk, "attention_gluon.dkdv (dk)")
-        silu_pre[1].check(dv, "attention_gluon.dkdv (dv)")
     if rows == 0 or seq_offsets.shape[0] <= 1:
         return dk, dv
     from gem_kernels.attention_gluon_dkdv import dkdv_kernel, dkdv_ws_kernel
@@ -324,17 +318,7 @@ def dkdv(
         if (config or DEFAULT_DKDV_CONFIG).startswith("ws_"):
             dkdv_ws_kernel[grid](*descriptors, dk, dv, *pointers, *scalars, DQK=dim_qk, DVD=v.shape[2],
                                  PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
-            if silu_pre is not None:  # no such epilogue in this kernel
-                silu_pre[0].finish(dk)
-                silu_pre[1].finish(dv)
         else:
-            pre = descriptors[2:] if silu_pre is None else (row_view_descriptor(silu_pre[0].pre, block_n),
-                                                            row_view_descriptor(silu_pre[1].pre, block_n))  # fmt: skip
-            sums = (None, None) if silu_pre is None else (silu_pre[0].sums, silu_pre[1].sums)
-            if (sums[0] is None) != (sums[1] is None):
-                raise ValueError("attention_gluon.dkdv: silu_pre sums for both dk and dv, or for neither")
-            sum_k, sum_v = (dk, dv) if sums[0] is None else sums
-            dkdv_kernel[grid](*descriptors, *pre, dk, dv, sum_k, sum_v, *pointers, queue_counter(q.device),
-                              *scalars, DQK=dim_qk, DVD=v.shape[2], SILU_OUT=silu_pre is not None,
-                              SUM_OUT=sums[0] is not None, **constants, **_limits(warps, per_sm))  # fmt: skip
+            dkdv_kernel[grid](*descriptors, dk, dv, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk,
+                              DVD=v.shape[2], **constants, **_limits(warps, per_sm))  # fmt: skip
     return dk, dv

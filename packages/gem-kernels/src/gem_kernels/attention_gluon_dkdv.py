@@ -32,8 +32,6 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
-
     from gem_kernels.attention_gluon_common import (
         _allowed,
         _init_barriers,
@@ -151,56 +149,29 @@ if HAVE_GLUON:
         return dk, dv
 
     @gluon.jit
-    def _silu_grad(z):
-        """``silu'(z)`` in float32 by one ``tanh.approx`` (``h = z / 2``, ``t = tanh(h)``: ``(1 + t) / 2 *
-        (1 + h (1 - t))``), as the scores' own silu: no division, one MUFU operation."""
-        h = 0.5 * z
-        t = _tanh_approx(h)
-        return (0.5 + 0.5 * t) * (1.0 + h - h * t)
-
-    @gluon.jit
-    def _store_grad(acc, OUT, pre_smem, SUMS, seq_start, n0, head, seq_len, stride_m, stride_h, scale,
-                    BLOCK_N: gl.constexpr, D: gl.constexpr, NUM_WARPS: gl.constexpr, SILU_OUT: gl.constexpr,
-                    SUM_OUT: gl.constexpr):
-        """``acc * scale`` into the tile's key rows of ``OUT`` (``[L, H, D]``), none past the sequence;
-        with ``SILU_OUT`` times ``silu'`` of the tile of ``pre`` in ``pre_smem`` before the rounding, and
-        with ``SUM_OUT`` the column sums of what it stores added into ``SUMS + head * D``
-        (:mod:`gem_kernels.silu_grad_out`)."""
-        layout: gl.constexpr = mma_layout(NUM_WARPS, D)
-        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-        offs = (seq_start + n0 + rows).to(gl.int64)[:, None] * stride_m + head * stride_h + cols[None, :]
-        inside = ((n0 + rows) < seq_len)[:, None]
-        stored = (acc * scale).to(OUT.dtype.element_ty)
-        if SILU_OUT:  # rounded first, as the gap's own pass rounds it: the float32 accumulators are free here
-            stored = (stored.to(gl.float32) * _silu_grad(pre_smem.load(layout).to(gl.float32))).to(OUT.dtype.element_ty)
-        gl.store(OUT + offs, stored, mask=inside)
-        if SUM_OUT:
-            sums = gl.sum(gl.where(inside, stored.to(gl.float32), 0.0), 0)
-            gl.atomic_add(SUMS + head * D + cols, sums, sem="relaxed")
-
-    @gluon.jit
-    def _store_dkdv(dk, dv, DK, DV, pre_k, pre_v, SUMS_K, SUMS_V, seq_start, n0, head, seq_len, stride_dkm,
-                    stride_dkh, stride_dvm, stride_dvh, dk_scale, dv_scale, BLOCK_N: gl.constexpr, DQK: gl.constexpr,
-                    DVD: gl.constexpr, NUM_WARPS: gl.constexpr, SILU_OUT: gl.constexpr, SUM_OUT: gl.constexpr):
-        _store_grad(dk, DK, pre_k, SUMS_K, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, dk_scale, BLOCK_N,
-                    DQK, NUM_WARPS, SILU_OUT, SUM_OUT)
-        _store_grad(dv, DV, pre_v, SUMS_V, seq_start, n0, head, seq_len, stride_dvm, stride_dvh, dv_scale, BLOCK_N,
-                    DVD, NUM_WARPS, SILU_OUT, SUM_OUT)
+    def _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+                    dk_scale, dv_scale, BLOCK_N: gl.constexpr, DQK: gl.constexpr, DVD: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+        dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
+        dv_layout: gl.constexpr = mma_layout(NUM_WARPS, DVD)
+        rows_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dk_layout))
+        cols_k = gl.arange(0, DQK, layout=gl.SliceLayout(0, dk_layout))
+        rows_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, dv_layout))
+        cols_v = gl.arange(0, DVD, layout=gl.SliceLayout(0, dv_layout))
+        k_rows = (seq_start + n0 + rows_k).to(gl.int64)
+        gl.store(DK + k_rows[:, None] * stride_dkm + head * stride_dkh + cols_k[None, :],
+                 (dk * dk_scale).to(DK.dtype.element_ty), mask=((n0 + rows_k) < seq_len)[:, None])
+        v_rows = (seq_start + n0 + rows_v).to(gl.int64)
+        gl.store(DV + v_rows[:, None] * stride_dvm + head * stride_dvh + cols_v[None, :],
+                 (dv * dv_scale).to(DV.dtype.element_ty), mask=((n0 + rows_v) < seq_len)[:, None])
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def dkdv_kernel(
-        q_desc, do_desc, k_desc, v_desc, pre_k_desc, pre_v_desc, DK, DV, SUMS_K, SUMS_V, SEQ_OFFSETS, NUM_TARGETS,
-        COUNTER,
+        q_desc, do_desc, k_desc, v_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
         stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs, num_heads, half_alpha, dk_scale, dv_scale,
         HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr, SILU_OUT: gl.constexpr = False,
-        SUM_OUT: gl.constexpr = False,
+        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr,
     ):
-        """``dk``, ``dv`` of every key tile; with ``SILU_OUT`` / ``SUM_OUT`` each stored times ``silu'`` of
-        its tile of ``pre`` (``pre_k_desc`` / ``pre_v_desc``: loaded by TMA into the tile's k and v slots
-        once its MMAs are done, so no address registers beside dk and dv) and its column sums added into
-        ``SUMS_K`` / ``SUMS_V`` (:func:`_store_grad`)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -241,18 +212,8 @@ if HAVE_GLUON:
                                      seq_start, head * DQK, head * DVD, BLOCK_M, BLOCK_N, DQK, DVD, STAGES,
                                      NUM_WARPS, False)
                 loads += n_blocks
-                if SILU_OUT:  # every MMA that read k and v is done: their slots take this tile's pre
-                    mbarrier.expect(kv_bar, pre_k_desc.block_type.nbytes + pre_v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(pre_k_desc, [seq_start + n0, head * DQK], kv_bar, k_smem)
-                    tma.async_copy_global_to_shared(pre_v_desc, [seq_start + n0, head * DVD], kv_bar, v_smem)
-                    mbarrier.wait(kv_bar, kv_phase)
-                    kv_phase ^= 1
-                _store_dkdv(dk, dv, DK, DV, k_smem, v_smem, SUMS_K, SUMS_V, seq_start, n0, head, seq_len, stride_dkm,
-                            stride_dkh, stride_dvm, stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS,
-                            SILU_OUT, SUM_OUT)
-                if SILU_OUT:  # every thread has read them before the next tile's keys land there
-                    _cta_barrier()
-                    fence_async_shared()
+                _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm,
+                            stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS)
                 tile = next_tile
             tiles_before = chunk_end
         mbarrier.invalidate(kv_bar)
@@ -326,9 +287,8 @@ if HAVE_GLUON:
                 mbarrier.arrive(kv_empty.index(kv), count=1)  # every MMA that read this k and v is done
                 loads += n_blocks
                 done += 1
-                _store_dkdv(dk, dv, DK, DV, k_smem, v_smem, DK, DV, seq_start, n0, head, seq_len, stride_dkm,
-                            stride_dkh, stride_dvm, stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS, False,
-                            False)
+                _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm,
+                            stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS)
                 tile += programs
             tiles_before = chunk_end
 

@@ -71,12 +71,10 @@ from gem_kernels.attention_triton_common import (
     scan_chunk,
     silu_and_grad,
     silu_and_grad_biased,
-    silu_grad,
     silu_mode,
     tma_loads,
 )
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
-from gem_kernels.silu_grad_out import SiluGradOut
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, programs per SM) for Hopper-class GPUs. Each is a compile
 # of a large kernel, so few. From ptxas reports for sm_90 at head dim 128 (compile_report): these stay
@@ -108,12 +106,11 @@ def make_configs(wide: bool, compute_dq: bool) -> list[Config]:
     return WIDE_CONFIGS if wide else (DQ_CONFIGS if compute_dq else FORWARD_CONFIGS)
 
 
-KEY_NAMES = ("dtype", "dqk", "dv", "targets", "window", "bias", "chunk", "blocks", "loads", "epilogue", "n_bucket",
-             "mean_bucket")
+KEY_NAMES = ("dtype", "dqk", "dv", "targets", "window", "bias", "chunk", "blocks", "loads", "n_bucket", "mean_bucket")
 """What a tuning key holds: ``bias`` the relative biases (``RelativeBias.label``), ``blocks`` is
 ``auto`` (tuned) or the tile sizes set by hand, ``loads`` ``tma`` (the tiles that the inner loop
 walks come by tensor descriptors: :func:`~gem_kernels.attention_triton_common.tma_loads`) or
-``pointers``, ``epilogue`` ``plain``, ``silu`` or ``silu_sums`` (:mod:`gem_kernels.silu_grad_out`)."""
+``pointers``."""
 
 
 @triton.jit
@@ -193,7 +190,7 @@ def _query_block_step(acc, q, do, k_ptrs, v_ptrs, start, stride_km, stride_vm, q
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
 @triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_rows", "max_attn_len", "pos_offset", "num_buckets"])
 def query_major_kernel(
-    Q, K, V, DO, OUT, PRE, SUMS, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS,
+    Q, K, V, DO, OUT, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh,
     stride_dom, stride_doh, stride_om, stride_oh,
     num_seqs, num_heads, num_rows, alpha, out_scale, max_attn_len, pos_offset, num_buckets,
@@ -202,17 +199,13 @@ def query_major_kernel(
     COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, FP8: tl.constexpr,
-    TMA: tl.constexpr, SILU_OUT: tl.constexpr, SUM_OUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue. ``PB``,
     ``TB``: position and time bias tables; ``EDGES``: the time buckets' edge table; ``TS``, ``QTS``:
     int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias).
     ``TMA``: the key and value tiles come by tensor descriptors over ``[num_rows, num_heads * D]``
-    (the caller checks heads are contiguous, rows 16-byte aligned, and the head dims unpadded).
-    ``SILU_OUT``: the output times ``silu'(PRE)`` (``PRE`` laid out as ``OUT``) before its rounding;
-    ``SUM_OUT``: the column sums of each stored tile added into ``SUMS [H D_OUT]``
-    (:mod:`gem_kernels.silu_grad_out`)."""
+    (the caller checks heads are contiguous, rows 16-byte aligned, and the head dims unpadded)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -291,23 +284,16 @@ def query_major_kernel(
                     True, COMPUTE_DQ, HAS_WINDOW, HAS_POS_BIAS, HAS_TIME_BIAS, SILU, IEEE, INTERP, CHECK_QK,
                     CHECK_V, FP8, TMA,
                 )
-            out_offs = seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om + offs_out[None, :]
+            out_ptrs = (OUT + seq_start * stride_om + head * stride_oh + queries[:, None] * stride_om
+                        + offs_out[None, :])
             out_mask = rows_ok[:, None] & (offs_out < D_OUT)[None, :]
-            result = acc * out_scale
-            if SILU_OUT:
-                z = tl.load(PRE + out_offs, mask=out_mask, other=0.0).to(tl.float32)
-                result = result * silu_grad(z)
-            stored = cast(result, OUT.dtype.element_ty, INTERP)
-            tl.store(OUT + out_offs, stored, mask=out_mask)
-            if SUM_OUT:
-                column_sums = tl.sum(tl.where(out_mask, stored.to(tl.float32), 0.0), 0)
-                tl.atomic_add(SUMS + head * D_OUT + offs_out, column_sums, mask=offs_out < D_OUT, sem="relaxed")
+            tl.store(out_ptrs, cast(acc * out_scale, OUT.dtype.element_ty, INTERP), mask=out_mask)
             tile = next_tile
         tiles_before = chunk_end
     release_queue(COUNTER)
 
 
-_POINTERS = ("Q", "K", "V", "DO", "OUT", "PRE", "SUMS", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES", "TS", "QTS")
+_POINTERS = ("Q", "K", "V", "DO", "OUT", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES", "TS", "QTS")
 FORWARD = TunedKernel("forward", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"),
                       key_names=KEY_NAMES)
 DQ = TunedKernel("dq", query_major_kernel, pointers=_POINTERS, floats=("alpha", "out_scale"),
@@ -329,7 +315,6 @@ def query_major(
     bias: RelativeBias = NO_BIAS,
     out: torch.Tensor | None = None,
     fp8_scales: torch.Tensor | None = None,
-    silu_pre: SiluGradOut | None = None,
 ) -> torch.Tensor:
     """The forward output, or ``dq`` when ``grad_out`` is given. Inputs have unit last-dim stride;
     ``bias`` comes from :func:`gem_kernels.attention_triton_bias.prepare_bias`. ``out``: where to
@@ -339,11 +324,7 @@ def query_major(
     0, None]`` and ``k * fp8_scales[..., 1, None]`` (float32 ``[L, H, 2]``, unit last stride; written by
     :mod:`gem_kernels.attention_fp8`); ``v`` stays in the activation dtype. The kernel reads them through
     its ``DO`` pointer, which the forward does not otherwise use: so the default path's signature, and
-    its compiled code, are those of the kernel without the fp8 mode.
-
-    ``silu_pre`` (``dq`` only): store ``dq * silu'(silu_pre.pre)`` and add its column sums into
-    ``silu_pre.sums`` (:mod:`gem_kernels.silu_grad_out`): in the kernel's epilogue, or by a pass after
-    the Gluon ``dq`` pass."""
+    its compiled code, are those of the kernel without the fp8 mode."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     compute_dq = grad_out is not None
@@ -357,24 +338,15 @@ def query_major(
             f"grad_out {'given' if compute_dq else 'None'}"
         )
     dim_out = dim_qk if compute_dq else dim_v
-    if silu_pre is not None and not compute_dq:
-        raise ValueError("query_major: silu_pre is for the dq pass (grad_out given), not the forward")
     if (attention_gluon.FORWARD and not compute_dq and not fp8 and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v)):  # fmt: skip
         return attention_gluon.forward(q, k, v, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha, out=out)
     if (attention_gluon.DQ and compute_dq and blocks is None and max_attn_len <= 0 and bias.position is None
             and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
-        dq = attention_gluon.dq(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
-                                out=out)  # fmt: skip
-        if silu_pre is not None:
-            silu_pre.check(dq, "query_major")
-            silu_pre.finish(dq)
-        return dq
+        return attention_gluon.dq(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
+                                  out=out)  # fmt: skip
     if out is None:
         out = torch.empty((num_rows, num_heads, dim_out), dtype=q.dtype if compute_dq else v.dtype, device=q.device)
-    if silu_pre is not None:
-        silu_pre.check(out, "query_major")
-    sums = None if silu_pre is None else silu_pre.sums
     num_seqs = seq_offsets.shape[0] - 1
     if num_rows == 0 or num_seqs <= 0:
         return out
@@ -388,7 +360,7 @@ def query_major(
     tma = not fp8 and tma_loads(k, v)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(), chunk,
                "auto" if blocks is None else blocks,  # q.dtype: float8_e4m3fn for the fp8 forward
-               "tma" if tma else "pointers", "plain" if silu_pre is None else ("silu" if sums is None else "silu_sums"))
+               "tma" if tma else "pointers")
 
     def constexprs() -> dict:
         return dict(
@@ -396,7 +368,7 @@ def query_major(
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
             HAS_POS_BIAS=bias.position is not None, HAS_TIME_BIAS=bias.time is not None,
             SILU=silu_mode(v.dtype), IEEE=v.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, FP8=fp8,
-            TMA=tma, SILU_OUT=silu_pre is not None, SUM_OUT=sums is not None,
+            TMA=tma,
         )
 
     def tile_bound(config: Config) -> int:
@@ -405,7 +377,7 @@ def query_major(
     with device_guard(device):
         counter = queue_counter(device)
         args = (
-            q, k, v, do, out, out if silu_pre is None else silu_pre.pre, out if sums is None else sums, seq_offsets, num_targets if num_targets is not None else seq_offsets, counter,
+            q, k, v, do, out, seq_offsets, num_targets if num_targets is not None else seq_offsets, counter,
             *bias.pointers(q), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), out.stride(0), out.stride(1),
             num_seqs, num_heads, num_rows, alpha, scale, max_attn_len, max_seq_len - 1, bias.num_buckets,
@@ -418,6 +390,6 @@ def query_major(
             buckets = length_buckets(max_seq_len, num_rows, num_seqs)
         (DQ if compute_dq else FORWARD).launch(
             args, constexprs, variant=variant, buckets=buckets, configs=configs, device=device,
-            tile_bound=tile_bound, after_tuning=None if sums is None else sums.zero_,
+            tile_bound=tile_bound,
         )
     return out

@@ -53,7 +53,6 @@ from gem_kernels.attention_triton_common import (
     tma_loads,
 )
 from gem_kernels.launcher import Config, TunedKernel, fixed_config
-from gem_kernels.silu_grad_out import SiluGradOut
 
 # (BLOCK_M queries per step, BLOCK_N keys per tile, num_warps, num_stages, programs per SM): from
 # ptxas reports for sm_90 at head dim 128, tiles whose two fp32 accumulators fit 255 registers
@@ -308,28 +307,22 @@ def key_major(
     bias: RelativeBias = NO_BIAS,
     bias_grads: BiasGrads | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    silu_pre: tuple[SiluGradOut, SiluGradOut] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it, and
     with ``bias_grads`` (zeroed, :meth:`BiasGrads.zeros`) the bias gradients times ``max_seq_len``.
-    ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors.
-    ``silu_pre = (for dk, for dv)``: store each times ``silu'`` of its ``pre`` and sum its columns
-    (:mod:`gem_kernels.silu_grad_out`): in the Gluon pass's epilogue, else by a pass after this kernel."""
+    ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     no_bias_grads = bias_grads is None or (bias_grads.position is None and bias_grads.time is None)
     if (attention_gluon.DKDV and dq_accum is None and no_bias_grads and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
         return attention_gluon.dkdv(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
-                                    out=out, silu_pre=silu_pre)  # fmt: skip
+                                    out=out)  # fmt: skip
     if out is not None:
         dk, dv = out
     else:
         dk = torch.empty_like(k, memory_format=torch.contiguous_format)
         dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    if silu_pre is not None:
-        silu_pre[0].check(dk, "key_major (dk)")
-        silu_pre[1].check(dv, "key_major (dv)")
     num_seqs = seq_offsets.shape[0] - 1
     if num_rows == 0 or num_seqs <= 0:
         return dk, dv
@@ -343,7 +336,7 @@ def key_major(
     chunk = CHUNK  # read at call time: tests shrink it
     tma = TMA_LOADS and tma_loads(q, grad_out)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
-               "auto" if blocks is None else blocks, "tma" if tma else "pointers", "plain")
+               "auto" if blocks is None else blocks, "tma" if tma else "pointers")
     if atomic:
         variant += ("transposed" if TRANSPOSED_DQ else "rows",)
 
@@ -384,7 +377,4 @@ def key_major(
             args, constexprs, variant=variant, buckets=buckets, configs=configs, device=device,
             tile_bound=tile_bound, after_tuning=restore,
         )
-    if silu_pre is not None:  # this kernel has no such epilogue
-        silu_pre[0].finish(dk)
-        silu_pre[1].finish(dv)
     return dk, dv

@@ -47,8 +47,6 @@ class Variant:
     """The forward's e4m3 ``q k^T`` (:mod:`gem_kernels.attention_fp8`): q, k in e4m3, their scales in ``DO``."""
     tma: bool = False
     """The inner loop's tiles by tensor descriptors (``attention_triton_common.tma_loads``)."""
-    silu_out: bool = False
-    """The ``dq`` pass's ``silu'`` and column-sum epilogue (:mod:`gem_kernels.silu_grad_out`)."""
 
 
 def configs(kernel: str, wide: bool) -> list[tuple[int, int, int, int, int]]:
@@ -82,9 +80,9 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
         constants = dict(
             DQK=variant.dim_qk, DV=variant.dim_v, D_OUT=dim_out, BLOCK_DV=dim_block(variant.dim_v),
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", FP8=variant.fp8, TMA=variant.tma,
-            SILU_OUT=variant.silu_out, SUM_OUT=variant.silu_out, **common,
+            **common,
         )
-        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT", "PRE")} | {"SUMS": "*fp32"} | offsets
+        pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT")} | offsets
         if variant.fp8:
             pointers |= {"Q": "*fp8e4nv", "K": "*fp8e4nv", "DO": "*fp32"}
         signature = _signature(fn, pointers, ("alpha", "out_scale"))
@@ -170,12 +168,11 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
 
 
 def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
-                          arch: int = 90, dq: bool = False, dkdv: bool = False, silu_out: bool = False) -> dict[str, Any]:
+                          arch: int = 90, dq: bool = False, dkdv: bool = False) -> dict[str, Any]:
     """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``; with ``dq``
     the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq`, with ``dkdv`` the ``dk``/``dv`` pass of
     :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``) for ``arch`` with bf16
-    inputs, as :mod:`~gem_kernels.attention_gluon` launches it (``silu_out``: the dk/dv pass with its
-    ``silu'`` and column-sum epilogue, :mod:`gem_kernels.silu_grad_out`): shared bytes,
+    inputs, as :mod:`~gem_kernels.attention_gluon` launches it: shared bytes,
     registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
     (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
     ``tanh.approx`` (the silu) and the register counts the warp-specialized builds set (``setmaxnreg``)."""
@@ -202,13 +199,11 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
              "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
              "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "half_alpha": "fp32",
-             "out_scale": "fp32", "pre_k_desc": descriptor(block_n, dim_qk), "pre_v_desc": descriptor(block_n, dim_v),
-             "SUMS_K": "*fp32", "SUMS_V": "*fp32"}  # fmt: skip
+             "out_scale": "fp32"}  # fmt: skip
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
                      STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
                      **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}),
-                     **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}),
-                     **({"SILU_OUT": silu_out, "SUM_OUT": silu_out} if fn is dkdv_pass.dkdv_kernel else {}))  # fmt: skip
+                     **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}))  # fmt: skip
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or n.startswith("stride")}  # fmt: skip

@@ -59,20 +59,12 @@ from gem_kernels.hstu_gap_grad_rows import fits, silu_grad_rows
 from gem_kernels.hstu_gap_saved import expand_rows, silu_quantize_rows
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
 from gem_kernels.quantized_rows_triton import RowsOut, dequantize_rows, load_rows
-from gem_kernels.silu_grad_out import SiluGradOut
 from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, GradRowsSlot, PrequantizedRows, RowQuantization
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 SAVED_ATTENTION_E4M3 = True
 """Under ``saved_format="e4m3_row"``, the attention output is kept in e4m3 rows too (written by the
 norm-gate's forward pass, read by its backward: :data:`E4M3_ROWS_IN_NORM_GATE`); False keeps it as computed."""
-SILU_GRAD_IN_ATTENTION = False
-"""The backward's ``silu'`` of the ``v, q, k`` columns, and the ``uvqk`` bias's column sums, in the
-epilogues of the passes that write those columns (the Gluon dk/dv pass, the Triton ``dq`` pass; the
-norm-gate backward sums the ``u`` columns: :mod:`gem_kernels.silu_grad_out`) instead of one more pass over
-the whole gradient (:func:`gem_kernels.hstu_gap_grad_rows.silu_grad_rows`, ~1.1 ms a block on the H200's
-big config). Only where the gradient is kept as computed (no saved format), its rows are not asked for
-(``fp8_rowwise``), and ``dq`` is not atomic; e2e switch ``silu_grad_in_attention``."""
 E4M3_ROWS_IN_NORM_GATE = True
 """Under ``saved_format="e4m3_row"``: True, the norm-gate backward reads the gate ``u`` and the attention
 output from their e4m3 rows in its own loop, as 16-bit words (``quantized_rows_triton.load_e4m3_pairs``),
@@ -201,21 +193,16 @@ class HSTUGapFunction(torch.autograd.Function):
         act_dtype = pre.dtype if ctx.expand_to is None else ctx.expand_to
         d_pre = torch.empty(pre.shape, dtype=act_dtype, device=pre.device)
         # the column sums of d_pre, from the passes that write it: the uvqk bias's gradient (hstu_gap_bias)
+        sums = None if ctx.pre_bias_dtype is None else torch.empty(pre.shape[1], dtype=torch.float32, device=pre.device)
         grad_rows: GradRowsSlot | None = options["grad_rows"] if fits(pre.shape[1]) else None
-        mode = resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads)
-        # silu' applied by the kernels that write each column block (SILU_GRAD_IN_ATTENTION): no last pass
-        in_kernels = SILU_GRAD_IN_ATTENTION and scale_inv is None and grad_rows is None and mode != "atomic"
-        make_sums = torch.zeros if in_kernels else torch.empty  # the attention passes add into theirs
-        sums = None if ctx.pre_bias_dtype is None else make_sums(pre.shape[1], dtype=torch.float32, device=pre.device)
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
             du_out=d_pre[:, :hv], x_scale_inv=attn_scale_inv, u_scale_inv=u_scale_inv,
-            du_sums=sums[:hv] if in_kernels and sums is not None else None,
         )
         # the bias sums without rows: one pass over whole rows when they fit (hstu_gap_bias), else per column block
         # with the u columns by a reduction of their own
-        sum_rows = not in_kernels and sums is not None and grad_rows is None and fits(pre.shape[1])
-        if sums is not None and grad_rows is None and not sum_rows and not in_kernels:
+        sum_rows = sums is not None and grad_rows is None and fits(pre.shape[1])
+        if sums is not None and grad_rows is None and not sum_rows:
             torch.sum(d_pre[:, :hv], 0, dtype=torch.float32, out=sums[:hv])
         del u  # the expanded gate's memory is free for the attention backward
 
@@ -228,23 +215,17 @@ class HSTUGapFunction(torch.autograd.Function):
         kernel = _kernel_options(options)
         grads = BiasGrads.zeros(bias, ctx.needs_input_grad[3], ctx.needs_input_grad[4], kernel["max_seq_len"], pre.device)
         d_attn = d_attn.view(rows, heads, dv)
+        mode = resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads)
         dq_accum = torch.zeros((rows, heads, dqk), dtype=torch.float32, device=pre.device) if mode == "atomic" else None
-        q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
-
-        def epilogue(cols: slice) -> SiluGradOut | None:
-            if not in_kernels:
-                return None
-            return SiluGradOut(heads_of(pre, cols.start, cols.stop), None if sums is None else sums[cols])
-
         key_major(q, k, v, d_attn, seq_offsets, num_targets, dq_accum, bias=bias, bias_grads=grads,
-                  out=(d_k, d_v), silu_pre=(epilogue(k_cols), epilogue(v_cols)) if in_kernels else None, **kernel)  # fmt: skip
+                  out=(d_k, d_v), **kernel)  # fmt: skip
+        q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
         if dq_accum is not None:
             passes = [(q_cols, dq_accum.view(rows, hq))] + [(c, d_pre[:, c]) for c in (v_cols, k_cols)]
         else:
-            query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, silu_pre=epilogue(q_cols),
-                        **kernel)  # fmt: skip
+            query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
-            passes = [] if in_kernels else [(every, d_pre[:, every])]
+            passes = [(every, d_pre[:, every])]
         if grad_rows is not None:  # one pass over whole rows, writing d_pre's e4m3 rows too (hstu_gap_grad_rows)
             sums = _complete_with_rows(pre, d_pre, hv, grad_rows, dq_accum, q_cols, scale_inv, sums is not None)
             passes = []
