@@ -256,6 +256,17 @@ def switch_recat_cache(run: object) -> Callable[[], None]:
     return recat_cache.install()
 
 
+def switch_no_recat_cache(run: object) -> Callable[[], None]:
+    """The run without the recat cache that ``parallel.planner.options.cache_recat`` installs by default
+    (torchrec's own permutation, made every forward); undone, the cache goes back in. Refused where none
+    is installed (the A rows are then without it already)."""
+    from gem_parallel import recat_cache
+
+    if not recat_cache.installed():
+        raise ValueError("no_recat_cache: no recat cache is installed (parallel.planner.options.cache_recat is off)")
+    return recat_cache.uninstall()
+
+
 def _loss_read(at_tables: bool) -> Switch:
     """Where the step reads its loss sums: inside backward at the tables' gate, the loss built on the
     device (``at_tables``: ``trainer.loss_check=before_tables``, :mod:`gem_model.train.loss_check`), or
@@ -342,6 +353,8 @@ VARIANTS: dict[str, Switch] = {
     "linear_residual": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", True),
     # torchrec's input-distribution permutation made once per shape (no host sync in the forward)
     "recat_cache": switch_recat_cache,
+    # the same runs without it (the default since 2026-12-05 18:22 UTC: parallel.planner.options.cache_recat)
+    "no_recat_cache": switch_no_recat_cache,
     # the loss read inside backward at the tables' gate (no host sync between forward and backward)
     "loss_at_tables": _loss_read(at_tables=True),
     # the loss read by the host between forward and backward (the default until 2026-12-05)

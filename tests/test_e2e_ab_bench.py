@@ -208,21 +208,31 @@ def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
 
 
 
-def test_the_recat_cache_switch_installs_and_undoes_and_refuses_a_second_cache(monkeypatch):
+def test_the_recat_cache_switches_install_and_undo_and_refuse_what_is_already_so(monkeypatch):
     """``recat_cache`` puts gem_parallel.recat_cache in front of torchrec's permutation and takes it out;
-    with the run's own option on it refuses (its A rows would not be without the cache)."""
+    with a cache already in it refuses (its A rows would not be without the cache). ``no_recat_cache``
+    takes the installed one out and puts one back; with none in it refuses."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from ab_switches import VARIANTS
     from torchrec.distributed import dist_data
 
     from gem_parallel import recat_cache
 
+    recat_cache.uninstall()  # a run in this process may have left the planner's (it keeps it for the process)
     original = dist_data._get_recat
+    with pytest.raises(ValueError, match="no_recat_cache: no recat cache is installed"):
+        VARIANTS["no_recat_cache"](None)
     undo = VARIANTS["recat_cache"](None)
     assert recat_cache.installed() and dist_data._get_recat is not original
     with pytest.raises(ValueError, match="recat_cache: the cache is already installed"):
         VARIANTS["recat_cache"](None)
-    undo()
+    # no_recat_cache takes out the cache whoever installed it, and puts one back when undone
+    put_back = VARIANTS["no_recat_cache"](None)
+    assert not recat_cache.installed() and dist_data._get_recat is original
+    put_back()
+    assert recat_cache.installed()
+    recat_cache.uninstall()
+    undo()  # its own cache is gone already: a no-op
     assert not recat_cache.installed() and dist_data._get_recat is original
 
 

@@ -48,13 +48,13 @@ def test_single_reproduces_the_pinned_losses(reference_overrides, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "options",
-    [[], ["parallel.planner.options.cache_recat=true"], ["trainer.loss_check=before_tables"]],
-    ids=["plain", "cache_recat", "loss_check_at_tables"],
+    [[], ["parallel.planner.options.cache_recat=false"], ["trainer.loss_check=before_tables"]],
+    ids=["plain", "no_recat_cache", "loss_check_at_tables"],
 )
 def test_torchrec_ddp_on_two_processes_reproduces_the_pinned_losses(reference_overrides, tmp_path, options):
-    """Also with torchrec's input-distribution permutation made once per shape (gem_parallel.recat_cache),
-    and with the loss read at the tables' gate inside backward, normalised on the device
-    (gem_model.train.loss_check): the same bits."""
+    """The defaults (torchrec's input-distribution permutation made once per shape, gem_parallel.recat_cache),
+    also without that cache, and with the loss read at the tables' gate inside backward, normalised on the
+    device (gem_model.train.loss_check): the same bits."""
     args = [*reference_overrides, *RUN, "parallel.planner=torchrec_ddp", *options]
     out = losses(args, tmp_path / "two", 2)
     assert_pinned(out, PINNED["torchrec_ddp"], "packages/gem-parallel/tests/test_loss_pin.py PINNED['torchrec_ddp']")

@@ -14,6 +14,16 @@ from gem_parallel import recat_cache
 from gem_parallel.sharded import TorchrecDDPConfig
 
 
+@pytest.fixture(autouse=True)
+def no_cache_before() -> object:
+    """Each test starts without a cache (a planner that ran in this process keeps its own in place), and
+    leaves things as it found them."""
+    put_back = recat_cache.uninstall()
+    yield
+    recat_cache.uninstall()
+    put_back()
+
+
 @pytest.fixture
 def cache():
     undo = recat_cache.install()
@@ -24,7 +34,7 @@ def cache():
 
 
 def test_each_shape_is_made_once_and_equals_torchrecs(cache) -> None:
-    original = recat_cache._installed[0]
+    original = recat_cache._installed[0][0]
     shapes = [dict(local_split=3, num_splits=4, stagger=1), dict(local_split=2, num_splits=4, stagger=2),
               dict(local_split=2, num_splits=2, stagger=1, batch_size_per_rank=[3, 5]),
               dict(local_split=2, num_splits=2, stagger=1, batch_size_per_rank=[5, 3])]  # fmt: skip
@@ -96,8 +106,53 @@ def test_a_kjt_all_to_all_over_gloo_reuses_its_permutation_with_the_same_result(
         dist.destroy_process_group()
 
 
-def test_the_planner_option_is_off_by_default_and_typed() -> None:
-    assert TorchrecDDPConfig().cache_recat is False
+def test_the_planner_option_is_auto_by_default_and_typed() -> None:
+    assert TorchrecDDPConfig().cache_recat is None
     assert TorchrecDDPConfig(cache_recat=True).cache_recat is True
+    assert TorchrecDDPConfig(cache_recat=False).cache_recat is False
     with pytest.raises(ValueError, match="cache_recat"):
         TorchrecDDPConfig(cache_recat="sometimes")
+
+
+def _incompatible(monkeypatch) -> None:
+    monkeypatch.setattr(dist_data, "_get_recat", lambda local_split, num_splits, device=None: None)
+
+
+@pytest.mark.parametrize("wanted", [None, True, False])
+def test_the_planner_installs_the_cache_as_asked_where_torchrec_fits(wanted) -> None:
+    from gem_parallel.sharded import _install_recat_cache
+
+    original = dist_data._get_recat
+    try:
+        _install_recat_cache(wanted)
+        assert recat_cache.installed() is (wanted is not False)
+    finally:
+        recat_cache.uninstall()
+    assert dist_data._get_recat is original and not recat_cache.installed()
+
+
+def test_where_torchrec_does_not_fit_the_default_warns_and_runs_without_and_true_refuses(monkeypatch) -> None:
+    from gem_parallel.sharded import _install_recat_cache
+
+    _incompatible(monkeypatch)
+    with pytest.warns(UserWarning, match=r"cache_recat: torchrec .* has parameters .*: running without the recat cache"):
+        _install_recat_cache(None)
+    assert not recat_cache.installed()
+    with pytest.raises(RuntimeError, match=r"has parameters \('local_split', 'num_splits', 'device'\).*turn "
+                       r"parallel.planner.options.cache_recat off"):  # fmt: skip
+        _install_recat_cache(True)
+    _install_recat_cache(False)  # nothing to check: off
+    assert not recat_cache.installed()
+
+
+def test_uninstall_takes_out_a_cache_installed_elsewhere_and_gives_back_its_reinstall() -> None:
+    original = dist_data._get_recat
+    recat_cache.install()  # as the planner does, keeping no undo
+    put_back = recat_cache.uninstall()
+    assert not recat_cache.installed() and dist_data._get_recat is original
+    recat_cache.uninstall()()  # none installed: a no-op pair
+    put_back()
+    assert recat_cache.installed() and dist_data._get_recat is not original
+    put_back()  # already back: no second cache
+    recat_cache.uninstall()
+    assert dist_data._get_recat is original and not recat_cache.installed()

@@ -18,10 +18,14 @@ another tensor. With variable batch sizes per rank (``batch_size_per_rank``) the
 the cache keeps the :data:`MAX_ENTRIES` used last. :func:`install` returns the function that takes the
 cache out again.
 
-``parallel.planner.options.cache_recat`` (``torchrec_ddp``) installs it for a run. Off by default: on the
-H200's big config (2026-12-05, ``benchmarks/e2e_ab.py`` switch ``recat_cache``) it gave 1.003x over paired
-steps (not resolved) and 1.011x over steady steps; with the loss read at the tables, 1.030x steady
-against 1.018x without it, and 1.0 % device idle.
+``parallel.planner.options.cache_recat`` (``torchrec_ddp``) installs it for the process when the planner
+applies its plan. On by default (None: wherever :func:`incompatibility` finds torchrec's function the one
+this cache was written for; elsewhere the run goes on without it, with a warning; ``true`` makes that an
+error, ``false`` turns it off). Measured with ``benchmarks/e2e_ab.py`` (switch ``recat_cache``) on the big
+config: over steady steps (12 in a row, as a run trains) 1.011x (H200, seed 317), 1.011x (H200, seed
+359; every round 1.008-1.013x), 1.009x (H200, seed 367; 1.005-1.011x), 1.010x (H100, seed 341); the device's
+idle 2.5 % -> 1.5 % (H200) and 2.7 % -> 1.3 % (H100). Over paired steps, which restart from a device sync
+each step and so cannot see what a host sync costs, 0.999-1.003x.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ MAX_ENTRIES = 256
 EXPECTED_PARAMETERS = ("local_split", "num_splits", "stagger", "device", "batch_size_per_rank")
 """``_get_recat``'s parameters, as torchrec 1.6 to 1.8 define them."""
 
-_installed: list[Callable[..., Any]] = []  # torchrec's own function while the cache is in front of it
-
+_installed: list[tuple[Callable[..., Any], Callable[..., Any]]] = []
+"""(torchrec's own function, the cache in front of it) while the cache is installed."""
 
 def _dist_data() -> Any:
     from torchrec.distributed import dist_data
@@ -52,24 +56,34 @@ def installed() -> bool:
     return bool(_installed)
 
 
+def incompatibility() -> str | None:
+    """Why the cache cannot go in front of this torchrec's ``dist_data._get_recat`` (it is missing, or its
+    parameters differ from :data:`EXPECTED_PARAMETERS`), naming the torchrec version; None where it can."""
+    original = getattr(_dist_data(), "_get_recat", None)
+    if _installed:
+        return None
+    params = tuple(inspect.signature(original).parameters) if original is not None else None
+    if params == EXPECTED_PARAMETERS:
+        return None
+    import torchrec
+
+    return (f"cache_recat: torchrec {getattr(torchrec, '__version__', '?')}'s dist_data._get_recat has parameters "
+            f"{params}, expected {EXPECTED_PARAMETERS}")  # fmt: skip
+
+
 def install() -> Callable[[], None]:
     """Put the cache in front of ``torchrec.distributed.dist_data._get_recat``; return the function that
     takes it out (a no-op if it was already installed: the first caller's undo takes it out).
 
-    Raises ``RuntimeError`` if torchrec's function is not the one this cache was written for (its
-    parameters differ), naming the torchrec version."""
+    Raises ``RuntimeError`` if torchrec's function is not the one this cache was written for
+    (:func:`incompatibility`)."""
     dist_data = _dist_data()
     if _installed:
         return lambda: None
-    original = getattr(dist_data, "_get_recat", None)
-    params = tuple(inspect.signature(original).parameters) if original is not None else None
-    if params != EXPECTED_PARAMETERS:
-        import torchrec
-
-        raise RuntimeError(
-            f"cache_recat: torchrec {getattr(torchrec, '__version__', '?')}'s dist_data._get_recat has parameters "
-            f"{params}, expected {EXPECTED_PARAMETERS}; turn parallel.planner.options.cache_recat off"
-        )
+    reason = incompatibility()
+    if reason is not None:
+        raise RuntimeError(f"{reason}; turn parallel.planner.options.cache_recat off")
+    original = dist_data._get_recat
     cache: OrderedDict[tuple, torch.Tensor | None] = OrderedDict()
 
     def cached_recat(local_split: int, num_splits: int, stagger: int = 1, device: torch.device | None = None,
@@ -86,10 +100,27 @@ def install() -> Callable[[], None]:
 
     cached_recat.cache = cache  # type: ignore[attr-defined]  # what the tests and a debugger read
     dist_data._get_recat = cached_recat
-    _installed.append(original)
+    _installed.append((original, cached_recat))
 
-    def uninstall() -> None:
-        if _installed and dist_data._get_recat is cached_recat:
-            dist_data._get_recat = _installed.pop()
+    def undo() -> None:
+        if _installed and _installed[-1][1] is cached_recat:
+            uninstall()
 
-    return uninstall
+    return undo
+
+
+def uninstall() -> Callable[[], None]:
+    """Take the installed cache out, whoever put it in (the planner puts it in for the process); return
+    the function that puts a new one back. A no-op pair where none is installed."""
+    if not _installed:
+        return lambda: None
+    original, cached = _installed.pop()
+    dist_data = _dist_data()
+    if dist_data._get_recat is cached:
+        dist_data._get_recat = original
+
+    def reinstall() -> None:
+        if not _installed:
+            install()
+
+    return reinstall

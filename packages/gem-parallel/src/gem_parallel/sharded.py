@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -59,10 +60,12 @@ class TorchrecDDPConfig(ComponentConfig):
     )
     bucket_cap_mb: int = Field(25, gt=0, description="DDP gradient bucket size")
     static_graph: bool = Field(False, description="DDP static_graph (every parameter used every step)")
-    cache_recat: bool = Field(
-        False,
+    cache_recat: bool | None = Field(
+        None,
         description="make torchrec's input-distribution feature permutation once per shape instead of every "
-        "forward, which removes its host sync (gem_parallel.recat_cache; off until timed on a GPU)",
+        "forward, which removes its host sync (gem_parallel.recat_cache): None (default) where this torchrec's "
+        "function is the one the cache was written for, else off with a warning; true: on, an error where it "
+        "cannot be; false: off",
     )
 
 
@@ -125,8 +128,7 @@ class TorchrecDDPPlanner(ParallelPlanner):
             sparse_optimizer=ctx.sparse_optimizer, data_parallel_wrapper=_CommAwareDDP(ctx.comm, self.config),
         )  # fmt: skip
         dense = list(in_backward_optimizer_filter(dmp.named_parameters()))
-        if self.config.cache_recat:
-            recat_cache.install()  # for the process: the run's forwards from here on
+        _install_recat_cache(self.config.cache_recat)
         return PreparedModel(
             module=dmp,
             dense_parameters=dense,
@@ -134,6 +136,18 @@ class TorchrecDDPPlanner(ParallelPlanner):
             sparse_optimizer_fused=True,
             plan_summary=f"tables sharded over {layout.world_size} ranks ({where})\n{plan.native}",
         )
+
+
+def _install_recat_cache(wanted: bool | None) -> None:
+    """The recat cache for the process, the run's forwards from here on (``cache_recat``: None where it
+    fits this torchrec, with a warning where it does not; True, or an error; False, never)."""
+    if wanted is False:
+        return
+    reason = recat_cache.incompatibility()
+    if reason is not None and wanted is None:
+        warnings.warn(f"{reason}: running without the recat cache (parallel.planner.options.cache_recat)", stacklevel=2)
+        return
+    recat_cache.install()  # raises where it cannot (wanted is True)
 
 
 def plan_tables(
