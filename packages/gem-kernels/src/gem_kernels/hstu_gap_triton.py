@@ -24,7 +24,11 @@ Fused, every pass that remains is one that some kernel had to make anyway:
 Why that last pass is not an epilogue of the attention kernels: there, loading a tile of ``pre`` beside
 the two fp32 accumulators spilled registers in the key-major kernel's loops (216 bytes at its best
 tile, ``compile_report``), and the epilogue cost more on the H200 (+10 ms a step on the big config)
-than this pass (three column blocks read twice and written once).
+than this pass (three column blocks read twice and written once). Tried again on 2026-12-05 with the
+Gluon dk/dv pass (``pre``'s tiles by TMA into the key slots, ``silu'`` by ``tanh.approx``) and the Triton
+dq pass, with the bias sums as atomic adds: on the H100 the epilogues took 1.67-2.07 ms a block for the
+1.62-1.65 ms pass (the gap 0.914-0.968x). The attention passes issue-bound at two warps a scheduler, and
+``silu'`` is O(L D) elementwise work, most of it in short tiles (``benchmarks/results/e2e_ab.md``).
 
 No concatenation, no ``silu(u)`` tensor. The saved activations are ``pre``, ``silu`` of its ``v, q,
 k`` columns and the attention output (one ``[L, H Dv]`` less than unfused). With ``saved_format=
