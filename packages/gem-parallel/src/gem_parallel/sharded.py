@@ -64,8 +64,8 @@ class TorchrecDDPConfig(ComponentConfig):
         None,
         description="make torchrec's input-distribution feature permutation once per shape instead of every "
         "forward, which removes its host sync (gem_parallel.recat_cache): None (default) where this torchrec's "
-        "function is the one the cache was written for, else off with a warning; true: on, an error where it "
-        "cannot be; false: off",
+        "function is the one the cache was written for, else off (the run says why); true: on, an error where "
+        "it cannot be; false: off",
     )
 
 
