@@ -23,6 +23,11 @@ from gem_model.api import AttentionExtras
 from gem_model.jagged import time_buckets
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+BIAS_GRAD_TOLERANCE = {torch.float32: 5e-5, torch.bfloat16: 1e-2}
+"""For the bias tables' gradients: each entry is a float32 sum over every pair at one relative position
+or time bucket, with cancellation, and the relative error is over a table with few nonzero entries. With
+every row a target and a window of 3 ([6, 17]) it reached 9.6e-6 over 120 seeds and 1.47e-5 at
+GEM_KERNELS_TEST_SEED=792311687 (a CI run); q, k, v's gradients stay within 3e-7 on the same cases."""
 BIASES = {"position": ("position",), "time": ("time",), "both": ("position", "time")}
 
 pytestmark = pytest.mark.usefixtures("poison")
@@ -99,7 +104,8 @@ def check(
     context = (f"lengths={lengths} targets={None if targets is None else targets.tolist()} window={window} "
                f"biases={biases} times={times}")
     for name, error in errors.items():
-        assert error < TOLERANCE[dtype], f"{name}: relative error {error:.2e} ({context})"
+        tolerance = (BIAS_GRAD_TOLERANCE if name.endswith("_bias") else TOLERANCE)[dtype]
+        assert error < tolerance, f"{name}: relative error {error:.2e} ({context})"
     for leaf, grad in zip(leaves[3:], grads[3:], strict=True):
         assert grad.dtype == leaf.dtype, (grad.dtype, leaf.dtype)
     return errors
