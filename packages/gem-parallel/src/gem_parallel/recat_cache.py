@@ -45,6 +45,7 @@ EXPECTED_PARAMETERS = ("local_split", "num_splits", "stagger", "device", "batch_
 _installed: list[tuple[Callable[..., Any], Callable[..., Any]]] = []
 """(torchrec's own function, the cache in front of it) while the cache is installed."""
 
+
 def _dist_data() -> Any:
     from torchrec.distributed import dist_data
 
@@ -59,9 +60,9 @@ def installed() -> bool:
 def incompatibility() -> str | None:
     """Why the cache cannot go in front of this torchrec's ``dist_data._get_recat`` (it is missing, or its
     parameters differ from :data:`EXPECTED_PARAMETERS`), naming the torchrec version; None where it can."""
-    original = getattr(_dist_data(), "_get_recat", None)
     if _installed:
         return None
+    original = getattr(_dist_data(), "_get_recat", None)
     params = tuple(inspect.signature(original).parameters) if original is not None else None
     if params == EXPECTED_PARAMETERS:
         return None
