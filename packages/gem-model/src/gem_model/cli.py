@@ -202,6 +202,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = argparse.Namespace(command="profile", profile_handler=profile_main, profile_argv=argv[1:])
     else:
         args = parse_args(build_parser(), argv)
+    code = _dispatch(args)
+    if code != 0 and args.command == "run":
+        _leave_if_a_rank(code)
+    return code
+
+
+def _leave_if_a_rank(code: int) -> None:
+    """A torchrun-launched rank whose run failed leaves like one that succeeded (``leave_rank``).
+
+    The failed run's process groups are left by then (``started_run`` destroys them on the way out),
+    but a torchrec-sharded run keeps one reference to its gloo group that Python cannot reach; torn down
+    with the interpreter, its threads abort the rank now and then (SIGABRT), which would replace the
+    exit status the error asked for (3 for a NaN) by torchrun's ``Signal 6``."""
+    from gem_model.distributed import launched_by_torchrun, leave_rank
+
+    if launched_by_torchrun():
+        gc.collect()  # the failed run's reference cycles (the exception's frames are gone by now)
+        leave_rank(code)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     handlers = {"run": cmd_run, "plugins": cmd_plugins, "plan": cmd_plan, "config": cmd_config, "profile": None}
     try:
         # before any plugin loads: a plugin module (e.g. gem_parallel.sharded) may import torchrec
