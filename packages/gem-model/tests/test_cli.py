@@ -86,3 +86,73 @@ def test_python_dash_m_is_the_same_entry():
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "gem_model", "run", "model.num_heads=0"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "model.num_heads" in proc.stderr
+
+
+class _Left(Exception):
+    """Raised by the test's ``leave_rank`` in place of ``os._exit``: carries the status."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@pytest.fixture
+def one_torchrun_rank(monkeypatch):
+    """This process as rank 0 of a one-process torchrun launch (gloo on a free local port), with
+    ``leave_rank`` raising :class:`_Left` instead of ending the process."""
+    import socket
+
+    import gem_model.distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+    def leave(code: int) -> None:
+        raise _Left(code)
+
+    monkeypatch.setattr(gem_model.distributed, "leave_rank", leave)
+
+
+def test_a_torchrun_rank_halted_by_a_nan_leaves_through_leave_rank_with_3(capsys, inline_env, tiny_overrides,
+                                                                          one_torchrun_rank):  # fmt: skip
+    """Not through the interpreter's exit, where a gloo group's threads torn down with it abort the
+    rank now and then (torchrun then reports ``Signal 6``, not 3)."""
+    import torch.distributed as dist
+
+    with pytest.raises(_Left) as left:
+        main(["run", *tiny_overrides, "kernels.jagged_attention=poison", "kernels.jagged_attention.options.nan_from_call=2"])
+    assert left.value.code == 3
+    assert "NonFiniteLossError: step 2 (rank 0): the loss is nan" in capsys.readouterr().err
+    assert not dist.is_initialized()  # the run left its group before the rank left
+
+
+def test_a_torchrun_rank_hit_by_a_bug_prints_the_traceback_and_leaves_with_1(capsys, monkeypatch, one_torchrun_rank):
+    import gem_model.cli
+
+    def bug(args):
+        raise RuntimeError("a bug in the core")
+
+    monkeypatch.setattr(gem_model.cli, "cmd_run", bug)
+    with pytest.raises(_Left) as left:
+        main(["run"])
+    assert left.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "RuntimeError: a bug in the core" in err, err
+
+
+def test_outside_torchrun_a_bug_propagates(monkeypatch):
+    import gem_model.cli
+
+    def bug(args):
+        raise RuntimeError("a bug in the core")
+
+    monkeypatch.setattr(gem_model.cli, "cmd_run", bug)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="a bug in the core"):
+        main(["run"])

@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from gem_model._deps import TorchrecImportError, import_torchrec
@@ -202,22 +203,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = argparse.Namespace(command="profile", profile_handler=profile_main, profile_argv=argv[1:])
     else:
         args = parse_args(build_parser(), argv)
-    code = _dispatch(args)
-    if code != 0 and args.command == "run":
-        _leave_if_a_rank(code)
-    return code
+    if args.command != "run":
+        return _dispatch(args)
+    from gem_model.distributed import launched_by_torchrun
+
+    if not launched_by_torchrun():
+        return _dispatch(args)
+    try:
+        code = _dispatch(args)
+    except Exception:  # reported as the interpreter would, then the rank leaves below
+        traceback.print_exc()
+        code = EXIT_FAILURE
+    _leave_failed_rank(code)
+    return code  # 0: the run already left through leave_rank
 
 
-def _leave_if_a_rank(code: int) -> None:
+def _leave_failed_rank(code: int) -> None:
     """A torchrun-launched rank whose run failed leaves like one that succeeded (``leave_rank``).
 
     The failed run's process groups are left by then (``started_run`` destroys them on the way out),
     but a torchrec-sharded run keeps one reference to its gloo group that Python cannot reach; torn down
-    with the interpreter, its threads abort the rank now and then (SIGABRT), which would replace the
-    exit status the error asked for (3 for a NaN) by torchrun's ``Signal 6``."""
-    from gem_model.distributed import launched_by_torchrun, leave_rank
+    with the interpreter, its threads abort the rank now and then (SIGABRT), and torchrun would report
+    ``Signal 6`` in place of the status the error asked for (3 for a NaN, 1 for an unexpected
+    exception, whose traceback is printed first)."""
+    from gem_model.distributed import leave_rank
 
-    if launched_by_torchrun():
+    if code != 0:
         gc.collect()  # the failed run's reference cycles (the exception's frames are gone by now)
         leave_rank(code)
 
