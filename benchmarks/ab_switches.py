@@ -244,6 +244,37 @@ def switch_ddp_no_sync(run: object) -> Callable[[], None]:
     return undo
 
 
+def _table_output(name: str, dtype: str) -> Switch:
+    """The sharded tables' lookups in ``dtype`` (``bfloat16``, ``float16``), as
+    ``parallel.planner.options.table_output_dtype`` builds them: FBGEMM's table modules of the live run
+    switched (their ``output_dtype``, which every forward hands its lookup kernel; torchrec's
+    all-to-alls take the dtype they are given). Refused where the run has no FBGEMM table module or
+    one whose lookups are not float32 already (the A rows would not be float32 lookups)."""
+
+    def apply(run: object) -> Callable[[], None]:
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+        prepared = getattr(run, "prepared", None)  # torchrec's DMP holds the sharded tables
+        root = prepared.module if prepared is not None else run.model  # type: ignore[attr-defined]
+        tables = [m for m in root.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+        if not tables:
+            raise ValueError(f"{name}: the run has no FBGEMM table module (a planner that shards with torchrec builds them)")
+        if any(m.output_dtype != SparseType.FP32.as_int() for m in tables):
+            raise ValueError(f"{name}: the run's lookups are not float32 (parallel.planner.options.table_output_dtype)")
+        wanted = {"bfloat16": SparseType.BF16, "float16": SparseType.FP16}[dtype].as_int()
+        for m in tables:
+            m.output_dtype = wanted
+
+        def undo() -> None:
+            for m in tables:
+                m.output_dtype = SparseType.FP32.as_int()
+
+        return undo
+
+    return apply
+
+
 def switch_recat_cache(run: object) -> Callable[[], None]:
     """torchrec's input-distribution feature permutation made once per shape
     (``gem_parallel.recat_cache``, what ``parallel.planner.options.cache_recat`` installs): two host syncs
@@ -355,6 +386,10 @@ VARIANTS: dict[str, Switch] = {
     "recat_cache": switch_recat_cache,
     # the same runs without it (the default since 2026-12-05 18:22 UTC: parallel.planner.options.cache_recat)
     "no_recat_cache": switch_no_recat_cache,
+    # the sharded tables' lookups in bf16 (parallel.planner.options.table_output_dtype=bfloat16): half the
+    # bytes the lookups write and their gradients carry, no cast of the sequence input; fp16 for the CPU
+    "table_output_bf16": _table_output("table_output_bf16", "bfloat16"),
+    "table_output_fp16": _table_output("table_output_fp16", "float16"),
     # the loss read inside backward at the tables' gate (no host sync between forward and backward)
     "loss_at_tables": _loss_read(at_tables=True),
     # the loss read by the host between forward and backward (the default until 2026-12-05)

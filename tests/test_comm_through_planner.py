@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: comm_runs beside this file
-from comm_runs import PINNED, SKIPPED_PINNED, run_all, step_losses
+from comm_runs import PINNED, SKIPPED_PINNED, run_all, start, step_losses
 
 from gem_model.testing import assert_pinned
 
@@ -79,3 +79,15 @@ def test_sparse_dist_gives_the_sequential_losses_and_runs_the_input_dist_ahead(t
                 assert "after_backward" not in s
             else:  # batch i+1's data all-to-alls start between batch i's forward and backward
                 assert s["after_backward"]["next_requests"] == ([] if last else TABLES)
+
+
+def test_quantized_all_to_alls_refuse_lookups_in_another_dtype(tmp_path):
+    """FBGEMM's qcomm codecs take float32 lookups (a float16 lookup overflows the bf16 codec's clamp):
+    the planner says so, naming the option and the strategy, before any table is sharded (exit 2)."""
+    proc = start(tmp_path / "q16", "comm.strategy=quantized", "parallel.planner.options.table_output_dtype=float16")
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    message = ("parallel.planner.options.table_output_dtype: comm.strategy 'quantized' quantizes the embedding "
+               "all-to-alls, whose codecs take float32 lookups")  # fmt: skip
+    assert message in stderr, stderr[-3000:]
+    assert "exitcode  : 2" in stderr

@@ -268,3 +268,40 @@ def test_the_loss_check_switches_move_the_read_and_refuse_what_cannot_run(monkey
         again()
         undo()
         assert step.in_backward is True
+
+
+def test_the_table_output_switch_turns_fbgemms_lookups_to_the_dtype_and_undoes(monkeypatch):
+    """On a real FBGEMM table module (CPU: float16; FBGEMM's CPU sequence lookup has no bfloat16): the
+    lookups come out in float16, equal to the float32 lookups rounded, and float32 again after undo; a
+    run without FBGEMM tables, or whose lookups are not float32, is refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from types import SimpleNamespace
+
+    import torch
+    from ab_switches import VARIANTS
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tables = SplitTableBatchedEmbeddingBagsCodegen(
+        [(50, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        pooling_mode=PoolingMode.NONE,
+    )  # fmt: skip
+    with torch.no_grad():
+        for w in tables.split_embedding_weights():
+            w.copy_(torch.randn_like(w))  # fresh values, not the module's zeros
+    run = SimpleNamespace(model=torch.nn.Sequential(tables))
+    ids, offsets = torch.tensor([3, 7, 7, 41, 0]), torch.tensor([0, 2, 5])
+    full = tables(ids, offsets)
+    undo = VARIANTS["table_output_fp16"](run)
+    half = tables(ids, offsets)
+    assert half.dtype == torch.float16 and torch.equal(half, full.half())
+    with pytest.raises(ValueError, match="table_output_fp16: the run's lookups are not float32"):
+        VARIANTS["table_output_fp16"](run)
+    undo()
+    assert tables(ids, offsets).dtype == torch.float32
+    with pytest.raises(ValueError, match="table_output_bf16: the run has no FBGEMM table module"):
+        VARIANTS["table_output_bf16"](SimpleNamespace(model=torch.nn.Linear(2, 2)))

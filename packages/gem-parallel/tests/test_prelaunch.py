@@ -1,7 +1,7 @@
 """Every degree constraint stops ``gem-train run --nproc N`` with exit 2 before torchrun starts a worker.
 
 ``gem-train run`` checks the run (:func:`gem_model.checks.check_run`) and only then replaces itself
-with torchrun (``os.execv``); here ``os.execv`` fails the test, so a problem found after the launch,
+with torchrun (``os.execve``); here ``os.execve`` fails the test, so a problem found after the launch,
 or none found at all, cannot pass.
 """
 
@@ -20,11 +20,11 @@ def no_launch(monkeypatch, tmp_path):
     monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
     launched: list[list[str]] = []
 
-    def execv(path, argv):
+    def execve(path, argv, env):
         launched.append(argv)
         raise AssertionError(f"torchrun was started: {argv}")
 
-    monkeypatch.setattr(os, "execv", execv)
+    monkeypatch.setattr(os, "execve", execve)
     yield [*testing.INLINE_OVERRIDES, "trainer.progress=false", f"trainer.output_dir={tmp_path}/{{name}}"]
     assert launched == []
 
@@ -62,3 +62,20 @@ def test_tensor_parallelism_needs_the_block_linears_unconverted(no_launch, capsy
     assert code == 2, err
     assert "parallel.planner.options.tp: tensor parallelism splits the HSTU blocks' uvqk and out" in err
     assert "blocks.0.uvqk (inline_bf16: _Bf16Linear)" in err and "precision.exclude" in err
+
+
+def test_bfloat16_lookups_on_the_cpu_exit_2_naming_the_option(no_launch, capsys):
+    """FBGEMM's CPU sequence lookup has no bfloat16 output: said before any process starts, for both
+    planners that shard tables with torchrec."""
+    for planner in (["parallel.planner=torchrec_ddp"], ["parallel.planner=fsdp", "parallel.planner.options.tables=sharded"]):
+        code, err = run(capsys, "--nproc", "2", *no_launch, "trainer.device=cpu", *planner,
+                        "parallel.planner.options.table_output_dtype=bfloat16")  # fmt: skip
+        assert code == 2, err
+        assert "parallel.planner.options.table_output_dtype: FBGEMM's CPU sequence lookup has no bfloat16 output" in err
+
+
+def test_lookup_dtype_with_replicated_tables_exits_2(no_launch, capsys):
+    code, err = run(capsys, "--nproc", "2", *no_launch, "parallel.planner=fsdp",
+                    "parallel.planner.options.table_output_dtype=float16")  # fmt: skip
+    assert code == 2, err
+    assert "parallel.planner.options.table_output_dtype: is the output dtype of torchrec's sharded lookups: it needs tables: sharded" in err

@@ -51,12 +51,20 @@ from gem_model.api import (
     PlannerContext,
     PrecisionPolicy,
     PreparedModel,
+    RunShape,
     ShardableModel,
     TablePlacement,
     dims_of,
 )
 from gem_parallel.context_parallel import apply_context_parallel
-from gem_parallel.sharded import ShardingTypeName, plan_tables, shard_tables
+from gem_parallel.sharded import (
+    ShardingTypeName,
+    TableOutputDtype,
+    plan_tables,
+    shard_tables,
+    table_output_dtype_field,
+    table_output_problems,
+)
 from gem_parallel.single import dense_modules, table_parameters
 from gem_parallel.sparse_groups import ReplicaSync, plan_for_group
 from gem_parallel.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -81,6 +89,7 @@ class FSDPConfig(ParallelDims, ComponentConfig):
         default_factory=lambda: ["table_wise", "row_wise", "column_wise"],
         description="with tables: sharded, the sharding types torchrec's planner may choose from",
     )
+    table_output_dtype: TableOutputDtype = table_output_dtype_field()
 
 
 def hsdp_order(dims: ParallelDims) -> bool:
@@ -95,6 +104,9 @@ def hsdp_order(dims: ParallelDims) -> bool:
 def fsdp_problems(config: FSDPConfig, where: str = _WHERE) -> list[tuple[str, object, str]]:
     """What ``fsdp``'s apply cannot do with these options, whatever the world size."""
     out: list[tuple[str, object, str]] = []
+    if config.table_output_dtype != "float32" and config.tables != "sharded":
+        out.append((f"{where}.table_output_dtype", config.table_output_dtype,
+                    "is the output dtype of torchrec's sharded lookups: it needs tables: sharded"))  # fmt: skip
     if config.tp > 1 and config.cp > 1:
         out.append((f"{where}.tp", config.tp, f"tp = {config.tp} and cp = {config.cp} together are not supported yet; use one of them"))
     order = list(config.mesh_order)
@@ -114,8 +126,13 @@ class FSDPPlanner(ParallelPlanner):
     Config = FSDPConfig
     config: FSDPConfig
 
+    _device: str | None = None  # the run's trainer.device, once bound (bind_run)
+
+    def bind_run(self, run: RunShape) -> None:
+        self._device = run.config.trainer.device
+
     def dims(self, world_size: int) -> ParallelDims:
-        problems = fsdp_problems(self.config)
+        problems = fsdp_problems(self.config) + table_output_problems(self.config.table_output_dtype, self._device)
         request = dims_of(self.config)
         if self.config.tables == "replicated":
             request = request.model_copy(update={"sparse": 1})  # every rank holds every table
@@ -144,6 +161,7 @@ class FSDPPlanner(ParallelPlanner):
             native, tables = plan_tables(
                 self.name, model, env=ctx.env, world_size=dims.sparse, group=_world(ctx.env), comm=ctx.comm,
                 sparse_optimizer=ctx.sparse_optimizer, sharding_types=self.config.sharding_types,
+                table_output=self.config.table_output_dtype,
             )  # fmt: skip
             notes = [
                 f"tables sharded by torchrec over all {layout.world_size} ranks" if dims.sparse == layout.world_size
@@ -197,6 +215,7 @@ class FSDPPlanner(ParallelPlanner):
             dmp, where = shard_tables(
                 model, native, env=env, group=layout.sparse_group or _world(env), degree=group_size,
                 comm=ctx.comm, sparse_optimizer=ctx.sparse_optimizer, data_parallel_wrapper=_NoDenseWrapper(),
+                table_output=self.config.table_output_dtype,
             )  # fmt: skip
             outer, sparse, tables_note = dmp, dmp.fused_optimizer, f"tables sharded over {group_size} ranks ({where})"
             if group_size < layout.world_size:

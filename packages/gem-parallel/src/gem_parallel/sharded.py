@@ -18,6 +18,7 @@ import warnings
 from typing import Any, ClassVar, Literal
 
 import torch
+from fbgemm_gpu.split_embedding_configs import SparseType
 from pydantic import Field
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
@@ -34,6 +35,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from gem_model.api import (
     CommStrategy,
     ComponentConfig,
+    ConfigError,
     DensePlacement,
     DistEnv,
     Layout,
@@ -42,6 +44,7 @@ from gem_model.api import (
     Plan,
     PlannerContext,
     PreparedModel,
+    RunShape,
     ShardableModel,
     SparseOptimizerSpec,
     TablePlacement,
@@ -51,6 +54,17 @@ from gem_parallel.single import dense_modules
 from gem_parallel.state import copy_full_into_shards
 
 ShardingTypeName = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+TableOutputDtype = Literal["float32", "bfloat16", "float16"]
+
+
+def table_output_dtype_field() -> Any:
+    """The option ``table_output_dtype`` of the planners that shard tables with torchrec."""
+    return Field(
+        "float32",
+        description="the dtype the sharded tables' lookups come out in (FBGEMM's output_dtype): bfloat16 or float16 "
+        "halve the bytes the lookups write, the embedding all-to-alls move and the table gradients carry back; the "
+        "tables and their optimizer state stay float32. bfloat16 needs CUDA (FBGEMM's CPU sequence lookup has none)",
+    )
 
 
 class TorchrecDDPConfig(ComponentConfig):
@@ -60,6 +74,7 @@ class TorchrecDDPConfig(ComponentConfig):
     )
     bucket_cap_mb: int = Field(25, gt=0, description="DDP gradient bucket size")
     static_graph: bool = Field(False, description="DDP static_graph (every parameter used every step)")
+    table_output_dtype: TableOutputDtype = table_output_dtype_field()
     cache_recat: bool | None = Field(
         None,
         description="make torchrec's input-distribution feature permutation once per shape instead of every "
@@ -97,8 +112,16 @@ class TorchrecDDPPlanner(ParallelPlanner):
     Config = TorchrecDDPConfig
     config: TorchrecDDPConfig
 
+    _device: str | None = None  # the run's trainer.device, once bound (bind_run)
+
+    def bind_run(self, run: RunShape) -> None:
+        self._device = run.config.trainer.device
+
     def dims(self, world_size: int) -> ParallelDims:
         """Every rank a data-parallel replica of the dense part; the tables sharded over all ranks."""
+        problems = table_output_problems(self.config.table_output_dtype, self._device)
+        if problems:
+            raise ConfigError(problems)
         return ParallelDims(dp_replicate=world_size, dp_shard=1, sparse=world_size)
 
     def layout(self, env: DistEnv) -> Layout:
@@ -110,6 +133,7 @@ class TorchrecDDPPlanner(ParallelPlanner):
         native, tables = plan_tables(
             self.name, model, env=ctx.env, world_size=layout.world_size, group=layout.group("dp_replicate"),
             comm=ctx.comm, sparse_optimizer=ctx.sparse_optimizer, sharding_types=self.config.sharding_types,
+            table_output=self.config.table_output_dtype,
         )  # fmt: skip
         dense = {name: DensePlacement("replicated", ["dp_replicate"], n) for name, n in dense_modules(model).items()}
         return Plan(self.name, layout.describe(), tables, dense, native=native)
@@ -126,6 +150,7 @@ class TorchrecDDPPlanner(ParallelPlanner):
         dmp, where = shard_tables(
             model, plan.native, env=env, group=layout.group("dp_replicate"), degree=layout.dp_degree, comm=ctx.comm,
             sparse_optimizer=ctx.sparse_optimizer, data_parallel_wrapper=_CommAwareDDP(ctx.comm, self.config),
+            table_output=self.config.table_output_dtype,
         )  # fmt: skip
         dense = list(in_backward_optimizer_filter(dmp.named_parameters()))
         _install_recat_cache(self.config.cache_recat)
@@ -160,6 +185,7 @@ def plan_tables(
     comm: CommStrategy,
     sparse_optimizer: SparseOptimizerSpec,
     sharding_types: list[str],
+    table_output: TableOutputDtype = "float32",
 ) -> tuple[ShardingPlan, dict[str, TablePlacement]]:
     """torchrec's plan of every table over the ``world_size`` ranks of ``group`` (rank 0 plans, every
     rank gets its plan; without a process group, planned here), checked that no table is dropped."""
@@ -168,6 +194,12 @@ def plan_tables(
             f"trainer.sparse_optimizer {sparse_optimizer.name!r}: FBGEMM's fused table update has no CPU kernel, "
             f"so parallel.planner {planner!r} cannot use it on the CPU; use rowwise_adagrad there or run on CUDA"
         )
+    if env.device.type == "cpu" and table_output == "bfloat16":
+        raise ConfigError(table_output_problems(table_output, "cpu"))
+    if table_output != "float32" and comm.embedding_qcomms() is not None:
+        raise ConfigError([("parallel.planner.options.table_output_dtype", table_output,
+                            f"comm.strategy {comm.name!r} quantizes the embedding all-to-alls, whose codecs take float32 "
+                            "lookups (FBGEMM's): keep float32 lookups with it, or a comm strategy without qcomms")])  # fmt: skip
     # torchrec's planner costs the fused optimizer's state, so the tables carry it before planning
     _fuse_table_optimizer(model, sparse_optimizer)
     constraints = {
@@ -179,7 +211,7 @@ def plan_tables(
         topology=Topology(world_size=world_size, compute_device=env.device.type, hbm_cap=hbm),
         constraints=constraints,
     )
-    sharders = _sharders(comm)
+    sharders = _sharders(comm, table_output)
     if env.distributed:
         native = planner_.collective_plan(model, sharders, group)  # type: ignore[arg-type]
     else:
@@ -206,6 +238,7 @@ def shard_tables(
     comm: CommStrategy,
     sparse_optimizer: SparseOptimizerSpec,
     data_parallel_wrapper: DataParallelWrapper,
+    table_output: TableOutputDtype = "float32",
 ) -> tuple[DistributedModelParallel, str]:
     """torchrec's DMP over ``group`` with the fused table optimizer, the shards filled from the
     unsharded tables (or drawn on the device for meta tables); ``degree``: the data-parallel ranks
@@ -221,18 +254,33 @@ def shard_tables(
         env=ShardingEnv.from_process_group(group),
         device=env.device,
         plan=native,
-        sharders=_sharders(comm),
+        sharders=_sharders(comm, table_output),
         data_parallel_wrapper=data_parallel_wrapper,
     )
     copied = 0 if on_meta else copy_full_into_shards(dmp, full)
     return dmp, "drawn on the device" if on_meta else f"{copied} copied from the host"
 
 
-def _sharders(comm: CommStrategy) -> list:
+_SPARSE_TYPES = {"float32": SparseType.FP32, "bfloat16": SparseType.BF16, "float16": SparseType.FP16}
+
+
+def table_output_problems(table_output: TableOutputDtype, device: str | None) -> list[tuple[str, object, str]]:
+    """``table_output_dtype`` against the run's ``trainer.device`` (None: not known yet)."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if table_output == "bfloat16" and on_cpu:
+        return [("parallel.planner.options.table_output_dtype", table_output,
+                 "FBGEMM's CPU sequence lookup has no bfloat16 output: use float16 or float32 on the CPU")]  # fmt: skip
+    return []
+
+
+def _sharders(comm: CommStrategy, table_output: TableOutputDtype = "float32") -> list:
+    """torchrec's sharders of both table kinds: the comm strategy's codecs for the all-to-alls, and the
+    lookups' output dtype (``fused_params``, which torchrec hands FBGEMM's table kernels)."""
     codecs = get_qcomm_codecs_registry(comm.embedding_qcomms()) if comm.embedding_qcomms() else None
+    fused = None if table_output == "float32" else {"output_dtype": _SPARSE_TYPES[table_output]}
     return [
-        EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs),
-        EmbeddingCollectionSharder(qcomm_codecs_registry=codecs),
+        EmbeddingBagCollectionSharder(fused_params=fused, qcomm_codecs_registry=codecs),
+        EmbeddingCollectionSharder(fused_params=fused, qcomm_codecs_registry=codecs),
     ]
 
 
