@@ -257,7 +257,12 @@ def _table_output(name: str, dtype: str) -> Switch:
 
         prepared = getattr(run, "prepared", None)  # torchrec's DMP holds the sharded tables
         root = prepared.module if prepared is not None else run.model  # type: ignore[attr-defined]
-        tables = [m for m in root.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+        # torchrec's sharded collections keep their lookups in a plain list (``_lookups``), not as submodules
+        found = {}
+        for m in root.modules():
+            for part in [m, *(x for x in getattr(m, "_lookups", None) or [] if isinstance(x, torch.nn.Module))]:
+                found.update({id(t): t for t in part.modules() if isinstance(t, SplitTableBatchedEmbeddingBagsCodegen)})
+        tables = list(found.values())
         if not tables:
             raise ValueError(f"{name}: the run has no FBGEMM table module (a planner that shards with torchrec builds them)")
         if any(m.output_dtype != SparseType.FP32.as_int() for m in tables):
