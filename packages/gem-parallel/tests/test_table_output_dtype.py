@@ -20,8 +20,15 @@ from gem_parallel.sharded import _sharders
 pytestmark = pytest.mark.multiprocess
 
 
-def test_float16_lookups_train_two_processes_close_to_the_float32_losses(reference_overrides, tmp_path):
-    args = [*reference_overrides, *RUN, "parallel.planner=torchrec_ddp", "parallel.planner.options.table_output_dtype=float16"]
+@pytest.mark.parametrize(
+    "planner",
+    [["parallel.planner=torchrec_ddp"], ["parallel.planner=fsdp", "parallel.planner.options.tables=sharded"]],
+    ids=["torchrec_ddp", "fsdp_sharded"],
+)
+def test_float16_lookups_train_two_processes_close_to_the_float32_losses(reference_overrides, tmp_path, planner):
+    """Against the float32 run's pins (``fsdp`` with sharded tables gives the same float32 losses up to
+    the last bits: the same tables, the same dense arithmetic)."""
+    args = [*reference_overrides, *RUN, *planner, "parallel.planner.options.table_output_dtype=float16"]
     got = [float.fromhex(x) for x in losses(args, tmp_path / "two", 2)]
     for family, pinned in PINNED["torchrec_ddp"].items():
         want = [float.fromhex(x) for x in pinned]
