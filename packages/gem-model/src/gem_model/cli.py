@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 
@@ -34,6 +35,7 @@ from gem_model.errors import (
     GemError,
     IncompatibleCheckpointError,
     NonFiniteError,
+    PeerError,
     RunInterrupted,
     UnknownNameError,
 )
@@ -232,6 +234,22 @@ def _leave_failed_rank(code: int) -> None:
         leave_rank(code)
 
 
+PEER_GRACE_S = 1.0
+"""How long a torchrun-launched rank whose peer died or stalled waits before it leaves."""
+
+
+def _let_torchrun_see_the_peer_first() -> None:
+    """torchrun names as the root cause the first failure it sees, polling its ranks every 0.1 s (its
+    default ``--monitor-interval``) and taking the ranks of one poll in order. A rank whose collective
+    failed because a peer died would, leaving at once, often be seen in the same poll as the dead peer
+    and named in its place; it leaves ``PEER_GRACE_S`` later (where torchrun stops it first: SIGTERM,
+    its error already printed)."""
+    from gem_model.distributed import launched_by_torchrun
+
+    if launched_by_torchrun():
+        time.sleep(PEER_GRACE_S)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     handlers = {"run": cmd_run, "plugins": cmd_plugins, "plan": cmd_plan, "config": cmd_config, "profile": None}
     try:
@@ -252,6 +270,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     except RunInterrupted as exc:
         print(f"gem-train: {exc}", file=sys.stderr)
         return 128 + exc.signum
+    except PeerError as exc:
+        code = _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
+        if args.command == "run":
+            _let_torchrun_see_the_peer_first()
+        return code
     except GemError as exc:
         return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
     except TorchrecImportError as exc:
