@@ -135,27 +135,32 @@ def sequence_tbes(run: object) -> list[torch.nn.Module]:
             if hasattr(m, "output_dtype") and hasattr(m, "weights_dev")]  # fmt: skip
 
 
-def switch_bf16_lookup(run: object) -> Callable[[], None]:
-    """FBGEMM's sequence lookup writes bf16 instead of float32 (its ``output_dtype``, flipped on the live TBE
-    modules; the run builds them with float32). Measures what ``benchmarks/results/table_lookup.md``
-    leaves open: the lookup's bf16 output, and the model's casts and float32 adds after it. GPU only:
-    FBGEMM's CPU nobag kernel has no bf16 output."""
-    from fbgemm_gpu.split_embedding_configs import SparseType
+def _lookup_dtype(name: str, dtype: str) -> Switch:
+    """FBGEMM's sequence lookup writes ``dtype`` instead of float32 (its ``output_dtype``, flipped on the live
+    TBE modules; what ``parallel.planner.options.table_output_dtype`` builds). Measures what
+    ``benchmarks/results/table_lookup.md`` leaves open: the lookup's 16-bit output, and the model's casts and
+    float32 adds after it. ``bfloat16`` on a GPU only: FBGEMM's CPU nobag kernel has none (``float16`` runs
+    there, for the tests)."""
 
-    tbes = sequence_tbes(run)
-    if not tbes:
-        raise SystemExit("--variants bf16_lookup: the run has no FBGEMM table modules (a torchrec planner shards them)")
-    if run.env.device.type != "cuda":  # type: ignore[attr-defined]
-        raise SystemExit("--variants bf16_lookup: FBGEMM writes bf16 lookups on a GPU only")
-    before = [m.output_dtype for m in tbes]
-    for m in tbes:
-        m.output_dtype = SparseType.BF16.as_int()
+    def apply(run: object) -> Callable[[], None]:
+        from fbgemm_gpu.split_embedding_configs import SparseType
 
-    def undo() -> None:
-        for m, dtype in zip(tbes, before):
-            m.output_dtype = dtype
+        tbes = sequence_tbes(run)
+        if not tbes:
+            raise SystemExit(f"--variants {name}: the run has no FBGEMM table modules (a torchrec planner shards them)")
+        if dtype == "bfloat16" and run.env.device.type != "cuda":  # type: ignore[attr-defined]
+            raise SystemExit(f"--variants {name}: FBGEMM writes bf16 lookups on a GPU only")
+        before = [m.output_dtype for m in tbes]
+        for m in tbes:
+            m.output_dtype = (SparseType.BF16 if dtype == "bfloat16" else SparseType.FP16).as_int()
 
-    return undo
+        def undo() -> None:
+            for m, was in zip(tbes, before, strict=True):
+                m.output_dtype = was
+
+        return undo
+
+    return apply
 
 
 def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
@@ -244,42 +249,6 @@ def switch_ddp_no_sync(run: object) -> Callable[[], None]:
     return undo
 
 
-def _table_output(name: str, dtype: str) -> Switch:
-    """The sharded tables' lookups in ``dtype`` (``bfloat16``, ``float16``), as
-    ``parallel.planner.options.table_output_dtype`` builds them: FBGEMM's table modules of the live run
-    switched (their ``output_dtype``, which every forward hands its lookup kernel; torchrec's
-    all-to-alls take the dtype they are given). Refused where the run has no FBGEMM table module or
-    one whose lookups are not float32 already (the A rows would not be float32 lookups)."""
-
-    def apply(run: object) -> Callable[[], None]:
-        from fbgemm_gpu.split_embedding_configs import SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-
-        prepared = getattr(run, "prepared", None)  # torchrec's DMP holds the sharded tables
-        root = prepared.module if prepared is not None else run.model  # type: ignore[attr-defined]
-        # torchrec's sharded collections keep their lookups in a plain list (``_lookups``), not as submodules
-        found = {}
-        for m in root.modules():
-            for part in [m, *(x for x in getattr(m, "_lookups", None) or [] if isinstance(x, torch.nn.Module))]:
-                found.update({id(t): t for t in part.modules() if isinstance(t, SplitTableBatchedEmbeddingBagsCodegen)})
-        tables = list(found.values())
-        if not tables:
-            raise ValueError(f"{name}: the run has no FBGEMM table module (a planner that shards with torchrec builds them)")
-        if any(m.output_dtype != SparseType.FP32.as_int() for m in tables):
-            raise ValueError(f"{name}: the run's lookups are not float32 (parallel.planner.options.table_output_dtype)")
-        wanted = {"bfloat16": SparseType.BF16, "float16": SparseType.FP16}[dtype].as_int()
-        for m in tables:
-            m.output_dtype = wanted
-
-        def undo() -> None:
-            for m in tables:
-                m.output_dtype = SparseType.FP32.as_int()
-
-        return undo
-
-    return apply
-
-
 def switch_recat_cache(run: object) -> Callable[[], None]:
     """torchrec's input-distribution feature permutation made once per shape
     (``gem_parallel.recat_cache``, what ``parallel.planner.options.cache_recat`` installs): two host syncs
@@ -346,7 +315,8 @@ VARIANTS: dict[str, Switch] = {
     # the even bags' per-key counts by a pageable copy (before b184563) instead of gem_model.host_copy's
     "pageable_bags": patched("gem_model.model.lookup_bags", "to_device_async", lambda host, device: host.to(device)),
     "whole_bags": switch_whole_bags,
-    "bf16_lookup": switch_bf16_lookup,
+    "bf16_lookup": _lookup_dtype("bf16_lookup", "bfloat16"),
+    "fp16_lookup": _lookup_dtype("fp16_lookup", "float16"),  # the same on the CPU (FBGEMM has no bf16 there)
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),
     "loss_buckets_2": _loss_plan(growth=2.0, small=128, chunk_elements=1 << 27),
     # the next-item loss by gem-model's torch kernel instead of the configured one (triton on the H200)
@@ -391,10 +361,6 @@ VARIANTS: dict[str, Switch] = {
     "recat_cache": switch_recat_cache,
     # the same runs without it (the default since 2026-12-05 18:22 UTC: parallel.planner.options.cache_recat)
     "no_recat_cache": switch_no_recat_cache,
-    # the sharded tables' lookups in bf16 (parallel.planner.options.table_output_dtype=bfloat16): half the
-    # bytes the lookups write and their gradients carry, no cast of the sequence input; fp16 for the CPU
-    "table_output_bf16": _table_output("table_output_bf16", "bfloat16"),
-    "table_output_fp16": _table_output("table_output_fp16", "float16"),
     # the loss read inside backward at the tables' gate (no host sync between forward and backward)
     "loss_at_tables": _loss_read(at_tables=True),
     # the loss read by the host between forward and backward (the default until 2026-12-05)

@@ -271,48 +271,14 @@ def test_the_loss_check_switches_move_the_read_and_refuse_what_cannot_run(monkey
         assert step.in_backward is True
 
 
-def test_the_table_output_switch_turns_fbgemms_lookups_to_the_dtype_and_undoes(monkeypatch):
-    """On a real FBGEMM table module (CPU: float16; FBGEMM's CPU sequence lookup has no bfloat16): the
-    lookups come out in float16, equal to the float32 lookups rounded, and float32 again after undo; a
-    run without FBGEMM tables, or whose lookups are not float32, is refused."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from types import SimpleNamespace
+def test_the_lookup_dtype_switch_finds_torchrecs_sharded_tables_in_a_live_run(tmp_path, monkeypatch, capsys):
+    """Through a real ``torchrec_ddp`` run (this process as a one-rank torchrun launch, gloo): ``fp16_lookup``
+    (``bf16_lookup``'s CPU twin) reaches FBGEMM's modules inside torchrec's sharded collection (kept in a
+    plain list, not as submodules), or e2e_ab stops with its refusal; every variant trains every batch to
+    a finite loss; a run without FBGEMM tables is refused."""
+    import socket
 
     import torch
-    from ab_switches import VARIANTS
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    tables = SplitTableBatchedEmbeddingBagsCodegen(
-        [(50, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        pooling_mode=PoolingMode.NONE,
-    )  # fmt: skip
-    with torch.no_grad():
-        for w in tables.split_embedding_weights():
-            w.copy_(torch.randn_like(w))  # fresh values, not the module's zeros
-    run = SimpleNamespace(model=torch.nn.Sequential(tables))
-    ids, offsets = torch.tensor([3, 7, 7, 41, 0]), torch.tensor([0, 2, 5])
-    full = tables(ids, offsets)
-    undo = VARIANTS["table_output_fp16"](run)
-    half = tables(ids, offsets)
-    assert half.dtype == torch.float16 and torch.equal(half, full.half())
-    with pytest.raises(ValueError, match="table_output_fp16: the run's lookups are not float32"):
-        VARIANTS["table_output_fp16"](run)
-    undo()
-    assert tables(ids, offsets).dtype == torch.float32
-    with pytest.raises(ValueError, match="table_output_bf16: the run has no FBGEMM table module"):
-        VARIANTS["table_output_bf16"](SimpleNamespace(model=torch.nn.Linear(2, 2)))
-
-
-def test_the_table_output_switch_finds_torchrecs_sharded_tables_in_a_live_run(tmp_path, monkeypatch, capsys):
-    """Through a real ``torchrec_ddp`` run (this process as a one-rank torchrun launch, gloo): the switch
-    reaches FBGEMM's modules inside torchrec's sharded collections (kept in a plain list, not as
-    submodules), or e2e_ab stops with its refusal; every variant trains every batch to a finite loss."""
-    import socket
 
     monkeypatch.setenv("GEM_PLUGINS", PLUGINS)
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -327,10 +293,18 @@ def test_the_table_output_switch_finds_torchrecs_sharded_tables_in_a_live_run(tm
     out = tmp_path / "ab.json"
     monkeypatch.setattr(sys, "argv", [
         "e2e_ab.py", "--worker", "--config", str(ROOT / "configs" / "tiny.yaml"), "--device", "cpu",
-        "--warmup", "1", "--steps", "2", "--variants", "A=base,F=table_output_fp16",
+        "--warmup", "1", "--steps", "2", "--variants", "A=base,F=fp16_lookup",
         "--set", "parallel.planner=torchrec_ddp", "--set", f"trainer.output_dir={tmp_path / 'run'}", "--out", str(out),
     ])  # fmt: skip
     assert e2e_ab.main() == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"A", "F"} and all(len(r["losses"]) == 2 for r in rows.values())
     assert all(math.isfinite(x) for r in rows.values() for x in r["losses"])
+
+    from types import SimpleNamespace
+
+    from ab_switches import VARIANTS
+
+    no_tables = SimpleNamespace(model=SimpleNamespace(sparse=SimpleNamespace(ec=torch.nn.Linear(2, 2))))
+    with pytest.raises(SystemExit, match="fp16_lookup: the run has no FBGEMM table modules"):
+        VARIANTS["fp16_lookup"](no_tables)

@@ -272,8 +272,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 128 + exc.signum
     except PeerError as exc:
         code = _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
-        if args.command == "run":
-            _let_torchrun_see_the_peer_first()
+        _let_torchrun_see_the_peer_first()
         return code
     except GemError as exc:
         return _fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
