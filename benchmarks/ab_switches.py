@@ -136,7 +136,7 @@ def sequence_tbes(run: object) -> list[torch.nn.Module]:
 
 
 def _lookup_dtype(name: str, dtype: str) -> Switch:
-    """FBGEMM's sequence lookup writes ``dtype`` instead of float32 (its ``output_dtype``, flipped on the live
+    """FBGEMM's sequence lookup writes ``dtype`` (its ``output_dtype``, flipped on the live
     TBE modules; what ``parallel.planner.options.table_output_dtype`` builds). Measures what
     ``benchmarks/results/table_lookup.md`` leaves open: the lookup's 16-bit output, and the model's casts and
     float32 adds after it. ``bfloat16`` on a GPU only: FBGEMM's CPU nobag kernel has none (``float16`` runs
@@ -151,8 +151,9 @@ def _lookup_dtype(name: str, dtype: str) -> Switch:
         if dtype == "bfloat16" and run.env.device.type != "cuda":  # type: ignore[attr-defined]
             raise SystemExit(f"--variants {name}: FBGEMM writes bf16 lookups on a GPU only")
         before = [m.output_dtype for m in tbes]
+        sparse_type = {"bfloat16": SparseType.BF16, "float16": SparseType.FP16, "float32": SparseType.FP32}[dtype]
         for m in tbes:
-            m.output_dtype = (SparseType.BF16 if dtype == "bfloat16" else SparseType.FP16).as_int()
+            m.output_dtype = sparse_type.as_int()
 
         def undo() -> None:
             for m, was in zip(tbes, before, strict=True):
@@ -317,6 +318,8 @@ VARIANTS: dict[str, Switch] = {
     "whole_bags": switch_whole_bags,
     "bf16_lookup": _lookup_dtype("bf16_lookup", "bfloat16"),
     "fp16_lookup": _lookup_dtype("fp16_lookup", "float16"),  # the same on the CPU (FBGEMM has no bf16 there)
+    # float32 lookups, as configs/h200-large.yaml ran until 2026-12-05 (table_output_dtype: bfloat16 since)
+    "f32_lookup": _lookup_dtype("f32_lookup", "float32"),
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),
     "loss_buckets_2": _loss_plan(growth=2.0, small=128, chunk_elements=1 << 27),
     # the next-item loss by gem-model's torch kernel instead of the configured one (triton on the H200)

@@ -273,7 +273,7 @@ def test_the_loss_check_switches_move_the_read_and_refuse_what_cannot_run(monkey
 
 def test_the_lookup_dtype_switch_finds_torchrecs_sharded_tables_in_a_live_run(tmp_path, monkeypatch, capsys):
     """Through a real ``torchrec_ddp`` run (this process as a one-rank torchrun launch, gloo): ``fp16_lookup``
-    (``bf16_lookup``'s CPU twin) reaches FBGEMM's modules inside torchrec's sharded collection (kept in a
+    (``bf16_lookup``'s CPU twin) and ``f32_lookup`` reach FBGEMM's modules inside torchrec's sharded collection (kept in a
     plain list, not as submodules), or e2e_ab stops with its refusal; every variant trains every batch to
     a finite loss; a run without FBGEMM tables is refused."""
     import socket
@@ -293,12 +293,12 @@ def test_the_lookup_dtype_switch_finds_torchrecs_sharded_tables_in_a_live_run(tm
     out = tmp_path / "ab.json"
     monkeypatch.setattr(sys, "argv", [
         "e2e_ab.py", "--worker", "--config", str(ROOT / "configs" / "tiny.yaml"), "--device", "cpu",
-        "--warmup", "1", "--steps", "2", "--variants", "A=base,F=fp16_lookup",
+        "--warmup", "1", "--steps", "2", "--variants", "A=base,F=fp16_lookup,G=f32_lookup",
         "--set", "parallel.planner=torchrec_ddp", "--set", f"trainer.output_dir={tmp_path / 'run'}", "--out", str(out),
     ])  # fmt: skip
     assert e2e_ab.main() == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"A", "F"} and all(len(r["losses"]) == 2 for r in rows.values())
+    assert set(rows) == {"A", "F", "G"} and all(len(r["losses"]) == 2 for r in rows.values())
     assert all(math.isfinite(x) for r in rows.values() for x in r["losses"])
 
     from types import SimpleNamespace
@@ -308,3 +308,4 @@ def test_the_lookup_dtype_switch_finds_torchrecs_sharded_tables_in_a_live_run(tm
     no_tables = SimpleNamespace(model=SimpleNamespace(sparse=SimpleNamespace(ec=torch.nn.Linear(2, 2))))
     with pytest.raises(SystemExit, match="fp16_lookup: the run has no FBGEMM table modules"):
         VARIANTS["fp16_lookup"](no_tables)
+
