@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from gem_model.cli import build_parser, main
-from gem_model.launch import NODE_RANK_ENV, node_notice, torchrun_argv, torchrun_env
+from gem_model.launch import (
+    CUDA_ALLOCATOR,
+    NODE_RANK_ENV,
+    node_notice,
+    set_cuda_allocator,
+    torchrun_argv,
+    torchrun_env,
+)
 
 
 def run_args(*argv: str):
@@ -65,3 +73,38 @@ def test_the_world_of_all_nodes_must_fit_the_planner(capsys, monkeypatch, tiny_o
     monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
     assert main(["run", "--nnodes", "2", "--rdzv-endpoint", "h:1", *tiny_overrides]) == 2
     assert "drives at most 1 process(es) but 2 were asked for" in capsys.readouterr().err
+
+
+def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it():
+    env: dict[str, str] = {}
+    set_cuda_allocator(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": CUDA_ALLOCATOR} and CUDA_ALLOCATOR == "expandable_segments:True"
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the old name and torch's newer one
+        mine = {name: "garbage_collection_threshold:0.8"}
+        set_cuda_allocator(mine)
+        assert mine == {name: "garbage_collection_threshold:0.8"}
+
+
+@pytest.mark.parametrize("user_value", [None, "max_split_size_mb:512"])
+def test_gem_train_hands_torchrun_the_allocator_setting(monkeypatch, tiny_overrides, user_value):
+    """``gem-train run --nproc 2`` starts torchrun (``os.execve``, caught here) with the allocator setting in
+    its environment, or with the user's own untouched."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "placeholder")  # so that the test's changes are undone
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if user_value is not None:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_value)
+    started: list[dict[str, str]] = []
+
+    class Started(Exception):
+        pass
+
+    def execve(path, argv, env):
+        started.append(env)
+        raise Started
+
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
+    with pytest.raises(Started):
+        main(["run", "--nproc", "2", *tiny_overrides, "parallel.planner=inline_replicated"])
+    assert started[0]["PYTORCH_CUDA_ALLOC_CONF"] == (user_value or CUDA_ALLOCATOR)

@@ -115,6 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gem_model.plugins import GemPluginManager
     from gem_model.train import resume
 
+    launch.set_cuda_allocator()  # before the checks (which may start CUDA); torchrun's processes inherit it
     pm = GemPluginManager()
     launched = launched_by_torchrun()
     if launched:

@@ -75,6 +75,22 @@ def torchrun_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+CUDA_ALLOCATOR = "expandable_segments:True"
+"""What ``gem-train run`` gives PyTorch's CUDA caching allocator when neither ``PYTORCH_CUDA_ALLOC_CONF`` nor
+``PYTORCH_ALLOC_CONF`` is set: segments that grow in place, so that the memory of one step's jagged batch
+is reused by the next one's differently sized tensors instead of being split into blocks that no later
+request fits. On the H100 (80 GB, 2026-12-05), two 300-step runs of ``configs/h200-large.yaml`` with
+float32 lookups stopped out of memory with 9.6 GiB reserved but unallocated; with this, three such
+runs finished, at the same steady step time (206.5 against 206.7 ms; ``benchmarks/results/e2e_ab.md``)."""
+
+
+def set_cuda_allocator(env: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """:data:`CUDA_ALLOCATOR` into ``env``, unless the user configured the allocator there. Called before
+    anything touches CUDA (the allocator reads its settings once, when it starts)."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in env and "PYTORCH_ALLOC_CONF" not in env:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOCATOR
+
+
 NODE_RANK_ENV = "GEM_NODE_RANK"
 """The ``--node-rank`` a node was started with, for :func:`node_notice` (torchrun does not use it)."""
 
