@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,30 @@ def _no_installed_plugins(monkeypatch):
     monkeypatch.delenv("GEM_PLUGINS", raising=False)
 
 INLINE = list(testing.INLINE_COMPONENTS)
+
+
+class TorchrunStarted(Exception):
+    """What :func:`torchrun_start`'s ``os.execve`` raises in place of replacing the process with torchrun."""
+
+
+@dataclass
+class TorchrunStarts:
+    started: type[Exception] = TorchrunStarted
+    calls: list[tuple[list[str], dict[str, str]]] = field(default_factory=list)
+
+
+@pytest.fixture
+def torchrun_start(monkeypatch) -> TorchrunStarts:
+    """``os.execve`` (how ``gem-train run`` starts torchrun) records its ``(argv, env)`` and raises
+    ``.started``: a test sees what torchrun would have been given, and nothing is started."""
+    starts = TorchrunStarts()
+
+    def execve(path, argv, env):
+        starts.calls.append((argv, env))
+        raise starts.started
+
+    monkeypatch.setattr(os, "execve", execve)
+    return starts
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -86,25 +85,16 @@ def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it():
 
 
 @pytest.mark.parametrize("user_value", [None, "max_split_size_mb:512"])
-def test_gem_train_hands_torchrun_the_allocator_setting(monkeypatch, tiny_overrides, user_value):
-    """``gem-train run --nproc 2`` starts torchrun (``os.execve``, caught here) with the allocator setting in
-    its environment, or with the user's own untouched."""
+def test_gem_train_hands_torchrun_the_allocator_setting(monkeypatch, tiny_overrides, torchrun_start, user_value):
+    """``gem-train run --nproc 2`` starts torchrun with the allocator setting in its environment, or with the
+    user's own untouched."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "placeholder")  # so that the test's changes are undone
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     if user_value is not None:
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_value)
-    started: list[dict[str, str]] = []
-
-    class Started(Exception):
-        pass
-
-    def execve(path, argv, env):
-        started.append(env)
-        raise Started
-
-    monkeypatch.setattr(os, "execve", execve)
     monkeypatch.setenv("GEM_PLUGINS", "gem_model.testing")
-    with pytest.raises(Started):
+    with pytest.raises(torchrun_start.started):
         main(["run", "--nproc", "2", *tiny_overrides, "parallel.planner=inline_replicated"])
-    assert started[0]["PYTORCH_CUDA_ALLOC_CONF"] == (user_value or CUDA_ALLOCATOR)
+    ((_, env),) = torchrun_start.calls
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == (user_value or CUDA_ALLOCATOR)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import ClassVar
 
@@ -48,22 +47,13 @@ def test_a_planner_that_needs_a_process_group_in_a_plain_process_says_what_to_ru
     assert not (tmp_path / "gem-tiny").exists()
 
 
-def test_gem_train_run_starts_torchrun_for_such_a_planner_at_one_process(monkeypatch, capsys, tiny_overrides):
-    started: list[list[str]] = []
-
-    class Started(Exception):
-        pass
-
-    def execve(path, argv, env):
-        started.append(argv)
-        raise Started
-
-    monkeypatch.setattr(os, "execve", execve)
+def test_gem_train_run_starts_torchrun_for_such_a_planner_at_one_process(monkeypatch, capsys, tiny_overrides,
+                                                                         torchrun_start):  # fmt: skip
     monkeypatch.setattr("gem_model.plugins.GemPluginManager._load_env_plugins",
                         lambda self: [self.register(m) for m in (testing, GroupedPlugin())])  # fmt: skip
-    with pytest.raises(Started):
+    with pytest.raises(torchrun_start.started):
         main(["run", *tiny_overrides, "parallel.planner=inline_grouped"])
-    (argv,) = started
+    ((argv, _),) = torchrun_start.calls
     assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"] and "--nproc-per-node=1" in argv
     assert "needs a process group: starting torchrun with one process" in capsys.readouterr().err
 
