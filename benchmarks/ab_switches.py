@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from ab_patch import Switch, all_of, patched  # beside this script
 from ab_switches_precision import PRECISION_VARIANTS  # beside this script
+from torch.nn.attention import SDPBackend
 
 
 def _blocks(run: object) -> list[torch.nn.Module]:
@@ -370,5 +371,8 @@ VARIANTS: dict[str, Switch] = {
     "loss_before_backward": _loss_read(at_tables=False),
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
+    # the token mixers' attention on flash, memory-efficient or math SDPA, not torch's choice (cuDNN on Hopper)
+    "mixer_no_cudnn": patched("gem_model.model.hstu", "MIXER_SDPA_BACKENDS", [
+        SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
     **PRECISION_VARIANTS,
 }

@@ -309,3 +309,16 @@ def test_the_lookup_dtype_switch_finds_torchrecs_sharded_tables_in_a_live_run(tm
     with pytest.raises(SystemExit, match="fp16_lookup: the run has no FBGEMM table modules"):
         VARIANTS["fp16_lookup"](no_tables)
 
+
+def test_the_mixer_backend_switch_keeps_cudnn_out_and_undoes(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+    from torch.nn.attention import SDPBackend
+
+    from gem_model.model import hstu
+
+    assert hstu.MIXER_SDPA_BACKENDS is None  # torch's choice, as shipped
+    undo = VARIANTS["mixer_no_cudnn"](None)
+    assert hstu.MIXER_SDPA_BACKENDS and SDPBackend.CUDNN_ATTENTION not in hstu.MIXER_SDPA_BACKENDS
+    undo()
+    assert hstu.MIXER_SDPA_BACKENDS is None

@@ -21,11 +21,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gem_model.components import AttentionExtras, JaggedAttentionKernel, NormGateKernel
 
 GATE_EPS = 1e-6
 """The ``eps`` of the norm-gate's layer norm."""
+MIXER_SDPA_BACKENDS: list[SDPBackend] | None = None
+"""The SDPA backends :class:`TokenMixer` may use; None: torch's own choice. Over the mixers' few tokens (5
+and 7 in ``configs/h200-large.yaml``, 384 samples, 8 heads of 128) torch picks cuDNN on Hopper, and the
+profiles of 2026-12-05 show its backward (a ``cutlass_75``/``cutlass_80`` GEMM, ``compute_dot_do_o``,
+``convert_dq_to_16bits``) at 1.44 ms a step on the H100 and 0.67 ms on the H200, for a few MFLOP. The e2e
+switch ``mixer_no_cudnn`` runs the mixers on flash, memory-efficient or math instead, and
+``benchmarks/mixer_attention.py`` times each backend alone; neither has run on a GPU yet, so the default
+is unchanged."""
 
 
 class HSTUBlock(nn.Module):
@@ -159,6 +168,14 @@ class TokenMixer(nn.Module):
         b, t, d = x.shape
         qkv = self.qkv(self.norm1(x)).reshape(b, t, 3, self.num_heads, d // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        a = _mixer_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
         x = x + self.dropout(self.proj(a)).to(x.dtype)
         return x + self.dropout(self.fc2(F.gelu(self.fc1(self.norm2(x))))).to(x.dtype)
+
+
+def _mixer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA over the mixer's tokens, on :data:`MIXER_SDPA_BACKENDS` (the backward runs on the forward's)."""
+    if MIXER_SDPA_BACKENDS is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    with sdpa_kernel(MIXER_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v)
