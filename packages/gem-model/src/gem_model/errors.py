@@ -88,3 +88,9 @@ class PeerError(GemError):
     """A collective failed because a peer died or stalled past ``trainer.collective_timeout_s``, or
     the ranks disagree on the data before the first step: names the collective (or the data) and
     the rank. ``gem-train`` exits 1; torchrun then stops every other rank."""
+
+
+class DeviceOutOfMemoryError(GemError):
+    """A step needed more device memory than the GPU had: names the step, torch's account of the memory,
+    the last checkpoint and the settings that lower the peak (:mod:`gem_model.train.out_of_memory`).
+    ``gem-train`` exits 1."""

@@ -254,11 +254,14 @@ class GemPluginManager:
     # ------------------------------------------------------------------------------- calling hooks
 
     def call(self, hook_name: str, **kwargs: Any) -> Any:
-        """Call a lifecycle hook; an exception from a plugin becomes a :class:`PluginError`."""
+        """Call a lifecycle hook; an exception from a plugin becomes a :class:`PluginError`, except a device
+        out of memory: the plugin that asked last is rarely the one that holds the memory."""
         hook = getattr(self.pm.hook, hook_name)
         try:
             return hook(**kwargs)
         except Exception as exc:
+            if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+                raise
             culprit = self._culprit(hook_name, exc.__traceback__)
             if culprit is None:
                 raise

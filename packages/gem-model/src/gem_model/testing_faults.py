@@ -1,7 +1,7 @@
 """Faults and probes for the reliability tests (registered through :mod:`gem_model.testing`).
 
-- ``inline_fault`` (callback): a dead (SIGKILL, or ``os._exit``) or stalled peer in a chosen step
-  on a chosen rank;
+- ``inline_fault`` (callback): a dead (SIGKILL, or ``os._exit``) or stalled peer, or a device out of
+  memory, in a chosen step on a chosen rank;
 - ``inline_nan_forward`` (callback): a NaN loss on one rank only, in chosen steps (its peers' are finite);
 - ``inline_digests`` (callback): every rank's SHA-256 of each tensor of the model state after every step
   (``on_raise``: also after a step that raised);
@@ -31,11 +31,20 @@ from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
 from gem_model.lifecycle import Callback
 from gem_model.markers import hookimpl
 
+OOM_MESSAGE = (
+    "CUDA out of memory. Tried to allocate 1.86 GiB. GPU 0 has a total capacity of 79.18 GiB of which 1.64 GiB "
+    "is free. Including non-PyTorch memory, this process has 77.53 GiB memory in use. Of the allocated memory "
+    "66.67 GiB is allocated by PyTorch, and 9.57 GiB is reserved by PyTorch but unallocated. If reserved but "
+    "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management"
+)
+"""torch's words for the out-of-memory error of a 300-step run on the H100 (2026-12-05)."""
+
 
 class FaultConfig(ComponentConfig):
     rank: int = 1
     at_step: int = Field(5, ge=1, description="counted as the metrics count, from 1")
-    fault: Literal["kill", "exit", "stall"] = "kill"
+    fault: Literal["kill", "exit", "stall", "oom"] = "kill"
     every_attempt: bool = Field(False, description="False: only in torchrun's first attempt (no restart yet)")
 
 
@@ -43,7 +52,8 @@ class Fault(Callback):
     """A peer's fault in step ``at_step`` on ``rank``, before the step's collective: ``kill`` sends
     the process SIGKILL (a dead peer), ``exit`` leaves it with ``os._exit(1)`` (a peer that dies
     without unwinding: no exception handler, no process-group teardown), ``stall`` sleeps for good
-    (a peer that hangs)."""
+    (a peer that hangs), ``oom`` raises the ``torch.OutOfMemoryError`` a CUDA allocation raises (worded as
+    torch words it)."""
 
     name: ClassVar[str] = "inline_fault"
     Config = FaultConfig
@@ -66,6 +76,8 @@ class Fault(Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.config.fault == "exit":
                 os._exit(1)
+            if self.config.fault == "oom":
+                raise torch.OutOfMemoryError(OOM_MESSAGE)
             while True:
                 time.sleep(3600)
         return (yield)

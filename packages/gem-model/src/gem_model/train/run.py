@@ -38,6 +38,7 @@ from gem_model.train.finite import first_non_finite
 from gem_model.train.loss_check import TableGate
 from gem_model.train.metrics import MetricsFile, Throughput, peak_flops
 from gem_model.train.optim import sparse_optimizer_spec
+from gem_model.train.out_of_memory import out_of_memory_error
 from gem_model.train.prepare import initial_model, prepare_model
 from gem_model.train.progress import Progress, live_progress
 from gem_model.train.report import format_sections, run_summary, step_record, summary_printed
@@ -313,7 +314,10 @@ class Run:
         try:
             for step in range(self.start_step, tc.steps):
                 self.context.step = step
-                result: StepResult = self.pm.call("gem_train_step", run=self.context, step=step)
+                try:
+                    result: StepResult = self.pm.call("gem_train_step", run=self.context, step=step)
+                except torch.OutOfMemoryError as exc:
+                    raise out_of_memory_error(self.config, self.pm, step, exc, self.last_checkpoint) from exc
                 collector.after_step(step)
                 meter.add(result.seconds, result.samples, result.tokens, result.flops)
                 if result.skipped:
