@@ -144,7 +144,7 @@ def _lookup_dtype(name: str, dtype: str) -> Switch:
     there, for the tests)."""
 
     def apply(run: object) -> Callable[[], None]:
-        from fbgemm_gpu.split_embedding_configs import SparseType
+        from gem_parallel.sharded import SPARSE_TYPES
 
         tbes = sequence_tbes(run)
         if not tbes:
@@ -152,9 +152,8 @@ def _lookup_dtype(name: str, dtype: str) -> Switch:
         if dtype == "bfloat16" and run.env.device.type != "cuda":  # type: ignore[attr-defined]
             raise SystemExit(f"--variants {name}: FBGEMM writes bf16 lookups on a GPU only")
         before = [m.output_dtype for m in tbes]
-        sparse_type = {"bfloat16": SparseType.BF16, "float16": SparseType.FP16, "float32": SparseType.FP32}[dtype]
         for m in tbes:
-            m.output_dtype = sparse_type.as_int()
+            m.output_dtype = SPARSE_TYPES[dtype].as_int()
 
         def undo() -> None:
             for m, was in zip(tbes, before, strict=True):

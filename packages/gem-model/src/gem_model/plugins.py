@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -260,7 +261,8 @@ class GemPluginManager:
         try:
             return hook(**kwargs)
         except Exception as exc:
-            if type(exc).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            torch = sys.modules.get("torch")  # imported by whatever allocated; not imported here for it
+            if torch is not None and isinstance(exc, torch.OutOfMemoryError):
                 raise
             culprit = self._culprit(hook_name, exc.__traceback__)
             if culprit is None:

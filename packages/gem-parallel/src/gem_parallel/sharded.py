@@ -261,7 +261,8 @@ def shard_tables(
     return dmp, "drawn on the device" if on_meta else f"{copied} copied from the host"
 
 
-_SPARSE_TYPES = {"float32": SparseType.FP32, "bfloat16": SparseType.BF16, "float16": SparseType.FP16}
+SPARSE_TYPES = {"float32": SparseType.FP32, "bfloat16": SparseType.BF16, "float16": SparseType.FP16}
+"""FBGEMM's name of each ``table_output_dtype``."""
 
 
 def table_output_problems(table_output: TableOutputDtype, device: str | None) -> list[tuple[str, object, str]]:
@@ -277,7 +278,7 @@ def _sharders(comm: CommStrategy, table_output: TableOutputDtype = "float32") ->
     """torchrec's sharders of both table kinds: the comm strategy's codecs for the all-to-alls, and the
     lookups' output dtype (``fused_params``, which torchrec hands FBGEMM's table kernels)."""
     codecs = get_qcomm_codecs_registry(comm.embedding_qcomms()) if comm.embedding_qcomms() else None
-    fused = None if table_output == "float32" else {"output_dtype": _SPARSE_TYPES[table_output]}
+    fused = None if table_output == "float32" else {"output_dtype": SPARSE_TYPES[table_output]}
     return [
         EmbeddingBagCollectionSharder(fused_params=fused, qcomm_codecs_registry=codecs),
         EmbeddingCollectionSharder(fused_params=fused, qcomm_codecs_registry=codecs),
