@@ -174,6 +174,8 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         # resolvable gain, on the H200)
         ("linear_silu", "gem_kernels.hstu_block", "LINEAR_SILU", False),
         ("linear_residual", "gem_kernels.hstu_block", "LINEAR_RESIDUAL", False),
+        # the shared negatives' unit rows in one Triton pass each way (off until timed)
+        ("unit_rows_kernel", "gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", False),
     ],
 )
 def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):

@@ -95,6 +95,24 @@ def test_matches_float64_reference(gen: torch.Generator, kernel: NextItemLossKer
     assert grads[2][k : 2 * k].abs().max() == 0  # the empty sequence's negatives
 
 
+def test_triton_with_the_unit_rows_kernel_matches_float64_reference(gen: torch.Generator, monkeypatch) -> None:
+    """``UNIT_ROWS_KERNEL``: the negatives normalised by ``gem_kernels.unit_rows_triton`` (bf16 negatives,
+    as the big config's bf16 lookups give them), the same tolerances as torch's normalisation."""
+    from gem_kernels import next_item_loss_triton
+
+    monkeypatch.setattr(next_item_loss_triton, "UNIT_ROWS_KERNEL", True)
+    lengths, dim, k = [5, 0, 1, 67, 3], 40, 6
+    query, items, negatives, *rest = batch(gen, lengths, dim, k, torch.bfloat16, hits=True)
+    args = (query, items, negatives.to(torch.bfloat16), *rest)
+    loss, count, grads = run(TritonNextItemLoss(), args, k, True, 0.2, host=True)
+    expected, expected_grads = reference(*args[:3], lengths, *args[4:], k, True, 0.2)
+    assert int(count) == sum(max(n - 1, 0) for n in lengths)
+    found = {"loss": relative_error(loss, expected)}
+    found |= {n: relative_error(g, e) for n, g, e in zip(("query", "items", "negatives"), grads, expected_grads)}
+    assert all(found[n] <= TOLERANCE[n] for n in TOLERANCE), found
+    assert grads[2].dtype == torch.bfloat16 and grads[2][k : 2 * k].abs().max() == 0
+
+
 def test_triton_gives_the_same_bits_twice(gen: torch.Generator) -> None:
     """No atomics and no race: the same inputs give the same loss and gradients, bit for bit."""
     lengths, dim, k = [70, 3, 0, 9], 40, 6

@@ -21,7 +21,9 @@ Three kernels, over tiles of ``BLOCK_M`` (32) rows of one sequence (a tile never
 
 Rows that predict nothing (each sequence's last) get zero gradients and zero loss, and the first row
 of each sequence a zero item gradient, so every output is written by a kernel (no memset).
-Negatives are normalised (``l2_normalize``) and cast by torch: ``[B, K, D]`` is small next to the rows.
+Under ``l2_normalize`` the negatives are normalised and cast by torch (``[B, K, D]`` is small next to
+the rows), or, with :data:`UNIT_ROWS_KERNEL`, by one pass of :mod:`gem_kernels.unit_rows_triton`, which
+another takes the gradient back through.
 Determinism: with 64-row tiles and bf16 operands Triton 3.6 gave run-to-run different scores on the
 H200 (per-row log-sum-exps off by up to ~1e-3 in ~3.5 % of the rows, 2026-12-03; float32 operands made
 it deterministic but 1.5x slower). With 32-row tiles and bf16 operands six calls on each of two inputs
@@ -39,6 +41,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, dim_block, dot
+from gem_kernels.unit_rows_triton import unit_rows_triton, unit_rows_vjp_triton
 from gem_model.api import L2_EPS, offsets_of, to_device_async, unit_rows, unit_rows_vjp
 
 BLOCK_M = 32
@@ -49,6 +52,10 @@ float32 operands (``benchmarks/next_item_kernel.py --tiles``), and 3.93 / 3.90 m
 deterministic (module docstring)."""
 BLOCK_D = 64
 """Columns per step of the passes over ``D``."""
+UNIT_ROWS_KERNEL = False
+"""Whether the shared negatives are normalised, and their gradient taken back, by
+:mod:`gem_kernels.unit_rows_triton` (one pass each way) instead of torch's seven float32 passes (read at
+call time; e2e switch ``unit_rows_kernel``). Off until timed on a GPU."""
 
 
 def _warps(block_k: int) -> int:
@@ -226,8 +233,13 @@ class _SharedNegativesLoss(torch.autograd.Function):
         rows, dim = query.shape
         k = num_negatives
         b = negatives.shape[0] // k
-        unit = unit_rows(negatives.float())[0] if l2 else negatives
-        u = unit.to(query.dtype).reshape(b, k, dim).contiguous()
+        norm = None
+        if l2 and UNIT_ROWS_KERNEL:  # one pass: the unit rows in the query's dtype and their norms
+            u, norm = unit_rows_triton(negatives, query.dtype)
+            u = u.reshape(b, k, dim)
+        else:
+            unit = unit_rows(negatives.float())[0] if l2 else negatives
+            u = unit.to(query.dtype).reshape(b, k, dim).contiguous()
         # every output is written by the kernel (no memset; the tests poison fresh memory)
         loss, lse, s0, q_norm, p_norm = (torch.empty(rows, dtype=torch.float32, device=query.device) for _ in range(5))
         block_k = dim_block(k)
@@ -238,13 +250,13 @@ class _SharedNegativesLoss(torch.autograd.Function):
                 BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_D=BLOCK_D, INTERP=INTERPRET, num_warps=_warps(block_k),
             )  # fmt: skip
         ctx.save_for_backward(query, items, negatives, u, item_ids, negative_ids, offsets, tile_seq, tile_row,
-                              lse, s0, q_norm, p_norm)  # fmt: skip
+                              lse, s0, q_norm, p_norm, norm)  # fmt: skip
         ctx.k, ctx.l2, ctx.temperature = k, l2, temperature
         return loss.sum()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        query, items, negatives, u, item_ids, negative_ids, offsets, tile_seq, tile_row, lse, s0, q_norm, p_norm = (
+        query, items, negatives, u, item_ids, negative_ids, offsets, tile_seq, tile_row, lse, s0, q_norm, p_norm, norm = (
             ctx.saved_tensors
         )
         (rows, dim), k, l2 = query.shape, ctx.k, ctx.l2
@@ -267,10 +279,14 @@ class _SharedNegativesLoss(torch.autograd.Function):
                 BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_D=2 * BLOCK_D, INTERP=INTERPRET, num_warps=_warps(block_k),
             )  # fmt: skip
         grad_n = grad_unit.reshape(b * k, dim)
-        if l2:
-            unit, norm = unit_rows(negatives.float())
-            grad_n = unit_rows_vjp(grad_n, unit, norm)
-        return grad_q, grad_p, grad_n.to(negatives.dtype), None, None, None, None, None, None, None, None
+        if l2 and norm is not None:
+            grad_n = unit_rows_vjp_triton(grad_n, negatives, norm)
+        elif l2:
+            unit, norm32 = unit_rows(negatives.float())
+            grad_n = unit_rows_vjp(grad_n, unit, norm32).to(negatives.dtype)
+        else:
+            grad_n = grad_n.to(negatives.dtype)
+        return grad_q, grad_p, grad_n, None, None, None, None, None, None, None, None
 
 
 def shared_negatives_loss(
