@@ -372,6 +372,8 @@ VARIANTS: dict[str, Switch] = {
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     # the token mixers' attention on flash, memory-efficient or math SDPA, not torch's choice (cuDNN on Hopper)
     # the shared negatives normalised, and their gradient taken back, by one Triton pass each (not torch's seven)
+    # the bf16 linears' bias gradients of many rows summed by gem-precision's Triton column sums
+    "bias_grad_kernel": patched("gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", True),
     "unit_rows_kernel": patched("gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", True),
     "mixer_no_cudnn": patched("gem_model.model.hstu", "MIXER_SDPA_BACKENDS", [
         SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),

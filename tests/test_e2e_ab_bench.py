@@ -176,6 +176,8 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         ("linear_residual", "gem_kernels.hstu_block", "LINEAR_RESIDUAL", False),
         # the shared negatives' unit rows in one Triton pass each way (off until timed)
         ("unit_rows_kernel", "gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", False),
+        # the bf16 linears' bias gradients by a Triton column sum (off until timed)
+        ("bias_grad_kernel", "gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", False),
     ],
 )
 def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):

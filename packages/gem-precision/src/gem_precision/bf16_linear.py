@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from gem_model.api import LinearGemm
 from gem_precision.cast_cache import CastCache
+from gem_precision.device import triton_interpreting
 
 BF16 = torch.bfloat16
 
@@ -51,6 +52,23 @@ alias ``gem_model.api.bias_grad_elsewhere`` lends in its place: a parameter repl
 cast at each call instead, which gives the same bits, with one warning per linear naming it: a switch
 that only saves time should not stop a run, but should not silently do nothing either.
 ``linear.use_cast_cache(linear.cast_cache)`` registers the parameters it has now."""
+
+
+BIAS_GRAD_KERNEL = False
+"""Whether a linear's bias gradient of at least :data:`BIAS_GRAD_KERNEL_ROWS` rows is summed by
+:func:`gem_precision.column_sums_triton.column_sums` instead of torch's reduction (read at call time; e2e
+switch ``bias_grad_kernel``). Off until timed on a GPU."""
+BIAS_GRAD_KERNEL_ROWS = 8192
+"""Below this many rows torch's reduction is a few microseconds either way."""
+
+
+def bias_grad(grad_2d: torch.Tensor) -> torch.Tensor:
+    """``grad_2d.sum(0)`` in float32: the bias gradient of a linear whose output gradient is ``grad_2d``."""
+    if BIAS_GRAD_KERNEL and grad_2d.shape[0] >= BIAS_GRAD_KERNEL_ROWS and (grad_2d.is_cuda or triton_interpreting()):
+        from gem_precision.column_sums_triton import column_sums  # imports triton
+
+        return column_sums(grad_2d)
+    return grad_2d.sum(0, dtype=torch.float32)
 
 
 def float32_weight_grad(grad_2d: torch.Tensor, x_2d: torch.Tensor) -> torch.Tensor:
@@ -96,7 +114,7 @@ class Bf16LinearFunction(torch.autograd.Function):
         if need_dw:
             dw = float32_weight_grad(g2, x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
         if need_db:
-            db = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            db = bias_grad(g2).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None
 
 

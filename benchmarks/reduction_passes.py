@@ -1,0 +1,119 @@
+"""Two small reductions of the big config's step, torch against our Triton kernels, as device time:
+
+- ``bias``: a linear's bias gradient, the float32 column sums of its output gradient ``[207000, 1024]``
+  bf16 (the eight ``out`` linears'): ``g.sum(0, dtype=float32)`` against
+  ``gem_precision.column_sums_triton.column_sums`` (``bf16_linear.BIAS_GRAD_KERNEL``);
+- ``unit_rows``: the next-item loss's shared negatives ``[384 * 128, 1024]`` bf16 normalised to unit rows
+  and the gradient back through it: ``gem_model.api.unit_rows`` / ``unit_rows_vjp`` in float32 against
+  ``gem_kernels.unit_rows_triton`` (``next_item_loss_triton.UNIT_ROWS_KERNEL``).
+
+Each is checked first on fresh random data against float64; then interleaved rounds (the variants'
+order rotated), median and IQR, ``--iters`` calls a round queued behind a ``torch.cuda._sleep``.
+
+    python benchmarks/reduction_passes.py --rounds 15 --out reduction_passes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from rounds import cell, save_results, spread  # benchmarks/rounds.py, beside this script
+
+from gem_kernels.unit_rows_triton import unit_rows_triton, unit_rows_vjp_triton
+from gem_model.api import L2_EPS, unit_rows, unit_rows_vjp
+from gem_precision.column_sums_triton import column_sums
+
+
+def device_ms(fn: Callable[[], object], iters: int, sleep_cycles: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(sleep_cycles)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def bias_case(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
+    g = torch.randn(args.rows, args.dim, device=args.device).bfloat16()
+    want = g.double().sum(0)
+    errors = {"torch": relative(g.sum(0, dtype=torch.float32), want), "triton": relative(column_sums(g), want)}
+    return {"torch": lambda: g.sum(0, dtype=torch.float32), "triton": lambda: column_sums(g)}, errors
+
+
+def unit_rows_case(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
+    n = torch.randn(args.negatives, args.dim, device=args.device).bfloat16()
+    g = torch.randn(args.negatives, args.dim, device=args.device)
+    n64 = n.double().requires_grad_()
+    want_u = F.normalize(n64, dim=-1, eps=L2_EPS)
+    (want_dx,) = torch.autograd.grad(want_u, n64, g.double())
+
+    def torch_form() -> tuple[torch.Tensor, torch.Tensor]:
+        u = unit_rows(n.float())[0].to(torch.bfloat16)
+        unit, norm = unit_rows(n.float())  # the backward's own recomputation, as the loss did it
+        return u, unit_rows_vjp(g, unit, norm).to(n.dtype)
+
+    def triton_form() -> tuple[torch.Tensor, torch.Tensor]:
+        u, norm = unit_rows_triton(n, torch.bfloat16)
+        return u, unit_rows_vjp_triton(g, n, norm)
+
+    errors = {}
+    for name, fn in (("torch", torch_form), ("triton", triton_form)):
+        u, dx = fn()
+        errors[name] = max(relative(u, want_u.detach()), relative(dx, want_dx))
+    return {"torch": torch_form, "triton": triton_form}, errors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=207_000)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--negatives", type=int, default=384 * 128)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sleep-cycles", type=int, default=50_000_000)
+    parser.add_argument("--max-error", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the CPU test's cases
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("reduction_passes.py times CUDA kernels: no GPU here", file=sys.stderr)
+        return 1
+    torch.manual_seed(args.seed)
+    results = []
+    print("| case | variant | device ms a call, median (IQR) | vs torch | error vs float64 |")
+    print("|---|---|---|---|---|")
+    for case, make in (("bias", bias_case), ("unit_rows", unit_rows_case)):
+        fns, errors = make(args)
+        if not all(e <= args.max_error for e in errors.values()):
+            raise SystemExit(f"{case}: errors {errors} (max {args.max_error})")
+        names = list(fns)
+        for fn in fns.values():
+            fn()
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for j in range(len(names)):
+                name = names[(r + j) % len(names)]
+                times[name].append(device_ms(fns[name], args.iters, args.sleep_cycles))
+        base = spread(times["torch"])["median"]
+        for name in names:
+            s = spread(times[name])
+            print(f"| {case} | {name} | {cell(s)} | {base / s['median']:.2f}x | {errors[name]:.1e} |")
+            results.append({"case": case, "variant": name, **s, "error": errors[name]})
+    save_results(args.out, results, rows=args.rows, dim=args.dim, negatives=args.negatives, rounds=args.rounds,
+                 iters=args.iters, seed=args.seed)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
