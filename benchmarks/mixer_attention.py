@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from rounds import cell, save_results, spread  # benchmarks/rounds.py, beside this script
+from rounds import cell, queued_device_ms, save_results, spread  # benchmarks/rounds.py, beside this script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = {
@@ -71,18 +70,6 @@ def check(shape: tuple[int, ...], backend: SDPBackend | None, max_error: float) 
     return error
 
 
-def device_ms(fn: Callable[[], object], iters: int, sleep_cycles: int) -> float:
-    """Device milliseconds a call, with the host's launches queued behind a sleep."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(sleep_cycles)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def run_case(tokens: int, args: argparse.Namespace) -> list[dict]:
     shape = (args.batch, args.heads, tokens, args.head_dim)
     print(f"\n{tokens} tokens: q, k, v {list(shape)} bf16, forward and backward")
@@ -97,7 +84,7 @@ def run_case(tokens: int, args: argparse.Namespace) -> list[dict]:
     for r in range(args.rounds):
         for j in range(len(names)):
             name = names[(r + j) % len(names)]
-            times[name].append(device_ms(fns[name], args.iters, args.sleep_cycles))
+            times[name].append(queued_device_ms(fns[name], args.iters, args.sleep_cycles))
     base = spread(times["default"])["median"] if "default" in times else None
     print("| backend | device ms a call, median (IQR) | vs default | error vs float64 |")
     print("|---|---|---|---|")

@@ -21,22 +21,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from rounds import cell, save_results, spread  # benchmarks/rounds.py, beside this script
+from rounds import cell, queued_device_ms, save_results, spread  # benchmarks/rounds.py, beside this script
 
 from gem_kernels.unit_rows_triton import unit_rows_triton, unit_rows_vjp_triton
 from gem_model.api import L2_EPS, unit_rows, unit_rows_vjp
 from gem_precision.column_sums_triton import column_sums
-
-
-def device_ms(fn: Callable[[], object], iters: int, sleep_cycles: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(sleep_cycles)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -104,7 +93,7 @@ def main() -> int:
         for r in range(args.rounds):
             for j in range(len(names)):
                 name = names[(r + j) % len(names)]
-                times[name].append(device_ms(fns[name], args.iters, args.sleep_cycles))
+                times[name].append(queued_device_ms(fns[name], args.iters, args.sleep_cycles))
         base = spread(times["torch"])["median"]
         for name in names:
             s = spread(times[name])

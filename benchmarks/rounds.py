@@ -33,6 +33,20 @@ def rotated_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[st
     return times
 
 
+def queued_device_ms(fn: Callable[[], object], iters: int, sleep_cycles: int) -> float:
+    """Device milliseconds a call of ``fn``, ``iters`` calls queued behind a ``torch.cuda._sleep`` that
+    holds the device while the host launches them: the host's launch time, which a training step hides
+    behind the device's work, is not counted."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(sleep_cycles)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def spread(ms: list[float]) -> dict[str, Any]:
     """``{"median", "q1", "q3", "ms"}`` of one variant's timings (inclusive quartiles), and the cell that
     prints them: ``"median (q1-q3)"``."""

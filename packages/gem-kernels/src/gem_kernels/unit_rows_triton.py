@@ -33,13 +33,20 @@ def _launch(dim: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _unit_rows_fwd(X, U, NORM, stride_x, num_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   ROWS: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+def _row_block(X, stride_x, num_rows, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """This program's rows, its columns, which rows and elements exist, and ``X``'s rows in float32."""
     cols = tl.arange(0, BLOCK_D)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     rows_ok = rows < num_rows
     inside = rows_ok[:, None] & (cols < D)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    return rows, cols, rows_ok, inside, x
+
+
+@triton.jit
+def _unit_rows_fwd(X, U, NORM, stride_x, num_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   ROWS: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    rows, cols, rows_ok, inside, x = _row_block(X, stride_x, num_rows, D, BLOCK_D, ROWS)
     norm = tl.sqrt(tl.sum(x * x, 1))
     u = x / tl.maximum(norm, eps)[:, None]
     tl.store(U + rows[:, None] * D + cols[None, :], cast(u, U.dtype.element_ty, INTERP), mask=inside)
@@ -49,11 +56,7 @@ def _unit_rows_fwd(X, U, NORM, stride_x, num_rows, eps, D: tl.constexpr, BLOCK_D
 @triton.jit
 def _unit_rows_bwd(G, X, NORM, DX, stride_x, num_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    ROWS: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    cols = tl.arange(0, BLOCK_D)
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    rows_ok = rows < num_rows
-    inside = rows_ok[:, None] & (cols < D)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    rows, cols, rows_ok, inside, x = _row_block(X, stride_x, num_rows, D, BLOCK_D, ROWS)
     g = tl.load(G + rows[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     norm = tl.load(NORM + rows, mask=rows_ok, other=1.0)
     denom = tl.maximum(norm, eps)
