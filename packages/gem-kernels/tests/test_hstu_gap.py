@@ -60,11 +60,21 @@ def check(gen: torch.Generator, lengths: list[int], *, dtype: torch.dtype, dq_mo
                                    position_bias=exact[3] if position else None)
     want_y = composed(exact[0], exact[1], exact[2], offsets, extras=exact_extras, **options)
     want = torch.autograd.grad(want_y, exact, dy.double())
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     context = f"lengths={lengths} dtype={dtype} dq={dq_mode} targets={targets} window={window}"
-    assert relative_error(y, want_y) < tolerance, f"y: {relative_error(y, want_y):.2e} ({context})"
-    for name, g, w in zip(("d_pre", "d_weight", "d_bias", "d_position"), got, want):
-        assert relative_error(g, w) < tolerance, f"{name}: {relative_error(g, w):.2e} ({context})"
+    tolerances = [1e-5] * (1 + len(want))
+    if dtype != torch.float32:
+        # 2e-2, or 1.5x the error of the same ops composed in torch in the same dtype: a row whose attention
+        # output has a small spread makes the layer norm's 1/std amplify the rounding of any bf16 path
+        # (one seed in ~30 gave 3 % for the kernel and 3.8 % for torch's bf16 composition, 2026-12-06)
+        plain = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        plain_extras = AttentionExtras(num_targets=num_targets, max_attn_len=window,
+                                       position_bias=plain[3] if position else None)
+        plain_y = composed(plain[0], plain[1], plain[2], offsets, extras=plain_extras, **options)
+        plain_got = torch.autograd.grad(plain_y, plain, dy)
+        tolerances = [max(2e-2, 1.5 * relative_error(p, w)) for p, w in zip((plain_y, *plain_got), (want_y, *want))]
+    assert relative_error(y, want_y) < tolerances[0], f"y: {relative_error(y, want_y):.2e} ({context})"
+    for name, g, w, tolerance in zip(("d_pre", "d_weight", "d_bias", "d_position"), got, want, tolerances[1:]):
+        assert relative_error(g, w) < tolerance, f"{name}: {relative_error(g, w):.2e} > {tolerance:.2e} ({context})"
 
 
 @pytest.mark.parametrize("dq_mode", ["atomic", "separate"])
