@@ -21,7 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from rounds import cell, queued_device_ms, save_results, spread  # benchmarks/rounds.py, beside this script
+from rounds import cell, rotated_queued_rounds, save_results, spread  # benchmarks/rounds.py, beside this script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = {
@@ -78,13 +78,7 @@ def run_case(tokens: int, args: argparse.Namespace) -> list[dict]:
     inputs = [torch.randn(shape, device="cuda").bfloat16().requires_grad_() for _ in range(3)]
     grad = torch.randn(shape, device="cuda").bfloat16()
     fns = {n: (lambda n=n: forward_backward(inputs, grad, BACKENDS[n])) for n in names}
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for j in range(len(names)):
-            name = names[(r + j) % len(names)]
-            times[name].append(queued_device_ms(fns[name], args.iters, args.sleep_cycles))
+    times = rotated_queued_rounds(fns, args.rounds, args.iters, args.sleep_cycles)
     base = spread(times["default"])["median"] if "default" in times else None
     print("| backend | device ms a call, median (IQR) | vs default | error vs float64 |")
     print("|---|---|---|---|")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from rounds import cell, queued_device_ms, save_results, spread  # benchmarks/rounds.py, beside this script
+from rounds import cell, rotated_queued_rounds, save_results, spread  # benchmarks/rounds.py, beside this script
 
 from gem_kernels.unit_rows_triton import unit_rows_triton, unit_rows_vjp_triton
 from gem_model.api import L2_EPS, unit_rows, unit_rows_vjp
@@ -86,16 +86,9 @@ def main() -> int:
         fns, errors = make(args)
         if not all(e <= args.max_error for e in errors.values()):
             raise SystemExit(f"{case}: errors {errors} (max {args.max_error})")
-        names = list(fns)
-        for fn in fns.values():
-            fn()
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.rounds):
-            for j in range(len(names)):
-                name = names[(r + j) % len(names)]
-                times[name].append(queued_device_ms(fns[name], args.iters, args.sleep_cycles))
+        times = rotated_queued_rounds(fns, args.rounds, args.iters, args.sleep_cycles)
         base = spread(times["torch"])["median"]
-        for name in names:
+        for name in fns:
             s = spread(times[name])
             print(f"| {case} | {name} | {cell(s)} | {base / s['median']:.2f}x | {errors[name]:.1e} |")
             results.append({"case": case, "variant": name, **s, "error": errors[name]})

@@ -47,6 +47,21 @@ def queued_device_ms(fn: Callable[[], object], iters: int, sleep_cycles: int) ->
     return start.elapsed_time(end) / iters
 
 
+def rotated_queued_rounds(fns: dict[str, Callable[[], object]], rounds: int, iters: int,
+                          sleep_cycles: int) -> dict[str, list[float]]:  # fmt: skip
+    """:func:`queued_device_ms` of each variant over ``rounds`` rounds in rotated order, after one warm-up
+    call each."""
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            times[name].append(queued_device_ms(fns[name], iters, sleep_cycles))
+    return times
+
+
 def spread(ms: list[float]) -> dict[str, Any]:
     """``{"median", "q1", "q3", "ms"}`` of one variant's timings (inclusive quartiles), and the cell that
     prints them: ``"median (q1-q3)"``."""
