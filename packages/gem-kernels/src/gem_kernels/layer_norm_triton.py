@@ -29,14 +29,8 @@ import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
 from gem_kernels.quantized_rows_triton import RowsOut, tiles_per_program, write_e4m3_rows
+from gem_kernels.row_blocks import MAX_DIM, rows_per_program
 from gem_model.api import GradRowsSlot, PrequantizedRows, RowQuantization
-
-MAX_DIM = 16384
-"""Rows are held in registers whole."""
-
-
-def _rows_per_program(block_d: int) -> int:
-    return max(1, min(16, 8192 // block_d))
 
 
 @triton.jit
@@ -100,7 +94,7 @@ def _launch_shape(dim: int, backward: bool = False, e4m3_rows: bool = False) -> 
     # the backward holds three rows' worth of tiles (x, dy, the residual's gradient): half the forward's
     # rows per program ran 1.23x faster at 200k x 1024 on the H200, 0.408 against 0.503 ms
     # (benchmarks/pointwise_tiles.py, 2026-12-02)
-    rows = max(1, _rows_per_program(block_d) // 2) if backward else _rows_per_program(block_d)
+    rows = max(1, rows_per_program(block_d) // 2) if backward else rows_per_program(block_d)
     if e4m3_rows and not backward:
         # the e4m3 rows' second reduction (the row maximum) and their stores: a quarter of the rows per
         # program ran 1.13x faster at 219,000 x 1024 on the H200, 0.330 against 0.373 ms

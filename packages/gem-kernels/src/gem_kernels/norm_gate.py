@@ -52,7 +52,8 @@ class TritonNormGate(NormGateKernel):
     ) -> torch.Tensor:
         check_norm_gate_inputs(x, u, weight, bias)
         require_triton(x.device, op=self.op, name=self.name, in_call=True)
-        from gem_kernels.norm_gate_triton import MAX_DIM, norm_gate_triton
+        from gem_kernels.norm_gate_triton import norm_gate_triton
+        from gem_kernels.row_blocks import MAX_DIM
 
         if x.shape[-1] > MAX_DIM:
             raise KernelUnavailableError(

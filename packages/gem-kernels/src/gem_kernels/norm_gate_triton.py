@@ -23,9 +23,6 @@ import triton.language as tl
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, num_programs, silu_grad
 from gem_kernels.quantized_rows_triton import RowsOut, as_words, load_e4m3_pairs, tiles_per_program, write_e4m3_rows
 
-MAX_DIM = 16384
-"""Rows are held in registers whole; wider rows would spill."""
-
 
 def _rows_per_tile(block_d: int) -> int:
     return max(1, min(64, 4096 // block_d))

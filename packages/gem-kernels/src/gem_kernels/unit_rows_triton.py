@@ -20,16 +20,14 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
+from gem_kernels.row_blocks import MAX_DIM, rows_per_program
 from gem_model.api import L2_EPS
-
-MAX_DIM = 16384
-"""Rows are held in registers whole."""
 
 
 def _launch(dim: int) -> tuple[int, int]:
-    """``(BLOCK_D, rows per program)``: 8,192 values a program, as the layer norm's forward."""
+    """``(BLOCK_D, rows per program)``, as the layer norm's forward."""
     block_d = triton.next_power_of_2(dim)
-    return block_d, max(1, min(16, 8192 // block_d))
+    return block_d, rows_per_program(block_d)
 
 
 @triton.jit
