@@ -358,8 +358,9 @@ VARIANTS: dict[str, Switch] = {
                               patched("gem_kernels.attention_gluon", "DKDV", True)),
     # the bf16 uvqk GEMM in Triton with silu(v, q, k) in its epilogue, in place of cuBLAS and the silu pass
     "linear_silu": patched("gem_kernels.hstu_block", "LINEAR_SILU", True),
-    # the bf16 out GEMM in Triton with the residual added in its epilogue, in place of cuBLAS and the add
-    "linear_residual": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", True),
+    # the bf16 out GEMM by cuBLAS and the residual added after it, as before 2026-12-06 (since then the
+    # Triton GEMM with the residual in its epilogue; this switch was ``linear_residual``, turning it on)
+    "residual_add": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", False),
     # torchrec's input-distribution permutation made once per shape (no host sync in the forward)
     "recat_cache": switch_recat_cache,
     # the same runs without it (the default since 2026-12-05 18:22 UTC: parallel.planner.options.cache_recat)
@@ -371,10 +372,11 @@ VARIANTS: dict[str, Switch] = {
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
     # the token mixers' attention on flash, memory-efficient or math SDPA, not torch's choice (cuDNN on Hopper)
-    # the shared negatives normalised, and their gradient taken back, by one Triton pass each (not torch's seven)
-    # the bf16 linears' bias gradients of many rows summed by gem-precision's Triton column sums
-    "bias_grad_kernel": patched("gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", True),
-    "unit_rows_kernel": patched("gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", True),
+    # the shared negatives normalised, and their gradient taken back, by torch's seven float32 passes, and the
+    # bf16 linears' bias gradients by torch's reduction, as before 2026-12-06 (since then one Triton pass each;
+    # these switches were ``unit_rows_kernel`` and ``bias_grad_kernel``, turning the kernels on)
+    "torch_bias_grad": patched("gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", False),
+    "torch_unit_rows": patched("gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", False),
     "mixer_no_cudnn": patched("gem_model.model.hstu", "MIXER_SDPA_BACKENDS", [
         SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
     **PRECISION_VARIANTS,

@@ -170,14 +170,14 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         ("gluon_dq", "gem_kernels.attention_gluon", "DQ", False),
         # the Triton dk/dv pass (the Gluon one is shipped)
         ("triton_dkdv", "gem_kernels.attention_gluon", "DKDV", True),
-        # the uvqk GEMM with the silu in its epilogue, out's with the residual (off as shipped: slower, or no
-        # resolvable gain, on the H200)
+        # the uvqk GEMM with the silu in its epilogue (off as shipped: slower on the H200); out's GEMM by
+        # cuBLAS and the residual added after it (the Triton GEMM with the residual is shipped)
         ("linear_silu", "gem_kernels.hstu_block", "LINEAR_SILU", False),
-        ("linear_residual", "gem_kernels.hstu_block", "LINEAR_RESIDUAL", False),
-        # the shared negatives' unit rows in one Triton pass each way (off until timed)
-        ("unit_rows_kernel", "gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", False),
-        # the bf16 linears' bias gradients by a Triton column sum (off until timed)
-        ("bias_grad_kernel", "gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", False),
+        ("residual_add", "gem_kernels.hstu_block", "LINEAR_RESIDUAL", True),
+        # the shared negatives' unit rows, and the bf16 linears' bias gradients, by torch (the Triton
+        # passes are shipped)
+        ("torch_unit_rows", "gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", True),
+        ("torch_bias_grad", "gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", True),
     ],
 )
 def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):

@@ -54,13 +54,15 @@ from gem_model.api import (
     wanted_quantization,
 )
 
-LINEAR_RESIDUAL = False
+LINEAR_RESIDUAL = True
 """Whether an ``out`` linear that takes a supplied GEMM runs
 :func:`gem_kernels.linear_epilogue_triton.linear_residual`, which adds the residual in its epilogue, in
-place of cuBLAS and the add (e2e switch ``linear_residual``). Off: on the H200 (2026-12-05) the GEMM and
-add take 0.864 ms against cuBLAS's 0.971 at 207,000 rows (``benchmarks/linear_epilogue.py``), but the step
-moved 1.003x (IQR 0.992-1.009 and 0.996-1.015; A/A 1.000x and 1.001x), inside what the benchmark
-resolves, and cuBLAS stays the GEMM for every shape that was not timed."""
+place of cuBLAS and the add (e2e switch ``residual_add`` gives cuBLAS and the add back). On the H200
+(2026-12-05) the GEMM and add took 0.864 ms against cuBLAS's 0.971 at 207,000 rows
+(``benchmarks/linear_epilogue.py``), but the step alone moved 1.003x, inside what the benchmark resolves.
+On the H100 (2026-12-06) it moved 1.003x alone (steady 1.005x), and with the unit-rows and bias-gradient
+kernels 1.009x / 1.015x / 1.013x on three seeds against 1.005x / 1.007x for those two without it
+(``benchmarks/results/e2e_ab.md``). On since 2026-12-06."""
 UVQK_CONFIG = DEFAULT_CONFIG
 """The tiles of uvqk's GEMM (:data:`gem_kernels.linear_epilogue_triton.CONFIGS`): the fastest with ``post``
 on the H200 (2026-12-05)."""

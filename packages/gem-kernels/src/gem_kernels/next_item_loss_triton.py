@@ -52,10 +52,11 @@ float32 operands (``benchmarks/next_item_kernel.py --tiles``), and 3.93 / 3.90 m
 deterministic (module docstring)."""
 BLOCK_D = 64
 """Columns per step of the passes over ``D``."""
-UNIT_ROWS_KERNEL = False
+UNIT_ROWS_KERNEL = True
 """Whether the shared negatives are normalised, and their gradient taken back, by
 :mod:`gem_kernels.unit_rows_triton` (one pass each way) instead of torch's seven float32 passes (read at
-call time; e2e switch ``unit_rows_kernel``). Off until timed on a GPU."""
+call time; e2e switch ``torch_unit_rows`` gives torch's back). 0.207 against 1.849 ms a step's worth on the
+H100 (``benchmarks/reduction_passes.py``, 2026-12-06); on since then."""
 
 
 def _warps(block_k: int) -> int:
