@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from profiling import timed_ms  # benchmarks/profiling.py, beside this script
 
 
-def rotated_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Milliseconds of each call of each variant over ``rounds`` rounds, after one warm-up call each."""
+def _rotated(fns: dict[str, Callable[[], object]], rounds: int,
+             measure: Callable[[Callable[[], object]], float]) -> dict[str, list[float]]:  # fmt: skip
+    """``measure(fn)`` of each variant over ``rounds`` rounds in rotated order, after one warm-up call each."""
     names = list(fns)
     for name in names:
         fns[name]()
@@ -24,13 +26,13 @@ def rotated_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[st
     for r in range(rounds):
         for j in range(len(names)):
             name = names[(r + j) % len(names)]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name]()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(measure(fns[name]))
     return times
+
+
+def rotated_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Milliseconds of each call of each variant over ``rounds`` rounds, after one warm-up call each."""
+    return _rotated(fns, rounds, timed_ms)
 
 
 def queued_device_ms(fn: Callable[[], object], iters: int, sleep_cycles: int) -> float:
@@ -51,15 +53,7 @@ def rotated_queued_rounds(fns: dict[str, Callable[[], object]], rounds: int, ite
                           sleep_cycles: int) -> dict[str, list[float]]:  # fmt: skip
     """:func:`queued_device_ms` of each variant over ``rounds`` rounds in rotated order, after one warm-up
     call each."""
-    names = list(fns)
-    for name in names:
-        fns[name]()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for j in range(len(names)):
-            name = names[(r + j) % len(names)]
-            times[name].append(queued_device_ms(fns[name], iters, sleep_cycles))
-    return times
+    return _rotated(fns, rounds, lambda fn: queued_device_ms(fn, iters, sleep_cycles))
 
 
 def spread(ms: list[float]) -> dict[str, Any]:
