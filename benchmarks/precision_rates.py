@@ -56,7 +56,8 @@ def linears(config, pm) -> tuple[list[ProbedLinear], int, int]:
     mc = config.model  # a block's tokens: the history, the candidate and the context token of each sample
     tokens = int(batch.history_lengths().sum()) + samples * (int(mc.use_candidate) + int(mc.context_token))
     model = GemModel(config.model.model_copy(update={"table_init": "device"}), c.source.feature_spec(),
-                     attention=c.attention, norm_gate=c.norm_gate, next_item_loss=c.next_item_loss)  # fmt: skip  # tables on the meta device
+                     attention=c.attention, norm_gate=c.norm_gate, next_item_loss=c.next_item_loss,
+                     sequence_pool=c.sequence_pool)  # fmt: skip  # tables on the meta device
     blocks = tuple(f"{b}." for b in model.activation_blocks())
     out = []
     for fqn, current in precision_plan(model, config.precision).items():

@@ -19,7 +19,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.components": (
         "GEMM_BITS", "NO_EXTRAS", "ActivationPolicy", "AttentionExtras", "CommStrategy", "Component", "ComponentConfig", "DataSource",
         "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NextItemLossKernel", "NormGateKernel", "ParallelPlanner",
-        "PlannerContext", "PrecisionScheme", "PreparedModel", "SparseOptimizerSpec",
+        "PlannerContext", "PrecisionScheme", "PreparedModel", "SequencePoolKernel", "SparseOptimizerSpec",
     ),
     "gem_model.context": ("Optimizers", "RunContext"),  # what lifecycle hooks receive
     "gem_model.lifecycle": ("Callback", "TrainPipeline"),  # the step's stages; lifecycle plugins
@@ -68,6 +68,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.model.flops": ("count_flops",),
     # the next-item loss (the core's kernel of kernels.next_item_loss) and its L2 normalisation
     "gem_model.model.next_item": ("L2_EPS", "next_item_loss", "unit_rows", "unit_rows_vjp"),
+    # the sequence pool as torch ops (the core's kernel of kernels.sequence_pool) and its input checks
+    "gem_model.model.sequence_pool": ("check_sequence_pool_inputs", "sequence_pool_torch"),
     "gem_model.profiling.memory": ("MemoryFit", "step_loss"),
     # gem-train profile
     "gem_model.profiling.context": ("MeasuredSteps", "ProfileCommand", "ProfileContext"),
@@ -147,6 +149,7 @@ __all__ = [
     "RunShape",
     "RunSummary",
     "SavedFormatBlock",
+    "SequencePoolKernel",
     "ShardableModel",
     "ShardedLoader",
     "SparseOptimizerSpec",
@@ -161,6 +164,7 @@ __all__ = [
     "batch_tensors",
     "bias_grad_elsewhere",
     "call_linear",
+    "check_sequence_pool_inputs",
     "count_flops",
     "dims_of",
     "gather_bias",
@@ -177,6 +181,7 @@ __all__ = [
     "resolve_components",
     "run_shape",
     "sequence_ids",
+    "sequence_pool_torch",
     "set_submodule",
     "step_loss",
     "takes_gemm",
@@ -223,6 +228,7 @@ if TYPE_CHECKING:
         PlannerContext,
         PrecisionScheme,
         PreparedModel,
+        SequencePoolKernel,
         SparseOptimizerSpec,
     )
     from gem_model.config import ComponentRef, ModelConfig, PrecisionConfig, RunConfig
@@ -259,6 +265,7 @@ if TYPE_CHECKING:
     from gem_model.model.flops import count_flops
     from gem_model.model.gem import GemModel
     from gem_model.model.next_item import L2_EPS, next_item_loss, unit_rows, unit_rows_vjp
+    from gem_model.model.sequence_pool import check_sequence_pool_inputs, sequence_pool_torch
     from gem_model.parallel_dims import (
         DATA_DIMS,
         LOSS_DIMS,

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 @hookimpl
 def gem_register_kernels():
     from gem_model.model.next_item import TorchNextItemLoss  # the default of kernels.next_item_loss
+    from gem_model.model.sequence_pool import TorchSequencePool  # the default of kernels.sequence_pool
 
-    return [TorchNextItemLoss]
+    return [TorchNextItemLoss, TorchSequencePool]
 
 
 @hookimpl

@@ -21,6 +21,7 @@ from gem_model.kernels import (
     Kernel,
     NextItemLossKernel,
     NormGateKernel,
+    SequencePoolKernel,
 )
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = [  # the kernel interfaces and the base live in their own modules; importable from here too
     "NAME_PATTERN", "NO_EXTRAS", "ActivationPolicy", "AttentionExtras", "CommStrategy", "Component", "ComponentConfig",
     "DataSource", "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NextItemLossKernel", "NormGateKernel",
-    "ParallelPlanner", "PlannerContext", "PrecisionScheme", "PreparedModel", "SparseOptimizerSpec",
+    "ParallelPlanner", "PlannerContext", "PrecisionScheme", "PreparedModel", "SequencePoolKernel", "SparseOptimizerSpec",
 ]  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """The kernel interfaces plugins implement: the jagged attention (with its optional parts,
-:class:`AttentionExtras`, and the fused HSTU block it may offer), the norm-gate and the next-item
-loss. Registered per op: ``kernels.<op>: <name>``."""
+:class:`AttentionExtras`, and the fused HSTU block it may offer), the norm-gate, the sequence pool and
+the next-item loss. Registered per op: ``kernels.<op>: <name>``."""
 
 from __future__ import annotations
 
@@ -173,3 +173,39 @@ class NextItemLossKernel(Kernel):
         temperature: float,
         host_lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class SequencePoolKernel(Kernel):
+    """The sequence tower's last step: its final layer norm, then each sequence's history rows, last row
+    and history mean.
+
+    ``x [N, D]`` holds the rows of ``B`` sequences (sequence ``b``: rows ``offsets[b]:offsets[b+1]``):
+    ``lead`` rows (0 or 1: the context token), then ``hist_lengths[b]`` history rows, then one candidate
+    row when ``candidate``. With ``y = layer_norm(x) * weight + bias`` (statistics in float32, ``y`` in
+    ``x``'s dtype; ``weight``, ``bias`` ``[D]``), returns, all in ``x``'s dtype:
+
+    - ``hist [sum(hist_lengths), D]``: ``y`` of the history rows, sequence after sequence;
+    - ``last [B, D]``: ``y`` of each sequence's last row (zeros for an empty sequence);
+    - ``mean [B, D]``: the mean of each sequence's history rows of ``y``, summed in float32 (zeros
+      where it has none).
+
+    ``max_len`` bounds every sequence's length (the model's ``max_seq_len``), for kernels that size
+    their launch by it on the host. A kernel reads no length back from the device.
+    """
+
+    op: ClassVar[str] = "sequence_pool"
+
+    @abstractmethod
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        eps: float,
+        offsets: torch.Tensor,
+        hist_lengths: torch.Tensor,
+        *,
+        lead: int,
+        candidate: bool,
+        max_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...

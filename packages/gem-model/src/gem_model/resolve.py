@@ -20,6 +20,7 @@ from gem_model.components import (
     NormGateKernel,
     ParallelPlanner,
     PrecisionScheme,
+    SequencePoolKernel,
 )
 from gem_model.config import ComponentRef, RunConfig
 from gem_model.config_io import validate
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 class Components:
     attention: JaggedAttentionKernel
     norm_gate: NormGateKernel
+    sequence_pool: SequencePoolKernel
     next_item_loss: NextItemLossKernel
     precision: dict[str, PrecisionScheme]  # by scheme name: the default and every override
     activation: dict[str, ActivationPolicy]
@@ -56,6 +58,7 @@ class Components:
         out: list[tuple[str, str, Component]] = [
             ("kernels.jagged_attention", self.attention.name, self.attention),
             ("kernels.norm_gate", self.norm_gate.name, self.norm_gate),
+            ("kernels.sequence_pool", self.sequence_pool.name, self.sequence_pool),
             ("kernels.next_item_loss", self.next_item_loss.name, self.next_item_loss),
         ]
         out += [("precision_schemes", n, c) for n, c in self.precision.items()]
@@ -149,6 +152,9 @@ def _resolve(config: RunConfig, pm: GemPluginManager) -> tuple[dict[str, Any], _
             pm.kernel_registry("jagged_attention"), config.kernels.jagged_attention, "kernels.jagged_attention"
         ),
         "norm_gate": r.build(pm.kernel_registry("norm_gate"), config.kernels.norm_gate, "kernels.norm_gate"),
+        "sequence_pool": r.build(
+            pm.kernel_registry("sequence_pool"), config.kernels.sequence_pool, "kernels.sequence_pool"
+        ),
         "next_item_loss": r.build(
             pm.kernel_registry("next_item_loss"), config.kernels.next_item_loss, "kernels.next_item_loss"
         ),
@@ -187,7 +193,8 @@ def run_shape(config: RunConfig, components: Components, *, ranks_per_node: int 
             return GemModel(
                 config.model.model_copy(update={"table_init": "device"}), components.source.feature_spec(),
                 attention=components.attention, norm_gate=components.norm_gate,
-                next_item_loss=components.next_item_loss, seed=config.trainer.seed,
+                sequence_pool=components.sequence_pool, next_item_loss=components.next_item_loss,
+                seed=config.trainer.seed,
             )  # fmt: skip
 
     def read_lengths(batches: int) -> torch.Tensor:
@@ -221,6 +228,7 @@ def component_paths(config: RunConfig, components: Components) -> list[tuple[lis
     out: list[tuple[list[str | int], Component]] = [
         (["kernels", "jagged_attention"], components.attention),
         (["kernels", "norm_gate"], components.norm_gate),
+        (["kernels", "sequence_pool"], components.sequence_pool),
         (["kernels", "next_item_loss"], components.next_item_loss),
         (["precision", "scheme"], components.precision[config.precision.scheme.name]),
         (["activation", "policy"], components.activation[config.activation.policy.name]),

@@ -25,14 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_model.components import JaggedAttentionKernel, NextItemLossKernel, NormGateKernel
+from gem_model.components import JaggedAttentionKernel, NextItemLossKernel, NormGateKernel, SequencePoolKernel
 from gem_model.config import ModelConfig
 from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
-from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one, segment_mean, split_rows
+from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one
 from gem_model.model.embeddings import SparseArch
 from gem_model.model.hstu import HSTUBlock, LayerNorm, TokenMixer
 from gem_model.model.lookup_bags import even_bags
 from gem_model.model.next_item import TorchNextItemLoss
+from gem_model.model.sequence_pool import TorchSequencePool
 
 
 def position_rows(table: nn.Embedding, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -64,13 +65,16 @@ class GemModel(nn.Module):
         attention: JaggedAttentionKernel,
         norm_gate: NormGateKernel,
         next_item_loss: NextItemLossKernel | None = None,
+        sequence_pool: SequencePoolKernel | None = None,
         seed: int = 0,
     ):
-        """``attention``, ``norm_gate`` and ``next_item_loss``: the run's kernels of those ops
-        (``kernels.<op>``); ``next_item_loss`` None: the core's :class:`TorchNextItemLoss`."""
+        """``attention``, ``norm_gate``, ``next_item_loss`` and ``sequence_pool``: the run's kernels of
+        those ops (``kernels.<op>``); ``next_item_loss`` / ``sequence_pool`` None: the core's
+        :class:`TorchNextItemLoss` / :class:`TorchSequencePool`."""
         super().__init__()
         self.config, self.spec, self.seed = config, spec, seed
         self.loss_kernel: NextItemLossKernel = next_item_loss if next_item_loss is not None else TorchNextItemLoss()
+        self.pool_kernel: SequencePoolKernel = sequence_pool if sequence_pool is not None else TorchSequencePool()
         d = config.embedding_dim
         extra = 1 if config.use_candidate else 0
         lead = 1 if config.context_token else 0
@@ -291,30 +295,12 @@ class GemModel(nn.Module):
         x = self.input_dropout(x)
         for block in self.blocks:
             x = block(x, offsets, num_targets, times)
-        x = self.seq_norm(x)
-        b = lengths.numel()
-        last = offsets[1:] - 1
-        hist_rows = None
-        if cfg.use_candidate or lead:
-            # rows lead .. lead + history length of each sequence; every sequence has exactly one
-            # candidate (checked above) and one context token, so their count is known without a sync
-            count = x.shape[0] - b * (lead + (1 if cfg.use_candidate else 0))
-            shift = offsets[:-1] + lead - offsets_of(hist_lengths)[:-1]
-            hist_rows = torch.arange(count, device=x.device) + torch.repeat_interleave(
-                shift, hist_lengths, output_size=count
-            )
-        if hist_rows is not None and cfg.use_candidate and not lead:
-            # the history rows and the candidates' (each sequence's last) are all the rows: one split
-            hist_out, summary = split_rows(x, hist_rows, last)
-        else:
-            has_any = lengths > 0
-            if x.shape[0]:
-                summary = torch.where(has_any[:, None], x[last.clamp(min=0)], x.new_zeros(()))
-            else:  # every sequence empty and no candidate
-                summary = x.new_zeros(b, x.shape[1])
-            hist_out = x if hist_rows is None else x[hist_rows]
-        # summed in float32: a bf16 sum over thousands of rows would round away most of them
-        mean = segment_mean(hist_out, hist_lengths)
+        # the final layer norm, the history rows, each sequence's last row and its history's mean
+        norm = self.seq_norm
+        hist_out, summary, mean = self.pool_kernel(
+            x, norm.weight, norm.bias, norm.eps, offsets, hist_lengths,
+            lead=lead, candidate=cfg.use_candidate, max_len=cfg.max_seq_len,
+        )  # fmt: skip
         tokens = [summary, mean]
         if cfg.use_side_features:
             if features is None:  # computed after the sequence tower, as before context tokens existed
