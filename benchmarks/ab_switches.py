@@ -200,6 +200,27 @@ def switch_torch_loss(run: object) -> Callable[[], None]:
     return undo
 
 
+def _pool_kernel(name: str) -> Switch:
+    """The model's ``pool_kernel`` (``kernels.sequence_pool``) swapped for the kernel ``name``: gem-model's
+    ``torch`` (the layer norm, the row gather and the membership-GEMM mean as torch ops) or gem-kernels'
+    ``triton`` (one pass over the rows each way)."""
+
+    def apply(run: object) -> Callable[[], None]:
+        from gem_kernels.sequence_pool import TritonSequencePool
+        from gem_model.model.sequence_pool import TorchSequencePool
+
+        model = run.model  # type: ignore[attr-defined]
+        before = model.pool_kernel
+        model.pool_kernel = {"torch": TorchSequencePool, "triton": TritonSequencePool}[name]()
+
+        def undo() -> None:
+            model.pool_kernel = before
+
+        return undo
+
+    return apply
+
+
 def switch_backward_on_main_thread(run: object) -> Callable[[], None]:
     """Backward on the thread that calls it (``torch.autograd.set_multithreading_enabled(False)``)
     instead of autograd's device thread: whether handing the graph to that thread is what leaves the
@@ -324,6 +345,8 @@ VARIANTS: dict[str, Switch] = {
     "loss_buckets_2": _loss_plan(growth=2.0, small=128, chunk_elements=1 << 27),
     # the next-item loss by gem-model's torch kernel instead of the configured one (triton on the H200)
     "torch_loss": switch_torch_loss,
+    "torch_sequence_pool": _pool_kernel("torch"),
+    "triton_sequence_pool": _pool_kernel("triton"),
     # backward on the training thread instead of autograd's device thread
     "backward_on_main_thread": switch_backward_on_main_thread,
     "ddp_no_sync": switch_ddp_no_sync,
@@ -334,7 +357,7 @@ VARIANTS: dict[str, Switch] = {
     "sequence_rows_as_before": all_of(
         patched("gem_model.jagged", "insert_one", _insert_one_before),
         patched("gem_model.model.gem", "position_rows", lambda table, positions, dtype: table(positions).to(dtype)),
-        patched("gem_model.model.gem", "split_rows", lambda x, index_a, index_b: (x[index_a], x[index_b])),
+        patched("gem_model.model.sequence_pool", "split_rows", lambda x, index_a, index_b: (x[index_a], x[index_b])),
     ),
     # the norm-gate kernels and the gap's last backward pass as launched before their loads were pipelined
     # (2026-12-04): no tl.range stages, one forward tile a program, four backward programs per SM

@@ -67,6 +67,19 @@ def test_the_loss_kernel_switch_is_undone(tmp_path, monkeypatch):
     assert run.model.loss_kernel is own
 
 
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_the_sequence_pool_switches_swap_the_kernel_and_are_undone(tmp_path, monkeypatch, name):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    run = testing.fake_run_context(output_dir=tmp_path)  # its model is the GemModel itself (inline_single)
+    own = run.model.pool_kernel
+    undo = VARIANTS[f"{name}_sequence_pool"](run)
+    assert run.model.pool_kernel.name == name and run.model.pool_kernel is not own
+    undo()
+    assert run.model.pool_kernel is own
+
+
 def test_the_backward_thread_switch_is_undone(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import torch
@@ -87,9 +100,9 @@ def test_the_old_sequence_rows_give_the_same_rows_and_are_undone(monkeypatch):
     from ab_switches import VARIANTS
 
     from gem_model import jagged
-    from gem_model.model import gem
+    from gem_model.model import gem, sequence_pool
 
-    new = jagged.insert_one, gem.position_rows, gem.split_rows
+    new = jagged.insert_one, gem.position_rows, sequence_pool.split_rows
     lengths = torch.tensor([3, 0, 2])
     values, extra = torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
     grad = torch.randn(8, 4)
@@ -97,15 +110,15 @@ def test_the_old_sequence_rows_give_the_same_rows_and_are_undone(monkeypatch):
 
     def moved() -> tuple[torch.Tensor, ...]:
         out, _ = jagged.append_one(values, lengths, extra)
-        a, b = gem.split_rows(out, hist, last)
+        a, b = sequence_pool.split_rows(out, hist, last)
         return (out.detach(), *torch.autograd.grad((a, b), (values, extra), (grad[hist], grad[last])))
 
     want = moved()
     undo = VARIANTS["sequence_rows_as_before"](None)
-    assert (jagged.insert_one, gem.position_rows, gem.split_rows) != new
+    assert (jagged.insert_one, gem.position_rows, sequence_pool.split_rows) != new
     assert all(torch.equal(a, b) for a, b in zip(moved(), want))
     undo()
-    assert (jagged.insert_one, gem.position_rows, gem.split_rows) == new
+    assert (jagged.insert_one, gem.position_rows, sequence_pool.split_rows) == new
 
 
 def test_the_ddp_switch_turns_the_reducer_off_at_one_rank_and_refuses_without_ddp(monkeypatch, tmp_path):
