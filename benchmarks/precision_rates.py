@@ -57,7 +57,7 @@ def linears(config, pm) -> tuple[list[ProbedLinear], int, int]:
     tokens = int(batch.history_lengths().sum()) + samples * (int(mc.use_candidate) + int(mc.context_token))
     model = GemModel(config.model.model_copy(update={"table_init": "device"}), c.source.feature_spec(),
                      attention=c.attention, norm_gate=c.norm_gate, next_item_loss=c.next_item_loss,
-                     sequence_pool=c.sequence_pool)  # fmt: skip  # tables on the meta device
+                     sequence_pool=c.sequence_pool, sequence_input=c.sequence_input)  # fmt: skip  # tables on the meta device
     blocks = tuple(f"{b}." for b in model.activation_blocks())
     out = []
     for fqn, current in precision_plan(model, config.precision).items():

@@ -14,8 +14,9 @@ from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
 from gem_model.data.validation import validate_batch
 from gem_model.jagged import append_one, gather_rows, offsets_of, positions_in_sequence, prepend_one, split_rows
 from gem_model.model.flops import attention_pairs, batch_flops
-from gem_model.model.gem import GemModel, position_rows
+from gem_model.model.gem import GemModel
 from gem_model.model.next_item import TorchNextItemLoss
+from gem_model.model.sequence_input import position_rows
 from gem_model.testing import LoopAttention, TorchNormGate
 
 
@@ -83,13 +84,13 @@ def test_position_rows_are_the_cast_rows_of_the_table():
     table = torch.nn.Embedding(16, 8)
     torch.nn.init.normal_(table.weight, generator=gen)
     positions = torch.randint(16, (200,), generator=gen)
-    got = position_rows(table, positions, torch.bfloat16)
+    got = position_rows(table.weight, positions, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, table(positions).to(torch.bfloat16))
     grad = torch.randn(200, 8, generator=gen).to(torch.bfloat16)
     got.backward(grad)
     expected = torch.zeros(16, 8, dtype=torch.float64).index_add_(0, positions, grad.double())
     assert float((table.weight.grad.double() - expected).norm() / expected.norm()) <= 1e-6
-    assert torch.equal(position_rows(table, positions, torch.float32), table(positions))
+    assert torch.equal(position_rows(table.weight, positions, torch.float32), table(positions))
 
 
 def test_forward_backward_reaches_every_parameter():

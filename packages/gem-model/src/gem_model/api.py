@@ -19,7 +19,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.components": (
         "GEMM_BITS", "NO_EXTRAS", "ActivationPolicy", "AttentionExtras", "CommStrategy", "Component", "ComponentConfig", "DataSource",
         "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NextItemLossKernel", "NormGateKernel", "ParallelPlanner",
-        "PlannerContext", "PrecisionScheme", "PreparedModel", "SequencePoolKernel", "SparseOptimizerSpec",
+        "PlannerContext", "PrecisionScheme", "PreparedModel", "SequenceInputKernel", "SequencePoolKernel",
+        "SparseOptimizerSpec",
     ),
     "gem_model.context": ("Optimizers", "RunContext"),  # what lifecycle hooks receive
     "gem_model.lifecycle": ("Callback", "TrainPipeline"),  # the step's stages; lifecycle plugins
@@ -70,6 +71,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "gem_model.model.next_item": ("L2_EPS", "next_item_loss", "unit_rows", "unit_rows_vjp"),
     # the sequence pool as torch ops (the core's kernel of kernels.sequence_pool) and its input checks
     "gem_model.model.sequence_pool": ("check_sequence_pool_inputs", "sequence_pool_torch"),
+    # the sequence input as torch ops (the core's kernel of kernels.sequence_input) and its input checks
+    "gem_model.model.sequence_input": ("check_sequence_input_inputs", "sequence_input_torch"),
     "gem_model.profiling.memory": ("MemoryFit", "step_loss"),
     # gem-train profile
     "gem_model.profiling.context": ("MeasuredSteps", "ProfileCommand", "ProfileContext"),
@@ -149,6 +152,7 @@ __all__ = [
     "RunShape",
     "RunSummary",
     "SavedFormatBlock",
+    "SequenceInputKernel",
     "SequencePoolKernel",
     "ShardableModel",
     "ShardedLoader",
@@ -164,6 +168,7 @@ __all__ = [
     "batch_tensors",
     "bias_grad_elsewhere",
     "call_linear",
+    "check_sequence_input_inputs",
     "check_sequence_pool_inputs",
     "count_flops",
     "dims_of",
@@ -181,6 +186,7 @@ __all__ = [
     "resolve_components",
     "run_shape",
     "sequence_ids",
+    "sequence_input_torch",
     "sequence_pool_torch",
     "set_submodule",
     "step_loss",
@@ -228,6 +234,7 @@ if TYPE_CHECKING:
         PlannerContext,
         PrecisionScheme,
         PreparedModel,
+        SequenceInputKernel,
         SequencePoolKernel,
         SparseOptimizerSpec,
     )
@@ -265,6 +272,7 @@ if TYPE_CHECKING:
     from gem_model.model.flops import count_flops
     from gem_model.model.gem import GemModel
     from gem_model.model.next_item import L2_EPS, next_item_loss, unit_rows, unit_rows_vjp
+    from gem_model.model.sequence_input import check_sequence_input_inputs, sequence_input_torch
     from gem_model.model.sequence_pool import check_sequence_pool_inputs, sequence_pool_torch
     from gem_model.parallel_dims import (
         DATA_DIMS,

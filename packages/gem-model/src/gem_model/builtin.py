@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 @hookimpl
 def gem_register_kernels():
     from gem_model.model.next_item import TorchNextItemLoss  # the default of kernels.next_item_loss
+    from gem_model.model.sequence_input import TorchSequenceInput  # the default of kernels.sequence_input
     from gem_model.model.sequence_pool import TorchSequencePool  # the default of kernels.sequence_pool
 
-    return [TorchNextItemLoss, TorchSequencePool]
+    return [TorchNextItemLoss, TorchSequenceInput, TorchSequencePool]
 
 
 @hookimpl

@@ -108,7 +108,7 @@ def parallel_degrees(ctx: CheckContext) -> list[Problem]:
     precision (:mod:`gem_model.parallel_checks`). It binds the run to the planner, so it comes before
     any check that asks the planner for a layout."""
     c = ctx.components
-    needed = (c.planner, c.source, c.attention, c.norm_gate, c.sequence_pool, c.next_item_loss,
+    needed = (c.planner, c.source, c.attention, c.norm_gate, c.sequence_input, c.sequence_pool, c.next_item_loss,
               (c.precision or {}).get(ctx.config.precision.scheme.name))  # fmt: skip
     if any(part is None for part in needed):
         return []  # the run the planner is bound to needs them; their own problems are reported already

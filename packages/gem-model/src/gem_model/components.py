@@ -21,6 +21,7 @@ from gem_model.kernels import (
     Kernel,
     NextItemLossKernel,
     NormGateKernel,
+    SequenceInputKernel,
     SequencePoolKernel,
 )
 
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
 __all__ = [  # the kernel interfaces and the base live in their own modules; importable from here too
     "NAME_PATTERN", "NO_EXTRAS", "ActivationPolicy", "AttentionExtras", "CommStrategy", "Component", "ComponentConfig",
     "DataSource", "JaggedAttentionKernel", "Kernel", "LoadBalancer", "NextItemLossKernel", "NormGateKernel",
-    "ParallelPlanner", "PlannerContext", "PrecisionScheme", "PreparedModel", "SequencePoolKernel", "SparseOptimizerSpec",
+    "ParallelPlanner", "PlannerContext", "PrecisionScheme", "PreparedModel", "SequenceInputKernel", "SequencePoolKernel",
+    "SparseOptimizerSpec",
 ]  # fmt: skip
 
 

@@ -277,6 +277,7 @@ class TrainerConfig(Strict):
 class KernelsConfig(Strict):
     jagged_attention: ComponentRef = Field(default_factory=lambda: ref("torch"))
     norm_gate: ComponentRef = Field(default_factory=lambda: ref("torch"))
+    sequence_input: ComponentRef = Field(default_factory=lambda: ref("torch"))
     sequence_pool: ComponentRef = Field(default_factory=lambda: ref("torch"))
     next_item_loss: ComponentRef = Field(default_factory=lambda: ref("torch"))
 

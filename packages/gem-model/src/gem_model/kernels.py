@@ -1,6 +1,6 @@
 """The kernel interfaces plugins implement: the jagged attention (with its optional parts,
-:class:`AttentionExtras`, and the fused HSTU block it may offer), the norm-gate, the sequence pool and
-the next-item loss. Registered per op: ``kernels.<op>: <name>``."""
+:class:`AttentionExtras`, and the fused HSTU block it may offer), the norm-gate, the sequence tower's
+two ends (its input and its pool) and the next-item loss. Registered per op: ``kernels.<op>: <name>``."""
 
 from __future__ import annotations
 
@@ -209,3 +209,36 @@ class SequencePoolKernel(Kernel):
         candidate: bool,
         max_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class SequenceInputKernel(Kernel):
+    """The sequence tower's first step: each sequence's rows assembled from its history's embeddings.
+
+    ``item`` and ``action`` (or None) ``[Nh, D]`` hold the history rows of ``B`` sequences, sequence after
+    sequence (``hist_lengths [B]``). Sequence ``b``'s rows are ``first[b]`` when ``first`` is given (the
+    context token), then its history rows ``item * scale + action``, then ``last[b]`` when ``last`` is
+    given (the candidate); with ``position`` (the ``[P, D]`` table, ``P`` at least every sequence's
+    length) each row at position ``p`` of its sequence gets ``position[p]`` added. Returns the rows
+    ``[N, D]`` in ``dtype``: sequence ``b`` is rows ``offsets[b]:offsets[b+1]`` of the lengths
+    ``hist_lengths + [first given] + [last given]``.
+
+    ``max_len`` bounds every sequence's length (the model's ``max_seq_len``), for kernels that size
+    their launch by it on the host. A kernel reads no length back from the device.
+    """
+
+    op: ClassVar[str] = "sequence_input"
+
+    @abstractmethod
+    def __call__(
+        self,
+        item: torch.Tensor,
+        action: torch.Tensor | None,
+        hist_lengths: torch.Tensor,
+        *,
+        scale: float,
+        first: torch.Tensor | None,
+        last: torch.Tensor | None,
+        position: torch.Tensor | None,
+        dtype: torch.dtype,
+        max_len: int,
+    ) -> torch.Tensor: ...

@@ -22,6 +22,7 @@ KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("kernel norm_gate", "torch"): "gem-kernels",
     ("kernel norm_gate", "triton"): "gem-kernels",
     ("kernel next_item_loss", "triton"): "gem-kernels",
+    ("kernel sequence_input", "triton"): "gem-kernels",
     ("kernel sequence_pool", "triton"): "gem-kernels",
     ("precision scheme", "fp32"): "gem-precision",
     ("precision scheme", "bf16"): "gem-precision",

@@ -20,6 +20,7 @@ from gem_model.components import (
     NormGateKernel,
     ParallelPlanner,
     PrecisionScheme,
+    SequenceInputKernel,
     SequencePoolKernel,
 )
 from gem_model.config import ComponentRef, RunConfig
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 class Components:
     attention: JaggedAttentionKernel
     norm_gate: NormGateKernel
+    sequence_input: SequenceInputKernel
     sequence_pool: SequencePoolKernel
     next_item_loss: NextItemLossKernel
     precision: dict[str, PrecisionScheme]  # by scheme name: the default and every override
@@ -58,6 +60,7 @@ class Components:
         out: list[tuple[str, str, Component]] = [
             ("kernels.jagged_attention", self.attention.name, self.attention),
             ("kernels.norm_gate", self.norm_gate.name, self.norm_gate),
+            ("kernels.sequence_input", self.sequence_input.name, self.sequence_input),
             ("kernels.sequence_pool", self.sequence_pool.name, self.sequence_pool),
             ("kernels.next_item_loss", self.next_item_loss.name, self.next_item_loss),
         ]
@@ -152,6 +155,9 @@ def _resolve(config: RunConfig, pm: GemPluginManager) -> tuple[dict[str, Any], _
             pm.kernel_registry("jagged_attention"), config.kernels.jagged_attention, "kernels.jagged_attention"
         ),
         "norm_gate": r.build(pm.kernel_registry("norm_gate"), config.kernels.norm_gate, "kernels.norm_gate"),
+        "sequence_input": r.build(
+            pm.kernel_registry("sequence_input"), config.kernels.sequence_input, "kernels.sequence_input"
+        ),
         "sequence_pool": r.build(
             pm.kernel_registry("sequence_pool"), config.kernels.sequence_pool, "kernels.sequence_pool"
         ),
@@ -193,7 +199,8 @@ def run_shape(config: RunConfig, components: Components, *, ranks_per_node: int 
             return GemModel(
                 config.model.model_copy(update={"table_init": "device"}), components.source.feature_spec(),
                 attention=components.attention, norm_gate=components.norm_gate,
-                sequence_pool=components.sequence_pool, next_item_loss=components.next_item_loss,
+                sequence_pool=components.sequence_pool, sequence_input=components.sequence_input,
+                next_item_loss=components.next_item_loss,
                 seed=config.trainer.seed,
             )  # fmt: skip
 
@@ -228,6 +235,7 @@ def component_paths(config: RunConfig, components: Components) -> list[tuple[lis
     out: list[tuple[list[str | int], Component]] = [
         (["kernels", "jagged_attention"], components.attention),
         (["kernels", "norm_gate"], components.norm_gate),
+        (["kernels", "sequence_input"], components.sequence_input),
         (["kernels", "sequence_pool"], components.sequence_pool),
         (["kernels", "next_item_loss"], components.next_item_loss),
         (["precision", "scheme"], components.precision[config.precision.scheme.name]),

@@ -373,7 +373,8 @@ def fake_run_context(*overrides: str, output_dir: str | Path, step: int = 0) -> 
     c = resolve_components(config, GemPluginManager(autoload=False, plugins=[sys.modules[__name__]]))
     env = DistEnv(0, 1, 0, torch.device("cpu"), None)
     model = GemModel(config.model, c.source.feature_spec(), attention=c.attention, norm_gate=c.norm_gate,
-                     next_item_loss=c.next_item_loss, sequence_pool=c.sequence_pool)  # fmt: skip
+                     next_item_loss=c.next_item_loss, sequence_pool=c.sequence_pool,
+                     sequence_input=c.sequence_input)  # fmt: skip
     spec = sparse_optimizer_spec(config.trainer)
     layout = c.planner.layout(env)
     ctx = PlannerContext(env, layout, c.comm, spec)

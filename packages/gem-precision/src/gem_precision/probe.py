@@ -95,7 +95,7 @@ def probe_precision(
         model = GemModel(
             config.model, loader.spec, attention=components.attention, norm_gate=components.norm_gate,
             next_item_loss=components.next_item_loss, sequence_pool=components.sequence_pool,
-            seed=config.trainer.seed,
+            sequence_input=components.sequence_input, seed=config.trainer.seed,
         )  # fmt: skip
         if model.tables_on_meta:  # model.table_init: device (a planner would draw them; here the probe does)
             model.materialize_tables(device)

@@ -25,28 +25,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_model.components import JaggedAttentionKernel, NextItemLossKernel, NormGateKernel, SequencePoolKernel
+from gem_model.components import (
+    JaggedAttentionKernel,
+    NextItemLossKernel,
+    NormGateKernel,
+    SequenceInputKernel,
+    SequencePoolKernel,
+)
 from gem_model.config import ModelConfig
 from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
-from gem_model.jagged import append_one, offsets_of, positions_in_sequence, prepend_one
+from gem_model.jagged import append_one, offsets_of, prepend_one
 from gem_model.model.embeddings import SparseArch
 from gem_model.model.hstu import HSTUBlock, LayerNorm, TokenMixer
 from gem_model.model.lookup_bags import even_bags
 from gem_model.model.next_item import TorchNextItemLoss
+from gem_model.model.sequence_input import TorchSequenceInput
 from gem_model.model.sequence_pool import TorchSequencePool
-
-
-def position_rows(table: nn.Embedding, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``table(positions)`` in ``dtype``. On a GPU they are gathered from the table cast to ``dtype``: the
-    values of casting the gathered rows, without writing them in the table's float32 first and casting
-    them in a pass of their own (and, backward, casting their ``[L, D]`` gradient back before the table
-    sums it). CUDA's embedding backward sums in float32 and rounds each entry of the table's gradient
-    once to ``dtype`` (as the bf16 linears' weight gradients are; on the H200 1.7e-3 relative to the
-    float64 sum, 2026-12-04). The CPU's sums in the gradient's dtype, so there the rows are gathered in
-    the table's dtype and cast."""
-    if positions.is_cuda:
-        return F.embedding(positions, table.weight.to(dtype))
-    return table(positions).to(dtype)
 
 
 class ModelOutput(NamedTuple):
@@ -66,15 +60,17 @@ class GemModel(nn.Module):
         norm_gate: NormGateKernel,
         next_item_loss: NextItemLossKernel | None = None,
         sequence_pool: SequencePoolKernel | None = None,
+        sequence_input: SequenceInputKernel | None = None,
         seed: int = 0,
     ):
-        """``attention``, ``norm_gate``, ``next_item_loss`` and ``sequence_pool``: the run's kernels of
-        those ops (``kernels.<op>``); ``next_item_loss`` / ``sequence_pool`` None: the core's
-        :class:`TorchNextItemLoss` / :class:`TorchSequencePool`."""
+        """``attention``, ``norm_gate``, ``next_item_loss``, ``sequence_pool`` and ``sequence_input``: the
+        run's kernels of those ops (``kernels.<op>``); the last three None: the core's
+        :class:`TorchNextItemLoss`, :class:`TorchSequencePool`, :class:`TorchSequenceInput`."""
         super().__init__()
         self.config, self.spec, self.seed = config, spec, seed
         self.loss_kernel: NextItemLossKernel = next_item_loss if next_item_loss is not None else TorchNextItemLoss()
         self.pool_kernel: SequencePoolKernel = sequence_pool if sequence_pool is not None else TorchSequencePool()
+        self.input_kernel: SequenceInputKernel = sequence_input if sequence_input is not None else TorchSequenceInput()
         d = config.embedding_dim
         extra = 1 if config.use_candidate else 0
         lead = 1 if config.context_token else 0
@@ -261,23 +257,22 @@ class GemModel(nn.Module):
         seq, pooled = self.sparse(batch.sequence, batch.pooled)
         hist_lengths = seq[SEQ_ITEM].lengths()
         item_emb = seq[SEQ_ITEM].values()
-        x = (item_emb * cfg.embedding_dim**0.5 if cfg.scale_item_input else item_emb) + seq[SEQ_ACTION].values()
-        x = x.to(self.activation_dtype)  # the one cast of the sequence input into the activation dtype
-        lengths = hist_lengths
         num_targets = None
         features = None
+        context = None
         lead = 0  # rows before the history in each sequence: the context token
         times = self._history_times(batch, hist_lengths) if cfg.relative_time_bias else None
         if self.context_proj is not None:
-            features = self._feature_tokens(batch, pooled, x.dtype)
+            features = self._feature_tokens(batch, pooled, self.activation_dtype)
             assert features is not None  # checked in __init__
             context = self.context_proj(features.flatten(1))
             if times is not None:  # the context token's time: the first item's (the request time if none)
                 nonempty = hist_lengths > 0
                 first = batch.request_times.index_put((nonempty,), times[0][offsets_of(hist_lengths)[:-1][nonempty]])
                 times = (prepend_one(times[0], hist_lengths, first)[0], prepend_one(times[1], hist_lengths, first)[0])
-            x, lengths = prepend_one(x, lengths, context)
             lead = 1
+        lengths = hist_lengths + lead if lead else hist_lengths
+        candidates = None
         if cfg.use_candidate:
             cand = seq[CAND_ITEM]
             counts = batch.lengths_on_host(CAND_ITEM)  # on the host: no device sync for the check
@@ -287,11 +282,18 @@ class GemModel(nn.Module):
             if times is not None:  # the candidate is asked about at the request time
                 times = (append_one(times[0], lengths, batch.request_times)[0],
                          append_one(times[1], lengths, batch.request_times)[0])
-            x, lengths = append_one(x, lengths, cand.values().to(x.dtype))
+            candidates = cand.values()
+            lengths = lengths + 1
             num_targets = torch.ones_like(lengths)
+        # the rows of each sequence: the context token, item + action of the history, the candidate,
+        # each plus its position's row, in the activation dtype
+        x = self.input_kernel(
+            item_emb, seq[SEQ_ACTION].values(), hist_lengths,
+            scale=cfg.embedding_dim**0.5 if cfg.scale_item_input else 1.0, first=context, last=candidates,
+            position=None if self.position is None else self.position.weight, dtype=self.activation_dtype,
+            max_len=cfg.max_seq_len,
+        )  # fmt: skip
         offsets = offsets_of(lengths)
-        if self.position is not None:
-            x = x + position_rows(self.position, positions_in_sequence(lengths, offsets, total=x.shape[0]), x.dtype)
         x = self.input_dropout(x)
         for block in self.blocks:
             x = block(x, offsets, num_targets, times)

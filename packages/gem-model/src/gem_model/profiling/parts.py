@@ -48,7 +48,8 @@ class RunParts:
         config, c = self.ctx.config, self.components
         return GemModel(config.model.model_copy(update={"table_init": "device", "embedding_init_std": None}),
                         c.source.feature_spec(), attention=c.attention, norm_gate=c.norm_gate,
-                        next_item_loss=c.next_item_loss, sequence_pool=c.sequence_pool)  # fmt: skip
+                        next_item_loss=c.next_item_loss, sequence_pool=c.sequence_pool,
+                        sequence_input=c.sequence_input)  # fmt: skip
 
     def memory_fit(self, precision: PrecisionConfig) -> MemoryFit:
         return precision_memory(self.ctx, self.components, self.plan, self.first_batch, self.sizes, precision)

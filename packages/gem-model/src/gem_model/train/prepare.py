@@ -71,7 +71,7 @@ def initial_model(config: RunConfig, components: Components, spec: FeatureSpec) 
     torch.manual_seed(config.trainer.seed * 1_000)
     return GemModel(config.model, spec, attention=components.attention, norm_gate=components.norm_gate,
                     next_item_loss=components.next_item_loss, sequence_pool=components.sequence_pool,
-                    seed=config.trainer.seed)  # fmt: skip
+                    sequence_input=components.sequence_input, seed=config.trainer.seed)  # fmt: skip
 
 
 def apply_activation(
@@ -124,7 +124,8 @@ def offline_plan(config: RunConfig, components: Components, *, world_size: int, 
     spec = components.source.feature_spec()
     model = GemModel(
         model_config, spec, attention=components.attention, norm_gate=components.norm_gate,
-        next_item_loss=components.next_item_loss, sequence_pool=components.sequence_pool, seed=config.trainer.seed,
+        next_item_loss=components.next_item_loss, sequence_pool=components.sequence_pool,
+        sequence_input=components.sequence_input, seed=config.trainer.seed,
     )  # fmt: skip
     ctx = PlannerContext(env, layout, components.comm, sparse_optimizer_spec(config.trainer))
     return components.planner.plan(model, ctx)
