@@ -200,21 +200,26 @@ def switch_torch_loss(run: object) -> Callable[[], None]:
     return undo
 
 
-def _pool_kernel(name: str) -> Switch:
-    """The model's ``pool_kernel`` (``kernels.sequence_pool``) swapped for the kernel ``name``: gem-model's
-    ``torch`` (the layer norm, the row gather and the membership-GEMM mean as torch ops) or gem-kernels'
-    ``triton`` (one pass over the rows each way)."""
+def _tower_end_kernel(attr: str, name: str) -> Switch:
+    """The model's kernel of one end of its sequence tower swapped for the kernel ``name``: ``pool_kernel``
+    (``kernels.sequence_pool``: the final layer norm, the row gather and the membership-GEMM mean) or
+    ``input_kernel`` (``kernels.sequence_input``: the add, the candidate's row moves, the position rows),
+    gem-model's ``torch`` (those torch ops) or gem-kernels' ``triton`` (one pass over the rows each way)."""
 
     def apply(run: object) -> Callable[[], None]:
+        from gem_kernels.sequence_input import TritonSequenceInput
         from gem_kernels.sequence_pool import TritonSequencePool
+        from gem_model.model.sequence_input import TorchSequenceInput
         from gem_model.model.sequence_pool import TorchSequencePool
 
+        kernels = {"pool_kernel": (TorchSequencePool, TritonSequencePool),
+                   "input_kernel": (TorchSequenceInput, TritonSequenceInput)}[attr]  # fmt: skip
         model = run.model  # type: ignore[attr-defined]
-        before = model.pool_kernel
-        model.pool_kernel = {"torch": TorchSequencePool, "triton": TritonSequencePool}[name]()
+        before = getattr(model, attr)
+        setattr(model, attr, kernels[name == "triton"]())
 
         def undo() -> None:
-            model.pool_kernel = before
+            setattr(model, attr, before)
 
         return undo
 
@@ -345,8 +350,10 @@ VARIANTS: dict[str, Switch] = {
     "loss_buckets_2": _loss_plan(growth=2.0, small=128, chunk_elements=1 << 27),
     # the next-item loss by gem-model's torch kernel instead of the configured one (triton on the H200)
     "torch_loss": switch_torch_loss,
-    "torch_sequence_pool": _pool_kernel("torch"),
-    "triton_sequence_pool": _pool_kernel("triton"),
+    "torch_sequence_pool": _tower_end_kernel("pool_kernel", "torch"),
+    "triton_sequence_pool": _tower_end_kernel("pool_kernel", "triton"),
+    "torch_sequence_input": _tower_end_kernel("input_kernel", "torch"),
+    "triton_sequence_input": _tower_end_kernel("input_kernel", "triton"),
     # backward on the training thread instead of autograd's device thread
     "backward_on_main_thread": switch_backward_on_main_thread,
     "ddp_no_sync": switch_ddp_no_sync,
@@ -356,7 +363,8 @@ VARIANTS: dict[str, Switch] = {
     # accumulation and adds the two gradients)
     "sequence_rows_as_before": all_of(
         patched("gem_model.jagged", "insert_one", _insert_one_before),
-        patched("gem_model.model.gem", "position_rows", lambda table, positions, dtype: table(positions).to(dtype)),
+        patched("gem_model.model.sequence_input", "position_rows",
+                lambda table, positions, dtype: torch.nn.functional.embedding(positions, table).to(dtype)),
         patched("gem_model.model.sequence_pool", "split_rows", lambda x, index_a, index_b: (x[index_a], x[index_b])),
     ),
     # the norm-gate kernels and the gap's last backward pass as launched before their loads were pipelined

@@ -68,16 +68,18 @@ def test_the_loss_kernel_switch_is_undone(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
-def test_the_sequence_pool_switches_swap_the_kernel_and_are_undone(tmp_path, monkeypatch, name):
+@pytest.mark.parametrize("op,attr", [("sequence_pool", "pool_kernel"), ("sequence_input", "input_kernel")])
+def test_the_tower_end_switches_swap_the_kernel_and_are_undone(tmp_path, monkeypatch, name, op, attr):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from ab_switches import VARIANTS
 
     run = testing.fake_run_context(output_dir=tmp_path)  # its model is the GemModel itself (inline_single)
-    own = run.model.pool_kernel
-    undo = VARIANTS[f"{name}_sequence_pool"](run)
-    assert run.model.pool_kernel.name == name and run.model.pool_kernel is not own
+    own = getattr(run.model, attr)
+    undo = VARIANTS[f"{name}_{op}"](run)
+    assert getattr(run.model, attr).name == name and getattr(run.model, attr).op == op
+    assert getattr(run.model, attr) is not own
     undo()
-    assert run.model.pool_kernel is own
+    assert getattr(run.model, attr) is own
 
 
 def test_the_backward_thread_switch_is_undone(monkeypatch):
@@ -100,9 +102,9 @@ def test_the_old_sequence_rows_give_the_same_rows_and_are_undone(monkeypatch):
     from ab_switches import VARIANTS
 
     from gem_model import jagged
-    from gem_model.model import gem, sequence_pool
+    from gem_model.model import sequence_input, sequence_pool
 
-    new = jagged.insert_one, gem.position_rows, sequence_pool.split_rows
+    new = jagged.insert_one, sequence_input.position_rows, sequence_pool.split_rows
     lengths = torch.tensor([3, 0, 2])
     values, extra = torch.randn(5, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
     grad = torch.randn(8, 4)
@@ -115,10 +117,10 @@ def test_the_old_sequence_rows_give_the_same_rows_and_are_undone(monkeypatch):
 
     want = moved()
     undo = VARIANTS["sequence_rows_as_before"](None)
-    assert (jagged.insert_one, gem.position_rows, sequence_pool.split_rows) != new
+    assert (jagged.insert_one, sequence_input.position_rows, sequence_pool.split_rows) != new
     assert all(torch.equal(a, b) for a, b in zip(moved(), want))
     undo()
-    assert (jagged.insert_one, gem.position_rows, sequence_pool.split_rows) == new
+    assert (jagged.insert_one, sequence_input.position_rows, sequence_pool.split_rows) == new
 
 
 def test_the_ddp_switch_turns_the_reducer_off_at_one_rank_and_refuses_without_ddp(monkeypatch, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
 from gem_kernels.next_item_loss import TritonNextItemLoss
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
+from gem_kernels.sequence_input import TritonSequenceInput
 from gem_kernels.sequence_pool import TritonSequencePool
 from gem_model.api import Kernel, hookimpl
 
@@ -13,5 +14,5 @@ from gem_model.api import Kernel, hookimpl
 def gem_register_kernels() -> list[type[Kernel]]:
     return [
         TorchJaggedAttention, TritonJaggedAttention, TorchNormGate, TritonNormGate, TritonNextItemLoss,
-        TritonSequencePool,
+        TritonSequenceInput, TritonSequencePool,
     ]  # fmt: skip
