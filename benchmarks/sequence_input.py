@@ -31,7 +31,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rounds import cell, rotated_queued_rounds, save_results, spread  # benchmarks/rounds.py, beside this script
+from op_pair import (  # benchmarks/op_pair.py, beside this script
+    add_case_args,
+    check_errors,
+    history_lengths,
+    relative,
+    time_passes,
+)
+from rounds import save_results  # benchmarks/rounds.py, beside this script
 
 from gem_kernels import sequence_input_triton as kernel_module
 from gem_kernels.sequence_input_triton import sequence_input_reference, sequence_input_triton
@@ -42,19 +49,12 @@ OUTPUTS = ("x", "ditem", "daction", "dlast", "dposition")
 BLOCKS = ("CHUNK", "POS_BLOCK", "COL_BLOCK", "SEQUENCES")
 
 
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``|got - want| / |want|``, or ``|got - want|`` where ``want`` is all zeros (no history rows)."""
-    diff, scale = (got.double() - want).norm().item(), want.norm().item()
-    return diff / scale if scale > 0 else diff
-
-
 class Case:
     """Fresh random item, action and candidate rows, position table and output gradient on ``args.device``."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(args.seed)
-        n = torch.arange(args.max_len, dtype=torch.float64)  # history lengths 0 .. max_len - 1 (+ the candidate)
-        hist_lengths = torch.multinomial((n + 1) ** -args.exponent, args.batch, replacement=True, generator=gen)
+        hist_lengths = history_lengths(args, gen)
         self.hist_rows, self.max_len, self.scale, dev = int(hist_lengths.sum()), args.max_len, args.scale, args.device
         self.rows = self.hist_rows + args.batch
         self.hist_lengths = hist_lengths.to(dev)
@@ -112,24 +112,14 @@ class Case:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=384)
-    parser.add_argument("--max-len", type=int, default=4096, help="max_seq_len: histories of 0 .. max_len - 1 rows")
-    parser.add_argument("--exponent", type=float, default=0.95)
-    parser.add_argument("--dim", type=int, default=1024)
+    add_case_args(parser)
     parser.add_argument("--scale", type=float, default=1.0, help="the item rows' scale (scale_item_input: sqrt(D))")
     for name in BLOCKS:  # the kernel's block constants, when not its defaults
         parser.add_argument("--" + name.lower().replace("_", "-"), type=int, default=None, help=f"triton's {name}")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--sleep-cycles", type=int, default=100_000_000)
-    parser.add_argument("--max-error", type=float, default=1e-2, help="the largest error triton's results may have")
     # torch rounds the item + action sum to bf16 before the position row is added (two roundings), and
     # on a GPU sums the table's gradient in the bf16 table's embedding backward: checked for computing
     # the same thing, not for its bits
     parser.add_argument("--max-error-torch", type=float, default=2e-2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--device", default="cuda", help="cpu: the float64 check only (TRITON_INTERPRET=1)")
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         print("sequence_input.py times CUDA kernels: no GPU here", file=sys.stderr)
@@ -141,25 +131,11 @@ def main() -> int:
     case = Case(args)
     errors = case.errors()
     print(f"{case.rows} rows, {case.hist_rows} history rows, {args.batch} sequences, D = {args.dim}; triton {blocks}")
-    print("| variant | " + " | ".join(OUTPUTS) + " |\n|---|" + "---|" * len(OUTPUTS))
-    for name, errs in errors.items():
-        print(f"| {name} | " + " | ".join(f"{errs[k]:.1e}" for k in OUTPUTS) + " |")
-    for name, limit in (("torch", args.max_error_torch), ("triton", args.max_error)):
-        if not max(errors[name].values()) <= limit:
-            raise SystemExit(f"{name}: errors against float64 above {limit}: {errors[name]}")
+    check_errors(errors, OUTPUTS, {"torch": args.max_error_torch, "triton": args.max_error})
     if args.device == "cpu":
         print("cpu: errors checked; timing needs a GPU")
         return 0
-    results = []
-    print("\n| pass | variant | device ms a call, median (IQR) | vs torch |\n|---|---|---|---|")
-    for label, make in (("forward", case.forward), ("forward+backward", case.step)):
-        fns = {"torch": make(case.torch_path), "triton": make(case.triton_path)}
-        times = rotated_queued_rounds(fns, args.rounds, args.iters, args.sleep_cycles)
-        base = spread(times["torch"])["median"]
-        for name in fns:
-            s = spread(times[name])
-            print(f"| {label} | {name} | {cell(s)} | {base / s['median']:.2f}x |")
-            results.append({"pass": label, "variant": name, **s, "errors": errors[name]})
+    results = time_passes(case, args, errors)
     save_results(args.out, results, batch=args.batch, max_len=args.max_len, exponent=args.exponent, dim=args.dim,
                  scale=args.scale, blocks=blocks, rows=case.rows, rounds=args.rounds, iters=args.iters, seed=args.seed)  # fmt: skip
     return 0

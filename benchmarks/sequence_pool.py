@@ -29,7 +29,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rounds import cell, rotated_queued_rounds, save_results, spread  # benchmarks/rounds.py, beside this script
+from op_pair import (  # benchmarks/op_pair.py, beside this script
+    add_case_args,
+    check_errors,
+    history_lengths,
+    relative,
+    time_passes,
+)
+from rounds import save_results  # benchmarks/rounds.py, beside this script
 
 from gem_kernels.sequence_pool_triton import sequence_pool_reference, sequence_pool_triton
 from gem_model.jagged import offsets_of
@@ -39,19 +46,12 @@ from gem_model.model.sequence_pool import sequence_pool_torch
 OUTPUTS = ("hist", "last", "mean", "dx", "dweight", "dbias")
 
 
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``|got - want| / |want|``, or ``|got - want|`` where ``want`` is all zeros (no history rows)."""
-    diff, scale = (got.double() - want).norm().item(), want.norm().item()
-    return diff / scale if scale > 0 else diff
-
-
 class Case:
     """Fresh random rows, layer-norm parameters and output gradients on ``args.device``."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(args.seed)
-        n = torch.arange(args.max_len, dtype=torch.float64)  # history lengths 0 .. max_len - 1 (+ the candidate)
-        hist_lengths = torch.multinomial((n + 1) ** -args.exponent, args.batch, replacement=True, generator=gen)
+        hist_lengths = history_lengths(args, gen)
         rows, b = int(hist_lengths.sum()) + args.batch, args.batch
         self.rows, self.max_len, dev = rows, args.max_len, args.device
         self.hist_lengths = hist_lengths.to(dev)
@@ -107,20 +107,10 @@ class Case:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=384)
-    parser.add_argument("--max-len", type=int, default=4096, help="max_seq_len: histories of 0 .. max_len - 1 rows")
-    parser.add_argument("--exponent", type=float, default=0.95)
-    parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--sleep-cycles", type=int, default=100_000_000)
-    parser.add_argument("--max-error", type=float, default=1e-2, help="the largest error triton's results may have")
+    add_case_args(parser)
     # torch's layer norm runs with its weight and bias cast to bf16, so their gradients are bf16 sums (on
     # the CPU, 0.04 off float64 at 2,000 rows): the baseline is checked for computing the same thing
     parser.add_argument("--max-error-torch", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--device", default="cuda", help="cpu: the float64 check only (TRITON_INTERPRET=1)")
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():
         print("sequence_pool.py times CUDA kernels: no GPU here", file=sys.stderr)
@@ -128,25 +118,11 @@ def main() -> int:
     case = Case(args)
     errors = case.errors()
     print(f"{case.rows} rows, {case.rows - args.batch} history rows, {args.batch} sequences, D = {args.dim}")
-    print("| variant | " + " | ".join(OUTPUTS) + " |\n|---|" + "---|" * len(OUTPUTS))
-    for name, errs in errors.items():
-        print(f"| {name} | " + " | ".join(f"{errs[k]:.1e}" for k in OUTPUTS) + " |")
-    for name, limit in (("torch", args.max_error_torch), ("triton", args.max_error)):
-        if not max(errors[name].values()) <= limit:
-            raise SystemExit(f"{name}: errors against float64 above {limit}: {errors[name]}")
+    check_errors(errors, OUTPUTS, {"torch": args.max_error_torch, "triton": args.max_error})
     if args.device == "cpu":
         print("cpu: errors checked; timing needs a GPU")
         return 0
-    results = []
-    print("\n| pass | variant | device ms a call, median (IQR) | vs torch |\n|---|---|---|---|")
-    for label, make in (("forward", case.forward), ("forward+backward", case.step)):
-        fns = {"torch": make(case.torch_path), "triton": make(case.triton_path)}
-        times = rotated_queued_rounds(fns, args.rounds, args.iters, args.sleep_cycles)
-        base = spread(times["torch"])["median"]
-        for name in fns:
-            s = spread(times[name])
-            print(f"| {label} | {name} | {cell(s)} | {base / s['median']:.2f}x |")
-            results.append({"pass": label, "variant": name, **s, "errors": errors[name]})
+    results = time_passes(case, args, errors)
     save_results(args.out, results, batch=args.batch, max_len=args.max_len, exponent=args.exponent, dim=args.dim,
                  rows=case.rows, rounds=args.rounds, iters=args.iters, seed=args.seed)  # fmt: skip
     return 0
