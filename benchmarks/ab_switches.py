@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 from ab_patch import Switch, all_of, patched  # beside this script
+from ab_switches_kernels import KERNEL_VARIANTS  # beside this script
 from ab_switches_precision import PRECISION_VARIANTS  # beside this script
 from torch.nn.attention import SDPBackend
 
@@ -184,48 +185,6 @@ def _loss_plan(*, growth: float, small: int, chunk_elements: int) -> Switch:
     return apply
 
 
-def switch_torch_loss(run: object) -> Callable[[], None]:
-    """The next-item loss by gem-model's ``torch`` kernel (``TorchNextItemLoss``, the chunked GEMMs and
-    per-row torch passes of ``gem_model.model.next_item``) instead of the run's ``kernels.next_item_loss``
-    (gem-kernels' ``triton`` in ``configs/h200-large.yaml``): the model's ``loss_kernel`` swapped."""
-    from gem_model.model.next_item import TorchNextItemLoss
-
-    model = run.model  # type: ignore[attr-defined]
-    before = model.loss_kernel
-    model.loss_kernel = TorchNextItemLoss()
-
-    def undo() -> None:
-        model.loss_kernel = before
-
-    return undo
-
-
-def _tower_end_kernel(attr: str, name: str) -> Switch:
-    """The model's kernel of one end of its sequence tower swapped for the kernel ``name``: ``pool_kernel``
-    (``kernels.sequence_pool``: the final layer norm, the row gather and the membership-GEMM mean) or
-    ``input_kernel`` (``kernels.sequence_input``: the add, the candidate's row moves, the position rows),
-    gem-model's ``torch`` (those torch ops) or gem-kernels' ``triton`` (one pass over the rows each way)."""
-
-    def apply(run: object) -> Callable[[], None]:
-        from gem_kernels.sequence_input import TritonSequenceInput
-        from gem_kernels.sequence_pool import TritonSequencePool
-        from gem_model.model.sequence_input import TorchSequenceInput
-        from gem_model.model.sequence_pool import TorchSequencePool
-
-        kernels = {"pool_kernel": (TorchSequencePool, TritonSequencePool),
-                   "input_kernel": (TorchSequenceInput, TritonSequenceInput)}[attr]  # fmt: skip
-        model = run.model  # type: ignore[attr-defined]
-        before = getattr(model, attr)
-        setattr(model, attr, kernels[name == "triton"]())
-
-        def undo() -> None:
-            setattr(model, attr, before)
-
-        return undo
-
-    return apply
-
-
 def switch_backward_on_main_thread(run: object) -> Callable[[], None]:
     """Backward on the thread that calls it (``torch.autograd.set_multithreading_enabled(False)``)
     instead of autograd's device thread: whether handing the graph to that thread is what leaves the
@@ -348,12 +307,6 @@ VARIANTS: dict[str, Switch] = {
     "f32_lookup": _lookup_dtype("f32_lookup", "float32"),
     "loss_buckets_1.5": _loss_plan(growth=1.5, small=128, chunk_elements=1 << 26),
     "loss_buckets_2": _loss_plan(growth=2.0, small=128, chunk_elements=1 << 27),
-    # the next-item loss by gem-model's torch kernel instead of the configured one (triton on the H200)
-    "torch_loss": switch_torch_loss,
-    "torch_sequence_pool": _tower_end_kernel("pool_kernel", "torch"),
-    "triton_sequence_pool": _tower_end_kernel("pool_kernel", "triton"),
-    "torch_sequence_input": _tower_end_kernel("input_kernel", "torch"),
-    "triton_sequence_input": _tower_end_kernel("input_kernel", "triton"),
     # backward on the training thread instead of autograd's device thread
     "backward_on_main_thread": switch_backward_on_main_thread,
     "ddp_no_sync": switch_ddp_no_sync,
@@ -367,31 +320,6 @@ VARIANTS: dict[str, Switch] = {
                 lambda table, positions, dtype: torch.nn.functional.embedding(positions, table).to(dtype)),
         patched("gem_model.model.sequence_pool", "split_rows", lambda x, index_a, index_b: (x[index_a], x[index_b])),
     ),
-    # the norm-gate kernels and the gap's last backward pass as launched before their loads were pipelined
-    # (2026-12-04): no tl.range stages, one forward tile a program, four backward programs per SM
-    "pointwise_unpipelined": all_of(
-        patched("gem_kernels.norm_gate_triton", "PIPELINE_STAGES", None),
-        patched("gem_kernels.norm_gate_triton", "FORWARD_TILES", 1),
-        patched("gem_kernels.norm_gate_triton", "BACKWARD_PROGRAMS_PER_SM", 4),
-        patched("gem_kernels.hstu_gap_grad_rows", "PIPELINE_STAGES", None),
-    ),
-    # the forward's and the dq pass's key and value tiles by pointer loads, as before 2026-12-04 (tensor
-    # descriptors since)
-    "attention_pointer_loads": patched("gem_kernels.attention_triton_common", "TMA_LOADS", False),
-    # the Gluon forward (attention_gluon: asynchronous wgmma, the next q k^T during the silu) where it applies
-    "gluon_forward": patched("gem_kernels.attention_gluon", "FORWARD", True),
-    "gluon_dq": patched("gem_kernels.attention_gluon", "DQ", True),  # the backward's dq pass in Gluon
-    # the backward's dk/dv pass in Triton (the Gluon pass is shipped since 2026-12-05; this session's
-    # commands named it ``gluon_dkdv``)
-    "triton_dkdv": patched("gem_kernels.attention_gluon", "DKDV", False),
-    "gluon_attention": all_of(patched("gem_kernels.attention_gluon", "FORWARD", True),
-                              patched("gem_kernels.attention_gluon", "DQ", True),
-                              patched("gem_kernels.attention_gluon", "DKDV", True)),
-    # the bf16 uvqk GEMM in Triton with silu(v, q, k) in its epilogue, in place of cuBLAS and the silu pass
-    "linear_silu": patched("gem_kernels.hstu_block", "LINEAR_SILU", True),
-    # the bf16 out GEMM by cuBLAS and the residual added after it, as before 2026-12-06 (since then the
-    # Triton GEMM with the residual in its epilogue; this switch was ``linear_residual``, turning it on)
-    "residual_add": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", False),
     # torchrec's input-distribution permutation made once per shape (no host sync in the forward)
     "recat_cache": switch_recat_cache,
     # the same runs without it (the default since 2026-12-05 18:22 UTC: parallel.planner.options.cache_recat)
@@ -402,13 +330,12 @@ VARIANTS: dict[str, Switch] = {
     "loss_before_backward": _loss_read(at_tables=False),
     # the rows of the candidate insertion and the output split moved element by element (2 bytes in bf16)
     "rows_by_element": patched("gem_model.jagged", "_as_words", lambda t: t),
-    # the token mixers' attention on flash, memory-efficient or math SDPA, not torch's choice (cuDNN on Hopper)
-    # the shared negatives normalised, and their gradient taken back, by torch's seven float32 passes, and the
-    # bf16 linears' bias gradients by torch's reduction, as before 2026-12-06 (since then one Triton pass each;
-    # these switches were ``unit_rows_kernel`` and ``bias_grad_kernel``, turning the kernels on)
+    # the bf16 linears' bias gradients by torch's reduction, as before 2026-12-06 (one Triton pass since; the
+    # switch was ``bias_grad_kernel``, turning it on; measured with ab_switches_kernels' ``torch_unit_rows``)
     "torch_bias_grad": patched("gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", False),
-    "torch_unit_rows": patched("gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", False),
+    # the token mixers' attention on flash, memory-efficient or math SDPA, not torch's choice (cuDNN on Hopper)
     "mixer_no_cudnn": patched("gem_model.model.hstu", "MIXER_SDPA_BACKENDS", [
         SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
+    **KERNEL_VARIANTS,
     **PRECISION_VARIANTS,
 }
