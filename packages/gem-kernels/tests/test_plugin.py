@@ -15,6 +15,9 @@ from gem_kernels import availability
 from gem_kernels.attention import TorchJaggedAttention, TritonJaggedAttention
 from gem_kernels.next_item_loss import TritonNextItemLoss
 from gem_kernels.norm_gate import TorchNormGate, TritonNormGate
+from gem_kernels.sequence_input import TritonSequenceInput
+from gem_kernels.sequence_pool import TritonSequencePool
+from gem_model.api import Kernel
 from gem_model.errors import KernelUnavailableError
 from gem_model.model.next_item import TorchNextItemLoss, next_item_loss
 from gem_model.plugins import GemPluginManager
@@ -34,6 +37,10 @@ def test_plugin_registers_every_kernel() -> None:
     assert loss.names() == ["torch", "triton"]
     assert loss.get("torch").cls is TorchNextItemLoss and loss.get("torch").provider.distribution == "gem-model"
     assert loss.get("triton").cls is TritonNextItemLoss
+    for op, triton_cls in (("sequence_input", TritonSequenceInput), ("sequence_pool", TritonSequencePool)):
+        ends = pm.kernel_registry(op)  # the sequence tower's two ends: torch is gem-model's own
+        assert ends.names() == ["torch", "triton"] and ends.get("torch").provider.distribution == "gem-model"
+        assert ends.get("triton").cls is triton_cls
 
 
 def test_plugin_imports_without_triton() -> None:
@@ -62,11 +69,10 @@ def no_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_interpreter")
-@pytest.mark.parametrize("kernel", [TritonJaggedAttention(), TritonNormGate(), TritonNextItemLoss()],
-                         ids=["attention", "norm_gate", "next_item_loss"])  # fmt: skip
-def test_triton_on_cpu_without_the_interpreter_is_an_error(
-    kernel: TritonJaggedAttention | TritonNormGate | TritonNextItemLoss,
-) -> None:
+@pytest.mark.parametrize("kernel", [TritonJaggedAttention(), TritonNormGate(), TritonNextItemLoss(),
+                                    TritonSequenceInput(), TritonSequencePool()],
+                         ids=["attention", "norm_gate", "next_item_loss", "sequence_input", "sequence_pool"])  # fmt: skip
+def test_triton_on_cpu_without_the_interpreter_is_an_error(kernel: Kernel) -> None:
     with pytest.raises(KernelUnavailableError, match=r"CUDA device.*TRITON_INTERPRET=1"):
         kernel.check_available(torch.device("cpu"))
     if not torch.cuda.is_available():
@@ -85,6 +91,13 @@ def test_calling_triton_on_cpu_tensors_without_the_interpreter_is_an_error() -> 
     args, options = loss_inputs(torch.bfloat16, per_position=False)
     with pytest.raises(KernelUnavailableError, match=r"kernels\.next_item_loss: 'triton' cannot run here"):
         TritonNextItemLoss()(*args, **options)
+    lengths = torch.tensor([2, 1])
+    with pytest.raises(KernelUnavailableError, match=r"kernels\.sequence_pool: 'triton' cannot run here"):
+        TritonSequencePool()(x, torch.ones(16), torch.zeros(16), 1e-5, torch.tensor([0, 3, 5]), lengths,
+                             lead=0, candidate=True, max_len=4)  # fmt: skip
+    with pytest.raises(KernelUnavailableError, match=r"kernels\.sequence_input: 'triton' cannot run here"):
+        TritonSequenceInput()(x[:3], x[:3], lengths, scale=1.0, first=None, last=x[:2], position=None,
+                              dtype=torch.float32, max_len=4)  # fmt: skip
 
 
 def loss_inputs(dtype: torch.dtype, *, per_position: bool) -> tuple[tuple[torch.Tensor, ...], dict[str, object]]:

@@ -87,6 +87,7 @@ class Run:
             self.loader, prefetch=tc.prefetch, device=env.device, facts=self._batch_facts, end=tc.steps
         )
         kernels = ((components.attention, "jagged_attention"), (components.norm_gate, "norm_gate"),
+                   (components.sequence_input, "sequence_input"), (components.sequence_pool, "sequence_pool"),
                    (components.next_item_loss, "next_item_loss"))  # fmt: skip
         for kernel, path in kernels:
             try:
