@@ -50,10 +50,18 @@ atexit.register(_threads_at_exit)
 """
 
 
-def launch(out: Path, *extra: str, site: Path | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
-    """``site``: a folder whose ``sitecustomize.py`` every process imports."""
+SURVIVOR_WINDOW = {"PET_MONITOR_INTERVAL": "2"}
+"""torchrun's agent looks at its workers every 0.1 s by default and stops the group as soon as one is
+dead, so the survivor may be stopped before its collective sees the dead peer and says so (seen once in
+the fresh-clone check of 2026-12-06, as in test_elastic.py): looking every 2 s leaves it that time."""
+
+
+def launch(out: Path, *extra: str, site: Path | None = None,
+           env_extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:  # fmt: skip
+    """``site``: a folder whose ``sitecustomize.py`` every process imports; ``env_extra``: more environment."""
     cmd = [sys.executable, "-m", "gem_model", "run", "--nproc", "2", *RUN, *extra, f"trainer.output_dir={out}"]
     env = ENV if site is None else {**ENV, "PYTHONPATH": os.pathsep.join([str(site), ENV.get("PYTHONPATH", "")])}
+    env = {**env, **(env_extra or {})}
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     return proc, time.monotonic() - start
@@ -90,7 +98,7 @@ def test_a_stalled_peer_stops_every_rank_within_the_collective_timeout(tmp_path)
 
 def test_a_dead_peer_stops_every_rank_at_once_naming_the_collective(tmp_path):
     out = tmp_path / "dead"
-    proc, seconds = launch(out, fault("exit"), f"trainer.collective_timeout_s={TIMEOUT_S * 20}")
+    proc, seconds = launch(out, fault("exit"), f"trainer.collective_timeout_s={TIMEOUT_S * 20}", env_extra=SURVIVOR_WINDOW)
     assert proc.returncode != 0
     assert "inline_fault: exit rank 1 in step 3" in proc.stderr
     message = "PeerError: rank 0: the collective all_reduce of the stop flags (step 3, all ranks) failed: a peer died"
