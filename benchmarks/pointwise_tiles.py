@@ -157,9 +157,9 @@ def norm_bwd(t: dict, rows: int, warps: int, _: int, e4m3_rows: bool = False) ->
 
     def run() -> tuple:
         ln._norm_bwd[(triton.cdiv(num_rows, rows),)](
-            t["x"], t["dy"], t["skip"], dx, t["mean"], t["rstd"], q, q_inv, t["x"].stride(0), t["dy"].stride(0),
-            t["skip"].stride(0), dx.stride(0), num_rows, D=D, BLOCK_D=D, ROWS=rows, HAS_SKIP=True, XHAT_GIVEN=False,
-            QUANT=e4m3_rows, INTERP=INTERPRET, num_warps=warps,
+            t["x"], t["dy"], t["skip"], dx, t["mean"], t["rstd"], q, q_inv, t["mean"], t["x"].stride(0),
+            t["dy"].stride(0), t["skip"].stride(0), dx.stride(0), num_rows, D=D, BLOCK_D=D, ROWS=rows, TILES=1,
+            HAS_SKIP=True, XHAT_GIVEN=False, QUANT=e4m3_rows, COL_SUM=False, INTERP=INTERPRET, num_warps=warps,
         )
         return (dx, q, q_inv) if e4m3_rows else (dx,)
 

@@ -209,6 +209,26 @@ def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, fl
     assert getattr(owner, flag) is shipped
 
 
+def test_the_bias_sums_switch_flips_both_flags_and_undoes(monkeypatch):
+    """``bias_sums_in_norm``: the bf16 linears ask for their bias sums and the layer norm backward sums (off as
+    shipped: not yet timed)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    from gem_kernels import layer_norm_triton
+    from gem_precision import bf16_linear
+
+    def flags() -> tuple[bool, bool]:
+        return bf16_linear.BIAS_SUMS_FROM_PRODUCER, layer_norm_triton.COLUMN_SUMS
+
+    shipped = flags()
+    assert shipped == (False, False)
+    undo = VARIANTS["bias_sums_in_norm"](None)
+    assert flags() == (True, True)
+    undo()
+    assert flags() == shipped
+
+
 def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
     """``pointwise_unpipelined`` puts the norm-gate's and the sums pass's launches of before the pipeline back, and undoes."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

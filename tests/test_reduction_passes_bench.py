@@ -35,6 +35,17 @@ def test_cases_agree_with_float64(bench, case: str) -> None:
             torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["norm_sums_case", "norm_rows_sums_case"])
+def test_the_norm_cases_sum_the_gradient_the_pass_writes(bench, case: str) -> None:
+    torch.manual_seed(6)
+    args = argparse.Namespace(rows=37, dim=40, device="cpu", sum_tiles=[1, 2])
+    fns, errors = getattr(bench, case)(args)  # raises if a variant's gradient differs from the plain pass's
+    assert set(fns) == {"separate", "in_pass_1", "in_pass_2"} and set(errors) == set(fns)
+    assert all(0 <= e < 1e-5 for e in errors.values()), errors
+    dx, sums = fns["in_pass_2"]()
+    torch.testing.assert_close(sums, dx.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+
+
 def test_without_a_gpu_it_says_so(bench, monkeypatch, capsys) -> None:
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("sys.argv", ["reduction_passes.py"])

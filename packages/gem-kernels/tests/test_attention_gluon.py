@@ -35,6 +35,8 @@ for config in ("m64n32s2", "m64n16"):
     print(json.dumps({"config": "dq_" + config, "dims": [128, 128], **compile_gluon_forward(config, dq=True)}))
 for config in ("n64m32", "n64m16"):
     print(json.dumps({"config": "dkdv_" + config, "dims": [128, 128], **compile_gluon_forward(config, dkdv=True)}))
+for config in ("m64n32p2", "m64n32s2p2"):
+    print(json.dumps({"config": "dq_" + config, "dims": [128, 128], **compile_gluon_forward(config, dq=True)}))
 """
 
 
@@ -44,10 +46,16 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 16
+    assert len(reports) == 18
     # every config launches no more programs an SM than its registers and shared memory let in
     assert all(r["fit_per_sm"] >= r["programs_per_sm"] for r in reports), [
         (r["config"], r["fit_per_sm"], r["programs_per_sm"]) for r in reports]
+    # the dq pass as the dk/dv pass runs: one warpgroup, 32 keys a step, two programs an SM without a
+    # register cap and without spills, ds k left in flight while the next step's scores are computed
+    for r in (reports.pop(), reports.pop()):
+        assert r["programs_per_sm"] == 2 and r["register_cap"] is None and r["stack_bytes"] == 0, r
+        assert 2 * r["shared_bytes"] <= 228 * 1024 and r["mma_waits"].get("1") == 1, r
+        assert _follows(r["mma_order"], ["64x32", "64x32", "64x128", "wait1"]), r["mma_order"]
     # the dk/dv pass in one warpgroup of 64 keys, two programs an SM: no spills at 16-query steps, at most
     # 8 bytes at 32 (none in Triton 3.6's build, 8 in 3.7's), dk and dv accumulating over the step's two
     # MMAs while the next step's scores are computed (wait_group 2)

@@ -76,17 +76,22 @@ def test_the_gap_returns_its_rows_and_the_same_output_and_gradients(gen):
     assert_rows_stand_for(rows, y, column_amax=True)
 
 
-@pytest.mark.parametrize("column_sum", [True, False])
+@pytest.mark.parametrize("asked", ["rows", "rows_and_sums", "sums"])
 @pytest.mark.parametrize("with_skip", [True, False])
-def test_norm_fork_backward_offers_its_gradients_rows_and_writes_the_same_gradient(gen, column_sum, with_skip):
+@pytest.mark.parametrize("sum_tiles", [1, 3])
+def test_norm_fork_backward_offers_what_the_slot_asks_and_writes_the_same_gradient(gen, monkeypatch, asked,
+                                                                                   with_skip, sum_tiles):  # fmt: skip
     """Given the slot of the linear upstream, the layer norm's backward writes the same ``dx`` and offers
-    e4m3 rows standing for it, over several programs, the last one short. It leaves the column sums to
-    the linear, whether the slot's linear takes them or not."""
-    rows = 2 * _launch_shape(WIDTH, backward=True)[1] + 3
+    what the slot asks for: e4m3 rows standing for it, and its float32 column sums (the linear's bias
+    gradient) within float32 rounding of float64's sums of ``dx`` as stored, over several programs, the
+    last one short (with several tiles a program, the last program's tiles partly past the rows)."""
+    monkeypatch.setattr("gem_kernels.layer_norm_triton.SUM_TILES", sum_tiles)
+    monkeypatch.setattr("gem_kernels.layer_norm_triton.COLUMN_SUMS", True)
+    rows = 2 * _launch_shape(WIDTH, backward=True)[1] * sum_tiles + 3
     x = (torch.randn(rows, WIDTH, generator=gen) * 3 + 1).bfloat16()
     d_ln, d_skip = torch.randn(rows, WIDTH, generator=gen).bfloat16(), torch.randn(rows, WIDTH, generator=gen).bfloat16()
     results = []
-    for slot in (None, GradRowsSlot(column_sum=column_sum)):
+    for slot in (None, GradRowsSlot(column_sum=asked != "rows", rows=asked != "sums")):
         xi = x.clone().requires_grad_()
         ln, skip, _ = norm_fork(xi, grad_rows=slot)
         outputs, grads = ([ln, skip], [d_ln, d_skip]) if with_skip else ([ln], [d_ln])
@@ -95,7 +100,28 @@ def test_norm_fork_backward_offers_its_gradients_rows_and_writes_the_same_gradie
     assert torch.equal(dx_s, dx)
     offered = slot.take(dx_s)
     assert offered is not None
-    assert_rows_stand_for(offered.rows, dx, column_amax=False)
-    assert offered.column_sum is None
+    if asked == "sums":
+        assert offered.rows is None
+    else:
+        assert_rows_stand_for(offered.rows, dx, column_amax=False)
+    if asked == "rows":
+        assert offered.column_sum is None
+    else:
+        want = dx.double().sum(0)
+        assert offered.column_sum.dtype == torch.float32
+        torch.testing.assert_close(offered.column_sum.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
     with pytest.raises(TypeError, match="GradRowsSlot"):
         norm_fork(x, grad_rows="slot")
+
+
+def test_norm_fork_backward_leaves_the_sums_to_the_linear_when_switched_off(gen, monkeypatch):
+    """Without ``COLUMN_SUMS``, a slot that asks for rows and sums is offered rows alone, and one that asks
+    for sums alone is offered nothing (its linear sums the gradient it gets)."""
+    monkeypatch.setattr("gem_kernels.layer_norm_triton.COLUMN_SUMS", False)
+    x = torch.randn(9, WIDTH, generator=gen).bfloat16().requires_grad_()
+    for rows in (True, False):
+        slot = GradRowsSlot(column_sum=True, rows=rows)
+        ln, _, _ = norm_fork(x, grad_rows=slot)
+        (dx,) = torch.autograd.grad(ln, x, torch.randn(9, WIDTH, generator=gen).bfloat16())
+        offered = slot.take(dx)
+        assert (offered is not None and offered.column_sum is None) if rows else offered is None

@@ -70,6 +70,21 @@ def test_column_sums_are_carried_when_asked_and_offered():
     assert unasked.take(g).column_sum is None  # not asked for: not handed on
 
 
+def test_a_slot_for_column_sums_alone_takes_offers_without_rows():
+    g = torch.randn(6, 8)
+    slot = GradRowsSlot(column_sum=True, rows=False)
+    with pytest.raises(ValueError, match="this slot asks for no rows, and the offer has some"):
+        slot.offer(g, rows_for(g), g.sum(0))
+    sums = g.sum(0)
+    slot.offer(g, None, sums)
+    taken = slot.take(g)
+    assert taken.rows is None and taken.column_sum is sums
+    with pytest.raises(ValueError, match="this slot asks for rows, and the offer has none"):
+        GradRowsSlot(column_sum=True).offer(g, None, sums)
+    with pytest.raises(ValueError, match="asks for the gradient's rows, its column sums or both"):
+        GradRowsSlot(rows=False)
+
+
 def test_an_offer_must_match_its_gradient():
     g = torch.randn(6, 8)
     slot = GradRowsSlot()

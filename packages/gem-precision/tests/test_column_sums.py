@@ -55,3 +55,51 @@ def test_bf16_linear_bias_gradient(gen: torch.Generator, monkeypatch, kernel: bo
     assert bias.grad is not None and bias.grad.dtype == torch.float32
     torch.testing.assert_close(bias.grad.double(), gy.double().sum(0), rtol=1e-5, atol=1e-4)
     assert calls == ([(130, 40)] if kernel else [])
+
+
+@pytest.mark.parametrize("offer", ["sums", "nothing", "another_gradient"])
+def test_bf16_linear_takes_its_bias_gradient_from_the_producers_offer(gen: torch.Generator, offer: str) -> None:
+    """With a slot for column sums alone (``BIAS_SUMS_FROM_PRODUCER``), the backward takes the bias gradient
+    that the gradient's producer offered, and sums the gradient itself when nothing was offered for the
+    gradient it got (here the producer is a hook on the output, as a kernel would be the op after it)."""
+    x = torch.randn(30, 24, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(40, 24, generator=gen).requires_grad_()
+    bias = torch.randn(40, generator=gen).requires_grad_()
+    gy = torch.randn(30, 40, generator=gen).to(torch.bfloat16)
+    slot = bf16_linear.GradRowsSlot(column_sum=True, rows=False)
+    offered = torch.randn(40, generator=gen)  # not gy's sums: the test sees which one the bias got
+
+    def producer(grad: torch.Tensor) -> torch.Tensor | None:
+        if offer == "sums":
+            slot.offer(grad, None, offered)
+        elif offer == "another_gradient":
+            slot.offer(grad.clone(), None, offered)
+        return None
+
+    def gemm(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(a, w, b)
+
+    y = Bf16LinearFunction.apply(x, weight, bias, None, None, gemm, slot)
+    y.register_hook(producer)
+    y.backward(gy)
+    if offer == "sums":
+        assert torch.equal(bias.grad, offered)
+    else:
+        torch.testing.assert_close(bias.grad.double(), gy.double().sum(0), rtol=1e-5, atol=1e-4)
+    assert slot.take(gy) is None  # taken, or emptied by the take that found another gradient
+
+
+def test_bf16_linear_asks_for_its_bias_sums_only_where_they_can_be_taken(monkeypatch) -> None:
+    linear = bf16_linear.Bf16Linear(torch.nn.Linear(8, 4), fqn="blocks.0.out")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(bf16_linear, "BIAS_SUMS_FROM_PRODUCER", False)
+    assert linear.grad_rows_slot(cuda) is None
+    monkeypatch.setattr(bf16_linear, "BIAS_SUMS_FROM_PRODUCER", True)
+    slot = linear.grad_rows_slot(cuda)
+    assert slot is not None and slot.column_sum and not slot.rows
+    assert linear.grad_rows_slot(cpu) is None  # the CPU's path is autograd's, which takes no offers
+    linear.bias.requires_grad_(False)
+    assert linear.grad_rows_slot(cuda) is None
+    assert bf16_linear.Bf16Linear(torch.nn.Linear(8, 4, bias=False), fqn="head").grad_rows_slot(cuda) is None
+    with pytest.raises(TypeError, match="blocks.0.out: grad_rows must be a GradRowsSlot"):
+        linear(torch.randn(2, 8), grad_rows="slot")

@@ -71,6 +71,10 @@ CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     # spills 32 bytes, and 16-key blocks with 4 stages, which fit 157 without spills
     "m64n32": (64, 32, 4, 3, 3),
     "m64n32s2": (64, 32, 4, 2, 3),
+    # the dq pass as the shipped dk/dv pass runs (one warpgroup, 32-wide steps, two programs an SM, no
+    # register cap): 32 keys a step, 3 or 2 stages
+    "m64n32p2": (64, 32, 4, 3, 2),
+    "m64n32s2p2": (64, 32, 4, 2, 2),
     "m64n16": (64, 16, 4, 4, 3),
     "qr_m64n32": (64, 32, 4, 3, 3),
     # the loads in a producer warp of their own (attention_gluon_ws): one program an SM, its consumer
@@ -79,7 +83,7 @@ CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "ws_m128n128": (128, 128, 8, 2, 1),
     "ws_m128n32": (128, 32, 8, 4, 1),  # the dq pass's (DQ_CONFIGS)
 }
-DQ_CONFIGS = ("m128n64", "m64n64", "m64n32s2", "m64n16", "ws_m128n32", "ws_m128n64")
+DQ_CONFIGS = ("m128n64", "m64n64", "m64n32s2", "m64n32p2", "m64n32s2p2", "m64n16", "ws_m128n32", "ws_m128n64")
 """The configs the ``dq`` pass takes: one partition (in the sm_90 build ``m128n64`` and ``m64n64`` take
 255 registers and spill 8 bytes, the 128-wide key blocks 576; ``m64n32s2`` and ``m64n16`` run three
 programs an SM), or the loads in a producer warp (``ws_*``: 32-key blocks fit the consumers' 240

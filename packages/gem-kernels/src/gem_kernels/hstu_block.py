@@ -24,7 +24,9 @@ from the kernel that wrote that gradient: ``uvqk`` from the gap's last backward 
 (:mod:`gem_kernels.hstu_gap_grad_rows`), ``out`` from the next block's layer norm backward, through
 the residual add, which hands the gradient on unchanged (the block's output carries ``out``'s slot,
 ``attach_grad_rows``; the last block's output goes elsewhere, and its ``out`` quantizes its gradient
-itself).
+itself). A slot that asks for the column sums alone (the ``bf16`` scheme's ``out``: its bias gradient)
+is served the same way by the next block's layer norm backward; ``uvqk``'s bias gradient is the gap's
+(``bias_grad_in_gap``), so the gap is handed only slots that ask for rows.
 
 A linear that takes a supplied forward GEMM (``gem_model.api.takes_gemm``: the ``bf16`` scheme's) may
 run gem-kernels' own (:mod:`gem_kernels.linear_epilogue_triton`), with the work beside it in the
@@ -45,6 +47,7 @@ from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
 from gem_kernels.linear_epilogue_triton import DEFAULT_CONFIG, fits_epilogue, linear_residual, linear_silu
 from gem_model.api import (
+    GradRowsSlot,
     attach_grad_rows,
     attached_grad_rows,
     bias_grad_elsewhere,
@@ -99,6 +102,7 @@ def hstu_block_triton(
                                   grad_rows=attached_grad_rows(x))  # the previous block's out linear's slot
     with bias_grad_elsewhere(uvqk) if bias_grad_in_gap else nullcontext() as pre_bias:
         slot = grad_rows_slot(uvqk, x.device)  # asked with the bias lent, so no column sums for it
+        slot = slot if slot is not None and slot.rows else None  # the gap's last pass offers rows
         post = _epilogue_post(uvqk, ln, ln_rows, slot, gap_options)
         gemm = None if post is None else partial(_linear_silu_into, post=post)
         pre = call_linear(uvqk, ln, ln_rows, slot, gemm)
@@ -106,9 +110,10 @@ def hstu_block_triton(
                                 pre_bias=pre_bias, grad_rows=slot, post=post, **gap_options)  # fmt: skip
     out_slot = grad_rows_slot(out, x.device)
     if _residual_epilogue(out, y, y_rows, out_slot, skip):  # the residual added in out's GEMM epilogue
-        summed = call_linear(out, y, None, None, partial(_linear_residual_into, residual=skip))
-        return ResidualInEpilogue.apply(summed, skip)
-    result = skip + call_linear(out, y, y_rows, out_slot).to(x.dtype)
+        summed = call_linear(out, y, None, out_slot, partial(_linear_residual_into, residual=skip))
+        result = ResidualInEpilogue.apply(summed, skip)
+    else:
+        result = skip + call_linear(out, y, y_rows, out_slot).to(x.dtype)
     if out_slot is not None:  # the next block's layer norm writes result's gradient: out's, through the add
         attach_grad_rows(result, out_slot)
     return result
@@ -141,7 +146,8 @@ def _residual_epilogue(out: Callable[..., torch.Tensor], y: torch.Tensor, y_rows
                        skip: torch.Tensor) -> bool:  # fmt: skip
     """Whether ``out``'s GEMM adds the residual (:data:`LINEAR_RESIDUAL`, a linear that takes a supplied GEMM,
     bf16 rows, its input not pre-quantized and its output gradient not asked for in rows)."""
-    if not LINEAR_RESIDUAL or y_rows is not None or slot is not None or y.dim() != 2 or not y.shape[0]:
+    asks_rows = isinstance(slot, GradRowsSlot) and slot.rows
+    if not LINEAR_RESIDUAL or y_rows is not None or asks_rows or y.dim() != 2 or not y.shape[0]:
         return False
     if y.dtype != torch.bfloat16 or skip.dtype != torch.bfloat16 or not skip.is_contiguous():
         return False

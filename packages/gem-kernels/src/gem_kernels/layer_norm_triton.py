@@ -12,11 +12,13 @@ and both gradients. No affine parameters (the block's layer norm has none).
 The gradient the backward writes is the gradient of ``x``, the previous block's output, which that
 block's residual add hands on unchanged to its output projection. Given that linear's slot
 (``gem_model.api.GradRowsSlot``, found on ``x`` by ``attached_grad_rows``), the backward also writes
-the gradient's e4m3 rows and offers them, and the linear quantizes nothing. It offers no column sums
-(the linear's bias gradient): summed here, with each program walking 128 rows to keep the partial sums
-few, the pass took 9.3 ms a step on the H200's big config against 2.9 ms without rows (2026-12-03,
-``benchmarks/results/e2e_ab.md``), more than the linear's own one-pass rows and sums; the linear sums
-the gradient itself (one torch reduction).
+the gradient's e4m3 rows and offers them, and the linear quantizes nothing. When the slot asks for the
+gradient's column sums (the linear's bias gradient; a ``bf16`` linear's slot asks for them alone), the
+pass sums the gradient as it stores it: each program walks :data:`SUM_TILES` tiles of rows, pipelined,
+and writes one float32 partial row, which torch sums (``[rows / 64, D]``: 3 % of the gradient's bytes
+at the big config). So the linear reads its output gradient once less. (A first try, 2026-12-03, walked
+128 rows a program unpipelined with the e4m3 rows: 9.3 ms a step on the H200's big config against
+2.9 ms without rows, ``benchmarks/results/e2e_ab.md``.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
 from gem_kernels.quantized_rows_triton import RowsOut, tiles_per_program, write_e4m3_rows
 from gem_kernels.row_blocks import MAX_DIM, rows_per_program
 from gem_model.api import GradRowsSlot, PrequantizedRows, RowQuantization
+
+COLUMN_SUMS = False
+"""Whether the backward sums the gradient's columns when the slot asks for them (read at call time; else
+the linear sums its output gradient itself). Off until timed (e2e switch ``bias_sums_in_norm``)."""
+SUM_TILES = 16
+"""Tiles of rows (4 rows each at D = 1024) a program of the backward walks when it also sums the gradient's
+columns: fewer programs write fewer float32 partial rows, longer walks hide less of each tile's latency."""
+SUM_STAGES = 2
+"""Tiles whose loads run ahead in that walk (``tl.range(..., num_stages=...)``)."""
 
 
 @triton.jit
@@ -60,31 +71,39 @@ def _norm_fwd(X, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, stride_x, stride_y, num_rows
 
 
 @triton.jit
-def _norm_bwd(X, DY, DSKIP, DX, MEAN, RSTD, Q, Q_INV, stride_x, stride_dy, stride_skip, stride_dx, num_rows,
-              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_SKIP: tl.constexpr,
-              XHAT_GIVEN: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+def _norm_bwd(X, DY, DSKIP, DX, MEAN, RSTD, Q, Q_INV, SUMS, stride_x, stride_dy, stride_skip, stride_dx, num_rows,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+              HAS_SKIP: tl.constexpr, XHAT_GIVEN: tl.constexpr, QUANT: tl.constexpr, COL_SUM: tl.constexpr,
+              INTERP: tl.constexpr, STAGES: tl.constexpr = None):  # fmt: skip
     """``XHAT_GIVEN``: ``X`` is the forward's output (the normalised rows) rather than its input; ``MEAN``
-    is then unused. ``QUANT``: also the e4m3 rows of ``DX`` as stored, into ``Q``/``Q_INV``."""
+    is then unused. ``QUANT``: also the e4m3 rows of ``DX`` as stored, into ``Q``/``Q_INV``. ``COL_SUM``:
+    the float32 column sums of ``DX`` as stored over this program's ``TILES`` tiles, into ``SUMS[program]``."""
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    rows_ok = rows < num_rows
-    inside = rows_ok[:, None] & cols_ok[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
-    if XHAT_GIVEN:
-        xhat = x
-    else:
-        mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
-        xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
-    dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
-    if HAS_SKIP:
-        dx += tl.load(DSKIP + rows[:, None] * stride_skip + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    stored = cast(dx, DX.dtype.element_ty, INTERP)
-    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], stored, mask=inside)
-    if QUANT:  # the e4m3 rows of the gradient as stored, for the linear whose output it is the gradient of
-        write_e4m3_rows(stored.to(tl.float32), rows, cols, rows_ok, cols_ok, Q, Q_INV, D)
+    sums = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for tile in tl.range(0, TILES, num_stages=STAGES):
+        rows = ((tl.program_id(0) * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        rows_ok = rows < num_rows
+        inside = rows_ok[:, None] & cols_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rows_ok, other=0.0)
+        if XHAT_GIVEN:
+            xhat = x
+        else:
+            mean = tl.load(MEAN + rows, mask=rows_ok, other=0.0)
+            xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
+        dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
+        if HAS_SKIP:
+            dx += tl.load(DSKIP + rows[:, None] * stride_skip + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        stored = cast(dx, DX.dtype.element_ty, INTERP)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], stored, mask=inside)
+        if QUANT:  # the e4m3 rows of the gradient as stored, for the linear whose output it is the gradient of
+            write_e4m3_rows(stored.to(tl.float32), rows, cols, rows_ok, cols_ok, Q, Q_INV, D)
+        if COL_SUM:  # that linear's bias gradient
+            sums += tl.sum(tl.where(inside, stored.to(tl.float32), 0.0), 0)
+    if COL_SUM:
+        tl.store(SUMS + tl.program_id(0).to(tl.int64) * D + cols, sums, mask=cols_ok)
 
 
 def _launch_shape(dim: int, backward: bool = False, e4m3_rows: bool = False) -> tuple[int, int, int]:
@@ -151,28 +170,52 @@ class NormFork(torch.autograd.Function):
         rows, dim = x2.shape
         if dy is None:
             return dskip, None, None, None, None
-        dy2 = dy.reshape(rows, dim)
-        dy2 = dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
-        skip = None
-        if dskip is not None:
-            skip = dskip.reshape(rows, dim)
-            skip = skip if skip.stride(-1) == 1 else skip.contiguous()
-        dx = torch.empty((rows, dim), dtype=ctx.dtype, device=x2.device)
-        block_d, per, warps = _launch_shape(dim, backward=True)
+        skip = None if dskip is None else dskip.reshape(rows, dim)
         slot: GradRowsSlot | None = ctx.grad_rows
-        q = None if slot is None else RowsOut.allocate(rows, dim, x2.device, RowQuantization())
-        if rows:
-            with device_guard(x2.device):
-                _norm_bwd[(triton.cdiv(rows, per),)](
-                    x2, dy2, skip if skip is not None else dy2, dx, mean, rstd,
-                    *((q.data, q.scale_inv) if q is not None else (dx, mean)), x2.stride(0), dy2.stride(0),
-                    (skip if skip is not None else dy2).stride(0), dx.stride(0), rows,
-                    D=dim, BLOCK_D=block_d, ROWS=per, HAS_SKIP=skip is not None, XHAT_GIVEN=ctx.keep_output,
-                    QUANT=q is not None, INTERP=INTERPRET, num_warps=warps,
-                )  # fmt: skip
-        if slot is not None and q is not None:
-            slot.offer(dx, q.result())  # no column sums: the linear sums dx for its bias (module docstring)
+        want_rows = slot is not None and slot.rows
+        want_sums = slot is not None and slot.column_sum and COLUMN_SUMS
+        dx, q, sums = norm_backward(x2, dy.reshape(rows, dim), skip, mean, rstd, xhat_given=ctx.keep_output,
+                                    rows_out=want_rows, col_sum=want_sums)  # fmt: skip
+        if slot is not None and (want_rows or want_sums):
+            slot.offer(dx, None if q is None else q.result(), sums)
         return dx.view(ctx.shape), None, None, None, None
+
+
+def norm_backward(x: torch.Tensor, dy: torch.Tensor, dskip: torch.Tensor | None, mean: torch.Tensor,
+                  rstd: torch.Tensor, *, xhat_given: bool = False, rows_out: bool = False, col_sum: bool = False,
+                  sum_tiles: int | None = None) -> tuple[torch.Tensor, RowsOut | None, torch.Tensor | None]:  # fmt: skip
+    """The layer norm's backward pass over ``[rows, D]``: ``dx`` (in ``x``'s dtype; plus ``dskip``, the
+    residual's gradient, when given) from the forward's input ``x`` (or, ``xhat_given``, its output) and
+    its per-row ``mean`` and ``rstd``. ``rows_out``: also ``dx``'s e4m3 rows as stored
+    (:class:`~gem_model.api.RowQuantization`'s rule); ``col_sum``: also ``dx``'s float32 column sums as
+    stored, from ``sum_tiles`` tiles a program (:data:`SUM_TILES` if None). Returns ``(dx, rows or None,
+    sums or None)``."""
+    rows, dim = x.shape
+
+    def rows_of(t: torch.Tensor) -> torch.Tensor:
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    dy, skip = rows_of(dy), None if dskip is None else rows_of(dskip)
+    dx = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
+    block_d, per, warps = _launch_shape(dim, backward=True)
+    q = RowsOut.allocate(rows, dim, x.device, RowQuantization()) if rows_out else None
+    tiles = (SUM_TILES if sum_tiles is None else sum_tiles) if col_sum else 1
+    programs = triton.cdiv(rows, per * tiles)
+    partials = torch.empty((programs, dim), dtype=torch.float32, device=x.device) if col_sum else None
+    if rows:
+        with device_guard(x.device):
+            _norm_bwd[(programs,)](
+                x, dy, skip if skip is not None else dy, dx, mean, rstd,
+                *((q.data, q.scale_inv) if q is not None else (dx, mean)), partials if col_sum else mean,
+                x.stride(0), dy.stride(0), (skip if skip is not None else dy).stride(0), dx.stride(0), rows,
+                D=dim, BLOCK_D=block_d, ROWS=per, TILES=tiles, HAS_SKIP=skip is not None, XHAT_GIVEN=xhat_given,
+                QUANT=q is not None, COL_SUM=col_sum, INTERP=INTERPRET, num_warps=warps,
+                STAGES=SUM_STAGES if col_sum else None,
+            )  # fmt: skip
+    sums = None
+    if partials is not None:
+        sums = partials.sum(0) if rows else torch.zeros(dim, dtype=torch.float32, device=x.device)
+    return dx, q, sums
 
 
 def norm_fork(

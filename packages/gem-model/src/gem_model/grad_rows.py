@@ -26,6 +26,11 @@ the output projection), the caller tags the tensor whose gradient that is with t
 the tensor, and any op in between makes a new tensor without it. The rows follow :class:`~gem_model.prequantized.RowQuantization`'s rule (e4m3, a power-of-two
 scale per row), of the gradient as stored; the column sums, when offered, are float32 sums of its
 columns as stored.
+
+A linear that needs no rows (its backward's GEMMs read the gradient as it is: the ``bf16`` scheme's)
+may still want the column sums for its bias: its slot says ``rows=False``, and a producer that can sum
+the gradient while writing it offers the sums alone (the next HSTU block's layer norm backward, which
+writes the gradient of this block's ``out`` linear, sums it there instead of in a pass of the linear's own).
 """
 
 from __future__ import annotations
@@ -41,11 +46,11 @@ from gem_model.prequantized import PrequantizedRows
 
 @dataclass(frozen=True)
 class GradRows:
-    """What a producer offers for a gradient ``g [M, N]``: its e4m3 rows and, when the slot asked for
-    them and the producer summed them, the float32 column sums ``[N]`` (the linear's bias gradient;
-    None: the linear sums ``g`` itself)."""
+    """What a producer offers for a gradient ``g [M, N]``: its e4m3 rows (None for a slot that asked for
+    none) and, when the slot asked for them and the producer summed them, the float32 column sums ``[N]``
+    (the linear's bias gradient; None: the linear sums ``g`` itself)."""
 
-    rows: PrequantizedRows
+    rows: PrequantizedRows | None
     column_sum: torch.Tensor | None = None
 
 
@@ -54,22 +59,30 @@ class GradRowsSlot:
     to the linear whose output it is the gradient of (see the module docstring).
 
     ``column_sum``: the linear needs the gradient's column sums too (its bias takes a gradient). An offer
-    may carry them (one pass of the linear saved) or not (the linear sums the gradient itself: a producer
-    for which the sums cost more than that pass, such as the layer norm's backward, leaves them out).
-    The slot keeps the offered gradient alive until it is taken, so that no other tensor can take its
-    place in memory meanwhile.
+    may carry them (one pass of the linear saved) or not (the linear sums the gradient itself).
+    ``rows``: the linear takes the gradient's e4m3 rows (False: only the column sums are asked for, and
+    an offer carries no rows; ``column_sum`` must then be True). The slot keeps the offered gradient
+    alive until it is taken, so that no other tensor can take its place in memory meanwhile.
     """
 
-    def __init__(self, *, column_sum: bool = False):
+    def __init__(self, *, column_sum: bool = False, rows: bool = True):
+        if not rows and not column_sum:
+            raise ValueError("GradRowsSlot: a slot asks for the gradient's rows, its column sums or both")
         self.column_sum = column_sum
+        self.rows = rows
         self._offer: tuple[torch.Tensor, int, GradRows] | None = None
 
-    def offer(self, grad: torch.Tensor, rows: PrequantizedRows, column_sum: torch.Tensor | None = None) -> None:
-        """``rows`` (and ``column_sum``) quantized from ``grad [M, N]`` as it is now; checked against it."""
+    def offer(self, grad: torch.Tensor, rows: PrequantizedRows | None, column_sum: torch.Tensor | None = None) -> None:
+        """``rows`` (and ``column_sum``) quantized from ``grad [M, N]`` as it is now; checked against it.
+        ``rows`` is None exactly when the slot asked for none (``rows=False``)."""
         if grad.dim() != 2 or grad.stride(-1) != 1:
             raise ValueError(f"GradRowsSlot.offer: the gradient must be [M, N] with contiguous rows, got "
                              f"{tuple(grad.shape)} strides {grad.stride()}")  # fmt: skip
-        rows.check_input(grad, "GradRowsSlot.offer")
+        if (rows is None) == self.rows:
+            raise ValueError(f"GradRowsSlot.offer: this slot asks for {'rows' if self.rows else 'no rows'}, "
+                             f"and the offer has {'none' if rows is None else 'some'}")  # fmt: skip
+        if rows is not None:
+            rows.check_input(grad, "GradRowsSlot.offer")
         n = grad.shape[1]
         if column_sum is not None and (column_sum.dtype != torch.float32 or column_sum.shape != (n,)):
             raise ValueError(f"GradRowsSlot.offer: column sums must be float32 [{n}], got {column_sum.dtype} "
@@ -90,7 +103,7 @@ class GradRowsSlot:
         return rows if same else None
 
     def __repr__(self) -> str:
-        return f"GradRowsSlot(column_sum={self.column_sum}, offered={self._offer is not None})"
+        return f"GradRowsSlot(column_sum={self.column_sum}, rows={self.rows}, offered={self._offer is not None})"
 
 
 def grad_rows_slot(linear: Callable[..., Any], device: torch.device) -> GradRowsSlot | None:

@@ -14,6 +14,12 @@ writes the silu of its output in the GEMM's epilogue): ``Bf16Linear(x, gemm=...)
 ``F.linear`` through the same function, so the backward stays this one (``takes_gemm``: not under
 ``torch.compile``, nor for a DTensor weight).
 
+The bias gradient is the column sums of the output gradient: one more read of it. When the kernel that
+writes that gradient can sum it in the same pass (the next HSTU block's layer norm backward writes the
+gradient of the block's ``out`` linear), the linear makes a slot for the sums alone
+(:meth:`Bf16Linear.grad_rows_slot`, ``gem_model.api.GradRowsSlot(rows=False)``) and its backward takes
+them from there (:data:`BIAS_SUMS_FROM_PRODUCER`).
+
 Elsewhere (the CPU has no ``mm`` with ``out_dtype``; a DTensor weight under tensor parallelism has no
 sharding rule for it) the gradients are computed as autograd computed them, in bf16 and then cast:
 the CPU's bits are those of the plain form.
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from gem_model.api import LinearGemm
+from gem_model.api import GradRowsSlot, LinearGemm
 from gem_precision.cast_cache import CastCache
 from gem_precision.device import triton_interpreting
 
@@ -63,6 +69,11 @@ switch ``torch_bias_grad`` gives torch's back). 0.148 against 0.165 ms a call on
 BIAS_GRAD_KERNEL_ROWS = 8192
 """Below this many rows torch's reduction is a few microseconds either way."""
 
+BIAS_SUMS_FROM_PRODUCER = False
+"""Whether a GPU linear whose bias takes a gradient asks the kernel that writes its output gradient for that
+gradient's column sums (:meth:`Bf16Linear.grad_rows_slot`; read when the slot is asked for, at the forward).
+Off until timed (e2e switch ``bias_sums_in_norm``)."""
+
 
 def bias_grad(grad_2d: torch.Tensor) -> torch.Tensor:
     """``grad_2d.sum(0)`` in float32: the bias gradient of a linear whose output gradient is ``grad_2d``."""
@@ -88,10 +99,11 @@ class Bf16LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 w16: torch.Tensor | None = None, b16: torch.Tensor | None = None,
-                gemm: LinearGemm | None = None) -> torch.Tensor:
+                gemm: LinearGemm | None = None, grad_rows: GradRowsSlot | None = None) -> torch.Tensor:
         """``w16``, ``b16``: the weight and bias already in bf16 (a :class:`CastCache`'s copies), else cast
         here. ``gemm``: the forward GEMM a fused kernel supplies (``gem_model.api.LinearGemm``, on ``x``'s
-        rows), else ``F.linear``."""
+        rows), else ``F.linear``. ``grad_rows``: the slot the output gradient's column sums may be offered
+        through (:meth:`Bf16Linear.grad_rows_slot`)."""
         if w16 is None:
             w16 = weight.to(BF16)
         if bias is not None and b16 is None:
@@ -101,6 +113,7 @@ class Bf16LinearFunction(torch.autograd.Function):
         else:
             y = gemm(x.reshape(-1, x.shape[-1]), w16, b16).view(*x.shape[:-1], w16.shape[0])
         ctx.save_for_backward(x, w16)
+        ctx.grad_rows = grad_rows
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -115,9 +128,11 @@ class Bf16LinearFunction(torch.autograd.Function):
             dx = grad.matmul(w16)
         if need_dw:
             dw = float32_weight_grad(g2, x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
+        offered = ctx.grad_rows.take(g2) if ctx.grad_rows is not None else None
         if need_db:
-            db = bias_grad(g2).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+            sums = offered.column_sum if offered is not None else None
+            db = (bias_grad(g2) if sums is None else sums).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
 
 
 def _direct(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -174,16 +189,32 @@ class Bf16Linear(SchemeLinear):
         DTensor weight (tensor parallelism's sharding rules are ``F.linear``'s), nor under ``torch.compile``."""
         return not isinstance(self.weight, DTensor) and not torch.compiler.is_compiling()
 
-    def forward(self, x: torch.Tensor, *, gemm: LinearGemm | None = None) -> torch.Tensor:
+    def grad_rows_slot(self, device: torch.device) -> GradRowsSlot | None:
+        """The slot through which backward takes its bias gradient, the column sums of its output gradient,
+        from the kernel that writes that gradient (``gem_model.api.GradRowsSlot`` asking for no rows): on a
+        GPU, where the gradients are written directly, for a bias that takes a gradient, under
+        :data:`BIAS_SUMS_FROM_PRODUCER`; else None (the linear sums the gradient itself)."""
+        if not BIAS_SUMS_FROM_PRODUCER or self.bias is None or not self.bias.requires_grad:
+            return None
+        if device.type != "cuda" or not FLOAT32_GRADS or isinstance(self.weight, DTensor):
+            return None
+        return GradRowsSlot(column_sum=True, rows=False)
+
+    def forward(self, x: torch.Tensor, *, gemm: LinearGemm | None = None,
+                grad_rows: GradRowsSlot | None = None) -> torch.Tensor:  # fmt: skip
+        """``gemm``: the forward GEMM a fused kernel supplies (``gem_model.api.takes_gemm``). ``grad_rows``:
+        the slot :meth:`grad_rows_slot` made, through which backward may take its bias gradient."""
         x16 = x.to(BF16)
         if gemm is not None and not self.takes_gemm(x16):
             raise ValueError(f"{self.fqn}: a supplied GEMM runs only where takes_gemm(x) is true")
+        if grad_rows is not None and not isinstance(grad_rows, GradRowsSlot):
+            raise TypeError(f"{self.fqn}: grad_rows must be a GradRowsSlot, got {type(grad_rows).__name__}")
         if (_direct(x16, self.weight) or gemm is not None) and x16.numel():
             cache = self.cast_cache
             if CAST_ONCE and cache is not None and not torch.compiler.is_compiling():
                 w16, b16 = self._cached(cache)
-                return Bf16LinearFunction.apply(x16, self.weight, self.bias, w16, b16, gemm).to(x.dtype)
-            return Bf16LinearFunction.apply(x16, self.weight, self.bias, None, None, gemm).to(x.dtype)
+                return Bf16LinearFunction.apply(x16, self.weight, self.bias, w16, b16, gemm, grad_rows).to(x.dtype)
+            return Bf16LinearFunction.apply(x16, self.weight, self.bias, None, None, gemm, grad_rows).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(BF16)
         return F.linear(x16, self.weight.to(BF16), bias).to(x.dtype)
 
