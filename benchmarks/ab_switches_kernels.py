@@ -74,6 +74,10 @@ KERNEL_VARIANTS: dict[str, Switch] = {
     # the Gluon forward (attention_gluon: asynchronous wgmma, the next q k^T during the silu) where it applies
     "gluon_forward": patched("gem_kernels.attention_gluon", "FORWARD", True),
     "gluon_dq": patched("gem_kernels.attention_gluon", "DQ", True),  # the backward's dq pass in Gluon
+    # the same at 32 keys a step and two programs an SM (the shipped dk/dv pass's shape), 3 or 2 stages
+    **{f"gluon_dq_{config}": all_of(patched("gem_kernels.attention_gluon", "DQ", True),
+                                    patched("gem_kernels.attention_gluon", "DEFAULT_DQ_CONFIG", config))
+       for config in ("m64n32p2", "m64n32s2p2")},
     # the backward's dk/dv pass in Triton (the Gluon pass is shipped since 2026-12-05; this session's
     # commands named it ``gluon_dkdv``)
     "triton_dkdv": patched("gem_kernels.attention_gluon", "DKDV", False),

@@ -229,6 +229,21 @@ def test_the_bias_sums_switch_flips_both_flags_and_undoes(monkeypatch):
     assert flags() == shipped
 
 
+@pytest.mark.parametrize("config", ["m64n32p2", "m64n32s2p2"])
+def test_the_gluon_dq_config_switches_route_the_dq_pass_at_their_config_and_undo(monkeypatch, config):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ab_switches import VARIANTS
+
+    from gem_kernels import attention_gluon
+
+    shipped = (attention_gluon.DQ, attention_gluon.DEFAULT_DQ_CONFIG)
+    undo = VARIANTS[f"gluon_dq_{config}"](None)
+    assert (attention_gluon.DQ, attention_gluon.DEFAULT_DQ_CONFIG) == (True, config)
+    assert config in attention_gluon.DQ_CONFIGS
+    undo()
+    assert (attention_gluon.DQ, attention_gluon.DEFAULT_DQ_CONFIG) == shipped
+
+
 def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
     """``pointwise_unpipelined`` puts the norm-gate's and the sums pass's launches of before the pipeline back, and undoes."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
