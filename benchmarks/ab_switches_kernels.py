@@ -92,8 +92,9 @@ KERNEL_VARIANTS: dict[str, Switch] = {
     # the shared negatives normalised, and their gradient taken back, by torch's seven float32 passes, as
     # before 2026-12-06 (one Triton pass each since; the switch was ``unit_rows_kernel``, turning it on)
     "torch_unit_rows": patched("gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", False),
-    # the out linears' bias gradients summed by the next block's layer norm backward as it writes their
-    # output gradient (the bf16 linear's slot for column sums alone; under fp8_rowwise beside the rows)
-    "bias_sums_in_norm": all_of(patched("gem_precision.bf16_linear", "BIAS_SUMS_FROM_PRODUCER", True),
-                                patched("gem_kernels.layer_norm_triton", "COLUMN_SUMS", True)),
+    # the bf16 out linears' bias gradients summed by the linears themselves, as before 2026-12-06 (since then by
+    # the next block's layer norm backward as it writes their output gradient; the switch was
+    # ``bias_sums_in_norm``, turning that on)
+    "bias_sums_in_linear": all_of(patched("gem_precision.bf16_linear", "BIAS_SUMS_FROM_PRODUCER", False),
+                                  patched("gem_kernels.layer_norm_triton", "COLUMN_SUMS", False)),
 }

@@ -79,7 +79,7 @@ def test_out_takes_its_bias_gradient_from_the_next_layer_norm(gen, monkeypatch, 
         return GradRowsSlot(column_sum=True, rows=False) if self.bias is not None and self.bias.requires_grad else None
 
     monkeypatch.setattr(bf16_linear.Bf16Linear, "grad_rows_slot", on_gpu_slot)
-    monkeypatch.setattr(layer_norm_triton, "COLUMN_SUMS", True)
+    assert layer_norm_triton.COLUMN_SUMS and bf16_linear.BIAS_SUMS_FROM_PRODUCER  # as shipped
     got = output_and_grads(handed, x, dy)
     assert summed == [(20, 32)]  # the last block's out alone (uvqk's bias gradients are the gaps')
     summed.clear()

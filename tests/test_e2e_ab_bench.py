@@ -210,8 +210,8 @@ def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, fl
 
 
 def test_the_bias_sums_switch_flips_both_flags_and_undoes(monkeypatch):
-    """``bias_sums_in_norm``: the bf16 linears ask for their bias sums and the layer norm backward sums (off as
-    shipped: not yet timed)."""
+    """``bias_sums_in_linear``: the bf16 linears sum their bias gradients themselves (as shipped, they ask the
+    layer norm backward, which sums)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from ab_switches import VARIANTS
 
@@ -222,9 +222,9 @@ def test_the_bias_sums_switch_flips_both_flags_and_undoes(monkeypatch):
         return bf16_linear.BIAS_SUMS_FROM_PRODUCER, layer_norm_triton.COLUMN_SUMS
 
     shipped = flags()
-    assert shipped == (False, False)
-    undo = VARIANTS["bias_sums_in_norm"](None)
-    assert flags() == (True, True)
+    assert shipped == (True, True)
+    undo = VARIANTS["bias_sums_in_linear"](None)
+    assert flags() == (False, False)
     undo()
     assert flags() == shipped
 

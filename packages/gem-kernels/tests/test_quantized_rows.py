@@ -82,9 +82,10 @@ def test_the_gap_returns_its_rows_and_the_same_output_and_gradients(gen):
 def test_norm_fork_backward_offers_what_the_slot_asks_and_writes_the_same_gradient(gen, monkeypatch, asked,
                                                                                    with_skip, sum_tiles):  # fmt: skip
     """Given the slot of the linear upstream, the layer norm's backward writes the same ``dx`` and offers
-    what the slot asks for: e4m3 rows standing for it, and its float32 column sums (the linear's bias
-    gradient) within float32 rounding of float64's sums of ``dx`` as stored, over several programs, the
-    last one short (with several tiles a program, the last program's tiles partly past the rows)."""
+    what the slot asks for: e4m3 rows standing for it, and, to a slot that asks for the sums alone, its
+    float32 column sums (the linear's bias gradient) within float32 rounding of float64's sums of ``dx`` as
+    stored, over several programs, the last one short (with several tiles a program, the last program's
+    tiles partly past the rows). Beside rows the sums are left to the linear (``COLUMN_SUMS``)."""
     monkeypatch.setattr("gem_kernels.layer_norm_triton.SUM_TILES", sum_tiles)
     monkeypatch.setattr("gem_kernels.layer_norm_triton.COLUMN_SUMS", True)
     rows = 2 * _launch_shape(WIDTH, backward=True)[1] * sum_tiles + 3
@@ -104,7 +105,7 @@ def test_norm_fork_backward_offers_what_the_slot_asks_and_writes_the_same_gradie
         assert offered.rows is None
     else:
         assert_rows_stand_for(offered.rows, dx, column_amax=False)
-    if asked == "rows":
+    if asked != "sums":
         assert offered.column_sum is None
     else:
         want = dx.double().sum(0)
@@ -115,8 +116,8 @@ def test_norm_fork_backward_offers_what_the_slot_asks_and_writes_the_same_gradie
 
 
 def test_norm_fork_backward_leaves_the_sums_to_the_linear_when_switched_off(gen, monkeypatch):
-    """Without ``COLUMN_SUMS``, a slot that asks for rows and sums is offered rows alone, and one that asks
-    for sums alone is offered nothing (its linear sums the gradient it gets)."""
+    """Without ``COLUMN_SUMS``, a slot that asks for rows and sums is offered rows alone (as with it), and one
+    that asks for sums alone is offered nothing (its linear sums the gradient it gets)."""
     monkeypatch.setattr("gem_kernels.layer_norm_triton.COLUMN_SUMS", False)
     x = torch.randn(9, WIDTH, generator=gen).bfloat16().requires_grad_()
     for rows in (True, False):

@@ -72,7 +72,8 @@ CONFIGS: dict[str, tuple[int, int, int, int, int]] = {
     "m64n32": (64, 32, 4, 3, 3),
     "m64n32s2": (64, 32, 4, 2, 3),
     # the dq pass as the shipped dk/dv pass runs (one warpgroup, 32-wide steps, two programs an SM, no
-    # register cap): 32 keys a step, 3 or 2 stages
+    # register cap): 32 keys a step, 3 or 2 stages. Slower on the H100 (2026-12-06, big config): 0.904x and
+    # 0.732x the Triton dq pass (m64n64 0.916x)
     "m64n32p2": (64, 32, 4, 3, 2),
     "m64n32s2p2": (64, 32, 4, 2, 2),
     "m64n16": (64, 16, 4, 4, 3),

@@ -13,12 +13,13 @@ The gradient the backward writes is the gradient of ``x``, the previous block's 
 block's residual add hands on unchanged to its output projection. Given that linear's slot
 (``gem_model.api.GradRowsSlot``, found on ``x`` by ``attached_grad_rows``), the backward also writes
 the gradient's e4m3 rows and offers them, and the linear quantizes nothing. When the slot asks for the
-gradient's column sums (the linear's bias gradient; a ``bf16`` linear's slot asks for them alone), the
-pass sums the gradient as it stores it: each program walks :data:`SUM_TILES` tiles of rows, pipelined,
-and writes one float32 partial row, which torch sums (``[rows / 64, D]``: 3 % of the gradient's bytes
-at the big config). So the linear reads its output gradient once less. (A first try, 2026-12-03, walked
-128 rows a program unpipelined with the e4m3 rows: 9.3 ms a step on the H200's big config against
-2.9 ms without rows, ``benchmarks/results/e2e_ab.md``.)
+gradient's column sums alone (the linear's bias gradient: a ``bf16`` linear's slot), the pass sums the
+gradient as it stores it: each program walks :data:`SUM_TILES` tiles of rows, pipelined, and writes one
+float32 partial row, which torch sums (``[rows / 64, D]``: 3 % of the gradient's bytes at the big
+config). So the linear reads its output gradient once less. A slot that asks for the e4m3 rows as well
+(``fp8_rowwise``'s) is offered the rows alone, and its linear sums: with the rows the walk is slower than
+the sum after it (:data:`COLUMN_SUMS`; a first try, 2026-12-03, walked 128 rows a program unpipelined
+with the rows: 9.3 ms a step on the H200's big config against 2.9 ms without rows).
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ from gem_kernels.quantized_rows_triton import RowsOut, tiles_per_program, write_
 from gem_kernels.row_blocks import MAX_DIM, rows_per_program
 from gem_model.api import GradRowsSlot, PrequantizedRows, RowQuantization
 
-COLUMN_SUMS = False
-"""Whether the backward sums the gradient's columns when the slot asks for them (read at call time; else
-the linear sums its output gradient itself). Off until timed (e2e switch ``bias_sums_in_norm``)."""
+COLUMN_SUMS = True
+"""Whether the backward sums the gradient's columns when a slot asks for them alone (read at call time; else
+the linear sums its output gradient itself). On the H100 (2026-12-06, ``benchmarks/reduction_passes.py`` at
+207,000 x 1,024) the pass with its sums took 0.583 ms (8 or 16 tiles a program; 0.601 at 4, 0.592 at 32)
+against 0.689 for the pass and the linear's ``column_sums``; the step 1.006x / 1.003x on two seeds. On since
+then (e2e switch ``bias_sums_in_linear`` turns it off). Beside the e4m3 rows (``fp8_rowwise``'s slots) the
+sums are not taken: that pass ran 1.231 ms against 0.784 for the rows alone and torch's sum after it."""
 SUM_TILES = 16
 """Tiles of rows (4 rows each at D = 1024) a program of the backward walks when it also sums the gradient's
-columns: fewer programs write fewer float32 partial rows, longer walks hide less of each tile's latency."""
+columns: fewer programs write fewer float32 partial rows, longer walks hide less of each tile's latency
+(on the H100 8 and 16 tiles took 0.583 / 0.584 ms at 207,000 x 1,024, 4 tiles 0.601, 32 tiles 0.592)."""
 SUM_STAGES = 2
 """Tiles whose loads run ahead in that walk (``tl.range(..., num_stages=...)``)."""
 
@@ -173,7 +179,7 @@ class NormFork(torch.autograd.Function):
         skip = None if dskip is None else dskip.reshape(rows, dim)
         slot: GradRowsSlot | None = ctx.grad_rows
         want_rows = slot is not None and slot.rows
-        want_sums = slot is not None and slot.column_sum and COLUMN_SUMS
+        want_sums = slot is not None and slot.column_sum and not slot.rows and COLUMN_SUMS  # beside rows: slower
         dx, q, sums = norm_backward(x2, dy.reshape(rows, dim), skip, mean, rstd, xhat_given=ctx.keep_output,
                                     rows_out=want_rows, col_sum=want_sums)  # fmt: skip
         if slot is not None and (want_rows or want_sums):

@@ -69,10 +69,14 @@ switch ``torch_bias_grad`` gives torch's back). 0.148 against 0.165 ms a call on
 BIAS_GRAD_KERNEL_ROWS = 8192
 """Below this many rows torch's reduction is a few microseconds either way."""
 
-BIAS_SUMS_FROM_PRODUCER = False
+BIAS_SUMS_FROM_PRODUCER = True
 """Whether a GPU linear whose bias takes a gradient asks the kernel that writes its output gradient for that
 gradient's column sums (:meth:`Bf16Linear.grad_rows_slot`; read when the slot is asked for, at the forward).
-Off until timed (e2e switch ``bias_sums_in_norm``)."""
+With gem-kernels' layer norm summing them (the fused block's ``out`` linears but the last): on the H100
+(2026-12-06) the pass with its sums 0.583 ms against 0.689 for the pass and ``column_sums`` at 207,000 x 1,024
+(``benchmarks/reduction_passes.py``), the step 1.006x / 1.003x over 60 batches on two seeds (steady
+1.004x / 1.005x; ``benchmarks/results/e2e_ab.md``). On since then; e2e switch ``bias_sums_in_linear`` turns it
+off."""
 
 
 def bias_grad(grad_2d: torch.Tensor) -> torch.Tensor:
