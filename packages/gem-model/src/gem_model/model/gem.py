@@ -18,8 +18,7 @@ of a data-parallel run equals the loss of the same global batch on one process.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +34,33 @@ from gem_model.components import (
 from gem_model.config import ModelConfig
 from gem_model.data.batch import CAND_ITEM, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, Batch, FeatureSpec
 from gem_model.jagged import append_one, offsets_of, prepend_one
+from gem_model.model.dense_init import init_dense
 from gem_model.model.embeddings import SparseArch
 from gem_model.model.hstu import HSTUBlock, LayerNorm, TokenMixer
-from gem_model.model.lookup_bags import even_bags
 from gem_model.model.next_item import TorchNextItemLoss
 from gem_model.model.sequence_input import TorchSequenceInput
 from gem_model.model.sequence_pool import TorchSequencePool
+from gem_model.model.tables_view import ShardableTables
+
+
+def check_model(config: ModelConfig, spec: FeatureSpec, attention: JaggedAttentionKernel) -> None:
+    """Raise ``ValueError`` when ``config`` cannot be built on data of ``spec`` with ``attention``, naming the
+    setting and what it needs."""
+    extra = 1 if config.use_candidate else 0
+    lead = 1 if config.context_token else 0
+    if spec.max_history + extra + lead > config.max_seq_len:
+        raise ValueError(
+            f"model.max_seq_len {config.max_seq_len} is shorter than the data's longest history "
+            f"({spec.max_history}) plus the candidate ({extra}) plus the context token ({lead})"
+        )
+    for setting, wanted, supported in (("relative_position_bias", config.relative_position_bias,
+                                        attention.supports_position_bias),
+                                       ("relative_time_bias", config.relative_time_bias, attention.supports_time_bias)):
+        if wanted and not supported:
+            raise ValueError(
+                f"model.{setting} needs an attention kernel that supports it; kernels.jagged_attention "
+                f"{attention.name!r} does not (gem-kernels' 'torch' and 'triton' do)"
+            )
 
 
 class ModelOutput(NamedTuple):
@@ -50,7 +70,7 @@ class ModelOutput(NamedTuple):
     next_item_count: torch.Tensor  # number of predicted positions
 
 
-class GemModel(nn.Module):
+class GemModel(ShardableTables):
     def __init__(
         self,
         config: ModelConfig,
@@ -71,14 +91,8 @@ class GemModel(nn.Module):
         self.loss_kernel: NextItemLossKernel = next_item_loss if next_item_loss is not None else TorchNextItemLoss()
         self.pool_kernel: SequencePoolKernel = sequence_pool if sequence_pool is not None else TorchSequencePool()
         self.input_kernel: SequenceInputKernel = sequence_input if sequence_input is not None else TorchSequenceInput()
+        check_model(config, spec, attention)
         d = config.embedding_dim
-        extra = 1 if config.use_candidate else 0
-        lead = 1 if config.context_token else 0
-        if spec.max_history + extra + lead > config.max_seq_len:
-            raise ValueError(
-                f"model.max_seq_len {config.max_seq_len} is shorter than the data's longest history "
-                f"({spec.max_history}) plus the candidate ({extra}) plus the context token ({lead})"
-            )
         self.sparse = SparseArch(
             spec,
             d,
@@ -89,16 +103,6 @@ class GemModel(nn.Module):
         )
         self.position = nn.Embedding(config.max_seq_len, d) if config.position_embedding else None
         alpha = config.alpha if config.alpha is not None else config.attention_dim**-0.5
-        if config.relative_position_bias and not attention.supports_position_bias:
-            raise ValueError(
-                f"model.relative_position_bias needs an attention kernel that supports it; kernels.jagged_attention "
-                f"{attention.name!r} does not (gem-kernels' 'torch' and 'triton' do)"
-            )
-        if config.relative_time_bias and not attention.supports_time_bias:
-            raise ValueError(
-                f"model.relative_time_bias needs an attention kernel that supports it; kernels.jagged_attention "
-                f"{attention.name!r} does not (gem-kernels' 'torch' and 'triton' do)"
-            )
         self.blocks = nn.ModuleList(
             HSTUBlock(
                 dim=d,
@@ -141,7 +145,7 @@ class GemModel(nn.Module):
             else None
         )
         self.activation_dtype = torch.float32
-        self._init_dense(seed)
+        init_dense(self, config, seed)
 
     def set_activation_dtype(self, dtype: torch.dtype) -> None:
         """The dtype in which activations flow (:mod:`gem_model.precision`): the tables' outputs and
@@ -153,75 +157,9 @@ class GemModel(nn.Module):
     def num_feature_tokens(self) -> int:
         return len(self.spec.pooled) + (1 if self.spec.num_dense else 0)
 
-    def _init_dense(self, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed + 2)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.startswith("sparse."):
-                    continue
-                if name.endswith((".position_bias", ".time_bias")):  # HSTU's initialisation of its relative bias
-                    p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=g))
-                    continue
-                if p.dim() < 2:
-                    continue
-                std = None
-                if name == "position.weight":
-                    std = self.config.position_init_std
-                elif name.startswith("blocks.") and name.endswith(".uvqk.weight"):
-                    std = self.config.uvqk_init_std
-                if std is not None:
-                    p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
-                else:
-                    bound = (6.0 / (p.shape[0] + p.shape[1])) ** 0.5
-                    p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=g))
-
     def activation_blocks(self) -> list[str]:
         """Names of the modules an activation policy wraps."""
         return [f"blocks.{i}" for i in range(len(self.blocks))]
-
-    # ------------------------------------------- what planners see (gem_model.protocols.ShardableModel)
-
-    def table_modules(self) -> dict[str, nn.Module]:
-        out: dict[str, nn.Module] = {"sparse.ec": self.sparse.ec}
-        if self.sparse.ebc is not None:
-            out["sparse.ebc"] = self.sparse.ebc
-        return out
-
-    def table_inputs(self) -> dict[str, str]:
-        sequence = "sequence" if self.sparse.lookup_bags_per_sample is None else "lookup_sequence"
-        return {"sparse.ec": sequence, **({"sparse.ebc": "pooled"} if self.sparse.ebc is not None else {})}
-
-    def prepare_table_inputs(self, batch: Batch) -> None:
-        """Attach to ``batch`` the inputs :meth:`table_inputs` names beyond its own fields: the sequence
-        in even bags (``batch.lookup_sequence``), built on the current stream."""
-        bags = self.sparse.lookup_bags_per_sample
-        if bags is not None:
-            batch.lookup_sequence = even_bags(batch.sequence, bags)
-
-    def table_configs(self) -> list[Any]:
-        configs: list[Any] = list(self.sparse.ec.embedding_configs())
-        if self.sparse.ebc is not None:
-            configs += self.sparse.ebc.embedding_bag_configs()
-        return configs
-
-    def table_state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"sparse.{k}": v for k, v in self.sparse.state_dict().items()}
-
-    def dense_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in self.named_parameters() if not n.startswith("sparse.")]
-
-    @property
-    def tables_on_meta(self) -> bool:
-        return self.sparse.on_meta
-
-    def materialize_tables(self, device: torch.device) -> None:
-        self.sparse.materialize_on(device, self.seed)
-
-    def set_table_grad_scale(self, scale: float) -> None:
-        self.sparse.grad_scale = scale
-
-    def set_table_grad_gate(self, gate: Callable[[], None] | None) -> None:
-        self.sparse.grad_gate = gate
 
     # ------------------------------------------------------------------------------------ forward
 
