@@ -46,8 +46,12 @@ of ``[D]`` float32 each for the weight and bias gradients (read at call time).""
 
 OFFER_GRAD = False
 """Whether the backward offers the gradient's e4m3 rows and column sums to the slot of the linear upstream
-(read at call time; else that linear quantizes and sums its output gradient itself). Off until timed (e2e
-switch ``pool_offers``)."""
+(read at call time; else that linear quantizes and sums its output gradient itself). Off: on the H200
+(2026-12-06, big config, seed 491; ``benchmarks/results/e2e_ab.md``) it gained nothing with the bf16
+linears (0.996x over 60 batches, steady 1.000x) and cost under ``fp8_rowwise`` (1.061x against bf16 where
+``fp8_rowwise`` alone ran 1.068x; steady 1.064x against 1.079x): the rows' row maxima and byte stores in
+this pass's walk of 128 rows a program cost more than the separate quantization of one gradient. E2e
+switch ``pool_offers`` turns it on."""
 
 MEAN_COLUMNS = 256
 """Columns of the means one program of the second forward kernel adds up."""
