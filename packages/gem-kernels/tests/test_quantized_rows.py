@@ -20,7 +20,7 @@ from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import _launch_shape, norm_fork
 from gem_kernels.norm_gate_triton import NormGateFunction
 from gem_kernels.quantized_rows_triton import ROWS_PER_PROGRAM_WITH_COLUMNS, RowsOut
-from gem_kernels.testing import assert_rows_stand_for, offsets_from_lengths
+from gem_kernels.testing import assert_offer_stands_for, assert_rows_stand_for, offsets_from_lengths
 from gem_model.api import GradRowsSlot, RowQuantization
 
 pytestmark = pytest.mark.usefixtures("poison")
@@ -99,18 +99,7 @@ def test_norm_fork_backward_offers_what_the_slot_asks_and_writes_the_same_gradie
         results.append((slot, torch.autograd.grad(outputs, xi, grads)[0]))
     (_, dx), (slot, dx_s) = results
     assert torch.equal(dx_s, dx)
-    offered = slot.take(dx_s)
-    assert offered is not None
-    if asked == "sums":
-        assert offered.rows is None
-    else:
-        assert_rows_stand_for(offered.rows, dx, column_amax=False)
-    if asked != "sums":
-        assert offered.column_sum is None
-    else:
-        want = dx.double().sum(0)
-        assert offered.column_sum.dtype == torch.float32
-        torch.testing.assert_close(offered.column_sum.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    assert_offer_stands_for(slot.take(dx_s), dx, rows=asked != "sums", sums=asked == "sums")
     with pytest.raises(TypeError, match="GradRowsSlot"):
         norm_fork(x, grad_rows="slot")
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gem_kernels.reference import jagged_attention_reference
-from gem_model.api import AttentionExtras, PrequantizedRows, RowQuantization
+from gem_model.api import AttentionExtras, GradRows, PrequantizedRows, RowQuantization
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -84,6 +84,24 @@ def block_output_and_grads(
     leaf = x.clone().requires_grad_()
     y = block(leaf, offsets, num_targets)
     return y, torch.autograd.grad(y, [leaf, *block.parameters()], dy)
+
+
+def assert_offer_stands_for(offered: GradRows | None, grad: torch.Tensor, *, rows: bool, sums: bool) -> None:
+    """A producer's offer for ``grad`` (``gem_model.api.GradRowsSlot.take``) holds what its slot asked for:
+    e4m3 rows standing for ``grad`` (:func:`assert_rows_stand_for`) when ``rows``, else none; float32
+    column sums within float32 rounding of float64's sums of ``grad`` when ``sums``, else none."""
+    assert offered is not None, "nothing was offered for this gradient"
+    if rows:
+        assert offered.rows is not None
+        assert_rows_stand_for(offered.rows, grad, column_amax=False)
+    else:
+        assert offered.rows is None
+    if sums:
+        want = grad.double().sum(0)
+        assert offered.column_sum is not None and offered.column_sum.dtype == torch.float32
+        torch.testing.assert_close(offered.column_sum.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    else:
+        assert offered.column_sum is None
 
 
 def assert_rows_stand_for(rows: PrequantizedRows, y: torch.Tensor, *, column_amax: bool = False) -> None:
