@@ -95,9 +95,6 @@ KERNEL_VARIANTS: dict[str, Switch] = {
     # the bf16 out linears' bias gradients summed by the linears themselves, as before 2026-12-06 (since then by
     # the next block's layer norm backward as it writes their output gradient; the switch was
     # ``bias_sums_in_norm``, turning that on)
-    # the triton pool's backward offering the last block's out linear its output gradient's e4m3 rows and column
-    # sums (off as shipped: no gain in bf16, a loss under fp8_rowwise on the H200, 2026-12-06)
-    "pool_offers": patched("gem_kernels.sequence_pool_triton", "OFFER_GRAD", True),
     "bias_sums_in_linear": all_of(patched("gem_precision.bf16_linear", "BIAS_SUMS_FROM_PRODUCER", False),
                                   patched("gem_kernels.layer_norm_triton", "COLUMN_SUMS", False)),
 }

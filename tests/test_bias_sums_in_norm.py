@@ -24,13 +24,11 @@ import gem_kernels.hstu_block as hstu_block
 import gem_kernels.layer_norm_triton as layer_norm_triton
 from gem_kernels.attention import TritonJaggedAttention
 from gem_kernels.norm_gate import TritonNormGate
-from gem_kernels.sequence_pool_triton import sequence_pool_triton
 from gem_kernels.testing import offsets_from_lengths
 from gem_model.api import GradRowsSlot
 from gem_model.model.hstu import HSTUBlock
 from gem_precision import bf16_linear
-from gem_precision.recipes import Fp8Recipe
-from gem_precision.schemes import Bf16Scheme, Fp8RowwiseScheme
+from gem_precision.schemes import Bf16Scheme
 
 
 @pytest.fixture
@@ -40,8 +38,8 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def blocks(gen: torch.Generator, scheme: object = None) -> list[HSTUBlock]:
-    scheme = scheme or Bf16Scheme()
+def blocks(gen: torch.Generator) -> list[HSTUBlock]:
+    scheme = Bf16Scheme()
     made = []
     for i in range(2):
         b = HSTUBlock(dim=32, num_heads=2, attention_dim=16, value_dim=16, max_seq_len=16, max_attn_len=0,
@@ -64,20 +62,6 @@ def output_and_grads(model: list[HSTUBlock], x: torch.Tensor, dy: torch.Tensor) 
         y = b(y, offsets, targets)
     params = [p for b in model for p in b.parameters()]
     return [y, *torch.autograd.grad(y, [xi, *params], dy)]
-
-
-def pooled_output_and_grads(model: list[HSTUBlock], x: torch.Tensor, upstream: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The blocks, then the sequence tower's last step (gem-kernels' ``triton`` pool: the final layer norm,
-    history rows, last rows, history means), as ``GemModel.encode`` runs them."""
-    offsets, targets = offsets_from_lengths([6, 0, 11, 3]), torch.tensor([1, 0, 2, 1])
-    xi = x.clone().requires_grad_()
-    y = xi
-    for b in model:
-        y = b(y, offsets, targets)
-    weight, bias = torch.ones(32), torch.zeros(32)
-    outs = sequence_pool_triton(y, weight, bias, 1e-5, offsets, lead=0, candidate=True, max_len=16)
-    params = [p for b in model for p in b.parameters()]
-    return [*outs, *torch.autograd.grad(outs, [xi, *params], upstream)]
 
 
 @pytest.mark.parametrize("residual_epilogue", [True, False])
@@ -110,63 +94,3 @@ def test_out_takes_its_bias_gradient_from_the_next_layer_norm(gen, monkeypatch, 
         else:
             assert torch.equal(a, b), f"{name} differs"
 
-
-def test_the_last_out_takes_its_bias_gradient_from_the_pool_backward(gen, monkeypatch) -> None:
-    """With ``sequence_pool_triton.OFFER_GRAD``, the pool's backward, which writes the gradient of the last
-    block's output, offers its column sums to that block's ``out`` too: no ``out`` sums its own gradient,
-    and everything else is the same bits as without the offers."""
-    import gem_kernels.sequence_pool_triton as pool
-
-    handed = blocks(gen)
-    plain = copy.deepcopy(handed)
-    x = torch.randn(20, 32, generator=gen).bfloat16()
-    upstream = [torch.randn(n, 32, generator=gen).bfloat16() for n in (16, 4, 4)]
-    summed: list[tuple[int, ...]] = []
-    real_bias_grad = bf16_linear.bias_grad
-    monkeypatch.setattr(bf16_linear, "bias_grad", lambda g: summed.append(tuple(g.shape)) or real_bias_grad(g))
-    monkeypatch.setattr(bf16_linear.Bf16Linear, "grad_rows_slot", lambda self, device: GradRowsSlot(
-        column_sum=True, rows=False) if self.bias is not None and self.bias.requires_grad else None)  # fmt: skip
-    monkeypatch.setattr(pool, "OFFER_GRAD", True)
-    got = pooled_output_and_grads(handed, x, upstream)
-    assert summed == []  # both outs took their sums: the first from the layer norm, the last from the pool
-    monkeypatch.setattr(pool, "OFFER_GRAD", False)
-    monkeypatch.setattr(layer_norm_triton, "COLUMN_SUMS", False)
-    want = pooled_output_and_grads(plain, x, upstream)
-    assert summed == [(20, 32), (20, 32)]
-    names = ["hist", "last", "mean", "x", *(f"{i}.{n}" for i, b in enumerate(handed) for n, _ in b.named_parameters())]
-    for name, a, b in zip(names, got, want, strict=True):
-        if name.endswith("out.bias"):  # the producers' float32 sums of the same gradients, in another order
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        else:
-            assert torch.equal(a, b), f"{name} differs"
-
-
-def test_the_last_fp8_out_takes_its_gradients_rows_from_the_pool_backward(gen, monkeypatch) -> None:
-    """Under ``fp8_rowwise`` (producer quantization, the bf16 weight gradient), the pool's backward offers
-    the last block's ``out`` its output gradient's e4m3 rows and column sums: no linear quantizes its
-    output gradient itself, and every output and gradient is the same bits as without the offers (the
-    rows are the reference quantizer's), but the last ``out``'s bias gradient (float32 sums, another order)."""
-    import gem_kernels.sequence_pool_triton as pool
-
-    config = Fp8RowwiseScheme.Config(backend="emulated", producer_quantization=True, weight_gradient="bf16")
-    handed = blocks(gen, Fp8RowwiseScheme(config))
-    plain = copy.deepcopy(handed)
-    x = torch.randn(20, 32, generator=gen).bfloat16()
-    upstream = [torch.randn(n, 32, generator=gen).bfloat16() for n in (16, 4, 4)]
-    calls: list[str] = []
-    real = Fp8Recipe.quantize
-    monkeypatch.setattr(Fp8Recipe, "quantize", lambda self, t, *a, **kw: calls.append(kw.get("role", "?")) or real(
-        self, t, *a, **kw))  # fmt: skip
-    monkeypatch.setattr(pool, "OFFER_GRAD", True)
-    got = pooled_output_and_grads(handed, x, upstream)
-    assert "grad" not in calls  # every output gradient's rows came from its producer
-    calls.clear()
-    monkeypatch.setattr(pool, "OFFER_GRAD", False)
-    want = pooled_output_and_grads(plain, x, upstream)
-    assert calls.count("grad") == 1  # the last out quantizes its own
-    names = ["hist", "last", "mean", "x", *(f"{i}.{n}" for i, b in enumerate(handed) for n, _ in b.named_parameters())]
-    for name, a, b in zip(names, got, want, strict=True):
-        if name == "1.out.bias":
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        else:
-            assert torch.equal(a, b), f"{name} differs"

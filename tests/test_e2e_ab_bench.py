@@ -193,8 +193,6 @@ def test_steady_rounds_below_one_are_refused(monkeypatch, capsys):
         # passes are shipped)
         ("torch_unit_rows", "gem_kernels.next_item_loss_triton", "UNIT_ROWS_KERNEL", True),
         ("torch_bias_grad", "gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", True),
-        # the triton pool's backward offering the last out linear its gradient's rows and sums (off as shipped)
-        ("pool_offers", "gem_kernels.sequence_pool_triton", "OFFER_GRAD", False),
     ],
 )
 def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):

@@ -132,35 +132,6 @@ def test_default_chunk(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) ->
     _check(gen, [h + 1 for h in HISTORIES], 32, torch.bfloat16, 0, True)
 
 
-@pytest.mark.parametrize("asked", ["rows", "sums", "rows_and_sums"])
-def test_backward_offers_the_upstream_linear_what_its_slot_asks(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch,
-                                                               asked: str) -> None:  # fmt: skip
-    """With ``OFFER_GRAD``, the slot tagged on x (the last block's ``out`` linear's) is offered x's gradient
-    as the pass stored it: e4m3 rows standing for it and its float32 column sums, over several programs
-    (``BACKWARD_ROWS`` 16); the gradient is the same bits as without the slot."""
-    from gem_kernels.testing import assert_offer_stands_for
-    from gem_model.api import GradRowsSlot, attach_grad_rows
-
-    lengths = [h + 1 for h in HISTORIES]
-    x, weight, bias, offsets = _inputs(gen, lengths, 48, torch.bfloat16)
-    upstream = None
-    results = []
-    for offer in (False, True):
-        monkeypatch.setattr(sp, "OFFER_GRAD", offer)
-        slot = GradRowsSlot(column_sum=asked != "rows", rows=asked != "sums")
-        xi = x.clone().requires_grad_()
-        tagged = xi.view_as(xi)  # the block's output, which carries the slot
-        attach_grad_rows(tagged, slot)
-        outs = sp.sequence_pool_triton(tagged, weight, bias, EPS, offsets, lead=0, candidate=True, max_len=16)
-        if upstream is None:
-            upstream = [torch.randn(o.shape, generator=gen).bfloat16() for o in outs]
-        (dx,) = torch.autograd.grad(outs, tagged, upstream)
-        results.append((slot, dx))
-    (unoffered, dx), (slot, dx_offered) = results
-    assert torch.equal(dx_offered, dx) and unoffered.take(dx) is None
-    assert_offer_stands_for(slot.take(dx_offered), dx, rows=asked != "sums", sums=asked != "rows")
-
-
 def test_no_rows() -> None:
     assert torch.empty(4).isnan().all()  # the poison is on: unwritten outputs would show
     x = torch.empty(0, 8, requires_grad=True)

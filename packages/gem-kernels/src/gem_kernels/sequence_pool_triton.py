@@ -12,13 +12,6 @@ backward reads each row, its statistics and its gradient once, writes x's gradie
 keeps float32 column sums for the weight and bias gradients, which torch adds in a fixed order. No
 atomics: the results are the same from run to run.
 
-The rows' gradient is the gradient of the last HSTU block's output, which its residual add hands on
-unchanged to the block's ``out`` linear. Given that linear's slot (``gem_model.api.GradRowsSlot``, found on
-``x`` by ``attached_grad_rows``) and :data:`OFFER_GRAD`, the backward also writes what the slot asks for in
-the same pass: the gradient's e4m3 rows (``fp8_rowwise``'s linears, which then quantize nothing) and its
-float32 column sums (the linear's bias gradient), as per-program partial rows beside the weight's and
-bias's.
-
 The math is :func:`sequence_pool_reference`'s: the layer norm in float32, the means of the rows as
 rounded to x's dtype (as ``segment_mean`` sees them), summed in float32. Only the sums' order differs.
 """
@@ -33,9 +26,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
-from gem_kernels.quantized_rows_triton import RowsOut, write_e4m3_rows
 from gem_kernels.row_blocks import MAX_DIM, rows_per_program
-from gem_model.api import GradRowsSlot, RowQuantization, attached_grad_rows
 
 CHUNK = 128
 """Rows of one sequence a forward program takes (read at call time: tests set it small)."""
@@ -43,15 +34,6 @@ CHUNK = 128
 BACKWARD_ROWS = 128
 """Rows of x a backward program takes (in blocks held in registers): ``N / 128`` programs' column sums
 of ``[D]`` float32 each for the weight and bias gradients (read at call time)."""
-
-OFFER_GRAD = False
-"""Whether the backward offers the gradient's e4m3 rows and column sums to the slot of the linear upstream
-(read at call time; else that linear quantizes and sums its output gradient itself). Off: on the H200
-(2026-12-06, big config, seed 491; ``benchmarks/results/e2e_ab.md``) it gained nothing with the bf16
-linears (0.996x over 60 batches, steady 1.000x) and cost under ``fp8_rowwise`` (1.061x against bf16 where
-``fp8_rowwise`` alone ran 1.068x; steady 1.064x against 1.079x): the rows' row maxima and byte stores in
-this pass's walk of 128 rows a program cost more than the separate quantization of one gradient. E2e
-switch ``pool_offers`` turns it on."""
 
 MEAN_COLUMNS = 256
 """Columns of the means one program of the second forward kernel adds up."""
@@ -118,21 +100,18 @@ def _pool_mean(PARTIAL, OFFSETS, MEAN, LAST, n_chunks, D: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _pool_bwd(X, W, OFFSETS, ROW_MEAN, ROW_RSTD, DHIST, DLAST, DMEAN, DX, DW_PART, DB_PART, Q, Q_INV, DX_PART,
-              stride_x, stride_dh, stride_dl, stride_dm, num_rows, num_seqs, search_steps, D: tl.constexpr,
+def _pool_bwd(X, W, OFFSETS, ROW_MEAN, ROW_RSTD, DHIST, DLAST, DMEAN, DX, DW_PART, DB_PART, stride_x,
+              stride_dh, stride_dl, stride_dm, num_rows, num_seqs, search_steps, D: tl.constexpr,
               BLOCK_D: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, LEAD: tl.constexpr,
               TAIL: tl.constexpr, HAS_DHIST: tl.constexpr, HAS_DLAST: tl.constexpr, HAS_DMEAN: tl.constexpr,
-              PARAM_GRADS: tl.constexpr, QUANT: tl.constexpr, COL_SUM: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
-    """Rows ``pid * TILES * ROWS ...`` of x: their gradient, and their column sums of dy * xhat and dy;
-    ``QUANT``: the gradient's e4m3 rows as stored, into ``Q``/``Q_INV``; ``COL_SUM``: its column sums as
-    stored, into ``DX_PART[pid]``."""
+              PARAM_GRADS: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+    """Rows ``pid * TILES * ROWS ...`` of x: their gradient, and their column sums of dy * xhat and dy."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
     w = tl.load(W + cols, mask=cols_ok, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     db = tl.zeros([BLOCK_D], dtype=tl.float32)
-    dx_sums = tl.zeros([BLOCK_D], dtype=tl.float32)
     for tile in range(0, TILES):
         rows = ((pid * TILES + tile) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         rows_ok = rows < num_rows
@@ -167,20 +146,13 @@ def _pool_bwd(X, W, OFFSETS, ROW_MEAN, ROW_RSTD, DHIST, DLAST, DMEAN, DX, DW_PAR
         xhat = tl.where(inside, (x - mean[:, None]) * rstd[:, None], 0.0)
         wdy = w[None, :] * dy
         dx = (wdy - (tl.sum(wdy, 1) / D)[:, None] - xhat * (tl.sum(wdy * xhat, 1) / D)[:, None]) * rstd[:, None]
-        stored = cast(dx, DX.dtype.element_ty, INTERP)
-        tl.store(DX + rows[:, None] * D + cols[None, :], stored, mask=inside)
-        if QUANT:  # for the linear whose output this is the gradient of
-            write_e4m3_rows(stored.to(tl.float32), rows, cols, rows_ok, cols_ok, Q, Q_INV, D)
-        if COL_SUM:  # that linear's bias gradient
-            dx_sums += tl.sum(tl.where(inside, stored.to(tl.float32), 0.0), 0)
+        tl.store(DX + rows[:, None] * D + cols[None, :], cast(dx, DX.dtype.element_ty, INTERP), mask=inside)
         if PARAM_GRADS:
             dw += tl.sum(dy * xhat, 0)
             db += tl.sum(dy, 0)
     if PARAM_GRADS:
         tl.store(DW_PART + pid.to(tl.int64) * D + cols, dw, mask=cols_ok)
         tl.store(DB_PART + pid.to(tl.int64) * D + cols, db, mask=cols_ok)
-    if COL_SUM:
-        tl.store(DX_PART + pid.to(tl.int64) * D + cols, dx_sums, mask=cols_ok)
 
 
 def _shape(dim: int) -> tuple[int, int, int]:
@@ -196,8 +168,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 class _SequencePool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,  # type: ignore[override]
-                offsets: torch.Tensor, lead: int, tail: int, max_len: int,
-                grad_rows: GradRowsSlot | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+                offsets: torch.Tensor, lead: int, tail: int, max_len: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
         rows, dim = x.shape
         b = offsets.numel() - 1
         new = {"dtype": x.dtype, "device": x.device}
@@ -219,7 +190,7 @@ class _SequencePool(torch.autograd.Function):
                 _pool_mean[(b, triton.cdiv(dim, block))](partial, offsets, mean, last, n_chunks, D=dim, BLOCK=block,
                                                          CHUNK_ROWS=chunk, TAIL=tail, INTERP=INTERPRET)  # fmt: skip
         ctx.save_for_backward(x, weight, offsets, row_mean, row_rstd)
-        ctx.lead, ctx.tail, ctx.grad_rows = lead, tail, grad_rows
+        ctx.lead, ctx.tail = lead, tail
         ctx.set_materialize_grads(False)  # an unused output's gradient is None: no zeros made up and read
         return hist, last, mean
 
@@ -228,7 +199,7 @@ class _SequencePool(torch.autograd.Function):
                  d_mean: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
         x, weight, offsets, row_mean, row_rstd = ctx.saved_tensors
         if d_hist is None and d_last is None and d_mean is None:
-            return (None,) * 9
+            return (None,) * 8
         rows, dim = x.shape
         b = offsets.numel() - 1
         block_d, per, warps = _shape(dim)
@@ -239,28 +210,18 @@ class _SequencePool(torch.autograd.Function):
         dx = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
         dw_part = torch.empty((programs, dim) if params else (0,), dtype=torch.float32, device=x.device)
         db_part = torch.empty_like(dw_part)
-        slot: GradRowsSlot | None = ctx.grad_rows if OFFER_GRAD and ctx.needs_input_grad[0] else None
-        q = RowsOut.allocate(rows, dim, x.device, RowQuantization()) if slot is not None and slot.rows else None
-        dx_part = torch.empty((programs, dim), dtype=torch.float32, device=x.device) if slot is not None and slot.column_sum else None
         grads = [_rows(g) if g is not None else x for g in (d_hist, d_last, d_mean)]
         if rows:
             with device_guard(x.device):
                 _pool_bwd[(programs,)](x, weight, offsets, row_mean, row_rstd, *grads, dx, dw_part, db_part,
-                                       *((q.data, q.scale_inv) if q is not None else (dx, row_mean)),
-                                       dx_part if dx_part is not None else row_mean,
                                        x.stride(0), *(g.stride(0) for g in grads), rows, b, max(b - 1, 0).bit_length(),
                                        D=dim, BLOCK_D=block_d, ROWS=per, TILES=tiles, LEAD=ctx.lead, TAIL=ctx.tail,
                                        HAS_DHIST=d_hist is not None, HAS_DLAST=d_last is not None,
-                                       HAS_DMEAN=d_mean is not None, PARAM_GRADS=params, QUANT=q is not None,
-                                       COL_SUM=dx_part is not None, INTERP=INTERPRET, num_warps=warps)  # fmt: skip
-        if slot is not None:
-            sums = None
-            if dx_part is not None:
-                sums = dx_part.sum(0) if rows else torch.zeros(dim, dtype=torch.float32, device=x.device)
-            slot.offer(dx, None if q is None else q.result(), sums)
+                                       HAS_DMEAN=d_mean is not None, PARAM_GRADS=params, INTERP=INTERPRET,
+                                       num_warps=warps)  # fmt: skip
         dweight = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         dbias = db_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[2] else None
-        return dx if ctx.needs_input_grad[0] else None, dweight, dbias, None, None, None, None, None, None
+        return dx if ctx.needs_input_grad[0] else None, dweight, dbias, None, None, None, None, None
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor, lead: int,
@@ -296,9 +257,7 @@ def sequence_pool_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     longer sequence's rows past the grid are not written, and its mean is NaN, so that it shows."""
     tail = _check(x, weight, bias, offsets, lead, candidate, max_len)
     offsets = offsets.contiguous()
-    slot = attached_grad_rows(x)  # the last HSTU block's out linear's, through its residual add
-    return _SequencePool.apply(_rows(x), _rows(weight), _rows(bias), float(eps), offsets, lead, tail, max_len,
-                               slot if x.stride(-1) == 1 else None)
+    return _SequencePool.apply(_rows(x), _rows(weight), _rows(bias), float(eps), offsets, lead, tail, max_len)
 
 
 def sequence_pool_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
