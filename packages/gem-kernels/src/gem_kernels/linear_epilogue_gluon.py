@@ -48,6 +48,8 @@ class GluonGemmConfig:
     epilogue (no CTA barrier in their loop)."""
     split: int = 1
     """(``ws``) The tile's columns as ``split`` accumulators of ``block_n / split``, each stored on its own."""
+    pingpong: bool = False
+    """(``ws``) Two consumer warpgroups of ``warps`` (4) warps, a ``[block_m, block_n]`` tile each, in turn."""
     store_buffers: int = 2
     """(``ws``) Shared buffers of ``[block_m, block_n / split]`` that the TMA stores go out of, in turn."""
 
@@ -63,6 +65,9 @@ CONFIGS: dict[str, GluonGemmConfig] = {
     "ws128n256s4": GluonGemmConfig(128, 256, 64, 4, ws=True, split=2, store_buffers=1),
     "ws128n128s4": GluonGemmConfig(128, 128, 64, 4, ws=True),
     "ws128n128s5": GluonGemmConfig(128, 128, 64, 5, ws=True, store_buffers=1),
+    "pp128n128s4": GluonGemmConfig(128, 128, 64, 4, warps=4, ws=True, pingpong=True, store_buffers=1),
+    "pp128n128s3": GluonGemmConfig(128, 128, 64, 3, warps=4, ws=True, pingpong=True, store_buffers=2),
+    "pp128n128s5": GluonGemmConfig(128, 128, 64, 5, warps=4, ws=True, pingpong=True, store_buffers=1),
 }
 """The candidates: shared memory holds the ring and one ``[block_m, block_n]`` buffer per stored or
 loaded epilogue tile (two of them), within the 227 KiB an SM gives one program."""
@@ -70,6 +75,8 @@ DEFAULT_CONFIG = "g128n128s4"
 
 PRODUCER_REGISTERS = 40
 """Registers of the ``ws`` configs' producer warp."""
+CONSUMER_REGISTERS = 232
+"""Registers of the ping-pong configs' second consumer warpgroup."""
 
 SILU, RESIDUAL = 1, 2
 """The epilogues, as in :mod:`gem_kernels.linear_epilogue_triton`."""
@@ -240,14 +247,12 @@ if HAVE_GLUON:
         return stores + 1
 
     @gluon.jit
-    def _ws_finish(acc, col0, off_m, stores, out_bufs, res_buf, out_desc, extra_desc, BIAS, N, SILU_FROM,
+    def _ws_finish(acc, col0, off_m, stores, out_bufs, out_desc, extra_desc, BIAS, N, SILU_FROM,
                    HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
-        """One accumulator's epilogue (columns ``col0 ..``): bias, residual, the stores."""
+        """One accumulator's epilogue (columns ``col0 ..``, its residual already added): bias, the stores."""
         if HAS_BIAS:
             cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
             acc = acc + gl.load(BIAS + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
-        if EPILOGUE == 2:
-            acc = acc + res_buf.load(acc.type.layout).to(gl.float32)
         out = acc.to(out_desc.dtype)
         stores = _ws_put(out, out_desc, off_m, col0, out_bufs, stores, NBUF)
         if EPILOGUE == 1:
@@ -307,11 +312,14 @@ if HAVE_GLUON:
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
             if EPILOGUE == 2:
                 mbarrier.wait(res_ready, t & 1)
-            stores = _ws_finish(acc0, off_n, off_m, stores, out_bufs, res_bufs.index(0), out_desc, extra_desc, BIAS,
-                                N, SILU_FROM, HAS_BIAS, EPILOGUE, NBUF)  # fmt: skip
+                acc0 = acc0 + res_bufs.index(0).load(acc_layout).to(gl.float32)
+            stores = _ws_finish(acc0, off_n, off_m, stores, out_bufs, out_desc, extra_desc, BIAS, N, SILU_FROM,
+                                HAS_BIAS, EPILOGUE, NBUF)  # fmt: skip
             if SPLIT == 2:
-                stores = _ws_finish(acc1, off_n + PIECE, off_m, stores, out_bufs, res_bufs.index(SPLIT - 1), out_desc,
-                                    extra_desc, BIAS, N, SILU_FROM, HAS_BIAS, EPILOGUE, NBUF)  # fmt: skip
+                if EPILOGUE == 2:
+                    acc1 = acc1 + res_bufs.index(SPLIT - 1).load(acc_layout).to(gl.float32)
+                stores = _ws_finish(acc1, off_n + PIECE, off_m, stores, out_bufs, out_desc, extra_desc, BIAS, N,
+                                    SILU_FROM, HAS_BIAS, EPILOGUE, NBUF)  # fmt: skip
             if EPILOGUE == 2:
                 _cta_barrier()
                 mbarrier.arrive(res_empty, count=1)
@@ -359,6 +367,94 @@ if HAVE_GLUON:
         mbarrier.invalidate(res_empty)
 
 
+    @gluon.jit
+    def _pp_consumer(x_bufs, w_bufs, out_bufs, ready, empty, res_bar, out_desc, extra_desc, BIAS, M, N, K, SILU_FROM,
+                     HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                     NBUF: gl.constexpr, ROLE: gl.constexpr):  # fmt: skip
+        """One of the two consumer warpgroups of the ping-pong kernel: this program's tiles ``ROLE``,
+        ``ROLE + 2``, ...; its epilogue runs while the other warpgroup's MMAs do (the ring hands the
+        tensor cores to each in turn). The residual tile comes by TMA into the store buffer that the
+        epilogue then writes the sum into, requested when the tile starts."""
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        BLOCK_M: gl.constexpr = x_bufs.shape[1]
+        BLOCK_K: gl.constexpr = x_bufs.shape[2]
+        BLOCK_N: gl.constexpr = w_bufs.shape[1]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        num_m = gl.cdiv(M, BLOCK_M)
+        num_n = gl.cdiv(N, BLOCK_N)
+        first = gl.program_id(0)
+        stride = gl.num_programs(0)
+        stores = 0
+        for t in range(ROLE, gl.cdiv(num_m * num_n - first, stride), 2):
+            pid_m, pid_n = _tile_coords(first + t * stride, num_m, num_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            if EPILOGUE == 2:
+                tma.store_wait(pendings=NBUF - 1)  # the buffer's last store has read it
+                _cta_barrier()
+                mbarrier.expect(res_bar, extra_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(extra_desc, [off_m, off_n], res_bar, out_bufs.index(stores % NBUF))
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            step = t * k_tiles
+            for ki in range(k_tiles):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                acc = warpgroup_mma(x_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+                if ki > 0:
+                    _cta_barrier()
+                    mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+                step += 1
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            _cta_barrier()
+            mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
+            if EPILOGUE == 2:
+                mbarrier.wait(res_bar, ((t - ROLE) // 2) & 1)
+                acc = acc + out_bufs.index(stores % NBUF).load(acc_layout).to(gl.float32)
+            stores = _ws_finish(acc, off_n, off_m, stores, out_bufs, out_desc, extra_desc, BIAS, N, SILU_FROM,
+                                HAS_BIAS, EPILOGUE, NBUF)  # fmt: skip
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gemm_pp_kernel(x_desc, w_desc, out_desc, extra_desc, BIAS, M, N, SILU_FROM, HAS_BIAS: gl.constexpr,
+                        EPILOGUE: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, NBUF: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):  # fmt: skip
+        """:func:`_gemm_epilogue_kernel`'s contract with two consumer warpgroups in ping-pong (CUTLASS's
+        schedule): one producer warp, a warpgroup per tile."""
+        dtype: gl.constexpr = x_desc.dtype
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        x_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        out_a = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_M, BLOCK_N], out_desc.layout)
+        out_b = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_M, BLOCK_N], out_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        res_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        _init_barriers(ready, STAGES)
+        _init_barriers(empty, STAGES)
+        _init_barriers(res_bars, 2)
+        fence_async_shared()
+        gl.warp_specialize(
+            [
+                (_pp_consumer, (x_bufs, w_bufs, out_a, ready, empty, res_bars.index(0), out_desc, extra_desc, BIAS,
+                                M, N, x_desc.shape[1], SILU_FROM, HAS_BIAS, EPILOGUE, STAGES, GROUP_M, NBUF, 0)),
+                (_pp_consumer, (x_bufs, w_bufs, out_b, ready, empty, res_bars.index(1), out_desc, extra_desc, BIAS,
+                                M, N, x_desc.shape[1], SILU_FROM, HAS_BIAS, EPILOGUE, STAGES, GROUP_M, NBUF, 1)),
+                (_ws_producer, (x_desc, w_desc, extra_desc, x_bufs, w_bufs, x_bufs, ready, empty, ready.index(0),
+                                empty.index(0), M, N, 0, STAGES, GROUP_M, BLOCK_N, 1)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+        _invalidate_barriers(ready, STAGES)
+        _invalidate_barriers(empty, STAGES)
+        _invalidate_barriers(res_bars, 2)
+
+
 def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -392,7 +488,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     m, n = out.shape
     if m == 0:
         return
-    piece = tiles.block_n // tiles.split if tiles.ws else tiles.block_n
+    piece = tiles.block_n // tiles.split if tiles.ws and not tiles.pingpong else tiles.block_n
     x_desc = _descriptor(x, [tiles.block_m, tiles.block_k])
     w_desc = _descriptor(weight, [tiles.block_n, tiles.block_k])
     out_desc = _descriptor(out, [tiles.block_m, piece])
@@ -401,7 +497,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     grid = (num_programs(x.device, 1, num_tiles),)
     common = (x_desc, w_desc, out_desc, extra_desc, bias if bias is not None else x, m, n, silu_from)
     with device_guard(x.device):
-        if tiles.ws:
+        if tiles.pingpong:
+            _gemm_pp_kernel[grid](
+                *common,
+                HAS_BIAS=bias is not None, EPILOGUE=epilogue, STAGES=tiles.stages, GROUP_M=tiles.group_m,
+                NBUF=tiles.store_buffers, CONSUMER_REGS=CONSUMER_REGISTERS, PRODUCER_REGS=PRODUCER_REGISTERS,
+                num_warps=tiles.warps,
+            )  # fmt: skip
+        elif tiles.ws:
             _gemm_ws_kernel[grid](
                 *common, HAS_BIAS=bias is not None, EPILOGUE=epilogue, STAGES=tiles.stages, GROUP_M=tiles.group_m,
                 BLOCK_N=tiles.block_n, SPLIT=tiles.split, NBUF=tiles.store_buffers,
