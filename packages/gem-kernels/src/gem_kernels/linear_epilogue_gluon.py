@@ -63,6 +63,9 @@ CONFIGS: dict[str, GluonGemmConfig] = {
     "g256n128s2": GluonGemmConfig(256, 128, 64, 2),
     "ws128n256s3": GluonGemmConfig(128, 256, 64, 3, ws=True, split=2),
     "ws128n256s4": GluonGemmConfig(128, 256, 64, 4, ws=True, split=2, store_buffers=1),
+    "ws128n256k32s6": GluonGemmConfig(128, 256, 32, 6, ws=True, split=2),
+    "ws128n256k32s7": GluonGemmConfig(128, 256, 32, 7, ws=True, split=2, store_buffers=1),
+    "ws128n256k32s8": GluonGemmConfig(128, 256, 32, 8, ws=True, split=2, store_buffers=1),
     "ws128n128s4": GluonGemmConfig(128, 128, 64, 4, ws=True),
     "ws128n128s5": GluonGemmConfig(128, 128, 64, 5, ws=True, store_buffers=1),
     "pp128n128s4": GluonGemmConfig(128, 128, 64, 4, warps=4, ws=True, pingpong=True, store_buffers=1),
@@ -368,13 +371,17 @@ if HAVE_GLUON:
 
 
     @gluon.jit
-    def _pp_consumer(x_bufs, w_bufs, out_bufs, ready, empty, res_bar, out_desc, extra_desc, BIAS, M, N, K, SILU_FROM,
+    def _pp_consumer(x_bufs, w_bufs, out_bufs, ready, empty, res_bar, turns, out_desc, extra_desc, BIAS, M, N, K,
+                     SILU_FROM,
                      HAS_BIAS: gl.constexpr, EPILOGUE: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                      NBUF: gl.constexpr, ROLE: gl.constexpr):  # fmt: skip
         """One of the two consumer warpgroups of the ping-pong kernel: this program's tiles ``ROLE``,
         ``ROLE + 2``, ...; its epilogue runs while the other warpgroup's MMAs do (the ring hands the
-        tensor cores to each in turn). The residual tile comes by TMA into the store buffer that the
-        epilogue then writes the sum into, requested when the tile starts."""
+        tensor cores to each in turn). The two take turns at their main loops (barriers ``turns``: this
+        one waits on its own and hands the next turn to the other once its last MMA is issued), so a
+        warpgroup never waits on a ring slot's barrier more than one fill ahead of the one in flight.
+        The residual tile comes by TMA into the store buffer that the epilogue then writes the sum into,
+        requested when the tile starts."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         BLOCK_M: gl.constexpr = x_bufs.shape[1]
         BLOCK_K: gl.constexpr = x_bufs.shape[2]
@@ -398,6 +405,8 @@ if HAVE_GLUON:
                 tma.async_copy_global_to_shared(extra_desc, [off_m, off_n], res_bar, out_bufs.index(stores % NBUF))
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             step = t * k_tiles
+            turn = (t - ROLE) // 2
+            mbarrier.wait(turns.index(ROLE), (turn & 1) ^ (1 - ROLE))
             for ki in range(k_tiles):
                 slot = step % STAGES
                 mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
@@ -407,6 +416,7 @@ if HAVE_GLUON:
                     _cta_barrier()
                     mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
                 step += 1
+            mbarrier.arrive(turns.index(1 - ROLE), count=1)
             acc = warpgroup_mma_wait(0, deps=[acc])
             _cta_barrier()
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
@@ -434,15 +444,17 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         res_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         _init_barriers(ready, STAGES)
         _init_barriers(empty, STAGES)
         _init_barriers(res_bars, 2)
+        _init_barriers(turns, 2)
         fence_async_shared()
         gl.warp_specialize(
             [
-                (_pp_consumer, (x_bufs, w_bufs, out_a, ready, empty, res_bars.index(0), out_desc, extra_desc, BIAS,
+                (_pp_consumer, (x_bufs, w_bufs, out_a, ready, empty, res_bars.index(0), turns, out_desc, extra_desc, BIAS,
                                 M, N, x_desc.shape[1], SILU_FROM, HAS_BIAS, EPILOGUE, STAGES, GROUP_M, NBUF, 0)),
-                (_pp_consumer, (x_bufs, w_bufs, out_b, ready, empty, res_bars.index(1), out_desc, extra_desc, BIAS,
+                (_pp_consumer, (x_bufs, w_bufs, out_b, ready, empty, res_bars.index(1), turns, out_desc, extra_desc, BIAS,
                                 M, N, x_desc.shape[1], SILU_FROM, HAS_BIAS, EPILOGUE, STAGES, GROUP_M, NBUF, 1)),
                 (_ws_producer, (x_desc, w_desc, extra_desc, x_bufs, w_bufs, x_bufs, ready, empty, ready.index(0),
                                 empty.index(0), M, N, 0, STAGES, GROUP_M, BLOCK_N, 1)),
@@ -453,6 +465,7 @@ if HAVE_GLUON:
         _invalidate_barriers(ready, STAGES)
         _invalidate_barriers(empty, STAGES)
         _invalidate_barriers(res_bars, 2)
+        _invalidate_barriers(turns, 2)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
