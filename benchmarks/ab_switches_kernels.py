@@ -86,9 +86,6 @@ KERNEL_VARIANTS: dict[str, Switch] = {
                               patched("gem_kernels.attention_gluon", "DKDV", True)),
     # the bf16 uvqk GEMM in Triton with silu(v, q, k) in its epilogue, in place of cuBLAS and the silu pass
     "linear_silu": patched("gem_kernels.hstu_block", "LINEAR_SILU", True),
-    # the same GEMM by gem_kernels.linear_epilogue_gluon (warp-specialized, asynchronous TMA stores) on Hopper
-    "gluon_linear_silu": all_of(patched("gem_kernels.hstu_block", "LINEAR_SILU", True),
-                                patched("gem_kernels.hstu_block", "UVQK_GEMM", "gluon")),
     # the bf16 out GEMM by cuBLAS and the residual added after it, as before 2026-12-06 (since then the
     # Triton GEMM with the residual in its epilogue; this switch was ``linear_residual``, turning it on)
     "residual_add": patched("gem_kernels.hstu_block", "LINEAR_RESIDUAL", False),

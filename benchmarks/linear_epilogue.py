@@ -5,8 +5,7 @@ against what the block runs today, on the big config's shapes:
   (``hstu_gap_triton.silu_columns``), against ``linear_silu``;
 - ``out``: cuBLAS, then the residual add, against ``linear_residual``.
 
-``--gluon-configs`` adds the Gluon kernels (``gem_kernels.linear_epilogue_gluon``, Hopper only) beside
-the Triton ones. Also each GEMM alone (cuBLAS, and Triton without the epilogue's work where that exists), so that the
+Also each GEMM alone (cuBLAS, and Triton without the epilogue's work where that exists), so that the
 epilogue's cost shows apart from the GEMM's speed. Every Triton variant is checked before timing: its
 output against cuBLAS's (error relative to the largest entry), and ``post`` bit-equal to ``silu_columns``
 of its ``pre``. Interleaved rounds, CUDA events, median and IQR.
@@ -22,24 +21,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from rounds import cell, rotated_queued_rounds, rotated_rounds, save_results, spread  # benchmarks/rounds.py
 
-from gem_kernels import linear_epilogue_gluon, linear_epilogue_triton
 from gem_kernels.hstu_gap_triton import silu_columns
-from gem_kernels.linear_epilogue_triton import CONFIGS
+from gem_kernels.linear_epilogue_triton import CONFIGS, linear_residual, linear_silu
 
 K, SILU_FROM = 1024, 1024
 WIDTH = {"uvqk": 4096, "out": 1024}
-
-
-def kernels(config: str) -> tuple[str, Any]:
-    """The backend of a config name: ``triton`` (``linear_epilogue_triton``) or ``gluon``."""
-    if config in CONFIGS:
-        return "triton", linear_epilogue_triton
-    return "gluon", linear_epilogue_gluon
 
 
 def variants(case: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, extra: torch.Tensor,
@@ -52,13 +42,12 @@ def variants(case: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, extra
         fns["cublas+add"] = lambda: extra + torch.addmm(b, x, w.T)
     fns["cublas"] = lambda: torch.addmm(b, x, w.T)
     for name in configs:
-        label, mod = kernels(name)
         if case == "uvqk":
-            fns[f"{label} {name}"] = lambda name=name, mod=mod: mod.linear_silu(x, w, b, SILU_FROM, config=name, post=extra)
-            fns[f"{label} {name} (pre only)"] = lambda name=name, mod=mod: mod.linear_silu(
-                x, w, b, SILU_FROM, config=name, write_post=False, post=extra)  # fmt: skip
+            fns[f"triton {name}"] = lambda name=name: linear_silu(x, w, b, SILU_FROM, config=name, post=extra)
+            fns[f"triton {name} (pre only)"] = lambda name=name: linear_silu(x, w, b, SILU_FROM, config=name,
+                                                                            write_post=False, post=extra)  # fmt: skip
         else:
-            fns[f"{label} {name}"] = lambda name=name, mod=mod: mod.linear_residual(x, w, b, extra, config=name)
+            fns[f"triton {name}"] = lambda name=name: linear_residual(x, w, b, extra, config=name)
     return fns
 
 
@@ -72,10 +61,9 @@ def check(case: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, extra: t
         ref = ref + extra.float()
     errors = {}
     for name in configs:
-        mod = kernels(name)[1]
         try:
-            outputs = mod.linear_silu(x, w, b, SILU_FROM, config=name) if case == "uvqk" else (
-                mod.linear_residual(x, w, b, extra, config=name), None)
+            outputs = linear_silu(x, w, b, SILU_FROM, config=name) if case == "uvqk" else (
+                linear_residual(x, w, b, extra, config=name), None)
         except Exception as e:  # e.g. a config whose buffers do not fit this epilogue's shared memory
             print(f"{case} {name}: did not run ({type(e).__name__}: {str(e)[:200]}); not timed")
             continue
@@ -105,8 +93,7 @@ def run_case(case: str, rows: int, configs: list[str], rounds: int, max_error: f
     extra = (torch.empty(rows, n - SILU_FROM, device=dev) if case == "uvqk" else torch.randn(rows, n, device=dev)).bfloat16()
     errors = check(case, x, w, b, extra, configs, max_error)
     fns = variants(case, x, w, b, extra, [c for c in configs if c in errors])
-    # --queued: calls queued behind a sleep, so the host's launch time (descriptors built on the host for the
-    # Gluon kernels) is not counted, as in a training step
+    # --queued: calls queued behind a sleep, so the host's launch time is not counted, as in a training step
     times = rotated_queued_rounds(fns, rounds, queued, 50_000_000) if queued else rotated_rounds(fns, rounds)
     flop = 2 * rows * K * n
     base_name = next(iter(times))
@@ -117,7 +104,7 @@ def run_case(case: str, rows: int, configs: list[str], rounds: int, max_error: f
     results = []
     for name, ms in times.items():
         s = spread(ms)
-        config = name.split()[1] if name.startswith(("triton", "gluon")) else None
+        config = name.split()[1] if name.startswith("triton") else None
         err = f"{errors[config]:.1e}" if config else ""
         print(f"| {name} | {cell(s)} | {flop / s['median'] / 1e9:.0f} | {base / s['median']:.3f}x | {err} |")
         results.append({"case": case, "variant": name, **s, "tflops": flop / s["median"] / 1e9,
@@ -131,7 +118,6 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--cases", default="uvqk,out")
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--gluon-configs", default="", help=f"of {sorted(linear_epilogue_gluon.CONFIGS)}")
     parser.add_argument("--max-error", type=float, default=1e-2)
     parser.add_argument("--queued", type=int, default=0, help="time N calls queued behind a sleep (device time)")
     parser.add_argument("--seed", type=int, default=0)
@@ -141,14 +127,10 @@ def main() -> int:
         print("linear_epilogue.py times CUDA kernels: no GPU here", file=sys.stderr)
         return 1
     configs = [c for c in args.configs.split(",") if c]
-    gluon = [c for c in args.gluon_configs.split(",") if c]
     cases = [c for c in args.cases.split(",") if c]
-    unknown = ([c for c in configs if c not in CONFIGS] + [c for c in gluon if c not in linear_epilogue_gluon.CONFIGS]
-               + [c for c in cases if c not in WIDTH])  # fmt: skip
+    unknown = [c for c in configs if c not in CONFIGS] + [c for c in cases if c not in WIDTH]
     if unknown:
-        raise SystemExit(f"unknown --configs, --gluon-configs or --cases {unknown}; configs: {sorted(CONFIGS)}, "
-                         f"gluon: {sorted(linear_epilogue_gluon.CONFIGS)}, cases: {sorted(WIDTH)}")  # fmt: skip
-    configs += gluon
+        raise SystemExit(f"unknown --configs or --cases {unknown}; configs: {sorted(CONFIGS)}, cases: {sorted(WIDTH)}")
     torch.manual_seed(args.seed)
     results = [r for case in cases for r in run_case(case, args.rows, configs, args.rounds, args.max_error, args.queued)]
     save_results(args.out, results, rows=args.rows, k=K, widths=WIDTH, silu_from=SILU_FROM, rounds=args.rounds)

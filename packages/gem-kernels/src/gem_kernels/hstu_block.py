@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 
-from gem_kernels import linear_epilogue_gluon
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.layer_norm_triton import norm_fork
 from gem_kernels.linear_epilogue_triton import DEFAULT_CONFIG, fits_epilogue, linear_residual, linear_silu
@@ -81,14 +80,6 @@ LINEAR_SILU = False
 pass (0.893x). The GEMM alone runs at 627 TFLOP/s to cuBLAS's 706, and writing ``post`` adds 0.82 ms where
 its bytes take ~0.3: the epilogue's stores are not overlapped with the next tile's MMAs (one partition,
 no asynchronous stores), which a warp-specialized GEMM would need."""
-UVQK_GEMM = "triton"
-"""Which kernel runs uvqk's GEMM under :data:`LINEAR_SILU`: ``triton`` (:mod:`gem_kernels.linear_epilogue_triton`)
-or ``gluon`` (:mod:`gem_kernels.linear_epilogue_gluon`, warp-specialized, on Hopper; elsewhere the Triton
-one runs). E2e switch ``gluon_linear_silu`` sets both."""
-UVQK_GLUON_CONFIG = "ws128n256s4"
-"""The Gluon kernel's tiles for uvqk: on the H100 (2026-12-06, ``benchmarks/linear_epilogue.py --queued 10``
-at 207,000 rows) 2.944 ms against 3.195 for cuBLAS and the silu pass (1.085x), the GEMM alone at 699
-TFLOP/s to cuBLAS's 754."""
 
 
 def hstu_block_triton(
@@ -148,10 +139,7 @@ def _linear_silu_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       post: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The :data:`gem_model.api.LinearGemm` handed to uvqk: its ``pre``, with ``post`` (the silu of its last
     ``post.shape[1]`` columns) written beside it."""
-    silu_from = weight.shape[0] - post.shape[1]
-    if UVQK_GEMM == "gluon" and linear_epilogue_gluon.supported(x, weight, silu_from, UVQK_GLUON_CONFIG):
-        return linear_epilogue_gluon.linear_silu(x, weight, bias, silu_from, post=post, config=UVQK_GLUON_CONFIG)[0]
-    return linear_silu(x, weight, bias, silu_from, post=post, config=UVQK_CONFIG)[0]
+    return linear_silu(x, weight, bias, weight.shape[0] - post.shape[1], post=post, config=UVQK_CONFIG)[0]
 
 
 def _residual_epilogue(out: Callable[..., torch.Tensor], y: torch.Tensor, y_rows: object, slot: object,
