@@ -43,22 +43,38 @@ def test_the_check_passes_the_kernels_and_every_variant_runs(small, case: str) -
         fn()
 
 
-def test_the_check_stops_on_a_wrong_post(small, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_check_leaves_a_wrong_post_out_and_keeps_the_others(small, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     x, w, b, extra = _operands("uvqk")
     real = bench.linear_silu
 
-    def broken(*args, **kwargs):
-        pre, post = real(*args, **kwargs)
-        post[3, 5] += 1
+    def broken_in_one(*args, config, **kwargs):
+        pre, post = real(*args, config=config, **kwargs)
+        if config == "m128n128k64w4":
+            post[3, 5] += 1
         return pre, post
 
-    monkeypatch.setattr(bench, "linear_silu", broken)
-    with pytest.raises(SystemExit, match="post is not silu_columns of pre"):
-        bench.check("uvqk", x, w, b, extra, ["m128n128k64"], 1e-2)
+    monkeypatch.setattr(bench, "linear_silu", broken_in_one)
+    errors = bench.check("uvqk", x, w, b, extra, ["m128n128k64", "m128n128k64w4"], 1e-2)
+    assert list(errors) == ["m128n128k64"]
+    assert "uvqk m128n128k64w4: post is not silu_columns of pre (largest difference" in capsys.readouterr().out
 
 
-def test_the_check_stops_on_a_wrong_sum(small, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_check_leaves_a_wrong_sum_out(small, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     x, w, b, extra = _operands("out")
     monkeypatch.setattr(bench, "linear_residual", lambda x, w, b, r, config: torch.nn.functional.linear(x, w, b))
-    with pytest.raises(SystemExit, match="out m128n128k64: error"):
-        bench.check("out", x, w, b, extra, ["m128n128k64"], 1e-2)
+    assert bench.check("out", x, w, b, extra, ["m128n128k64"], 1e-2) == {}
+    assert "out m128n128k64: error" in capsys.readouterr().out
+
+
+def test_the_check_leaves_a_config_that_does_not_run_out(small, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    x, w, b, extra = _operands("out")
+
+    def too_big(x, w, b, r, config):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(bench, "linear_residual", too_big)
+    assert bench.check("out", x, w, b, extra, ["m128n128k64"], 1e-2) == {}
+    assert "did not run (RuntimeError: out of resource: shared memory)" in capsys.readouterr().out
