@@ -36,6 +36,7 @@ steps of one batch; the losses are reported for sanity, not compared.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -50,6 +51,8 @@ from pathlib import Path
 
 import torch
 from ab_switches import VARIANTS  # beside this script
+from device_power import PowerSampler, describe, nvidia_smi_command  # beside this script
+from device_power import summarize as summarize_power
 from profiling import print_profile, profile_steps  # beside this script
 from step_measures import EventPipeline, GcPauses  # beside this script
 
@@ -66,6 +69,9 @@ class Row:
     losses: list[float] = field(default_factory=list)
     gc_ms: list[float] = field(default_factory=list)
     peak_gib: float = 0.0
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    """``time.perf_counter()`` spans of the timed steps, for the power samples (``device_power``)."""
+    power: dict | None = None
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -127,6 +133,11 @@ def worker(args: argparse.Namespace) -> None:
         pauses = GcPauses()
         collector = GcSchedule(args.gc_every)  # trainer.gc_every's schedule, for the whole process
         collector.start()
+        power = None
+        if device.type == "cuda" and args.power_ms > 0:
+            uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "") or None
+            power = PowerSampler(nvidia_smi_command(uuid, args.power_ms))
+            atexit.register(power.stop)  # no sampler left running if the steps fail
 
         def use(row: Row) -> None:
             for u in undo:
@@ -161,6 +172,7 @@ def worker(args: argparse.Namespace) -> None:
                     row.peak_gib = max(row.peak_gib, torch.cuda.max_memory_allocated(device) / 2**30)
                 return
             row.wall_ms.append(1e3 * wall)
+            row.windows.append((t0, t0 + wall))
             row.device_ms.extend(device_ms)
             row.tokens.append(result.tokens)
             row.flops.append(result.flops)
@@ -174,6 +186,8 @@ def worker(args: argparse.Namespace) -> None:
                 one(index, row, timed=False)
         print(f"warm-up: {len(warm)} batches x {len(rows)} variants in {time.perf_counter() - t_warm:.1f} s "
               f"(tuning buckets {sorted(buckets)})", flush=True)  # fmt: skip
+        if power is not None:
+            power.start()
         for k, index in enumerate(range(args.warmup, total)):
             for j in range(len(rows)):
                 one(index, rows[(j + k) % len(rows)], timed=True)
@@ -202,9 +216,17 @@ def worker(args: argparse.Namespace) -> None:
                 consecutive()
                 wall = time.perf_counter() - t0
                 spans = events.take()
-                st = steady.setdefault(row.name, {"steps": len(spans), "rounds_wall_ms": [], "rounds_device_ms": []})
+                st = steady.setdefault(row.name, {"steps": len(spans), "rounds_wall_ms": [], "rounds_device_ms": [],
+                                                  "windows": []})  # fmt: skip
+                st["windows"].append((t0, t0 + wall))
                 st["rounds_wall_ms"].append(1e3 * wall / len(spans))
                 st["rounds_device_ms"].append(sum(spans) / len(spans))
+        if power is not None:  # the timed and the steady steps are over: what the GPU drew during each variant's
+            power.stop()
+            for row in rows:
+                row.power = summarize_power(power.within(row.windows))
+            for st in steady.values():
+                st["power"] = summarize_power(power.within(st["windows"]))
         for st in steady.values():  # the medians over the rounds
             st["wall_ms_per_step"] = statistics.median(st["rounds_wall_ms"])
             st["device_ms_per_step"] = statistics.median(st["rounds_device_ms"])
@@ -257,6 +279,7 @@ def worker(args: argparse.Namespace) -> None:
         "steady": steady,
         "profile": profile,
         "syncs": syncs,
+        "power_failure": None if power is None else power.failure,
     }
     Path(args.result).write_text(json.dumps(result))
 
@@ -282,7 +305,7 @@ def summarize(row: dict, peak: float) -> dict:
         "mfu_nvidia": mean_flops_nv / med_s / peak if med_s else 0.0,
         "paired": row.get("paired"), "peak_gib": row["peak_gib"],
         "gc_ms_mean": sum(row["gc_ms"]) / max(n, 1), "gc_ms_max": max(row["gc_ms"], default=0.0), "loss_first": row["losses"][0] if row["losses"] else None,
-        "loss_last": row["losses"][-1] if row["losses"] else None,
+        "loss_last": row["losses"][-1] if row["losses"] else None, "power": row.get("power"),
     }  # fmt: skip
 
 
@@ -319,6 +342,9 @@ def print_table(summary: list[dict]) -> None:
               f"{s['wall_ms_q3']:>6.1f} {s['device_ms_median']:>13.1f} {100 * (s['idle_share'] or 0):>5.1f}% "
               f"{s['tokens_per_s']:>11,.0f} {100 * s['mfu']:>6.2f}% {100 * s['mfu_nvidia']:>6.2f}% {s['peak_gib']:>8.1f} "
               f"{s['gc_ms_mean']:>7.2f} / {s['gc_ms_max']:>5.1f}")  # fmt: skip
+    if any(s["power"] for s in summary):
+        for s in summary:
+            print(f"{s['variant']} during its timed steps: {describe(s['power'])}")
     for s in summary[1:]:
         r = s["paired"]
         print(f"{s['variant']} against {summary[0]['variant']}, batch by batch: speed-up median {r['median']:.3f}x "
@@ -345,6 +371,9 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], help="a config override (key=value)")
     p.add_argument("--gc-every", type=int, default=0, metavar="N",
                    help="trainer.gc_every's schedule for the whole process (0: Python's own collection)")
+    p.add_argument("--power-ms", type=int, default=100, metavar="MS",
+                   help="sample the GPU's power draw and SM clock every MS ms by nvidia-smi during the timed and steady "
+                   "steps (0: off)")
     p.add_argument("--out")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -363,6 +392,8 @@ def main() -> int:
         paired(raw["rows"])
         summary = [summarize(r, raw["peak_flops"]) for r in raw["rows"]]
         print_table(summary)
+        if raw.get("power_failure"):
+            print(f"power and clock not sampled: {raw['power_failure']}")
         for name, prof in raw["profile"].items():
             print_profile(name, prof)
         steady_against_first(raw["steady"])
@@ -375,6 +406,8 @@ def main() -> int:
                 a = st["against_first"]
                 print(f"steady {name} against the first variant, round by round: speed-up median {a['median']:.3f}x "
                       f"(min {a['min']:.3f}, max {a['max']:.3f}) over {a['rounds']} rounds; > 1 is faster")
+            if st.get("power"):
+                print(f"steady {name} during its rounds: {describe(st['power'])}")
             if "busy_ms_per_step" in st:
                 cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(st["categories_ms_per_step"].items(), key=lambda kv: -kv[1]))
                 print(f"steady {name} profiled again: device busy {st['busy_ms_per_step']:.1f} ms/step ({cats}); "

@@ -51,6 +51,11 @@ def test_two_variants_train_the_same_batches_and_the_steady_rounds_are_compared(
     a, b = steady["A"]["rounds_wall_ms"], steady["B"]["rounds_wall_ms"]
     want = sorted(x / y for x, y in zip(a, b, strict=True))[1]
     assert steady["B"]["against_first"]["median"] == pytest.approx(want)
+    # each timed step's and steady round's time window is kept for the GPU's power samples; on the CPU
+    # nothing is sampled and nothing about power is printed
+    assert all(len(r["windows"]) == 3 and all(t0 < t1 for t0, t1 in r["windows"]) for r in rows.values())
+    assert all(len(st["windows"]) == 3 for st in steady.values())
+    assert all(s["power"] is None for s in result["summary"]) and "power" not in printed
 
 
 def test_the_loss_kernel_switch_is_undone(tmp_path, monkeypatch):

@@ -1,0 +1,132 @@
+"""The GPU's power draw and SM clock while the benchmark's steps run, sampled by ``nvidia-smi``.
+
+A Hopper card training the big config draws its whole power limit: on one H100 (2026-12-06) the
+samples during the timed steps had a median of 692 W against the 700 W limit, the SM clock a median of
+1,695 MHz against its 1,980 MHz maximum, and the driver named the power cap as the reason for the lower
+clock in 97 % of them. At that cap, a change that saves a kernel's time alone may save nothing in the
+step (the clock takes the saved energy back), so ``e2e_ab.py`` reports beside each variant the power, the
+clock and how often the cap held during its own steps.
+
+``nvidia-smi --query-gpu=... -lms N`` runs beside the steps and prints one line a sample; a thread reads
+them with their arrival time. A variant's figures are the samples that arrived inside its steps' wall-time
+windows. Where ``nvidia-smi`` is missing or fails, nothing is sampled and the reason is kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+FIELDS = ("power.draw", "clocks.sm", "clocks_event_reasons.sw_power_cap", "power.limit")
+"""What each sample asks ``nvidia-smi`` for, in this order (``--format=csv,noheader,nounits``)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float
+    """``time.perf_counter()`` when the line arrived (the clock the steps are timed by)."""
+    watts: float
+    sm_mhz: float
+    power_capped: bool
+    limit_watts: float
+
+
+def parse_line(line: str, at: float) -> Sample | None:
+    """One ``nvidia-smi`` line (``FIELDS``, no units) as a :class:`Sample`; None for a line that is not one
+    (a header, an error, ``[N/A]``)."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != len(FIELDS):
+        return None
+    try:
+        watts, mhz, limit = float(parts[0]), float(parts[1]), float(parts[3])
+    except ValueError:
+        return None
+    if parts[2] not in ("Active", "Not Active"):
+        return None
+    return Sample(at, watts, mhz, parts[2] == "Active", limit)
+
+
+def nvidia_smi_command(device_uuid: str | None, interval_ms: int) -> list[str]:
+    """The sampling command for the GPU with this UUID (all GPUs' lines if None)."""
+    command = ["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"]
+    if device_uuid:
+        command.append(f"--id={device_uuid if device_uuid.startswith('GPU-') else 'GPU-' + device_uuid}")
+    return command
+
+
+class PowerSampler:
+    """Runs ``command`` (:func:`nvidia_smi_command`) from :meth:`start` to :meth:`stop`, keeping every line
+    that parses as a :class:`Sample`; ``failure`` says why there are none when it could not run."""
+
+    def __init__(self, command: Sequence[str]) -> None:
+        self.command = list(command)
+        self.samples: list[Sample] = []
+        self.failure: str | None = None
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        try:
+            self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except OSError as e:
+            self.failure = f"{self.command[0]} did not start: {e}"
+            return
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the sampling process is still running."""
+        return self._process is not None and self._process.poll() is None
+
+    def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            sample = parse_line(line, time.perf_counter())
+            if sample is not None:
+                self.samples.append(sample)
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.terminate()
+        try:
+            _, err = self._process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            _, err = self._process.communicate()
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+        if not self.samples and self.failure is None:
+            self.failure = f"{self.command[0]} gave no sample (exit {self._process.returncode}): {(err or '').strip()[:200]}"
+        self._process = None
+
+    def within(self, windows: Sequence[tuple[float, float]]) -> list[Sample]:
+        """The samples that arrived inside any of these ``(start, end)`` ``time.perf_counter()`` windows."""
+        return [s for s in self.samples if any(a <= s.at <= b for a, b in windows)]
+
+
+def summarize(samples: Sequence[Sample]) -> dict | None:
+    """Median power and SM clock, the power limit, and the share of samples the power cap held in; None
+    without samples."""
+    if not samples:
+        return None
+    return {"samples": len(samples), "watts_median": statistics.median(s.watts for s in samples),
+            "limit_watts": max(s.limit_watts for s in samples),
+            "sm_mhz_median": statistics.median(s.sm_mhz for s in samples),
+            "sm_mhz_min": min(s.sm_mhz for s in samples), "sm_mhz_max": max(s.sm_mhz for s in samples),
+            "power_capped_share": sum(s.power_capped for s in samples) / len(samples)}  # fmt: skip
+
+
+def describe(summary: dict | None) -> str:
+    """One line for a printed table."""
+    if summary is None:
+        return "not sampled"
+    return (f"{summary['watts_median']:.0f} W of {summary['limit_watts']:.0f}, SM clock {summary['sm_mhz_median']:.0f} MHz "
+            f"({summary['sm_mhz_min']:.0f}-{summary['sm_mhz_max']:.0f}), power cap in {100 * summary['power_capped_share']:.0f} % "
+            f"of {summary['samples']} samples")  # fmt: skip

@@ -1,0 +1,78 @@
+"""benchmarks/device_power.py: nvidia-smi's lines parsed, a sampling process run and stopped (a stand-in
+Python process printing lines in nvidia-smi's format, since this machine has no GPU), the samples picked
+by the steps' time windows and summarized, and what is kept when the sampler cannot run."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import device_power as dp
+
+# lines as the H100 printed them on 2026-12-06 (power.draw, clocks.sm, sw_power_cap, power.limit; no units)
+LINES = ["692.11, 1695, Active, 700.00", "688.64, 1650, Active, 700.00", "704.84, 1740, Active, 700.00",
+         "308.90, 1980, Not Active, 700.00", "694.97, 1710, Active, 700.00"]  # fmt: skip
+
+
+def test_a_line_parses_and_what_is_not_one_is_skipped() -> None:
+    s = dp.parse_line(LINES[0] + "\n", 12.5)
+    assert s == dp.Sample(at=12.5, watts=692.11, sm_mhz=1695.0, power_capped=True, limit_watts=700.0)
+    assert dp.parse_line(LINES[3], 0.0).power_capped is False
+    for bad in ("power.draw [W], clocks.current.sm [MHz], a, b", "[N/A], 1695, Active, 700.00",
+                "692.11, 1695, Active", "692.11, 1695, Unknown, 700.00", ""):  # fmt: skip
+        assert dp.parse_line(bad, 0.0) is None, bad
+
+
+def test_the_command_names_the_gpu_by_uuid() -> None:
+    command = dp.nvidia_smi_command("4a6f3e1c-0000-1111-2222-333344445555", 100)
+    assert command[0] == "nvidia-smi" and "--loop-ms=100" in command
+    assert f"--query-gpu={','.join(dp.FIELDS)}" in command and "--format=csv,noheader,nounits" in command
+    assert command[-1] == "--id=GPU-4a6f3e1c-0000-1111-2222-333344445555"
+    assert dp.nvidia_smi_command("GPU-abc", 50)[-1] == "--id=GPU-abc"
+    assert not any(c.startswith("--id") for c in dp.nvidia_smi_command(None, 50))
+
+
+def test_a_sampler_reads_the_lines_until_stopped_and_the_windows_pick_them() -> None:
+    script = ("import sys, time\n"
+              f"for line in {LINES!r}:\n"
+              "    print(line, flush=True); time.sleep(0.05)\n"
+              "time.sleep(60)\n")  # a sampler that would never end by itself, as nvidia-smi's loop  # fmt: skip
+    sampler = dp.PowerSampler([sys.executable, "-c", script])
+    start = time.perf_counter()
+    sampler.start()
+    deadline = time.monotonic() + 30
+    while len(sampler.samples) < len(LINES) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t0 = time.perf_counter()
+    sampler.stop()
+    assert time.perf_counter() - t0 < 10  # terminated, not waited for
+    assert sampler.failure is None and [s.watts for s in sampler.samples] == [692.11, 688.64, 704.84, 308.9, 694.97]
+    ats = [s.at for s in sampler.samples]
+    assert ats == sorted(ats) and start <= ats[0]
+    assert sampler.within([(start, ats[1]), (ats[4], ats[4])]) == [sampler.samples[i] for i in (0, 1, 4)]
+    summary = dp.summarize(sampler.samples)
+    assert summary == {"samples": 5, "watts_median": 692.11, "limit_watts": 700.0,
+                       "sm_mhz_median": statistics.median([1695, 1650, 1740, 1980, 1710]), "sm_mhz_min": 1650.0,
+                       "sm_mhz_max": 1980.0, "power_capped_share": 0.8}  # fmt: skip
+    assert dp.describe(summary) == "692 W of 700, SM clock 1710 MHz (1650-1980), power cap in 80 % of 5 samples"
+    assert not sampler.running
+    sampler.stop()  # a second stop does nothing
+
+
+def test_a_sampler_that_cannot_start_or_fails_says_why(tmp_path) -> None:
+    missing = dp.PowerSampler([str(tmp_path / "nvidia-smi"), "--loop-ms=100"])
+    missing.start()
+    missing.stop()
+    assert missing.samples == [] and missing.failure.startswith(f"{tmp_path / 'nvidia-smi'} did not start")
+    failing = dp.PowerSampler([sys.executable, "-c", "import sys; sys.stderr.write('NVIDIA-SMI has failed'); sys.exit(9)"])
+    failing.start()
+    deadline = time.monotonic() + 30
+    while failing.running and time.monotonic() < deadline:  # it exits by itself, as a failing nvidia-smi does
+        time.sleep(0.02)
+    failing.stop()
+    assert failing.samples == [] and "gave no sample (exit 9): NVIDIA-SMI has failed" in failing.failure
+    assert dp.summarize([]) is None and dp.describe(None) == "not sampled"
