@@ -7,13 +7,15 @@ clock in 97 % of them. At that cap, a change that saves a kernel's time alone ma
 step (the clock takes the saved energy back), so ``e2e_ab.py`` reports beside each variant the power, the
 clock and how often the cap held during its own steps.
 
-``nvidia-smi --query-gpu=... -lms N`` runs beside the steps and prints one line a sample; a thread reads
-them with their arrival time. A variant's figures are the samples that arrived inside its steps' wall-time
-windows. Where ``nvidia-smi`` is missing or fails, nothing is sampled and the reason is kept.
+``nvidia-smi --query-gpu=... --loop-ms=N`` runs beside the steps and prints one line a sample, with the
+time it was taken (its output to a pipe comes in blocks, so the time a line arrives says little); a thread
+reads them. A variant's figures are the samples taken inside its steps' wall-time windows. Where
+``nvidia-smi`` is missing or fails, nothing is sampled and the reason is kept.
 """
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import subprocess
 import threading
@@ -21,33 +23,39 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-FIELDS = ("power.draw", "clocks.sm", "clocks_event_reasons.sw_power_cap", "power.limit")
+FIELDS = ("timestamp", "power.draw", "clocks.sm", "clocks_event_reasons.sw_power_cap", "power.limit")
 """What each sample asks ``nvidia-smi`` for, in this order (``--format=csv,noheader,nounits``)."""
 
 
 @dataclass(frozen=True)
 class Sample:
     at: float
-    """``time.perf_counter()`` when the line arrived (the clock the steps are timed by)."""
+    """When it was taken, on ``time.perf_counter()``'s clock (the one the steps are timed by)."""
     watts: float
     sm_mhz: float
     power_capped: bool
     limit_watts: float
 
 
-def parse_line(line: str, at: float) -> Sample | None:
-    """One ``nvidia-smi`` line (``FIELDS``, no units) as a :class:`Sample`; None for a line that is not one
-    (a header, an error, ``[N/A]``)."""
+TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"
+"""How ``nvidia-smi`` writes ``timestamp``: the machine's local time."""
+
+
+def parse_line(line: str, offset: float) -> Sample | None:
+    """One ``nvidia-smi`` line (``FIELDS``, no units) as a :class:`Sample`, its time moved onto
+    ``time.perf_counter()``'s clock by ``offset`` (``time.time() - time.perf_counter()``); None for a line
+    that is not one (a header, an error, ``[N/A]``)."""
     parts = [p.strip() for p in line.split(",")]
     if len(parts) != len(FIELDS):
         return None
     try:
-        watts, mhz, limit = float(parts[0]), float(parts[1]), float(parts[3])
+        taken = datetime.datetime.strptime(parts[0], TIMESTAMP).timestamp()
+        watts, mhz, limit = float(parts[1]), float(parts[2]), float(parts[4])
     except ValueError:
         return None
-    if parts[2] not in ("Active", "Not Active"):
+    if parts[3] not in ("Active", "Not Active"):
         return None
-    return Sample(at, watts, mhz, parts[2] == "Active", limit)
+    return Sample(taken - offset, watts, mhz, parts[3] == "Active", limit)
 
 
 def nvidia_smi_command(device_uuid: str | None, interval_ms: int) -> list[str]:
@@ -68,8 +76,10 @@ class PowerSampler:
         self.failure: str | None = None
         self._process: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
+        self._offset = 0.0
 
     def start(self) -> None:
+        self._offset = time.time() - time.perf_counter()
         try:
             self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         except OSError as e:
@@ -86,7 +96,7 @@ class PowerSampler:
     def _read(self) -> None:
         assert self._process is not None and self._process.stdout is not None
         for line in self._process.stdout:
-            sample = parse_line(line, time.perf_counter())
+            sample = parse_line(line, self._offset)
             if sample is not None:
                 self.samples.append(sample)
 
@@ -107,7 +117,7 @@ class PowerSampler:
         self._process = None
 
     def within(self, windows: Sequence[tuple[float, float]]) -> list[Sample]:
-        """The samples that arrived inside any of these ``(start, end)`` ``time.perf_counter()`` windows."""
+        """The samples taken inside any of these ``(start, end)`` ``time.perf_counter()`` windows."""
         return [s for s in self.samples if any(a <= s.at <= b for a, b in windows)]
 
 

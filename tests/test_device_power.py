@@ -1,29 +1,39 @@
 """benchmarks/device_power.py: nvidia-smi's lines parsed, a sampling process run and stopped (a stand-in
 Python process printing lines in nvidia-smi's format, since this machine has no GPU), the samples picked
-by the steps' time windows and summarized, and what is kept when the sampler cannot run."""
+by the steps' time windows (by the time each was taken, not when it arrived) and summarized, and what is
+kept when the sampler cannot run."""
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import device_power as dp
 
-# lines as the H100 printed them on 2026-12-06 (power.draw, clocks.sm, sw_power_cap, power.limit; no units)
-LINES = ["692.11, 1695, Active, 700.00", "688.64, 1650, Active, 700.00", "704.84, 1740, Active, 700.00",
-         "308.90, 1980, Not Active, 700.00", "694.97, 1710, Active, 700.00"]  # fmt: skip
+# the values as the H100 printed them on 2026-12-06 (power.draw, clocks.sm, sw_power_cap, power.limit; no
+# units), each line led by its timestamp
+VALUES = ["692.11, 1695, Active, 700.00", "688.64, 1650, Active, 700.00", "704.84, 1740, Active, 700.00",
+          "308.90, 1980, Not Active, 700.00", "694.97, 1710, Active, 700.00"]  # fmt: skip
 
 
-def test_a_line_parses_and_what_is_not_one_is_skipped() -> None:
-    s = dp.parse_line(LINES[0] + "\n", 12.5)
-    assert s == dp.Sample(at=12.5, watts=692.11, sm_mhz=1695.0, power_capped=True, limit_watts=700.0)
-    assert dp.parse_line(LINES[3], 0.0).power_capped is False
-    for bad in ("power.draw [W], clocks.current.sm [MHz], a, b", "[N/A], 1695, Active, 700.00",
-                "692.11, 1695, Active", "692.11, 1695, Unknown, 700.00", ""):  # fmt: skip
+def test_a_line_parses_onto_the_steps_clock_and_what_is_not_one_is_skipped() -> None:
+    line = "2026/12/06 09:28:09.285, " + VALUES[0] + "\n"
+    taken = datetime.datetime(2026, 12, 6, 9, 28, 9, 285000).timestamp()
+    s = dp.parse_line(line, offset=1000.0)
+    assert s == dp.Sample(at=pytest.approx(taken - 1000.0), watts=692.11, sm_mhz=1695.0, power_capped=True,
+                          limit_watts=700.0)  # fmt: skip
+    assert dp.parse_line("2026/12/06 09:28:09.285, " + VALUES[3], 0.0).power_capped is False
+    for bad in ("timestamp, power.draw [W], clocks.current.sm [MHz], a, b", "2026/12/06 09:28:09.285, [N/A], 1695, Active, 700",
+                "2026/12/06 09:28:09.285, 692.11, 1695, Active", "2026/12/06 09:28:09.285, 692.11, 1695, Unknown, 700",
+                "09:28:09, 692.11, 1695, Active, 700.00", ""):  # fmt: skip
         assert dp.parse_line(bad, 0.0) is None, bad
 
 
@@ -37,22 +47,28 @@ def test_the_command_names_the_gpu_by_uuid() -> None:
 
 
 def test_a_sampler_reads_the_lines_until_stopped_and_the_windows_pick_them() -> None:
-    script = ("import sys, time\n"
-              f"for line in {LINES!r}:\n"
-              "    print(line, flush=True); time.sleep(0.05)\n"
-              "time.sleep(60)\n")  # a sampler that would never end by itself, as nvidia-smi's loop  # fmt: skip
+    # nvidia-smi's loop: a timestamped line every 50 ms into a pipe, in one block at the end (as a pipe's
+    # buffer delivers them), and it never ends by itself
+    script = ("import datetime, sys, time\n"
+              "lines = []\n"
+              f"for values in {VALUES!r}:\n"
+              "    lines.append(datetime.datetime.now().strftime('%Y/%m/%d %H:%M:%S.%f')[:-3] + ', ' + values)\n"
+              "    time.sleep(0.05)\n"
+              "print('\\n'.join(lines), flush=True)\n"
+              "time.sleep(60)\n")  # fmt: skip
     sampler = dp.PowerSampler([sys.executable, "-c", script])
     start = time.perf_counter()
     sampler.start()
     deadline = time.monotonic() + 30
-    while len(sampler.samples) < len(LINES) and time.monotonic() < deadline:
+    while len(sampler.samples) < len(VALUES) and time.monotonic() < deadline:
         time.sleep(0.02)
     t0 = time.perf_counter()
     sampler.stop()
     assert time.perf_counter() - t0 < 10  # terminated, not waited for
     assert sampler.failure is None and [s.watts for s in sampler.samples] == [692.11, 688.64, 704.84, 308.9, 694.97]
     ats = [s.at for s in sampler.samples]
-    assert ats == sorted(ats) and start <= ats[0]
+    # taken ~50 ms apart (not all at once, as they arrived), from about when the process started
+    assert ats == sorted(ats) and start - 0.01 <= ats[0] and all(b - a >= 0.04 for a, b in itertools.pairwise(ats))
     assert sampler.within([(start, ats[1]), (ats[4], ats[4])]) == [sampler.samples[i] for i in (0, 1, 4)]
     summary = dp.summarize(sampler.samples)
     assert summary == {"samples": 5, "watts_median": 692.11, "limit_watts": 700.0,
