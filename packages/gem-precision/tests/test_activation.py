@@ -24,6 +24,11 @@ from gem_precision.testing import HstuLikeBlock, counting_packs, rel_err
 # e4m3 keeps 3 mantissa bits (~2**-5 relative error per saved element on average); a parameter
 # gradient sums products of several rounded tensors (~8% at worst over 20 seeds on this block)
 FP8_SAVED_TOL = 0.15
+FP8_TWICE_TOL = 0.2
+"""fp8_saved's saved activations under fp8_rowwise's linears: two e4m3 roundings of the same values. Over
+seeds 0-399 the largest gradient error was 0.124 (median 0.080), always in the layer norm's 64-wide
+weight or bias gradient; one local run failed at 0.15 on 2026-12-06 (its seed was not kept). A broken
+composition is off by the order of 1."""
 SMALL = {"min_numel": 1024}
 
 
@@ -173,7 +178,7 @@ def test_policies_compose_with_converted_linears(setup, policy_cls: type, scheme
     want = grads(copy.deepcopy(block), x, gy)
     policy = policy_cls(policy_cls.Config(**SMALL)) if policy_cls is Fp8SavedPolicy else policy_cls()
     got = grads(policy.wrap_block(copy.deepcopy(block), "blocks.0"), x, gy)
-    tol = FP8_SAVED_TOL if policy_cls is Fp8SavedPolicy else 0.0
+    tol = (FP8_TWICE_TOL if scheme_cls is Fp8RowwiseScheme else FP8_SAVED_TOL) if policy_cls is Fp8SavedPolicy else 0.0
     assert rel_err(got[0], want[0]) == 0
     for g, w in zip(got[1:], want[1:]):
         assert rel_err(g, w) <= tol
