@@ -51,8 +51,6 @@ from pathlib import Path
 
 import torch
 from ab_switches import VARIANTS  # beside this script
-from device_power import PowerSampler, describe, nvidia_smi_command  # beside this script
-from device_power import summarize as summarize_power
 from profiling import print_profile, profile_steps  # beside this script
 from step_measures import EventPipeline, GcPauses  # beside this script
 
@@ -70,7 +68,7 @@ class Row:
     gc_ms: list[float] = field(default_factory=list)
     peak_gib: float = 0.0
     windows: list[tuple[float, float]] = field(default_factory=list)
-    """``time.perf_counter()`` spans of the timed steps, for the power samples (``device_power``)."""
+    """``time.perf_counter()`` spans of the timed steps, for the power samples (``gem_model.profiling.device_power``)."""
     power: dict | None = None
 
 
@@ -92,6 +90,8 @@ def worker(args: argparse.Namespace) -> None:
     from gem_model.config_io import load_config
     from gem_model.model.flops import count_flops
     from gem_model.plugins import GemPluginManager
+    from gem_model.profiling.device_power import PowerSampler, nvidia_smi_command
+    from gem_model.profiling.device_power import summarize as summarize_power
     from gem_model.train.collector import GcSchedule
     from gem_model.trainer import started_run
 
@@ -335,6 +335,8 @@ def steady_against_first(steady: dict[str, dict]) -> None:
 
 
 def print_table(summary: list[dict]) -> None:
+    from gem_model.profiling.device_power import describe
+
     print(f"\n{'variant':<12} {'steps':>5} {'wall ms (q1 / med / q3)':>26} {'span ms med':>13} {'idle':>6} "
           f"{'tokens/s':>11} {'MFU':>7} {'MFU nv':>7} {'peak GiB':>8} {'gc ms mean/max':>15}")  # fmt: skip
     for s in summary:
@@ -407,6 +409,8 @@ def main() -> int:
                 print(f"steady {name} against the first variant, round by round: speed-up median {a['median']:.3f}x "
                       f"(min {a['min']:.3f}, max {a['max']:.3f}) over {a['rounds']} rounds; > 1 is faster")
             if st.get("power"):
+                from gem_model.profiling.device_power import describe
+
                 print(f"steady {name} during its rounds: {describe(st['power'])}")
             if "busy_ms_per_step" in st:
                 cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(st["categories_ms_per_step"].items(), key=lambda kv: -kv[1]))

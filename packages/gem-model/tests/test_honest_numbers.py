@@ -93,3 +93,45 @@ def test_report_names_the_missing_field(tmp_path, capsys):
     (tmp_path / "profile.json").write_text(json.dumps(data))
     assert main(["report", str(tmp_path)]) == 2
     assert "profile.json has no field 'device'" in capsys.readouterr().err
+
+
+def _capped(share: float) -> dict:
+    return {"samples": 20, "watts_median": 692.0, "limit_watts": 700.0, "sm_mhz_median": 1695.0, "sm_mhz_min": 1470.0,
+            "sm_mhz_max": 1980.0, "power_capped_share": share}  # fmt: skip
+
+
+def _with_power(power: dict | None, failure: str | None = None) -> MeasuredSteps:
+    return MeasuredSteps([3.8], [1000], [1e9], "inline_comm", unprofiled_step_seconds=[0.1], unprofiled_tokens=[1000],
+                         unprofiled_flops=[1e9], power=power, power_failure=failure)  # fmt: skip
+
+
+def test_the_mfu_says_when_the_gpu_ran_at_its_power_cap(pm):
+    capped = mfu_section(_ctx(pm, _with_power(_capped(0.97))))
+    rows = dict((r[0], r[1]) for r in capped.tables[0].rows)
+    assert rows["SM clock in the unprofiled steps, MHz"] == "1695 (1470-1980)"
+    assert rows["power draw, W"] == "692 of 700" and rows["samples at the power cap"] == "97.00 %"
+    assert capped.summary["power"]["power_capped_share"] == 0.97
+    assert any(n.startswith("the GPU ran at its power cap in 97 % of 20 samples (SM clock 1695 MHz)") for n in capped.notes)
+    # sampled but below the cap: the figures, no warning
+    free = mfu_section(_ctx(pm, _with_power(_capped(0.2))))
+    assert "samples at the power cap" in dict((r[0], r[1]) for r in free.tables[0].rows)
+    assert not any("power cap in" in n for n in free.notes)
+    # tried and failed: the reason; not tried (a CPU): nothing about power at all
+    failed = mfu_section(_ctx(pm, _with_power(None, "nvidia-smi did not start: [Errno 2] No such file")))
+    assert "power and clock not sampled: nvidia-smi did not start: [Errno 2] No such file" in failed.notes
+    cpu = mfu_section(_ctx(pm, _with_power(None)))
+    assert cpu.summary["power"] is None and not any("power" in n for n in cpu.notes)
+    assert not any("power" in str(r[0]) or "clock" in str(r[0]) for r in cpu.tables[0].rows)
+
+
+def test_the_step_probe_keeps_the_unprofiled_steps_windows_and_samples_no_cpu(pm, tiny_overrides):
+    from gem_model.profiling.step_time import measure_steps
+
+    config = load_config(None, tiny_overrides)
+    probe = measure_steps(config, pm, warmup=3, steps=1)
+    windows = probe.plain_windows  # the warm-up steps after the first, which the MFU's rates come from
+    assert len(windows) == 2 and all(a < b for a, b in windows) and windows[0][1] <= windows[1][0]
+    for (a, b), result in zip(windows, probe.warmup_results[1:], strict=True):
+        assert b - a >= result.seconds * 0.9  # the window holds the step the trainer timed
+    measured = probe.measured()
+    assert probe.power is None and measured.power is None and measured.power_failure is None  # no GPU here

@@ -41,6 +41,11 @@ class MeasuredSteps:
     profiler's own host cost is in the measured steps' time (on a CPU it is most of it)."""
     unprofiled_tokens: list[int] = field(default_factory=list)
     unprofiled_flops: list[float] = field(default_factory=list)
+    power: dict | None = None
+    """On a GPU: its power draw and SM clock during the unprofiled steps
+    (:func:`gem_model.profiling.device_power.summarize`); None elsewhere or without samples."""
+    power_failure: str | None = None
+    """Why a GPU's power was not sampled (no ``nvidia-smi``, it failed), where it was tried."""
 
 
 @dataclass

@@ -11,6 +11,10 @@ twice the forward (a step is 3x the forward).
   for CPUs), and a matmul measured on this device in that dtype (what the device really reaches);
 - scaling efficiency = N-GPU tokens/s / (N x one-GPU tokens/s): how much of the per-GPU throughput
   survives distribution. It needs a one-GPU measurement of the same config (``--baseline``).
+
+On a GPU it also reports the power draw and SM clock during the unprofiled steps
+(:mod:`gem_model.profiling.device_power`). A card held at its power limit runs below the clock its
+datasheet peak assumes, and there a kernel that is faster alone can leave the step's time unchanged.
 """
 
 from __future__ import annotations
@@ -112,6 +116,19 @@ def mfu_section(ctx: ProfileContext, *, baseline_tokens_per_s: float | None = No
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{100 * v:.2f} %"
 
+    summary["power"] = m.power
+    power_rows = []
+    if m.power is not None:
+        p = m.power
+        power_rows = [["SM clock in the unprofiled steps, MHz", f"{p['sm_mhz_median']:.0f} ({p['sm_mhz_min']:.0f}-{p['sm_mhz_max']:.0f})"],
+                      ["power draw, W", f"{p['watts_median']:.0f} of {p['limit_watts']:.0f}"],
+                      ["samples at the power cap", pct(p["power_capped_share"])]]  # fmt: skip
+        if p["power_capped_share"] >= 0.5:
+            notes.append(f"the GPU ran at its power cap in {100 * p['power_capped_share']:.0f} % of {p['samples']} samples "
+                         f"(SM clock {p['sm_mhz_median']:.0f} MHz): a kernel that is faster alone may not make the step "
+                         "faster; less energy a step does (fewer bytes moved, lower-precision GEMMs)")  # fmt: skip
+    elif m.power_failure:
+        notes.append(f"power and clock not sampled: {m.power_failure}")
     rows = [
         ["achieved TFLOP/s per GPU", achieved / 1e12],
         ["datasheet peak TFLOP/s", "-" if sheet is None else f"{sheet[0] / 1e12:.1f} ({sheet[1]})"],
@@ -120,6 +137,7 @@ def mfu_section(ctx: ProfileContext, *, baseline_tokens_per_s: float | None = No
         ["local MFU vs measured peak", pct(summary["mfu_measured_peak"])],
         ["tokens / s", tps],
         ["scaling efficiency", pct(summary["scaling_efficiency"])],
+        *power_rows,
     ]
     return ProfileSection(
         name="mfu", title=f"MFU ({gemm} GEMMs)", summary=summary,

@@ -32,9 +32,11 @@ On the CPU, attribution per profiled op of its *self* host time, so nothing is c
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +50,8 @@ from gem_model.config import RunConfig
 from gem_model.markers import hookimpl
 from gem_model.plugins import GemPluginManager
 from gem_model.profiling.context import MeasuredSteps, ProfileContext
+from gem_model.profiling.device_power import SAMPLE_MS, PowerSampler, nvidia_smi_command
+from gem_model.profiling.device_power import summarize as summarize_power
 from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
 from gem_model.results import StepResult
 
@@ -208,6 +212,10 @@ class StepProbe:
         self.peak: int | None = None
         self.kernels: list[tuple[str, float, float]] = []
         """The measured steps' device work on CUDA (:func:`device_work`), after :meth:`breakdown`."""
+        self.power: PowerSampler | None = None
+        """On CUDA with at least two warm-up steps: ``nvidia-smi`` sampling through the warm-up."""
+        self.plain_windows: list[tuple[float, float]] = []
+        """``time.perf_counter()`` spans of the unprofiled warm-up steps after the first."""
 
     @hookimpl
     def gem_run_started(self, run: Any) -> None:
@@ -218,12 +226,21 @@ class StepProbe:
     @hookimpl(wrapper=True)
     def gem_train_step(self, run: Any, step: int) -> Generator[None, StepResult, StepResult]:
         measured = step - self.warmup
+        if step == 0 and self.device.type == "cuda" and self.warmup >= 2:
+            uuid = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", "") or "") or None
+            self.power = PowerSampler(nvidia_smi_command(uuid, SAMPLE_MS))
+            self.power.start()
+            atexit.register(self.power.stop)  # none left running if the steps fail
         if measured == 0:
+            self._stop_power()  # the unprofiled steps are over
             self._start()
         before = run.comm.measurements()
+        started = time.perf_counter()
         result = yield
         if measured < 0:
             self.warmup_results.append(result)
+            if step > 0:
+                self.plain_windows.append((started, time.perf_counter()))
         if measured >= 0:
             after = run.comm.measurements()
             self.results.append(result)
@@ -243,7 +260,12 @@ class StepProbe:
         with record_function(MARKER):  # which profiler thread id the training loop's thread has
             pass
 
+    def _stop_power(self) -> None:
+        if self.power is not None:
+            self.power.stop()
+
     def _stop(self) -> None:
+        self._stop_power()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak = int(torch.cuda.max_memory_allocated(self.device))
@@ -264,6 +286,8 @@ class StepProbe:
             comm_per_step={k: sum(c.get(k, 0.0) for c in self.comm) / n for k in keys}, peak_memory_bytes=self.peak,
             unprofiled_step_seconds=[r.seconds for r in plain], unprofiled_tokens=[r.tokens for r in plain],
             unprofiled_flops=[r.flops for r in plain],
+            power=None if self.power is None else summarize_power(self.power.within(self.plain_windows)),
+            power_failure=None if self.power is None else self.power.failure,
         )  # fmt: skip
 
     def breakdown(self) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""benchmarks/device_power.py: nvidia-smi's lines parsed, a sampling process run and stopped (a stand-in
+"""gem_model.profiling.device_power: nvidia-smi's lines parsed, a sampling process run and stopped (a stand-in
 Python process printing lines in nvidia-smi's format, since this machine has no GPU), the samples picked
 by the steps' time windows (by the time each was taken, not when it arrived) and summarized, and what is
 kept when the sampler cannot run."""
@@ -10,13 +10,10 @@ import itertools
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import device_power as dp
+from gem_model.profiling import device_power as dp
 
 # the values as the H100 printed them on 2026-12-06 (power.draw, clocks.sm, sw_power_cap, power.limit; no
 # units), each line led by its timestamp

@@ -1,11 +1,12 @@
-"""The GPU's power draw and SM clock while the benchmark's steps run, sampled by ``nvidia-smi``.
+"""The GPU's power draw and SM clock while training steps run, sampled by ``nvidia-smi``.
 
 A Hopper card training the big config draws its whole power limit: on one H100 (2026-12-06) the
 samples during the timed steps had a median of 692 W against the 700 W limit, the SM clock a median of
 1,695 MHz against its 1,980 MHz maximum, and the driver named the power cap as the reason for the lower
 clock in 97 % of them. At that cap, a change that saves a kernel's time alone may save nothing in the
-step (the clock takes the saved energy back), so ``e2e_ab.py`` reports beside each variant the power, the
-clock and how often the cap held during its own steps.
+step (the clock takes the saved energy back). So the profile's MFU section reports the clock and power
+of its unprofiled steps (:class:`gem_model.profiling.step_time.StepProbe`), and ``benchmarks/e2e_ab.py``
+reports them beside each variant for its own steps.
 
 ``nvidia-smi --query-gpu=... --loop-ms=N`` runs beside the steps and prints one line a sample, with the
 time it was taken (its output to a pipe comes in blocks, so the time a line arrives says little); a thread
@@ -23,6 +24,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+SAMPLE_MS = 100
+"""How often the profile samples (``e2e_ab.py --power-ms`` sets its own)."""
 FIELDS = ("timestamp", "power.draw", "clocks.sm", "clocks_event_reasons.sw_power_cap", "power.limit")
 """What each sample asks ``nvidia-smi`` for, in this order (``--format=csv,noheader,nounits``)."""
 
