@@ -126,7 +126,7 @@ def test_the_mfu_says_when_the_gpu_ran_at_its_power_cap(pm):
 
 
 def test_the_step_probe_keeps_the_unprofiled_steps_windows_and_samples_no_cpu(pm, tiny_overrides):
-    from gem_model.profiling.step_time import measure_steps
+    from gem_model.profiling.step_probe import measure_steps
 
     config = load_config(None, tiny_overrides)
     probe = measure_steps(config, pm, warmup=3, steps=1)

@@ -5,7 +5,7 @@ samples during the timed steps had a median of 692 W against the 700 W limit, th
 1,695 MHz against its 1,980 MHz maximum, and the driver named the power cap as the reason for the lower
 clock in 97 % of them. At that cap, a change that saves a kernel's time alone may save nothing in the
 step (the clock takes the saved energy back). So the profile's MFU section reports the clock and power
-of its unprofiled steps (:class:`gem_model.profiling.step_time.StepProbe`), and ``benchmarks/e2e_ab.py``
+of its unprofiled steps (:class:`gem_model.profiling.step_probe.StepProbe`), and ``benchmarks/e2e_ab.py``
 reports them beside each variant for its own steps.
 
 ``nvidia-smi --query-gpu=... --loop-ms=N`` runs beside the steps and prints one line a sample, with the

@@ -42,7 +42,8 @@ from gem_model.profiling.recommend import recommendations_section
 from gem_model.profiling.render import JSON_NAME, write_outputs
 from gem_model.profiling.report import ProfileReport, ProfileSection
 from gem_model.profiling.sequences import read_history, sequences_section
-from gem_model.profiling.step_time import measure_steps, step_time_section
+from gem_model.profiling.step_probe import measure_steps
+from gem_model.profiling.step_time import step_time_section
 from gem_model.resolve import resolve_components
 from gem_model.train.progress import task_progress
 
