@@ -1,9 +1,9 @@
 """The GPU's power draw and SM clock while training steps run, sampled by ``nvidia-smi``.
 
 A Hopper card training the big config draws its whole power limit: on one H100 (2026-12-06) the
-samples during the timed steps had a median of 692 W against the 700 W limit, the SM clock a median of
-1,695 MHz against its 1,980 MHz maximum, and the driver named the power cap as the reason for the lower
-clock in 97 % of them. At that cap, a change that saves a kernel's time alone may save nothing in the
+samples above 300 W during an ``e2e_ab.py`` call had a median of 692 W against the 700 W limit, the SM
+clock a median of 1,695 MHz against its 1,980 MHz maximum, and the driver named the power cap as the
+reason for the lower clock in 97 % of them. At that cap, a change that saves a kernel's time alone may save nothing in the
 step (the clock takes the saved energy back). So the profile's MFU section reports the clock and power
 of its unprofiled steps (:class:`gem_model.profiling.step_probe.StepProbe`), and ``benchmarks/e2e_ab.py``
 reports them beside each variant for its own steps.
