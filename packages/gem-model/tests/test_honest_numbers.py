@@ -55,6 +55,20 @@ def test_the_mfu_comes_from_the_unprofiled_steps(pm):
     assert section.summary["unprofiled"] and "from 1 unprofiled warm-up step(s)" in section.notes[0]
     without = mfu_section(_ctx(pm, MeasuredSteps([3.8], [1000], [1e9], "inline_comm")))
     assert "torch.profiler's own host cost is in their time" in without.notes[0]
+    assert not any("tuned or compiled" in n for n in section.notes)
+
+
+def test_the_mfu_says_when_its_unprofiled_steps_were_uneven(pm):
+    # the H100's big config with --warmup 5: one step at 157 ms, the others tuning Triton kernels
+    tuning = MeasuredSteps([0.25], [1000], [1e9], "inline_comm", unprofiled_step_seconds=[0.2, 2.0, 1.0, 0.2],
+                           unprofiled_tokens=[1000] * 4, unprofiled_flops=[1e12] * 4)  # fmt: skip
+    notes = mfu_section(_ctx(pm, tuning)).notes
+    assert notes[1] == ("the unprofiled steps ran 0.5 to 5 TFLOP/s: some of them tuned or compiled kernels, so "
+                        "these rates are low; more --warmup steps give steadier ones")  # fmt: skip
+    # batches twice the size take twice as long: the same rate, no note
+    sizes = MeasuredSteps([0.25], [1000], [1e9], "inline_comm", unprofiled_step_seconds=[0.1, 0.2, 0.15],
+                          unprofiled_tokens=[500, 1000, 750], unprofiled_flops=[1e12, 2e12, 1.5e12])  # fmt: skip
+    assert not any("tuned or compiled" in n for n in mfu_section(_ctx(pm, sizes)).notes)
 
 
 class _Probe:

@@ -31,6 +31,11 @@ CAPPED_SHARE = 0.8
 """The share of samples at the power cap from which the section warns: the big config's timed steps on an
 H100 were at it in 96-100 % (2026-12-06); a short profile whose warm-up steps tune kernels (mostly idle
 device) showed 51 % at a median clock of 1,965 MHz, which is not a capped step."""
+UNEVEN_STEPS = 1.5
+"""The fastest unprofiled step's FLOP rate against the slowest's from which the section says the rates
+are low: on the H100's big config (2026-12-06, ``--warmup 5``) the unprofiled steps averaged 871 ms where
+the fastest took 157, the others tuning Triton kernels. Rates, not times: that config's batches differ in
+size by up to 2x, and the rates of its tuned steps by much less than 1.5x."""
 MATMUL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,6 +108,10 @@ def mfu_section(ctx: ProfileContext, *, baseline_tokens_per_s: float | None = No
         notes.insert(0, f"from {len(m.unprofiled_step_seconds)} unprofiled warm-up step(s) (after the first): "
                      f"{1e3 * seconds / len(m.unprofiled_step_seconds):.1f} ms a step, against "
                      f"{1e3 * sum(m.step_seconds) / max(len(m.step_seconds), 1):.1f} ms under torch.profiler")  # fmt: skip
+        rates = [f / t for f, t in zip(m.unprofiled_flops, m.unprofiled_step_seconds, strict=True) if t > 0 and f > 0]
+        if rates and max(rates) > UNEVEN_STEPS * min(rates):
+            notes.insert(1, f"the unprofiled steps ran {min(rates) / 1e12:.3g} to {max(rates) / 1e12:.3g} TFLOP/s: some of "
+                         "them tuned or compiled kernels, so these rates are low; more --warmup steps give steadier ones")  # fmt: skip
     else:
         notes.insert(0, "from the profiled steps: torch.profiler's own host cost is in their time, so these rates "
                      "are low (--warmup 2 or more gives an unprofiled step to measure)")  # fmt: skip
