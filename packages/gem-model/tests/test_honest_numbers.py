@@ -147,6 +147,6 @@ def test_the_step_probe_keeps_the_unprofiled_steps_windows_and_samples_no_cpu(pm
     windows = probe.plain_windows  # the warm-up steps after the first, which the MFU's rates come from
     assert len(windows) == 2 and all(a < b for a, b in windows) and windows[0][1] <= windows[1][0]
     for (a, b), result in zip(windows, probe.warmup_results[1:], strict=True):
-        assert b - a >= result.seconds * 0.9  # the window holds the step the trainer timed
+        assert 0 < b - a <= result.seconds * 1.1 + 0.01  # the step's own span, within what the trainer timed
     measured = probe.measured()
     assert probe.power is None and measured.power is None and measured.power_failure is None  # no GPU here

@@ -32,15 +32,12 @@ On the CPU, attribution per profiled op of its *self* host time, so nothing is c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch.autograd import DeviceType
 
-from gem_model.profiling.context import ProfileContext
+from gem_model.profiling.context import MeasuredSteps, ProfileContext
 from gem_model.profiling.report import ProfileSection, ProfileTable, Recommendation
-
-if TYPE_CHECKING:
-    from gem_model.profiling.step_probe import StepProbe
 
 ORDER = ("attention", "gemm", "pointwise", "embeddings", "loss", "communication", "idle")
 MARKER = "gem::step_probe"
@@ -148,7 +145,21 @@ def kernel_breakdown(kernels: list[tuple[str, float, float]], wall_s: float) -> 
     return out
 
 
-def step_time_section(ctx: ProfileContext, probe: StepProbe) -> ProfileSection:
+class MeasuredRun(Protocol):
+    """What the section reads of the steps' probe (:class:`gem_model.profiling.step_probe.StepProbe`)."""
+
+    kernels: list[tuple[str, float, float]]
+    """The measured steps' device work on CUDA (:func:`device_work`), after :meth:`breakdown`."""
+
+    @property
+    def warmup_seconds(self) -> list[float]: ...
+
+    def breakdown(self) -> dict[str, float]: ...
+
+    def measured(self) -> MeasuredSteps: ...
+
+
+def step_time_section(ctx: ProfileContext, probe: MeasuredRun) -> ProfileSection:
     parts = probe.breakdown()
     wall = sum(parts.values())
     share = {k: (v / wall if wall else 0.0) for k, v in parts.items()}
