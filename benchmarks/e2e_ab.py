@@ -36,7 +36,6 @@ steps of one batch; the losses are reported for sanity, not compared.
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
 import json
 import os
@@ -90,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     from gem_model.config_io import load_config
     from gem_model.model.flops import count_flops
     from gem_model.plugins import GemPluginManager
-    from gem_model.profiling.device_power import PowerSampler, nvidia_smi_command
+    from gem_model.profiling.device_power import sampler_for
     from gem_model.profiling.device_power import summarize as summarize_power
     from gem_model.train.collector import GcSchedule
     from gem_model.trainer import started_run
@@ -133,11 +132,7 @@ def worker(args: argparse.Namespace) -> None:
         pauses = GcPauses()
         collector = GcSchedule(args.gc_every)  # trainer.gc_every's schedule, for the whole process
         collector.start()
-        power = None
-        if device.type == "cuda" and args.power_ms > 0:
-            uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "") or None
-            power = PowerSampler(nvidia_smi_command(uuid, args.power_ms))
-            atexit.register(power.stop)  # no sampler left running if the steps fail
+        power = sampler_for(device, args.power_ms)
 
         def use(row: Row) -> None:
             for u in undo:

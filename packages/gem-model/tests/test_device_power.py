@@ -89,3 +89,11 @@ def test_a_sampler_that_cannot_start_or_fails_says_why(tmp_path) -> None:
     failing.stop()
     assert failing.samples == [] and "gave no sample (exit 9): NVIDIA-SMI has failed" in failing.failure
     assert dp.summarize([]) is None and dp.describe(None) == "not sampled"
+
+
+def test_only_a_cuda_device_with_an_interval_gets_a_sampler() -> None:
+    import torch
+
+    assert dp.sampler_for(torch.device("cpu")) is None
+    assert dp.sampler_for(torch.device("cpu"), 0) is None
+    assert dp.sampler_for(torch.device("cuda"), 0) is None  # off: decided before the device is asked

@@ -16,6 +16,7 @@ reads them. A variant's figures are the samples taken inside its steps' wall-tim
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import statistics
 import subprocess
@@ -23,6 +24,10 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SAMPLE_MS = 100
 """How often the profile samples (``e2e_ab.py --power-ms`` sets its own)."""
@@ -122,6 +127,19 @@ class PowerSampler:
     def within(self, windows: Sequence[tuple[float, float]]) -> list[Sample]:
         """The samples taken inside any of these ``(start, end)`` ``time.perf_counter()`` windows."""
         return [s for s in self.samples if any(a <= s.at <= b for a, b in windows)]
+
+
+def sampler_for(device: torch.device, interval_ms: int = SAMPLE_MS) -> PowerSampler | None:
+    """A sampler of this CUDA device (by its UUID), stopped at exit if it is still running then (so none is
+    left behind by steps that fail); None for another device or ``interval_ms`` 0 or less."""
+    if device.type != "cuda" or interval_ms <= 0:
+        return None
+    import torch
+
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "") or None
+    sampler = PowerSampler(nvidia_smi_command(uuid, interval_ms))
+    atexit.register(sampler.stop)
+    return sampler
 
 
 def summarize(samples: Sequence[Sample]) -> dict | None:

@@ -12,7 +12,6 @@ The run's attention kernel and embedding collections are wrapped in ``gem::atten
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import tempfile
@@ -30,7 +29,7 @@ from gem_model.config import RunConfig
 from gem_model.markers import hookimpl
 from gem_model.plugins import GemPluginManager
 from gem_model.profiling.context import MeasuredSteps
-from gem_model.profiling.device_power import SAMPLE_MS, PowerSampler, nvidia_smi_command
+from gem_model.profiling.device_power import PowerSampler, sampler_for
 from gem_model.profiling.device_power import summarize as summarize_power
 from gem_model.profiling.step_time import MARKER, ORDER, SCOPES, categorize, device_work, kernel_breakdown
 from gem_model.results import StepResult
@@ -101,11 +100,10 @@ class StepProbe:
     @hookimpl(wrapper=True)
     def gem_train_step(self, run: Any, step: int) -> Generator[None, StepResult, StepResult]:
         measured = step - self.warmup
-        if step == 0 and self.device.type == "cuda" and self.warmup >= 2:
-            uuid = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", "") or "") or None
-            self.power = PowerSampler(nvidia_smi_command(uuid, SAMPLE_MS))
-            self.power.start()
-            atexit.register(self.power.stop)  # none left running if the steps fail
+        if step == 0 and self.warmup >= 2:  # unprofiled steps after the first: sample the GPU through them
+            self.power = sampler_for(self.device)
+            if self.power is not None:
+                self.power.start()
         if measured == 0:
             self._stop_power()  # the unprofiled steps are over
             self._start()
