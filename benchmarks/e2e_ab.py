@@ -29,6 +29,8 @@ Protocol:
   (our convention: backward twice the forward; NVIDIA's: attention backward 2.5x its forward) over
   the medians, peak memory. An A/A pair (the same variant under two names) shows the resolution.
 
+What the orchestrator prints and writes of the worker's result is ``ab_report.py``'s, beside this script.
+
 Every variant trains (each step is a real update), so the weights move on between the variants'
 steps of one batch; the losses are reported for sanity, not compared.
 """
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from ab_report import paired, print_steady, print_table, steady_against_first, summarize  # beside this script
 from ab_switches import VARIANTS  # beside this script
 from profiling import print_profile, profile_steps  # beside this script
 from step_measures import EventPipeline, GcPauses  # beside this script
@@ -69,14 +72,6 @@ class Row:
     windows: list[tuple[float, float]] = field(default_factory=list)
     """``time.perf_counter()`` spans of the timed steps, for the power samples (``gem_model.profiling.device_power``)."""
     power: dict | None = None
-
-
-def quartiles(xs: list[float]) -> tuple[float, float, float]:
-    if len(xs) < 2:
-        x = xs[0] if xs else float("nan")
-        return x, x, x
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], statistics.median(xs), q[2]
 
 
 def tuning_bucket(tokens: int, samples: int) -> int:
@@ -279,75 +274,6 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps(result))
 
 
-# ------------------------------------------------------------------------------------ orchestrator
-
-
-def summarize(row: dict, peak: float) -> dict:
-    wall = quartiles(row["wall_ms"])
-    dev = quartiles(row["device_ms"])
-    n = len(row["wall_ms"])
-    mean_tokens = sum(row["tokens"]) / max(n, 1)
-    mean_flops = sum(row["flops"]) / max(n, 1)
-    mean_flops_nv = sum(row["flops_nvidia"]) / max(n, 1)
-    med_s = wall[1] / 1e3
-    return {
-        "variant": row["name"], "switches": row["switches"], "steps": n,
-        "wall_ms_q1": wall[0], "wall_ms_median": wall[1], "wall_ms_q3": wall[2],
-        "device_ms_q1": dev[0], "device_ms_median": dev[1], "device_ms_q3": dev[2],
-        "idle_share": 1 - dev[1] / wall[1] if wall[1] else None,
-        "tokens_per_s": mean_tokens / med_s if med_s else 0.0,
-        "mfu": mean_flops / med_s / peak if med_s else 0.0,
-        "mfu_nvidia": mean_flops_nv / med_s / peak if med_s else 0.0,
-        "paired": row.get("paired"), "peak_gib": row["peak_gib"],
-        "gc_ms_mean": sum(row["gc_ms"]) / max(n, 1), "gc_ms_max": max(row["gc_ms"], default=0.0), "loss_first": row["losses"][0] if row["losses"] else None,
-        "loss_last": row["losses"][-1] if row["losses"] else None, "power": row.get("power"),
-    }  # fmt: skip
-
-
-def paired(rows: list[dict]) -> None:
-    """Each variant's speed-up over the first, batch by batch (both trained the same batch): the
-    median and IQR of ``wall(first) / wall(variant)``. Batches differ in size by 2x, so ratios of the
-    same batch resolve far less than the medians of the two rows would."""
-    base = rows[0]["wall_ms"]
-    for row in rows:
-        ratios = [a / b for a, b in zip(base, row["wall_ms"]) if b > 0]
-        q1, med, q3 = quartiles(ratios)
-        row["paired"] = {"median": med, "q1": q1, "q3": q3, "batches": len(ratios)}
-
-
-def steady_against_first(steady: dict[str, dict]) -> None:
-    """With more than one steady round: each variant's steady wall time against the first variant's,
-    round by round (``wall(first) / wall(variant)``, the same batches in the same round): its median,
-    min and max, into ``steady[name]["against_first"]``."""
-    names = list(steady)
-    if not names or len(steady[names[0]]["rounds_wall_ms"]) < 2:
-        return
-    base = steady[names[0]]["rounds_wall_ms"]
-    for name in names[1:]:
-        ratios = [a / b for a, b in zip(base, steady[name]["rounds_wall_ms"], strict=True)]
-        steady[name]["against_first"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                         "max": max(ratios), "rounds": len(ratios)}  # fmt: skip
-
-
-def print_table(summary: list[dict]) -> None:
-    from gem_model.profiling.device_power import describe
-
-    print(f"\n{'variant':<12} {'steps':>5} {'wall ms (q1 / med / q3)':>26} {'span ms med':>13} {'idle':>6} "
-          f"{'tokens/s':>11} {'MFU':>7} {'MFU nv':>7} {'peak GiB':>8} {'gc ms mean/max':>15}")  # fmt: skip
-    for s in summary:
-        print(f"{s['variant']:<12} {s['steps']:>5} {s['wall_ms_q1']:>8.1f} / {s['wall_ms_median']:>6.1f} / "
-              f"{s['wall_ms_q3']:>6.1f} {s['device_ms_median']:>13.1f} {100 * (s['idle_share'] or 0):>5.1f}% "
-              f"{s['tokens_per_s']:>11,.0f} {100 * s['mfu']:>6.2f}% {100 * s['mfu_nvidia']:>6.2f}% {s['peak_gib']:>8.1f} "
-              f"{s['gc_ms_mean']:>7.2f} / {s['gc_ms_max']:>5.1f}")  # fmt: skip
-    if any(s["power"] for s in summary):
-        for s in summary:
-            print(f"{s['variant']} during its timed steps: {describe(s['power'])}")
-    for s in summary[1:]:
-        r = s["paired"]
-        print(f"{s['variant']} against {summary[0]['variant']}, batch by batch: speed-up median {r['median']:.3f}x "
-              f"(IQR {r['q1']:.3f}-{r['q3']:.3f}) over {r['batches']} batches; > 1 is faster")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/h200-large.yaml")
@@ -394,23 +320,7 @@ def main() -> int:
         for name, prof in raw["profile"].items():
             print_profile(name, prof)
         steady_against_first(raw["steady"])
-        for name, st in raw["steady"].items():
-            rounds = len(st["rounds_wall_ms"])
-            print(f"steady {name}: {st['steps']} steps x {rounds} round(s), wall {st['wall_ms_per_step']:.1f} ms/step, "
-                  f"device {st['device_ms_per_step']:.1f} ms/step, idle "
-                  f"{100 * (1 - st['device_ms_per_step'] / st['wall_ms_per_step']):.1f} %")  # fmt: skip
-            if "against_first" in st:
-                a = st["against_first"]
-                print(f"steady {name} against the first variant, round by round: speed-up median {a['median']:.3f}x "
-                      f"(min {a['min']:.3f}, max {a['max']:.3f}) over {a['rounds']} rounds; > 1 is faster")
-            if st.get("power"):
-                from gem_model.profiling.device_power import describe
-
-                print(f"steady {name} during its rounds: {describe(st['power'])}")
-            if "busy_ms_per_step" in st:
-                cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(st["categories_ms_per_step"].items(), key=lambda kv: -kv[1]))
-                print(f"steady {name} profiled again: device busy {st['busy_ms_per_step']:.1f} ms/step ({cats}); "
-                      f"idle against the unprofiled wall {100 * st['idle_vs_busy']:.1f} %")
+        print_steady(raw["steady"])
         if args.out:
             meta = {
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
