@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from gem_model.profiling.device_power import describe
+from gem_model.profiling.device_power import describe, joules_per_step
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -36,6 +36,7 @@ def summarize(row: dict, peak: float) -> dict:
         "paired": row.get("paired"), "peak_gib": row["peak_gib"],
         "gc_ms_mean": sum(row["gc_ms"]) / max(n, 1), "gc_ms_max": max(row["gc_ms"], default=0.0), "loss_first": row["losses"][0] if row["losses"] else None,
         "loss_last": row["losses"][-1] if row["losses"] else None, "power": row.get("power"),
+        "joules_per_step": joules_per_step(row.get("power"), sum(row["wall_ms"]) / n) if n else None,
     }  # fmt: skip
 
 
@@ -64,6 +65,14 @@ def steady_against_first(steady: dict[str, dict]) -> None:
                                          "max": max(ratios), "rounds": len(ratios)}  # fmt: skip
 
 
+def steady_energy(steady: dict[str, dict]) -> None:
+    """Each sampled variant's energy a step over its steady rounds (mean power x mean step time), into
+    ``steady[name]["joules_per_step"]``: at the power cap, what a change must lower."""
+    for st in steady.values():
+        if st.get("power"):
+            st["joules_per_step"] = joules_per_step(st["power"], statistics.fmean(st["rounds_wall_ms"]))
+
+
 def print_table(summary: list[dict]) -> None:
     print(f"\n{'variant':<12} {'steps':>5} {'wall ms (q1 / med / q3)':>26} {'span ms med':>13} {'idle':>6} "
           f"{'tokens/s':>11} {'MFU':>7} {'MFU nv':>7} {'peak GiB':>8} {'gc ms mean/max':>15}")  # fmt: skip
@@ -74,7 +83,8 @@ def print_table(summary: list[dict]) -> None:
               f"{s['gc_ms_mean']:>7.2f} / {s['gc_ms_max']:>5.1f}")  # fmt: skip
     if any(s["power"] for s in summary):
         for s in summary:
-            print(f"{s['variant']} during its timed steps: {describe(s['power'])}")
+            energy = f", {s['joules_per_step']:.1f} J a step" if s.get("joules_per_step") else ""
+            print(f"{s['variant']} during its timed steps: {describe(s['power'])}{energy}")
     for s in summary[1:]:
         r = s["paired"]
         print(f"{s['variant']} against {summary[0]['variant']}, batch by batch: speed-up median {r['median']:.3f}x "
@@ -94,7 +104,8 @@ def print_steady(steady: dict[str, dict]) -> None:
             print(f"steady {name} against the first variant, round by round: speed-up median {a['median']:.3f}x "
                   f"(min {a['min']:.3f}, max {a['max']:.3f}) over {a['rounds']} rounds; > 1 is faster")
         if st.get("power"):
-            print(f"steady {name} during its rounds: {describe(st['power'])}")
+            energy = f", {st['joules_per_step']:.1f} J a step" if st.get("joules_per_step") else ""
+            print(f"steady {name} during its rounds: {describe(st['power'])}{energy}")
         if "busy_ms_per_step" in st:
             cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(st["categories_ms_per_step"].items(), key=lambda kv: -kv[1]))
             print(f"steady {name} profiled again: device busy {st['busy_ms_per_step']:.1f} ms/step ({cats}); "

@@ -51,7 +51,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from ab_report import paired, print_steady, print_table, steady_against_first, summarize  # beside this script
+from ab_report import (  # beside this script
+    paired,
+    print_steady,
+    print_table,
+    steady_against_first,
+    steady_energy,
+    summarize,
+)
 from ab_switches import VARIANTS  # beside this script
 from profiling import print_profile, profile_steps  # beside this script
 from step_measures import EventPipeline, GcPauses  # beside this script
@@ -320,6 +327,7 @@ def main() -> int:
         for name, prof in raw["profile"].items():
             print_profile(name, prof)
         steady_against_first(raw["steady"])
+        steady_energy(raw["steady"])
         print_steady(raw["steady"])
         if args.out:
             meta = {

@@ -68,10 +68,15 @@ def test_a_sampler_reads_the_lines_until_stopped_and_the_windows_pick_them() -> 
     assert ats == sorted(ats) and start - 0.01 <= ats[0] and all(b - a >= 0.04 for a, b in itertools.pairwise(ats))
     assert sampler.within([(start, ats[1]), (ats[4], ats[4])]) == [sampler.samples[i] for i in (0, 1, 4)]
     summary = dp.summarize(sampler.samples)
-    assert summary == {"samples": 5, "watts_median": 692.11, "limit_watts": 700.0,
+    watts = [692.11, 688.64, 704.84, 308.9, 694.97]
+    assert summary == {"samples": 5, "watts_median": 692.11, "watts_mean": pytest.approx(sum(watts) / 5),
+                       "limit_watts": 700.0,
                        "sm_mhz_median": statistics.median([1695, 1650, 1740, 1980, 1710]), "sm_mhz_min": 1650.0,
                        "sm_mhz_max": 1980.0, "power_capped_share": 0.8}  # fmt: skip
     assert dp.describe(summary) == "692 W of 700, SM clock 1710 MHz (1650-1980), power cap in 80 % of 5 samples"
+    # a 200 ms step at the mean power: 617.9 W x 0.2 s
+    assert dp.joules_per_step(summary, 200.0) == pytest.approx(sum(watts) / 5 * 0.2)
+    assert dp.joules_per_step(None, 200.0) is None
     assert not sampler.running
     sampler.stop()  # a second stop does nothing
 

@@ -143,15 +143,25 @@ def sampler_for(device: torch.device, interval_ms: int = SAMPLE_MS) -> PowerSamp
 
 
 def summarize(samples: Sequence[Sample]) -> dict | None:
-    """Median power and SM clock, the power limit, and the share of samples the power cap held in; None
-    without samples."""
+    """Median and mean power, median SM clock, the power limit, and the share of samples the power cap held
+    in; None without samples. The mean power times the steps' mean wall time is their energy a step
+    (:func:`joules_per_step`)."""
     if not samples:
         return None
     return {"samples": len(samples), "watts_median": statistics.median(s.watts for s in samples),
+            "watts_mean": statistics.fmean(s.watts for s in samples),
             "limit_watts": max(s.limit_watts for s in samples),
             "sm_mhz_median": statistics.median(s.sm_mhz for s in samples),
             "sm_mhz_min": min(s.sm_mhz for s in samples), "sm_mhz_max": max(s.sm_mhz for s in samples),
             "power_capped_share": sum(s.power_capped for s in samples) / len(samples)}  # fmt: skip
+
+
+def joules_per_step(summary: dict | None, step_ms: float) -> float | None:
+    """The energy of a step that took ``step_ms`` on average while the GPU drew ``summary``'s mean power.
+    At the power cap this, not the step's time alone, is what a change must lower (the module's note)."""
+    if summary is None or "watts_mean" not in summary:
+        return None
+    return summary["watts_mean"] * step_ms / 1e3
 
 
 def describe(summary: dict | None) -> str:
