@@ -41,6 +41,11 @@ def test_the_command_names_the_gpu_by_uuid() -> None:
     assert command[-1] == "--id=GPU-4a6f3e1c-0000-1111-2222-333344445555"
     assert dp.nvidia_smi_command("GPU-abc", 50)[-1] == "--id=GPU-abc"
     assert not any(c.startswith("--id") for c in dp.nvidia_smi_command(None, 50))
+    # the instant reading in the power's place, the other fields as they were; a field of no power refused
+    instant = dp.nvidia_smi_command(None, 50, "power.draw.instant")[1]
+    assert instant == "--query-gpu=timestamp,power.draw.instant,clocks.sm,clocks_event_reasons.sw_power_cap,power.limit"
+    with pytest.raises(ValueError, match="power_field must be one of"):
+        dp.nvidia_smi_command(None, 50, "clocks.sm")
 
 
 def test_a_sampler_reads_the_lines_until_stopped_and_the_windows_pick_them() -> None:

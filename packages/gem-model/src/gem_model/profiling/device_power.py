@@ -66,9 +66,19 @@ def parse_line(line: str, offset: float) -> Sample | None:
     return Sample(taken - offset, watts, mhz, parts[3] == "Active", limit)
 
 
-def nvidia_smi_command(device_uuid: str | None, interval_ms: int) -> list[str]:
-    """The sampling command for the GPU with this UUID (all GPUs' lines if None)."""
-    command = ["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"]
+POWER_FIELDS = ("power.draw", "power.draw.instant")
+"""What a sample's power can be: ``power.draw`` (on recent drivers averaged over the last second, which
+steps of a few seconds a variant can take) or ``power.draw.instant`` (for windows of a few seconds, as
+``benchmarks/kernel_energy.py`` times one kernel in)."""
+
+
+def nvidia_smi_command(device_uuid: str | None, interval_ms: int, power_field: str = "power.draw") -> list[str]:
+    """The sampling command for the GPU with this UUID (all GPUs' lines if None), its power read from
+    ``power_field`` (one of :data:`POWER_FIELDS`)."""
+    if power_field not in POWER_FIELDS:
+        raise ValueError(f"power_field must be one of {POWER_FIELDS}, got {power_field!r}")
+    fields = [power_field if f == "power.draw" else f for f in FIELDS]
+    command = ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", f"--loop-ms={interval_ms}"]
     if device_uuid:
         command.append(f"--id={device_uuid if device_uuid.startswith('GPU-') else 'GPU-' + device_uuid}")
     return command
@@ -129,7 +139,7 @@ class PowerSampler:
         return [s for s in self.samples if any(a <= s.at <= b for a, b in windows)]
 
 
-def sampler_for(device: torch.device, interval_ms: int = SAMPLE_MS) -> PowerSampler | None:
+def sampler_for(device: torch.device, interval_ms: int = SAMPLE_MS, power_field: str = "power.draw") -> PowerSampler | None:
     """A sampler of this CUDA device (by its UUID), stopped at exit if it is still running then (so none is
     left behind by steps that fail); None for another device or ``interval_ms`` 0 or less."""
     if device.type != "cuda" or interval_ms <= 0:
@@ -137,7 +147,7 @@ def sampler_for(device: torch.device, interval_ms: int = SAMPLE_MS) -> PowerSamp
     import torch
 
     uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "") or None
-    sampler = PowerSampler(nvidia_smi_command(uuid, interval_ms))
+    sampler = PowerSampler(nvidia_smi_command(uuid, interval_ms, power_field))
     atexit.register(sampler.stop)
     return sampler
 

@@ -1,0 +1,36 @@
+"""benchmarks/kernel_energy.py on the CPU: what it refuses before touching a GPU, and its per-unit figures.
+Its measurements need a GPU and nvidia-smi (benchmarks/results/e2e_ab.md has them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def kernel_energy(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import kernel_energy
+
+    return kernel_energy
+
+
+def test_a_settle_as_long_as_the_run_is_refused(kernel_energy, capsys):
+    with pytest.raises(SystemExit) as e:
+        kernel_energy.main(["--seconds", "2", "--settle", "2"])
+    assert e.value.code == 2 and "--settle (2.0) must be shorter than --seconds (2.0)" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_without_a_gpu_it_says_so(kernel_energy):
+    with pytest.raises(SystemExit, match="measures a GPU; none is visible"):
+        kernel_energy.main([])
+
+
+def test_energy_per_flop_and_per_byte(kernel_energy):
+    assert kernel_energy.per_unit(0.5, 1e12) == pytest.approx(0.5)  # 0.5 J over 1e12 FLOP: 0.5 pJ each
+    assert kernel_energy.per_unit(None, 1e12) is None and kernel_energy.per_unit(0.5, 0.0) is None
