@@ -34,3 +34,15 @@ def test_without_a_gpu_it_says_so(kernel_energy):
 def test_energy_per_flop_and_per_byte(kernel_energy):
     assert kernel_energy.per_unit(0.5, 1e12) == pytest.approx(0.5)  # 0.5 J over 1e12 FLOP: 0.5 pJ each
     assert kernel_energy.per_unit(None, 1e12) is None and kernel_energy.per_unit(0.5, 0.0) is None
+
+
+def test_the_gemm_kernels_pass_their_checks_and_count_their_work(kernel_energy):
+    """On the CPU at 512 rows: each GEMM is checked against its float32 product on the way (a wrong one
+    ends the run), and the FLOPs and bytes a call are the shapes'."""
+    rows = 512
+    kernels = kernel_energy.gemm_kernels(rows, torch.device("cpu"), torch.Generator().manual_seed(3))
+    assert set(kernels) == {"uvqk_fwd", "uvqk_dgrad", "uvqk_wgrad", "out_fwd", "uvqk_fwd_fp8", "copy"}
+    assert kernels["uvqk_fwd"].flops == 2.0 * rows * 1024 * 4096 == kernels["uvqk_wgrad"].flops
+    assert kernels["out_fwd"].flops == 2.0 * rows * 1024 * 1024
+    assert kernels["copy"].flops == 0 and kernels["copy"].bytes == 2 * rows * 4096 * 2  # read and write, bf16
+    assert kernels["uvqk_dgrad"].call().shape == (rows, 1024) and kernels["uvqk_wgrad"].call().shape == (4096, 1024)
