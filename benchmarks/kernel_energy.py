@@ -19,6 +19,8 @@ power-law lengths, 384 sequences of 8 heads of 128, ~200,000 rows):
 - ``uvqk_fwd_fp8``: the same forward as e4m3 with row scales (``torch._scaled_mm``), quantization not counted;
 - ``attention_forward`` / ``attention_dq`` / ``attention_dkdv``: the three attention passes as shipped (the
   Triton forward and dq pass, the Gluon dk/dv pass on sm_90);
+- ``uvqk_wgrad_fp8_blocks`` / ``cast_t_blocks``: uvqk's weight gradient in e4m3 with 1 x 128 block scales,
+  and the separate pass that makes its transposed operands (``weight_grad_blockwise.py``);
 - ``copy``: ``[N, 4096]`` bf16 copied, the bytes-only reference.
 
 Every kernel is checked before it is measured: the GEMMs against float32 products, the attention passes
@@ -108,6 +110,26 @@ def gemm_kernels(rows: int, device: torch.device, gen: torch.Generator) -> dict[
     return kernels
 
 
+def fp8_weight_grad_kernels(rows: int, device: torch.device, gen: torch.Generator) -> dict[str, Kernel]:
+    """uvqk's weight gradient in e4m3 with one scale per feature and block of 128 tokens (cuBLAS through
+    ``torch._scaled_mm``, checked by ``weight_grad_blockwise.pick_gemm``), and the pass that casts and
+    transposes ``g`` and ``x`` for it (``gem_precision.fp8_blocks_triton``): whether a separate pass pays
+    in energy where it lost in time (``e2e_ab.md``, 2026-12-05)."""
+    from weight_grad_blockwise import pick_gemm  # beside this script
+
+    from gem_precision.fp8_blocks_triton import quantize_fp8_blocks_t_triton
+
+    x = (torch.randn(rows, D, generator=gen, device=device) * 0.5).to(torch.bfloat16)
+    g = (torch.randn(rows, WIDE, generator=gen, device=device) * 0.5).to(torch.bfloat16)
+    gq, xq = quantize_fp8_blocks_t_triton(g), quantize_fp8_blocks_t_triton(x)
+    _, gemm, _, _ = pick_gemm(gq, xq)
+    return {
+        "uvqk_wgrad_fp8_blocks": Kernel(lambda: gemm(gq, xq), 2.0 * rows * D * WIDE),
+        "cast_t_blocks": Kernel(lambda: (quantize_fp8_blocks_t_triton(g), quantize_fp8_blocks_t_triton(x)), 0.0,
+                                3.0 * (g.numel() + x.numel())),
+    }  # fmt: skip
+
+
 def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel], int]:
     x = make_inputs("big_config", seed, device)
     for which in ("forward", "dq", "dkdv"):
@@ -173,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("kernel_energy.py measures a GPU; none is visible")
     device = torch.device("cuda")
     kernels, rows = attention_kernels(args.seed, device)
-    kernels = {**gemm_kernels(args.rows or rows, device, torch.Generator(device).manual_seed(args.seed)), **kernels}
+    gen = torch.Generator(device).manual_seed(args.seed)
+    kernels = {**gemm_kernels(args.rows or rows, device, gen), **fp8_weight_grad_kernels(args.rows or rows, device, gen),
+               **kernels}  # fmt: skip
     if args.kernels:
         unknown = sorted(set(args.kernels.split(",")) - set(kernels))
         if unknown:
