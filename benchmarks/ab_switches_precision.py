@@ -97,6 +97,9 @@ PRECISION_VARIANTS: dict[str, Switch] = {
     "fp8_rowwise_producers": _precision("fp8_rowwise", weight_gradient="fp8", producer_quantization=True),
     "fp8_rowwise_gw_bf16": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=False),
     "fp8_rowwise_gw_bf16_producers": _precision("fp8_rowwise", weight_gradient="bf16", producer_quantization=True),
+    # the weight gradient as an e4m3 GEMM with 1 x 128 block scales, its operands made in backward from the
+    # bf16 g and saved x (gem_precision.blockwise_weight_grad); the forward and dx as the default's
+    "fp8_rowwise_dw_blocks": _precision("fp8_rowwise", weight_gradient="fp8_blocks", producer_quantization=True),
     # row-scaled fp8 alone through the stats and cast passes, as before the one-pass kernel
     "fp8_two_pass_rows": patched("gem_precision.fp8_rows_triton", "ONE_PASS_MAX_N", 0),
     "fp8_own_grad_rows": switch_fp8_own_grad_rows,

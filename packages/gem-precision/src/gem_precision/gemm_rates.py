@@ -10,9 +10,11 @@ the device, after a warm-up, with CUDA events on a GPU and the wall clock on a C
   (one with a recipe, :mod:`gem_precision.recipes`) it is the recipe's ``mm`` on operands that its
   ``quantize`` made: the backend ``resolved_backend`` names (fp8 ``torch._scaled_mm``, the cuBLAS or
   Triton MX GEMM, or the emulated dequantize-and-multiply), except a weight gradient the recipe
-  computes in high precision (``fp8_rowwise``'s ``weight_gradient: bf16``): a torch matmul in the
-  activation dtype. For any other scheme it is a torch matmul in its ``gemm_dtype`` (a float8 scheme
-  without a recipe has no GEMM-only figure).
+  computes from the unquantized ``g`` and ``x`` (``fp8_rowwise``'s ``weight_gradient: bf16``): a torch
+  matmul in the activation dtype; or, with ``weight_gradient: fp8_blocks``, the e4m3 GEMM with 1 x 128
+  block scales of :mod:`gem_precision.blockwise_weight_grad` on operands its two passes made beforehand
+  (those passes count in the linear's time, as every other quantization does). For any other scheme it
+  is a torch matmul in its ``gemm_dtype`` (a float8 scheme without a recipe has no GEMM-only figure).
 
 The linear's time less the GEMMs' is what the scheme's quantization adds (on the fp8 path today a
 separate pass over a bfloat16 input: where a producer kernel writes the fp8 copy, it is less).
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_model.api import PrecisionScheme
+from gem_precision.blockwise_weight_grad import block_scaled_mm, block_scaled_operands
 
 MAX_ROWS = 32_768
 """Rows timed at most per shape: enough to fill an H200's tensor cores on the model's linears, and
@@ -221,15 +224,20 @@ def _gemm_seconds(
     recipe_for = getattr(scheme, "recipe_for", None)
     if recipe_for is not None:
         recipe = recipe_for(device)
-        hp_dw = recipe.high_precision_weight_grad  # dW = g^T x in x's dtype, no transposed operands
+        hp_dw = recipe.high_precision_weight_grad  # dW = g^T x from g and x as given, no transposed operands
         xq = recipe.quantize(x.contiguous(), role="input", rows=True, cols_t=not hp_dw)
         wq = recipe.quantize(w.contiguous(), role="weight", rows=True, cols_t=True)
         gq = recipe.quantize(g.contiguous(), role="grad", rows=True, cols_t=not hp_dw)
+        blocks = None  # dW's e4m3 operands with 1 x 128 block scales, made by backward's two passes
+        if recipe.block_scaled_weight_grad:
+            blocks = block_scaled_operands(g.contiguous(), x.contiguous(), native=recipe.native)
 
         def gemms() -> None:
             recipe.mm(xq.rows, wq.rows, out_dtype=x.dtype, role="forward")
             recipe.mm(gq.rows, wq.cols_t, out_dtype=x.dtype, role="grad_input")
-            if hp_dw:
+            if blocks is not None:
+                block_scaled_mm(*blocks, native=recipe.native)
+            elif hp_dw:
                 g.t() @ x
             else:
                 recipe.mm(gq.cols_t, xq.cols_t, out_dtype=torch.float32, role="grad_weight")

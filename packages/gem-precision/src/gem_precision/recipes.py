@@ -78,11 +78,22 @@ class LinearRecipe(ABC):
 
     @property
     def high_precision_weight_grad(self) -> bool:
-        """Whether the weight gradient ``dW = g.T @ x`` is a GEMM in the activation dtype (bf16 operands,
-        float32 accumulation, as the ``bf16`` scheme computes it) on the unquantized ``g`` and ``x``,
-        instead of this recipe's GEMM on their transposed operands: then no transposed operand of ``x``
-        or ``g`` is made, and the forward saves ``x`` as given. Only fp8 rowwise offers it (its option
-        ``weight_gradient: bf16``)."""
+        """Whether the weight gradient ``dW = g.T @ x`` is computed in backward from the unquantized ``g``
+        and the ``x`` the forward saved as given, instead of by this recipe's GEMM on transposed operands
+        that the quantization of ``g`` and the forward's of ``x`` make: then the forward makes no
+        transposed operand of ``x`` (nor its producer the column maxima for one), and ``g``'s quantization
+        no transposed operand of ``g``. The GEMM is one in the activation dtype (bf16 operands, float32
+        accumulation, as the ``bf16`` scheme computes it), or, with :attr:`block_scaled_weight_grad`, an
+        e4m3 GEMM on operands with 1 x 128 block scales made from ``g`` and ``x`` in backward. Only fp8
+        rowwise offers it (its option ``weight_gradient``: ``bf16`` or ``fp8_blocks``)."""
+        return False
+
+    @property
+    def block_scaled_weight_grad(self) -> bool:
+        """Whether the weight gradient computed from the unquantized ``g`` and saved ``x``
+        (:attr:`high_precision_weight_grad`, then also True) is the e4m3 GEMM with one power-of-two scale
+        per feature and block of 128 tokens of :mod:`gem_precision.blockwise_weight_grad`. Only fp8
+        rowwise offers it (``weight_gradient: fp8_blocks``)."""
         return False
 
     def __repr__(self) -> str:
@@ -108,11 +119,16 @@ class Fp8Recipe(LinearRecipe):
         fast_accum_forward: bool,
         producer_rows: bool = False,
         high_precision_weight_grad: bool = False,
+        block_scaled_weight_grad: bool = False,
     ):
+        if block_scaled_weight_grad and not high_precision_weight_grad:
+            raise ValueError("Fp8Recipe: block_scaled_weight_grad is computed from the unquantized g and saved x; "
+                             "it needs high_precision_weight_grad=True")  # fmt: skip
         self.scheme = scheme
         self.granularity = granularity
         self.producer_rows = producer_rows
         self._high_precision_weight_grad = high_precision_weight_grad
+        self._block_scaled_weight_grad = block_scaled_weight_grad
         self.grad_format = grad_format
         self.native = native
         self.backend = "native" if native else "emulated"
@@ -137,8 +153,13 @@ class Fp8Recipe(LinearRecipe):
 
     @property
     def high_precision_weight_grad(self) -> bool:
-        """As the scheme asks (``fp8_rowwise``'s ``weight_gradient: bf16``)."""
+        """As the scheme asks (``fp8_rowwise``'s ``weight_gradient: bf16`` or ``fp8_blocks``)."""
         return self._high_precision_weight_grad
+
+    @property
+    def block_scaled_weight_grad(self) -> bool:
+        """As the scheme asks (``fp8_rowwise``'s ``weight_gradient: fp8_blocks``)."""
+        return self._block_scaled_weight_grad
 
     @property
     def grad_rows_in_rule(self) -> bool:

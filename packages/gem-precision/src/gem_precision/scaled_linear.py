@@ -15,10 +15,10 @@ Under ``fp8_rowwise`` the row operand of ``x`` may come from the kernel that pro
 ``x``'s transposed operand is made here, by its cast pass alone when the producer wrote the column
 maxima too.
 
-Under ``fp8_rowwise`` with ``weight_gradient: bf16`` and e4m3 gradients, the row operand of ``g`` (and
-its column sums, for the bias) may come from the kernel that wrote ``g`` in backward
+Under ``fp8_rowwise`` with ``weight_gradient: bf16`` (or ``fp8_blocks``) and e4m3 gradients, the row
+operand of ``g`` (and its column sums, for the bias) may come from the kernel that wrote ``g`` in backward
 (``gem_model.api.GradRowsSlot``, made by :meth:`ScaledLinear.grad_rows_slot`): then backward quantizes
-nothing.
+nothing for ``dx`` and the bias.
 
 Under ``fp8_rowwise`` with ``weight_gradient: bf16`` (:attr:`LinearRecipe.high_precision_weight_grad`)
 the weight gradient is a plain GEMM in the activation dtype, ``dW = g.T @ x`` with float32
@@ -26,7 +26,9 @@ accumulation, as the ``bf16`` scheme computes it: the forward quantizes only ``x
 them from the producer, without column maxima) and saves ``x`` as given instead of its transposed
 operand; backward quantizes only ``g``'s rows, for ``dx``. No transposed operand of ``x`` or ``g`` is
 made, at the price of a bf16 GEMM in place of an fp8 one. ``y`` and ``dx`` are what they are without
-the option.
+the option. ``weight_gradient: fp8_blocks`` (:attr:`LinearRecipe.block_scaled_weight_grad`) is the same
+but for ``dW``: backward makes both of its operands from ``g`` and the saved ``x``, in e4m3 with 1 x 128
+block scales, for an fp8 GEMM (:mod:`gem_precision.blockwise_weight_grad`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from torch import nn
 
 from gem_model.api import GradRows, GradRowsSlot, PrequantizedRows, RowQuantization
 from gem_precision.bf16_linear import SchemeLinear, float32_weight_grad
-from gem_precision.recipes import LinearRecipe, Quantized
+from gem_precision.blockwise_weight_grad import block_scaled_weight_grad
+from gem_precision.recipes import Fp8Recipe, LinearRecipe, Quantized
 
 
 class ScaledLinearFunction(torch.autograd.Function):
@@ -88,7 +91,7 @@ class ScaledLinearFunction(torch.autograd.Function):
         if need_dx:
             dx = recipe.mm(gq.rows, w_t, out_dtype=ctx.x_dtype, role="grad_input").view(ctx.x_shape)
         if need_dw and ctx.hp_dw:
-            dw = _high_precision_weight_grad(g2d, saved[0]).to(ctx.w_dtype)
+            dw = _weight_grad_from_saved_input(recipe, g2d, saved[0]).to(ctx.w_dtype)
         elif need_dw:
             x_t = recipe.operand_type(*saved[:2])
             dw = recipe.mm(gq.cols_t, x_t, out_dtype=torch.float32, role="grad_weight").to(ctx.w_dtype)
@@ -130,10 +133,15 @@ def _offered_grad(
     return Quantized(rows, None, sums)
 
 
-def _high_precision_weight_grad(g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
-    """``g.T @ x`` from operands in ``x``'s dtype (bf16 operands and float32 accumulation in practice), on
-    the unquantized gradient and the input the forward saved, as a float32 tensor: written in float32 by
-    the GEMM on a GPU, as the ``bf16`` scheme's weight gradient (:func:`gem_precision.bf16_linear.float32_weight_grad`)."""
+def _weight_grad_from_saved_input(recipe: LinearRecipe, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """``g.T @ x`` as a float32 tensor, on the unquantized gradient and the input the forward saved
+    (:attr:`LinearRecipe.high_precision_weight_grad`). With :attr:`LinearRecipe.block_scaled_weight_grad`, an
+    e4m3 GEMM on operands with 1 x 128 block scales made here from both
+    (:func:`gem_precision.blockwise_weight_grad.block_scaled_weight_grad`); else from operands in ``x``'s dtype
+    (bf16 operands and float32 accumulation in practice), written in float32 by the GEMM on a GPU, as the
+    ``bf16`` scheme's weight gradient (:func:`gem_precision.bf16_linear.float32_weight_grad`)."""
+    if isinstance(recipe, Fp8Recipe) and recipe.block_scaled_weight_grad:
+        return block_scaled_weight_grad(g2d, x2d, native=recipe.native)
     return float32_weight_grad(g2d.to(x2d.dtype), x2d)
 
 
@@ -167,7 +175,8 @@ class ScaledLinear(SchemeLinear):
         column maxima when the weight gradient will be computed (its transposed operand is scaled per
         column); None under ``fp8_tensorwise`` and ``mxfp8``, whose scales no row's producer can write
         (:attr:`LinearRecipe.takes_prequantized_rows`). With a high-precision weight gradient
-        (``weight_gradient: bf16``) never the column maxima: no transposed operand of ``x`` is made."""
+        (``weight_gradient: bf16`` or ``fp8_blocks``) never the column maxima: no transposed operand of ``x`` is
+        made in the forward."""
         recipe = self.recipe(device)
         if not recipe.takes_prequantized_rows:
             return None
@@ -178,8 +187,9 @@ class ScaledLinear(SchemeLinear):
     def grad_rows_slot(self, device: torch.device) -> GradRowsSlot | None:
         """The slot through which this linear's backward takes its output gradient's e4m3 rows (and column
         sums, when the bias takes a gradient) from the kernel that wrote that gradient
-        (``gem_model.api.GradRowsSlot``): under ``fp8_rowwise`` with producer quantization, the bf16
-        weight gradient (no transposed operand of the gradient is made) and e4m3 gradients; else None."""
+        (``gem_model.api.GradRowsSlot``): under ``fp8_rowwise`` with producer quantization, the weight
+        gradient from the unquantized gradient (``weight_gradient: bf16`` or ``fp8_blocks``: the gradient's
+        quantization makes no transposed operand) and e4m3 gradients; else None."""
         recipe = self.recipe(device)
         if not (recipe.takes_prequantized_rows and recipe.high_precision_weight_grad and recipe.grad_rows_in_rule):
             return None

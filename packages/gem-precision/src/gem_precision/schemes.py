@@ -18,7 +18,10 @@ Weight gradient of ``fp8_rowwise`` (option ``weight_gradient``): ``bf16`` (the d
 ``dW = g.T @ x`` in bfloat16 from the unquantized ``x`` and ``grad_out``, so neither is quantized
 along the tokens (see :mod:`gem_precision.scaled_linear`); ``fp8`` quantizes both along the tokens
 for an fp8 GEMM, at the cost of a stats and a cast pass over each, which on the H200 cost more than
-the fp8 GEMM saves.
+the fp8 GEMM saves; ``fp8_blocks`` keeps ``bf16``'s forward (``x`` saved as given, no transposed
+operand) and makes both operands in backward, in e4m3 with a power-of-two scale per feature and block
+of 128 tokens, one pass each, for an fp8 GEMM with those block scales
+(:mod:`gem_precision.blockwise_weight_grad`).
 
 Gradient format of the fp8 schemes (option ``grad_format``). ``fp8_rowwise`` defaults to e4m3: each
 row of ``grad_out`` (one token) and each column (one feature, for the weight gradient) gets its own
@@ -158,6 +161,7 @@ class _Fp8Scheme(ScaledScheme):
         has_native = has_capability(device, FP8_MIN_CAPABILITY)
         if backend == "native" and not has_native:
             raise self._unavailable(backend, device, "a CUDA device with compute capability >= 8.9")
+        weight_gradient = getattr(self.config, "weight_gradient", "fp8")  # fp8_tensorwise has no option: fp8
         return Fp8Recipe(
             self.name,
             granularity=self.granularity,
@@ -165,7 +169,8 @@ class _Fp8Scheme(ScaledScheme):
             native=backend == "native" or (backend == "auto" and has_native),
             fast_accum_forward=self.config.fast_accum_forward,
             producer_rows=getattr(self.config, "producer_quantization", False),  # fp8_tensorwise has neither
-            high_precision_weight_grad=getattr(self.config, "weight_gradient", "fp8") == "bf16",
+            high_precision_weight_grad=weight_gradient in ("bf16", "fp8_blocks"),  # from g and x as saved
+            block_scaled_weight_grad=weight_gradient == "fp8_blocks",
         )
 
     def _auto_reason(self, backend: str, device: torch.device) -> str:
@@ -213,16 +218,22 @@ class Fp8RowwiseScheme(_Fp8Scheme):
             "norm-gate kernels slower (+13 ms a step on the H200's big config) than the passes they saved "
             "(-4 ms): 0.936x bf16 against 0.978x without (benchmarks/results/e2e_ab.md, 2026-12-02)",
         )
-        weight_gradient: Literal["fp8", "bf16"] = Field(
+        weight_gradient: Literal["fp8", "bf16", "fp8_blocks"] = Field(
             "bf16",
             description="the GEMM of the weight gradient dW = grad_output.T @ x. bf16 (default): a bfloat16 GEMM "
             "with float32 accumulation, as the bf16 scheme computes it, on the bf16 input saved by the forward "
             "and the bf16 grad_output (torchao's rowwise_with_gw_hp recipe); the forward and the input gradient "
             "stay fp8, and no operand is quantized along the tokens. fp8: both operands quantized along the "
             "tokens (their transposed operands: x's made by the forward and saved, grad_output's in backward), "
-            "which costs a stats and a cast pass over each. On one H200, big config, against bf16 batch by batch: "
-            "bf16 here with producer_quantization 1.059x and 1.062x on two input mixes (1.026-1.039x before "
-            "grad_output's rows took one pass), fp8 here 0.975x (benchmarks/results/e2e_ab.md, 2026-12-02)",
+            "which costs a stats and a cast pass over each. fp8_blocks: the forward and the input gradient as "
+            "with bf16 (x saved as given, the same producer rows and gradient rows), and in backward both "
+            "operands quantized from the bf16 grad_output and saved x, e4m3 with a power-of-two scale per "
+            "feature and block of 128 tokens (DeepSeek-V3's recipe), in one pass each (Triton), for an fp8 "
+            "GEMM with those block scales (torch._scaled_mm, BlockWise1x128); measured against the others in "
+            "benchmarks/results/e2e_ab.md (switch fp8_rowwise_dw_blocks). On one H200, big config, against "
+            "bf16 batch by batch: bf16 here with producer_quantization 1.059x and 1.062x on two input mixes "
+            "(1.026-1.039x before grad_output's rows took one pass), fp8 here 0.975x "
+            "(benchmarks/results/e2e_ab.md, 2026-12-02)",
         )
 
 
