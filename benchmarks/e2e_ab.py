@@ -63,6 +63,8 @@ from ab_switches import VARIANTS  # beside this script
 from profiling import print_profile, profile_steps  # beside this script
 from step_measures import EventPipeline, GcPauses  # beside this script
 
+from gem_model.profiling.device_power import POWER_FIELDS
+
 
 @dataclass
 class Row:
@@ -134,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
         pauses = GcPauses()
         collector = GcSchedule(args.gc_every)  # trainer.gc_every's schedule, for the whole process
         collector.start()
-        power = sampler_for(device, args.power_ms)
+        power = sampler_for(device, args.power_ms, args.power_field)
 
         def use(row: Row) -> None:
             for u in undo:
@@ -304,6 +306,9 @@ def main() -> int:
     p.add_argument("--power-ms", type=int, default=100, metavar="MS",
                    help="sample the GPU's power draw and SM clock every MS ms by nvidia-smi during the timed and steady "
                    "steps (0: off)")
+    p.add_argument("--power-field", default="power.draw.instant", choices=POWER_FIELDS,
+                   help="nvidia-smi's power reading: the instantaneous one (default), or power.draw, which recent "
+                   "drivers average over the last second: longer than one interleaved timed step")
     p.add_argument("--out")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
