@@ -11,7 +11,7 @@ the e4m3 bytes stored transposed (128 contiguous bytes a column), and the block'
 factors (one row of the ``[M_pad / 128, N]`` scale array).
 
 ``benchmarks/weight_grad_blockwise.py`` times it and the GEMM it feeds against the bf16 weight gradient.
-It is not wired into a scheme: the producers would write these bytes in their own passes.
+``fp8_rowwise``'s ``weight_gradient: fp8_blocks`` runs it in backward (:mod:`gem_precision.blockwise_weight_grad`).
 """
 
 from __future__ import annotations

@@ -229,11 +229,12 @@ class Fp8RowwiseScheme(_Fp8Scheme):
             "with bf16 (x saved as given, the same producer rows and gradient rows), and in backward both "
             "operands quantized from the bf16 grad_output and saved x, e4m3 with a power-of-two scale per "
             "feature and block of 128 tokens (DeepSeek-V3's recipe), in one pass each (Triton), for an fp8 "
-            "GEMM with those block scales (torch._scaled_mm, BlockWise1x128); measured against the others in "
-            "benchmarks/results/e2e_ab.md (switch fp8_rowwise_dw_blocks). On one H200, big config, against "
+            "GEMM with those block scales (torch._scaled_mm, BlockWise1x128). On one H200, big config, against "
             "bf16 batch by batch: bf16 here with producer_quantization 1.059x and 1.062x on two input mixes "
             "(1.026-1.039x before grad_output's rows took one pass), fp8 here 0.975x "
-            "(benchmarks/results/e2e_ab.md, 2026-12-02)",
+            "(benchmarks/results/e2e_ab.md, 2026-12-02). fp8_blocks on one H100: 0.968x bf16 here over steady "
+            "rounds (e2e switch fp8_rowwise_dw_blocks, 2026-12-06): at the card's power cap its two cast passes "
+            "cost more energy (0.70-0.77 J a block for uvqk) than its e4m3 GEMM saves (0.33-0.40 J)",
         )
 
 
