@@ -110,8 +110,8 @@ def test_report_names_the_missing_field(tmp_path, capsys):
 
 
 def _capped(share: float) -> dict:
-    return {"samples": 20, "watts_median": 692.0, "limit_watts": 700.0, "sm_mhz_median": 1695.0, "sm_mhz_min": 1470.0,
-            "sm_mhz_max": 1980.0, "power_capped_share": share}  # fmt: skip
+    return {"samples": 20, "watts_median": 692.0, "watts_mean": 650.0, "limit_watts": 700.0, "sm_mhz_median": 1695.0,
+            "sm_mhz_min": 1470.0, "sm_mhz_max": 1980.0, "power_capped_share": share}  # fmt: skip
 
 
 def _with_power(power: dict | None, failure: str | None = None) -> MeasuredSteps:
@@ -125,6 +125,8 @@ def test_the_mfu_says_when_the_gpu_ran_at_its_power_cap(pm):
     assert rows["SM clock in the unprofiled steps, MHz"] == "1695 (1470-1980)"
     assert rows["power draw, W"] == "692 of 700" and rows["samples at the power cap"] == "97.00 %"
     assert capped.summary["power"]["power_capped_share"] == 0.97
+    # the unprofiled step took 0.1 s at a mean 650 W: 65 J
+    assert rows["energy a step, J (mean power x mean step time)"] == "65.0" and capped.summary["joules_per_step"] == 65.0
     assert any(n.startswith("the GPU ran at its power cap in 97 % of 20 samples (SM clock 1695 MHz)") for n in capped.notes)
     # sampled but mostly below the cap (a short profile whose warm-up steps tune kernels, on the H100:
     # 51 %): the figures, no warning

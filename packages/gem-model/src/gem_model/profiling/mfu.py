@@ -24,6 +24,7 @@ import time
 import torch
 
 from gem_model.profiling.context import ProfileContext
+from gem_model.profiling.device_power import joules_per_step
 from gem_model.profiling.report import ProfileSection, ProfileTable
 from gem_model.train.metrics import datasheet_peak, measure_cpu_peak
 
@@ -136,6 +137,10 @@ def mfu_section(ctx: ProfileContext, *, baseline_tokens_per_s: float | None = No
         power_rows = [["SM clock in the unprofiled steps, MHz", f"{p['sm_mhz_median']:.0f} ({p['sm_mhz_min']:.0f}-{p['sm_mhz_max']:.0f})"],
                       ["power draw, W", f"{p['watts_median']:.0f} of {p['limit_watts']:.0f}"],
                       ["samples at the power cap", pct(p["power_capped_share"])]]  # fmt: skip
+        energy = joules_per_step(p, 1e3 * seconds / len(m.unprofiled_step_seconds)) if unprofiled else None
+        if energy is not None:  # at the cap, the figure a change must lower
+            power_rows.append(["energy a step, J (mean power x mean step time)", f"{energy:.1f}"])
+            summary["joules_per_step"] = energy
         if p["power_capped_share"] >= CAPPED_SHARE:
             notes.append(f"the GPU ran at its power cap in {100 * p['power_capped_share']:.0f} % of {p['samples']} samples "
                          f"(SM clock {p['sm_mhz_median']:.0f} MHz): a kernel that is faster alone may not make the step "
