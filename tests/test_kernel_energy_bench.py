@@ -25,8 +25,8 @@ def test_a_settle_as_long_as_the_run_is_refused(kernel_energy, capsys):
     assert e.value.code == 2 and "--settle (2.0) must be shorter than --seconds (2.0)" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-def test_without_a_gpu_it_says_so(kernel_energy):
+def test_without_a_gpu_it_says_so(kernel_energy, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="measures a GPU; none is visible"):
         kernel_energy.main([])
 
@@ -46,6 +46,11 @@ def test_the_gemm_kernels_pass_their_checks_and_count_their_work(kernel_energy):
     assert kernels["out_fwd"].flops == 2.0 * rows * 1024 * 1024
     assert kernels["copy"].flops == 0 and kernels["copy"].bytes == 2 * rows * 4096 * 2  # read and write, bf16
     assert kernels["uvqk_dgrad"].call().shape == (rows, 1024) and kernels["uvqk_wgrad"].call().shape == (4096, 1024)
+    # the e4m3 weight gradient as fp8_blocks runs it (emulated here), checked against float32 on the way
+    blocks = kernel_energy.fp8_weight_grad_kernels(300, torch.device("cpu"), torch.Generator().manual_seed(4))
+    assert blocks["uvqk_wgrad_fp8_blocks"].flops == 2.0 * 300 * 1024 * 4096
+    assert blocks["uvqk_wgrad_fp8_blocks"].call().shape == (4096, 1024)
+    assert blocks["cast_t_blocks"].bytes == 3.0 * 300 * (1024 + 4096)  # bf16 read, e4m3 written
 
 
 def test_the_two_attention_backwards_agree_before_they_are_measured(kernel_energy):
