@@ -19,8 +19,9 @@ power-law lengths, 384 sequences of 8 heads of 128, ~200,000 rows):
 - ``uvqk_fwd_fp8``: the same forward as e4m3 with row scales (``torch._scaled_mm``), quantization not counted;
 - ``attention_forward`` / ``attention_dq`` / ``attention_dkdv``: the three attention passes as shipped (the
   Triton forward and dq pass, the Gluon dk/dv pass on sm_90);
-- ``attention_backward`` / ``attention_backward_atomic``: the whole backward as shipped, and with ``dq`` added
-  by float32 atomics in the (Triton) key-major pass instead of its own pass;
+- ``attention_backward`` / ``attention_backward_atomic`` / ``attention_backward_bulk``: the whole backward as
+  shipped, with ``dq`` added by float32 atomics in the (Triton) key-major pass instead of its own pass, and
+  the same with one bulk tensor reduction a ``dq^T`` tile;
 - ``uvqk_wgrad_fp8_blocks`` / ``cast_t_blocks``: uvqk's weight gradient in e4m3 with 1 x 128 block scales,
   and the passes that make its transposed operands, as ``weight_gradient: fp8_blocks`` runs them;
 - ``copy``: ``[N, 4096]`` bf16 copied, the bytes-only reference.
@@ -159,31 +160,40 @@ def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel
 
 
 def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Kernel]:
-    """The whole attention backward two ways: as shipped (the ``dq`` pass, then the ``dk``/``dv`` pass: 7
-    MMAs a pair) and with ``dq`` added by atomics in the key-major pass (5 MMAs a pair, the float32
-    buffer's zeroing and cast included): what removing the ``dq`` pass's recompute saves in energy. The
-    atomic form's gradients are checked against the shipped ones first."""
+    """The whole attention backward three ways: as shipped (the ``dq`` pass, then the ``dk``/``dv`` pass: 7
+    MMAs a pair); with ``dq`` added by element atomics in the key-major pass (5 MMAs a pair, the float32
+    buffer's zeroing and cast included); and the same with each ``dq^T`` tile added by one bulk tensor
+    reduction (``attention_triton_bwd.BULK_DQ``): what removing the ``dq`` pass's recompute saves in energy.
+    The atomic forms' gradients are checked against the shipped ones first."""
+    from gem_kernels import attention_triton_bwd
     from gem_kernels.attention_triton_autograd import attention_backward
     from gem_kernels.attention_triton_bias import NO_BIAS
 
     options = x["options"]
 
-    def backward(mode: str) -> tuple[torch.Tensor, ...]:
-        dq, dk, dv, _, _ = attention_backward(
-            x["grad_out"], x["q"], x["k"], x["v"], x["offsets"], x["targets"], NO_BIAS,
-            max_seq_len=options["max_seq_len"], alpha=options["alpha"], max_attn_len=options["max_attn_len"],
-            dq_mode=mode, blocks=None, needs_position=False, needs_time=False,
-        )  # fmt: skip
+    def backward(mode: str, bulk: bool = False) -> tuple[torch.Tensor, ...]:
+        before, attention_triton_bwd.BULK_DQ = attention_triton_bwd.BULK_DQ, bulk
+        try:
+            dq, dk, dv, _, _ = attention_backward(
+                x["grad_out"], x["q"], x["k"], x["v"], x["offsets"], x["targets"], NO_BIAS,
+                max_seq_len=options["max_seq_len"], alpha=options["alpha"], max_attn_len=options["max_attn_len"],
+                dq_mode=mode, blocks=None, needs_position=False, needs_time=False,
+            )  # fmt: skip
+        finally:
+            attention_triton_bwd.BULK_DQ = before
         return dq, dk, dv
 
-    shipped, atomic = backward("separate"), backward("atomic")
-    for name, a, b in zip(("dq", "dk", "dv"), atomic, shipped, strict=True):
-        error = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
-        if not error <= ATTENTION_TOLERANCE:
-            raise SystemExit(f"attention backward, atomic dq: {name} {error:.3g} from the shipped backward's, refusing")
+    shipped = backward("separate")
+    for form, bulk in (("atomic", False), ("bulk", True)):
+        for name, a, b in zip(("dq", "dk", "dv"), backward("atomic", bulk), shipped, strict=True):
+            error = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+            if not error <= ATTENTION_TOLERANCE:
+                raise SystemExit(f"attention backward, {form} dq: {name} {error:.3g} from the shipped backward's, "
+                                 "refusing")
     return {
         "attention_backward": Kernel(lambda: backward("separate"), forward_flops * 7 / 2),
         "attention_backward_atomic": Kernel(lambda: backward("atomic"), forward_flops * 5 / 2),
+        "attention_backward_bulk": Kernel(lambda: backward("atomic", True), forward_flops * 5 / 2),
     }
 
 

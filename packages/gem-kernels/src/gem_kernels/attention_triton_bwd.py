@@ -39,6 +39,8 @@ from gem_kernels.attention_triton_common import (
     device_guard,
     dim_block,
     dot,
+    ensure_allocator,
+    has_tma,
     history_length,
     length_buckets,
     load_tile,
@@ -88,6 +90,36 @@ medians, ms): big config 7.469 -> 6.869 (1.087x), N = 1024 / 4096 uniform 6.080 
 atomic dq costs there."""
 
 
+BULK_DQ = False
+"""With atomic dq on a GPU with tensor memory access (sm_90+), whether :func:`dq_accumulator` lays the float32
+buffer out as ``dq^T`` (``[H, D, L]``, ``L`` padded to 16), so that the key-major pass adds each ``dq^T``
+tile as one bulk tensor reduction (``cp.reduce.async.bulk.tensor``, FlashAttention-3's way) instead of
+one atomic per element, whose addresses along a thread's registers are a row apart. Read at call time."""
+
+
+def bulk_dq(q: torch.Tensor) -> bool:
+    """Whether atomic dq for ``q`` ``[L, H, D]`` takes the bulk reductions (:data:`BULK_DQ`)."""
+    d = q.shape[2]
+    return (BULK_DQ and TRANSPOSED_DQ and not INTERPRET and q.is_cuda and has_tma(q.device.index or 0)
+            and d == dim_block(d))  # fmt: skip
+
+
+def dq_accumulator(q: torch.Tensor, transposed: bool | None = None) -> torch.Tensor:
+    """The zeroed float32 ``[L, H, D]`` accumulator that :func:`key_major` adds ``dq`` into: contiguous rows,
+    or (``transposed``, default :func:`bulk_dq`) a view of ``dq^T``'s buffer ``[H, D, L]`` with ``L``
+    padded to 16 (the rows of a bulk tensor reduction must start 16-byte aligned)."""
+    rows, heads, dim = q.shape
+    if not (bulk_dq(q) if transposed is None else transposed):
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    padded = -(-max(rows, 1) // 16) * 16
+    return torch.zeros(heads, dim, padded, dtype=torch.float32, device=q.device).permute(2, 0, 1)[:rows]
+
+
+def dq_from_accumulator(dq_accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dq`` as a contiguous ``[L, H, D]`` tensor of ``dtype`` from either accumulator layout."""
+    return dq_accum.to(dtype, memory_format=torch.contiguous_format)
+
+
 def _configs(wide: bool) -> list[Config]:
     return INTERPRETER_CONFIGS if INTERPRET else (WIDE_CONFIGS if wide else CONFIGS)
 
@@ -123,8 +155,9 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
                     PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
-                    q_desc, do_desc, query_row, q_col, do_col, TMA: tl.constexpr,
-                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    q_desc, do_desc, dq_desc, query_row, q_col, do_col, TMA: tl.constexpr,
+                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, DQ_BULK: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                     CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr,
@@ -169,8 +202,11 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
         # Scaled here so that the buffer only needs a cast afterwards, not another full read and write.
         if DQ_T:  # dq^T = k^T ds^T: M is the head dim, so the MMA is a wgmma at any query step
             dq_t = dot(tl.trans(k), ds_t, None, IEEE, INTERP) * (alpha / max_seq_len)
-            tl.atomic_add(dq_ptrs + start * stride_dqm, dq_t, mask=d_qk_ok[:, None] & queries_ok[None, :],
-                          sem="relaxed")
+            if DQ_BULK:  # one bulk reduction of the whole tile into dq^T's buffer (rows past the sequence add 0)
+                dq_desc.atomic_add([q_col, query_row + start], dq_t)
+            else:
+                tl.atomic_add(dq_ptrs + start * stride_dqm, dq_t, mask=d_qk_ok[:, None] & queries_ok[None, :],
+                              sem="relaxed")
         else:
             dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP) * (alpha / max_seq_len)
             tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=queries_ok[:, None] & d_qk_ok[None, :],
@@ -183,10 +219,10 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
 def key_major_kernel(
     Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
-    stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+    stride_dqm, stride_dqh, stride_dqd, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     num_seqs, num_heads, num_rows, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, DQ_BULK: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr,
@@ -195,7 +231,9 @@ def key_major_kernel(
     """dk, dv (and dq with ``ATOMIC_DQ``) for every (sequence, head, key block) tile; with ``POS_GRAD`` /
     ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
     ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``. ``TMA``: the query and
-    output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``."""
+    output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``. ``DQ_BULK`` (with
+    ``DQ_T``): ``DQ`` is dq^T's float32 buffer ``[num_heads * DQK, stride_dqd]`` (rows unit-strided), and
+    each ``dq^T`` tile goes into it as one bulk tensor reduction (``cp.reduce.async.bulk.tensor``)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -213,6 +251,10 @@ def key_major_kernel(
     if TMA:
         q_desc = row_descriptor(Q, num_rows, num_heads * DQK, stride_qm, BLOCK_M, BLOCK_DQK)
         do_desc = row_descriptor(DO, num_rows, num_heads * DV_DIM, stride_dom, BLOCK_M, BLOCK_DV)
+    dq_desc = DQ  # unused without DQ_BULK
+    if DQ_BULK:
+        dq_desc = tl.make_tensor_descriptor(DQ, shape=[num_heads * DQK, num_rows], strides=[stride_dqd, 1],
+                                            block_shape=[BLOCK_DQK, BLOCK_M])
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
@@ -233,9 +275,9 @@ def key_major_kernel(
             do_ptrs = DO + seq_start * stride_dom + head * stride_doh + offs_m[:, None] * stride_dom + offs_v[None, :]
             dq_head = DQ + seq_start * stride_dqm + head * stride_dqh
             if DQ_T:  # [D, BLOCK_M] tiles of dq^T
-                dq_ptrs = dq_head + offs_qk[:, None] + offs_m[None, :] * stride_dqm
+                dq_ptrs = dq_head + offs_qk[:, None] * stride_dqd + offs_m[None, :] * stride_dqm
             else:
-                dq_ptrs = dq_head + offs_m[:, None] * stride_dqm + offs_qk[None, :]
+                dq_ptrs = dq_head + offs_m[:, None] * stride_dqm + offs_qk[None, :] * stride_dqd
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
             query_times = QTS
             key_t = keys
@@ -256,8 +298,8 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, False, ATOMIC_DQ, DQ_T, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc, dq_desc,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, False, ATOMIC_DQ, DQ_T, DQ_BULK, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -266,8 +308,8 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, True, ATOMIC_DQ, DQ_T, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc, dq_desc,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, True, ATOMIC_DQ, DQ_T, DQ_BULK, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -308,7 +350,8 @@ def key_major(
     bias_grads: BiasGrads | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it, and
+    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``, either layout of
+    :func:`dq_accumulator`) also adds ``dq`` into it, and
     with ``bias_grads`` (zeroed, :meth:`BiasGrads.zeros`) the bias gradients times ``max_seq_len``.
     ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors."""
     num_rows, num_heads, dim_qk = q.shape
@@ -329,6 +372,14 @@ def key_major(
     device = q.device
     atomic = dq_accum is not None
     dq = dq_accum if dq_accum is not None else dk  # unused without ATOMIC_DQ: any tensor of the row layout
+    transposed = atomic and dq.stride(0) == 1 and num_rows > 1
+    if transposed and (not TRANSPOSED_DQ or dq.stride(1) != dim_qk * dq.stride(2) or dq.stride(2) % 4
+                       or dq.data_ptr() % 16 or dim_qk != dim_block(dim_qk)):  # fmt: skip
+        raise ValueError(f"key_major: a transposed dq_accum (strides {dq.stride()}) must be dq_accumulator's "
+                         f"[H, D, L] buffer with TRANSPOSED_DQ on and a power-of-two head dim, got D={dim_qk}")
+    bulk = transposed and not INTERPRET  # the interpreter has no bulk reductions: element atomics there
+    if bulk:
+        ensure_allocator()  # the kernel builds dq^T's descriptor on the device
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
     grads = bias_grads if bias_grads is not None else BiasGrads(None, None)
@@ -338,12 +389,12 @@ def key_major(
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
                "auto" if blocks is None else blocks, "tma" if tma else "pointers")
     if atomic:
-        variant += ("transposed" if TRANSPOSED_DQ else "rows",)
+        variant += ("bulk" if bulk else "transposed" if TRANSPOSED_DQ else "rows",)
 
     def constexprs() -> dict:
         return dict(
             DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
-            DQ_T=atomic and TRANSPOSED_DQ,
+            DQ_T=atomic and TRANSPOSED_DQ, DQ_BULK=bulk,
             HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
@@ -364,7 +415,7 @@ def key_major(
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
             counter, *bias.pointers(q), *grads.pointers(dq), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, num_rows, float(alpha),
+            dq.stride(2), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, num_rows, float(alpha),
             float(max_seq_len), max_attn_len, max_seq_len - 1, bias.num_buckets,
         )
         if blocks is not None:

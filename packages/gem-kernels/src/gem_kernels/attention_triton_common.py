@@ -54,7 +54,7 @@ def tma_loads(*tensors: torch.Tensor) -> bool:
             return False
         if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
-    _ensure_allocator()
+    ensure_allocator()
     return True
 
 
@@ -63,7 +63,7 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
 
 
-def _ensure_allocator() -> None:
+def ensure_allocator() -> None:
     """Triton's allocator for device-built tensor descriptors, unless the caller set one. Triton keeps it
     in a context variable, which autograd's device thread starts without: so every launch checks."""
     from triton.runtime import _allocation

@@ -28,7 +28,7 @@ from gem_kernels import attention_triton, attention_triton_bias, attention_trito
 from gem_kernels.attention_gluon import REGISTER_FILE
 from gem_kernels.attention_triton_common import CHUNK, INTERPRET, dim_block
 
-KERNELS = ("forward", "dq", "dkdv", "dkdv_atomic")
+KERNELS = ("forward", "dq", "dkdv", "dkdv_atomic", "dkdv_bulk")
 TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -90,8 +90,10 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
         fn = attention_triton_bwd.key_major_kernel
         constants = dict(
             DQK=variant.dim_qk, DV_DIM=variant.dim_v, BLOCK_DV=dim_block(variant.dim_v),
-            ATOMIC_DQ=variant.kernel == "dkdv_atomic",
-            DQ_T=variant.kernel == "dkdv_atomic" and attention_triton_bwd.TRANSPOSED_DQ,  # as key_major sets it
+            ATOMIC_DQ=variant.kernel in ("dkdv_atomic", "dkdv_bulk"),
+            # as key_major sets them; the bulk reductions need dq^T
+            DQ_T=variant.kernel == "dkdv_bulk" or (variant.kernel == "dkdv_atomic" and attention_triton_bwd.TRANSPOSED_DQ),
+            DQ_BULK=variant.kernel == "dkdv_bulk",
             POS_GRAD=variant.position_bias, TIME_GRAD=variant.time_bias,
             POS_STRIPES=attention_triton_bias.POSITION_STRIPES, TIME_STRIPES=attention_triton_bias.TIME_STRIPES,
             TMA=variant.tma, **common,
@@ -123,6 +125,7 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     ptx = compiled.asm["ptx"]
     return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
             "fp8_mma": ".e4m3.e4m3" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
+            "bulk_reductions": "cp.reduce.async.bulk.tensor" in ptx,
             "barriers": ptx.count("bar.sync"), **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}
 
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from gem_kernels.attention_triton_common import (
     INTERPRET,
-    _ensure_allocator,
+    ensure_allocator,
     cast,
     device_guard,
     dot,
@@ -177,7 +177,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     m, n = out.shape
     if m == 0:
         return
-    _ensure_allocator()
+    ensure_allocator()
     num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
     with device_guard(x.device):
         _linear_epilogue[(num_programs(x.device, 1, num_tiles),)](
