@@ -32,10 +32,10 @@ import triton.language as tl
 
 from gem_kernels.attention_triton_common import (
     INTERPRET,
-    ensure_allocator,
     cast,
     device_guard,
     dot,
+    ensure_allocator,
     num_programs,
 )
 
