@@ -63,8 +63,9 @@ def test_the_attention_backwards_agree_before_they_are_measured(kernel_energy):
     lengths = torch.tensor([5, 40, 70])
     x = inputs_of(Case(3, 2, 32, 70, 0.6, lengths="powerlaw"), lengths, torch.ones_like(lengths), 1, torch.device("cpu"))
     kernels = kernel_energy.attention_backwards(x, forward_flops=2.0)
-    assert set(kernels) == {"attention_backward", "attention_backward_atomic", "attention_backward_bulk"}
+    # no Gluon forms off sm_90
+    assert set(kernels) == {"attention_backward", "attention_backward_atomic", "attention_backward_bulk_triton"}
     assert kernels["attention_backward"].flops == 7.0 and kernels["attention_backward_atomic"].flops == 5.0
-    assert kernels["attention_backward_bulk"].flops == 5.0
+    assert kernels["attention_backward_bulk_triton"].flops == 5.0
     dq, dk, dv = kernels["attention_backward_atomic"].call()
     assert dq.shape == dk.shape == dv.shape == x["q"].shape and bool(torch.isfinite(dq).all())

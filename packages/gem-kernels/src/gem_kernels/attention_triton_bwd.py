@@ -115,6 +115,14 @@ def dq_accumulator(q: torch.Tensor, transposed: bool | None = None) -> torch.Ten
     return torch.zeros(heads, dim, padded, dtype=torch.float32, device=q.device).permute(2, 0, 1)[:rows]
 
 
+def _have_bulk_reduce() -> bool:
+    """Whether the Gluon ``dk``/``dv`` pass can add ``dq`` by bulk reductions (imported here: defining the
+    Gluon kernels costs ~0.1 s, which a run without them should not pay)."""
+    from gem_kernels.attention_gluon_common import HAVE_BULK_REDUCE
+
+    return HAVE_BULK_REDUCE
+
+
 def dq_from_accumulator(dq_accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``dq`` as a contiguous ``[L, H, D]`` tensor of ``dtype`` from either accumulator layout."""
     return dq_accum.to(dtype, memory_format=torch.contiguous_format)
@@ -357,10 +365,12 @@ def key_major(
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     no_bias_grads = bias_grads is None or (bias_grads.position is None and bias_grads.time is None)
-    if (attention_gluon.DKDV and dq_accum is None and no_bias_grads and blocks is None and max_attn_len <= 0
+    gluon_dq = dq_accum is None or (dq_accum.stride(0) == 1 and num_rows > 1 and TRANSPOSED_DQ and not INTERPRET
+                                    and _have_bulk_reduce())  # fmt: skip
+    if (attention_gluon.DKDV and gluon_dq and no_bias_grads and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
         return attention_gluon.dkdv(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
-                                    out=out)  # fmt: skip
+                                    out=out, dq_accum=dq_accum)  # fmt: skip
     if out is not None:
         dk, dv = out
     else:

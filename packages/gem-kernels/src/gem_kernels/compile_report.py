@@ -171,10 +171,12 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
 
 
 def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
-                          arch: int = 90, dq: bool = False, dkdv: bool = False) -> dict[str, Any]:
+                          arch: int = 90, dq: bool = False, dkdv: bool = False,
+                          dkdv_dq: bool = False) -> dict[str, Any]:
     """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``; with ``dq``
     the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq`, with ``dkdv`` the ``dk``/``dv`` pass of
-    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``) for ``arch`` with bf16
+    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``, and with ``dkdv_dq`` as well
+    the ``dq`` it adds by bulk reductions) for ``arch`` with bf16
     inputs, as :mod:`~gem_kernels.attention_gluon` launches it: shared bytes,
     registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
     (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
@@ -202,11 +204,17 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
              "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
              "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "half_alpha": "fp32",
-             "out_scale": "fp32"}  # fmt: skip
+             "out_scale": "fp32", "dq_scale": "fp32"}  # fmt: skip
+    if dkdv and not specialized:  # the dq^T buffer's descriptor, from a CPU tensor of its layout
+        dq_buffer = torch.empty(2, dim_qk, 16).permute(2, 0, 1)
+        types["dq_desc"] = mangle_type(ag.dq_transposed_descriptor(dq_buffer, block_m)) if dkdv_dq else "constexpr"
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
                      STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
                      **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}),
-                     **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}))  # fmt: skip
+                     **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}),
+                     **({"DQ": ag.DKDV_DQ_SCHEDULES[ag.DKDV_DQ_SCHEDULE] if dkdv_dq else 0, "DS_LAYOUT": ag.shared_layout([block_n, block_m], torch.bfloat16)
+                         if dkdv_dq else None} if dkdv and not specialized else {}),
+                     **({"dq_desc": None} if dkdv and not specialized and not dkdv_dq else {}))  # fmt: skip
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or n.startswith("stride")}  # fmt: skip
@@ -220,6 +228,7 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
             "mma_order": _mma_order(ptx), "arrives_after_barrier": _arrives_after_barrier(ptx),
             "async_mmas": ptx.count("wgmma.mma_async"), "mma_waits": waits,
             "tma_loads": ptx.count("cp.async.bulk.tensor"), "tanh_approx": "tanh.approx.f32" in ptx,
+            "bulk_reductions": ptx.count("cp.reduce.async.bulk.tensor"),
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}),
             "register_cap": cap, "programs_per_sm": per_sm,
             "fit_per_sm": programs_fitting(usage["registers"], compiled.metadata.shared, warps, arch),
