@@ -283,3 +283,46 @@ def test_programs_fitting_counts_registers_in_eights_and_shared_memory_with_its_
     assert programs_fitting(64, 76 * 1024, 4) == 2  # shared memory alone: 3 x 77 KiB > 228 KiB
     assert programs_fitting(32, 1024, 4) == 16  # at most 64 warps an SM
     assert programs_fitting(None, 1024, 4) is None
+
+
+DQ_SCRIPT = """
+import json
+from gem_kernels import attention_gluon as ag
+from gem_kernels.compile_report import compile_gluon_forward
+for schedule in ag.DKDV_DQ_SCHEDULES:
+    ag.DKDV_DQ_SCHEDULE = schedule
+    for config in ("n64m16", "n64m32"):
+        print(json.dumps({"schedule": schedule, "config": config, **compile_gluon_forward(config, dkdv=True, dkdv_dq=True)}))
+"""
+
+
+def test_the_dkdv_pass_that_adds_dq_compiles_with_its_schedules() -> None:
+    """The ``dk``/``dv`` pass that also adds ``dq`` (``dkdv(dq_accum=...)``): a fifth MMA a step (``dq^T``,
+    ``m64`` rows of the head dim by the query step), its tiles by bulk reductions (in the loop and after it),
+    the schedule's wait, and no spills at :data:`~gem_kernels.attention_gluon.DKDV_DQ_CONFIG` after the silu."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", DQ_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = {(r["schedule"], r["config"]): r for r in map(json.loads, result.stdout.splitlines())}
+    assert len(reports) == 4
+    for (schedule, config), r in reports.items():
+        step = config[-2:]
+        assert r["bulk_reductions"] == 2 and r["fit_per_sm"] >= 2 and r["shared_bytes"] <= HOPPER_SHARED_LIMIT, r
+        if schedule == "overlap":  # dq^T issued with the accumulating pair, the wait leaves all three in flight
+            assert _follows(r["mma_order"], ["64x128", "64x128", "64x" + step, "wait3"]), r["mma_order"]
+        else:  # the scores' wait as without dq, then dq^T issued alone and drained
+            assert _follows(r["mma_order"], ["64x128", "64x128", "wait2"]), r["mma_order"]
+            assert _follows(r["mma_order"], ["64x" + step, "wait0"]) and r["mma_waits"].get("3") is None, r["mma_order"]
+    assert reports["after_silu", attention_gluon.DKDV_DQ_CONFIG]["stack_bytes"] == 0
+
+
+def test_dkdv_with_dq_refuses_a_buffer_it_cannot_address_and_a_producer_warp_config() -> None:
+    rows, heads, dim = 20, 2, 64
+    with pytest.raises(ValueError, match="float32 \\[L, H, D\\] view"):
+        attention_gluon.dq_transposed_descriptor(torch.zeros(rows, heads, dim), 16)
+    q = torch.zeros(rows, heads, dim, dtype=torch.bfloat16)
+    accum = torch.zeros(heads, dim, 32).permute(2, 0, 1)[:rows]
+    offsets = torch.tensor([0, rows])
+    with pytest.raises(ValueError, match="one-partition config"):
+        attention_gluon.dkdv(q, q, q, q, offsets, None, max_seq_len=rows, alpha=0.1, config="ws_n128m16", dq_accum=accum)
