@@ -22,7 +22,7 @@ power-law lengths, 384 sequences of 8 heads of 128, ~200,000 rows):
 - ``attention_backward`` / ``attention_backward_atomic`` / ``attention_backward_bulk_*``: the whole backward as
   shipped, with ``dq`` added by float32 atomics in the (Triton) key-major pass instead of its own pass, and
   with one bulk tensor reduction a ``dq^T`` tile, from the Triton pass (``_triton``) or the Gluon pass (at
-  each of two configs and two schedules: ``attention_gluon.DKDV_DQ_SCHEDULES``);
+  each of three configs and two schedules: ``attention_gluon.DKDV_DQ_SCHEDULES``);
 - ``uvqk_wgrad_fp8_blocks`` / ``cast_t_blocks``: uvqk's weight gradient in e4m3 with 1 x 128 block scales,
   and the passes that make its transposed operands, as ``weight_gradient: fp8_blocks`` runs them;
 - ``copy``: ``[N, 4096]`` bf16 copied, the bytes-only reference.
@@ -196,7 +196,7 @@ def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Ke
              "attention_backward_bulk_triton": {"BULK_DQ": True, "DKDV": False}}  # fmt: skip
     if attention_gluon.DKDV and attention_gluon.supported(x["q"], x["k"], x["v"], x["grad_out"]):
         # the Gluon dk/dv pass adding dq (on sm_90 only): each config and schedule
-        for config in ("n64m16", "n64m32"):
+        for config in ("n64m16", "n64m32", "n128m32"):
             for schedule in attention_gluon.DKDV_DQ_SCHEDULES:
                 forms[f"attention_backward_bulk_{config}_{schedule}"] = {
                     "BULK_DQ": True, "DKDV_DQ_CONFIG": config, "DKDV_DQ_SCHEDULE": schedule}
