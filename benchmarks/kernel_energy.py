@@ -142,7 +142,9 @@ def fp8_weight_grad_kernels(rows: int, device: torch.device, gen: torch.Generato
     }
 
 
-def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel], int]:
+def attention_kernels(seed: int, device: torch.device, wanted: set[str] | None = None) -> tuple[dict[str, Kernel], int]:
+    """The attention passes and backwards (only the backward forms in ``wanted``, when given, are built and
+    checked: a form that faults leaves the device unusable for the others)."""
     x = make_inputs("big_config", seed, device)
     for which in ("forward", "dq", "dkdv"):
         error = check(x, which, [], 2e-2)["against_float64"]["triton"]
@@ -156,11 +158,11 @@ def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel
            "dkdv": (torch.empty_like(x["k"]), torch.empty_like(x["v"]))}  # fmt: skip
     kernels = {f"attention_{w}": Kernel(lambda w=w: triton_pass(x, w, out[w]), forward_flops * MMAS[w] / 2)
                for w in ("forward", "dq", "dkdv")}  # fmt: skip
-    kernels.update(attention_backwards(x, forward_flops))
+    kernels.update(attention_backwards(x, forward_flops, wanted))
     return kernels, int(x["q"].shape[0])
 
 
-def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Kernel]:
+def attention_backwards(x: dict[str, Any], forward_flops: float, wanted: set[str] | None = None) -> dict[str, Kernel]:
     """The whole attention backward as shipped (the ``dq`` pass, then the ``dk``/``dv`` pass: 7 MMAs a pair);
     with ``dq`` added by element atomics in the Triton key-major pass (5 MMAs a pair, the float32 buffer's
     zeroing and cast included); and with each ``dq^T`` tile added by one bulk tensor reduction
@@ -200,6 +202,8 @@ def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Ke
             for schedule in attention_gluon.DKDV_DQ_SCHEDULES:
                 forms[f"attention_backward_bulk_{config}_{schedule}"] = {
                     "BULK_DQ": True, "DKDV_DQ_CONFIG": config, "DKDV_DQ_SCHEDULE": schedule}
+    if wanted is not None:
+        forms = {name: settings for name, settings in forms.items() if name in wanted}
     shipped = backward("separate")
     for form, settings in forms.items():
         for name, a, b in zip(("dq", "dk", "dv"), backward("atomic", **settings), shipped, strict=True):
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("kernel_energy.py measures a GPU; none is visible")
     device = torch.device("cuda")
-    kernels, rows = attention_kernels(args.seed, device)
+    kernels, rows = attention_kernels(args.seed, device, set(args.kernels.split(",")) if args.kernels else None)
     gen = torch.Generator(device).manual_seed(args.seed)
     kernels = {**gemm_kernels(args.rows or rows, device, gen), **fp8_weight_grad_kernels(args.rows or rows, device, gen),
                **kernels}  # fmt: skip
