@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gem_kernels import attention_triton_bwd
 from gem_kernels.hstu_gap_triton import hstu_gap_triton, silu_columns
 from gem_kernels.layer_norm_triton import norm_fork
 from gem_kernels.reference import jagged_attention_reference
@@ -89,13 +88,6 @@ def test_gap_matches_with_a_window_and_position_bias(gen):
 
 def test_gap_in_bf16(gen):
     check(gen, [6, 10], dtype=torch.bfloat16, dq_mode="atomic", targets=True)
-
-
-def test_gap_with_atomic_dq_into_the_transposed_buffer(gen, monkeypatch):
-    """``dq^T``'s buffer (``attention_triton_bwd.dq_accumulator`` for bulk reductions; element atomics here)
-    read back by the gap's passes."""
-    monkeypatch.setattr(attention_triton_bwd, "bulk_dq", lambda q: True)
-    check(gen, [6, 10, 3], dtype=torch.bfloat16, dq_mode="atomic", targets=True)
 
 
 def test_silu_columns_both_ways(gen):

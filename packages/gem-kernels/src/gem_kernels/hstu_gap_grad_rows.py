@@ -58,7 +58,7 @@ accumulator 1.696 ms on 4 (1.939 on 8, 1.828 on 16; separate 1.711)."""
 
 
 @triton.jit
-def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_pre, stride_dq, stride_dq_col, num_rows, hv,
+def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_pre, stride_dq, num_rows, hv,
                     q_lo, q_hi, rows_per_program, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
                     HAS_DQ: tl.constexpr, E4M3: tl.constexpr, ROWS_OUT: tl.constexpr, COL_SUM: tl.constexpr,
                     INTERP: tl.constexpr, STAGES: tl.constexpr = None):  # fmt: skip
@@ -79,8 +79,7 @@ def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_
         if HAS_DQ:
             g = tl.load(d_ptrs, mask=inside & (~in_q)[None, :], other=0.0).to(tl.float32)
             dq = tl.load(
-                DQ + rows[:, None] * stride_dq + (cols - q_lo)[None, :] * stride_dq_col, mask=inside & in_q[None, :],
-                other=0.0,
+                DQ + rows[:, None] * stride_dq + (cols - q_lo)[None, :], mask=inside & in_q[None, :], other=0.0
             )
             g = tl.where(in_q[None, :], dq.to(tl.float32), g)
         else:
@@ -115,8 +114,7 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
                    dq: tuple[torch.Tensor, slice] | None = None, scale_inv: torch.Tensor | None = None,
                    col_sum: bool = False) -> torch.Tensor | None:  # fmt: skip
     """Complete ``d_pre [L, W]`` in place: its columns from ``hv`` on times ``silu'(pre)`` (with ``dq`` =
-    ``(accumulator [L, q columns], the q columns' slice)``, those columns read from the accumulator (rows or,
-    as ``attention_triton_bwd.dq_accumulator`` lays out ``dq^T``, columns unit-strided)
+    ``(accumulator [L, q columns], the q columns' slice)``, those columns read from the accumulator
     instead), the ``hv`` before them taken as stored; write its e4m3 rows into ``out`` (None: no rows, the
     bf16 step's bias sums alone); return the float32 column sums ``[W]`` of ``d_pre`` as stored when
     ``col_sum``, else None. ``scale_inv [L]``: ``pre`` is e4m3 rows, each standing for itself times its
@@ -143,7 +141,7 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
         _silu_grad_rows[(programs,)](
             d_pre, pre.view(torch.uint8) if e4m3 else pre, scale_inv if e4m3 else pre, accum,
             sums if out is None else out.data, sums if out is None else out.scale_inv, sums, d_pre.stride(0),
-            pre.stride(0), accum.stride(0), accum.stride(1), num_rows, hv, q_cols.start, q_cols.stop, rows_per_program, W=width,
+            pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, rows_per_program, W=width,
             BLOCK_W=block_w, ROWS=ROWS_AT_ONCE, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
             COL_SUM=col_sum, INTERP=INTERPRET, num_warps=warps,
             STAGES=PIPELINE_STAGES if dq is None else None,

@@ -56,7 +56,7 @@ from gem_kernels.attention_fp8 import quantize_qk, silu_quantize_qk
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_autograd import DqMode, resolve_dq_mode
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
-from gem_kernels.attention_triton_bwd import dq_accumulator, key_major
+from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
 from gem_kernels.hstu_gap_bias import silu_grad_columns
 from gem_kernels.hstu_gap_grad_rows import fits, silu_grad_rows
@@ -220,14 +220,12 @@ class HSTUGapFunction(torch.autograd.Function):
         grads = BiasGrads.zeros(bias, ctx.needs_input_grad[3], ctx.needs_input_grad[4], kernel["max_seq_len"], pre.device)
         d_attn = d_attn.view(rows, heads, dv)
         mode = resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads)
-        dq_accum = dq_accumulator(q) if mode == "atomic" else None  # rows, or dq^T for bulk reductions
+        dq_accum = torch.zeros((rows, heads, dqk), dtype=torch.float32, device=pre.device) if mode == "atomic" else None
         key_major(q, k, v, d_attn, seq_offsets, num_targets, dq_accum, bias=bias, bias_grads=grads,
                   out=(d_k, d_v), **kernel)  # fmt: skip
         q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
         if dq_accum is not None:
-            dq_rows = dq_accum.view(rows, hq)
-            passes = [(q_cols, dq_rows if dq_rows.stride(1) == 1 else dq_rows.contiguous())]
-            passes += [(c, d_pre[:, c]) for c in (v_cols, k_cols)]
+            passes = [(q_cols, dq_accum.view(rows, hq))] + [(c, d_pre[:, c]) for c in (v_cols, k_cols)]
         else:
             query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
