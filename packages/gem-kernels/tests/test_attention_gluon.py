@@ -319,10 +319,12 @@ def test_the_dkdv_pass_that_adds_dq_compiles_with_its_schedules() -> None:
 
 def test_dkdv_with_dq_refuses_a_buffer_it_cannot_address_and_a_producer_warp_config() -> None:
     rows, heads, dim = 20, 2, 64
-    with pytest.raises(ValueError, match="float32 \\[L, H, D\\] view"):
-        attention_gluon.dq_transposed_descriptor(torch.zeros(rows, heads, dim), 16)
+    with pytest.raises(ValueError, match="float32 \\[L, H, D\\]"):
+        attention_gluon.dq_row_descriptor(torch.zeros(rows, heads, dim, dtype=torch.bfloat16), 16)
+    with pytest.raises(ValueError, match="heads side by side"):
+        attention_gluon.dq_row_descriptor(torch.zeros(heads, rows, dim).transpose(0, 1), 16)
     q = torch.zeros(rows, heads, dim, dtype=torch.bfloat16)
-    accum = torch.zeros(heads, dim, 32).permute(2, 0, 1)[:rows]
+    accum = torch.zeros(rows, heads, dim)
     offsets = torch.tensor([0, rows])
     with pytest.raises(ValueError, match="one-partition config"):
         attention_gluon.dkdv(q, q, q, q, offsets, None, max_seq_len=rows, alpha=0.1, config="ws_n128m16", dq_accum=accum)

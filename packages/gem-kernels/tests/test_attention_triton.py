@@ -85,28 +85,6 @@ def test_atomic_dq_in_both_forms(gen: torch.Generator, monkeypatch, transposed: 
           config=TritonJaggedAttention.Config(dq="atomic"))
 
 
-def test_atomic_dq_into_the_transposed_buffer(gen: torch.Generator, monkeypatch) -> None:
-    """``dq_accumulator``'s ``[H, D, L]`` layout, which the bulk reductions add into on a GPU: here (the
-    interpreter has no bulk reductions) the key-major pass's element atomics follow its strides. Against
-    the reference, with an odd row count (padded to 16 in the buffer)."""
-    monkeypatch.setattr(attention_triton_bwd, "bulk_dq", lambda q: True)
-    q = torch.empty(37, 2, 32)
-    accum = attention_triton_bwd.dq_accumulator(q)
-    assert accum.shape == (37, 2, 32) and accum.stride() == (1, 32 * 48, 48) and not accum.any()
-    lengths = [11, 0, 26]
-    check(lengths, gen, dtype=torch.bfloat16, dims=(32, 32), targets=random_targets(gen, lengths), window=7,
-          config=TritonJaggedAttention.Config(dq="atomic"))
-
-
-def test_a_transposed_dq_buffer_needs_a_power_of_two_head_dim(gen: torch.Generator) -> None:
-    """A transposed accumulator the bulk reductions could not address is refused, naming its strides."""
-    q, k, v = random_qkv(12, 1, 24, 24, torch.float32, gen)
-    accum = attention_triton_bwd.dq_accumulator(q, transposed=True)
-    with pytest.raises(ValueError, match="power-of-two head dim"):
-        attention_triton_bwd.key_major(q, k, v, torch.randn_like(v), offsets_from_lengths([5, 7], torch.int64), None,
-                                       accum, max_seq_len=8, alpha=0.2, max_attn_len=0)
-
-
 @pytest.mark.parametrize("dims", [(16, 16), (25, 25), (32, 32), (64, 64), (128, 128), (256, 256), (64, 32), (32, 128)])
 def test_head_dims(gen: torch.Generator, dims: tuple[int, int]) -> None:
     lengths = [9, 0, 21]

@@ -297,18 +297,18 @@ def dq(
     return out
 
 
-def dq_transposed_descriptor(dq_accum: torch.Tensor, block_m: int) -> Any:
-    """A host tensor descriptor over the float32 ``dq^T`` buffer ``[H D, L]`` behind ``dq_accum`` (a ``[L, H, D]``
-    view with strides ``(1, D L', L')``, :func:`gem_kernels.attention_triton_bwd.dq_accumulator`), in
-    ``[D, block_m]`` tiles."""
+def dq_row_descriptor(dq_accum: torch.Tensor, block_m: int) -> Any:
+    """A host tensor descriptor over the float32 ``dq`` accumulator ``[L, H, D]`` seen as ``[L, H D]``, in
+    ``[block_m, D]`` tiles: what the ``dk``/``dv`` pass adds ``dq`` into by bulk reductions."""
     rows, heads, dim = dq_accum.shape
-    if dq_accum.dtype != torch.float32 or dq_accum.stride(0) != 1 or dq_accum.stride(1) != dim * dq_accum.stride(2):
-        raise ValueError(f"attention_gluon.dkdv: dq_accum must be a float32 [L, H, D] view of a [H, D, L'] buffer, "
-                         f"got {dq_accum.dtype} with strides {dq_accum.stride()}")
+    if (dq_accum.dtype != torch.float32 or dq_accum.stride(2) != 1 or dq_accum.stride(1) != dim
+            or (dq_accum.stride(0) * 4) % 16 or dq_accum.data_ptr() % 16):  # fmt: skip
+        raise ValueError(f"attention_gluon.dkdv: dq_accum must be float32 [L, H, D] with heads side by side in "
+                         f"16-byte aligned rows, got {dq_accum.dtype} with strides {dq_accum.stride()}")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [dim, block_m]
-    return TensorDescriptor(dq_accum, [heads * dim, rows], [dq_accum.stride(2), 1], block,
+    block = [block_m, dim]
+    return TensorDescriptor(dq_accum, [rows, heads * dim], [dq_accum.stride(0), 1], block,
                             shared_layout(block, torch.float32))
 
 
@@ -329,8 +329,8 @@ def dkdv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk``, ``dv`` of the attention (:mod:`gem_kernels.attention_gluon_dkdv`), into ``out`` if given;
     the caller has checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it.
-    ``dq_accum``: also add ``dq`` into this zeroed float32 ``dq^T`` buffer (:func:`dq_transposed_descriptor`),
-    one bulk reduction a tile (one partition configs only)."""
+    ``dq_accum``: also add ``dq`` into these zeroed float32 rows (:func:`dq_row_descriptor`), one bulk
+    reduction a tile (one partition configs only)."""
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
@@ -350,7 +350,7 @@ def dkdv(
                1.0 / max_seq_len)  # fmt: skip
     if with_dq and config.startswith("ws_"):
         raise ValueError(f"attention_gluon.dkdv: dq_accum needs a one-partition config, not {config!r}")
-    dq_args = ((dq_transposed_descriptor(dq_accum, block_m), float(alpha) / max_seq_len) if with_dq
+    dq_args = ((dq_row_descriptor(dq_accum, block_m), float(alpha) / max_seq_len) if with_dq
                else (None, 0.0))  # fmt: skip
     ds_layout = shared_layout([block_n, block_m], q.dtype) if with_dq else None
     with device_guard(q.device):

@@ -97,15 +97,17 @@ if HAVE_GLUON:
         cta_barrier()
 
     @gluon.jit
-    def _add_dq(dq_t, dq_smem, dq_desc, dq_row, query_row, dq_scale):
-        """``dq^T`` of one query block (``[DQK, BLOCK_M]``, float32) into its buffer: through ``dq_smem``, once
-        the previous block's reduction has read it, by one bulk reduction (rows past the sequence add 0)."""
+    def _add_dq(dq_t, dq_smem, dq_desc, head_col, query_row, dq_scale):
+        """``dq^T`` of one query block (``[DQK, BLOCK_M]``, float32) into ``dq``'s rows: transposed into
+        ``dq_smem`` (``[BLOCK_M, DQK]``) once the previous block's reduction has read it, then one bulk
+        reduction (rows past the sequence add 0; the innermost coordinate, the head's first column, is
+        16-byte aligned as a bulk reduction needs)."""
         tma.store_wait(0)
         cta_barrier()
-        dq_smem.store(dq_t * dq_scale)
+        dq_smem.permute((1, 0)).store(dq_t * dq_scale)
         fence_async_shared()
         cta_barrier()
-        bulk_reduce_add(dq_desc, [dq_row, query_row], dq_smem)
+        bulk_reduce_add(dq_desc, [query_row, head_col], dq_smem)
 
     @gluon.jit
     def _dkdv_steps(k_tile, v_tile, q_smem, do_smem, ready, empty, loads, n_blocks, n_diag, diag_lo, full_lo,
@@ -119,7 +121,7 @@ if HAVE_GLUON:
         partition), or handed back on ``empty`` to the producer warp (``WS``). ``DQ`` (1 or 2): also
         ``dq^T = k^T dS^T`` of each block (a fifth MMA, ``dS^T`` through ``ds_smem``), issued with the next
         block's MMAs, before its silu (1) or after it (2, fewer registers live), and added into ``dq_desc``'s
-        ``dq^T`` buffer by one bulk reduction from ``dq_smem``."""
+        rows by one bulk reduction from ``dq_smem``."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
         dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
@@ -224,8 +226,8 @@ if HAVE_GLUON:
         HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr, DS_LAYOUT: gl.constexpr,
     ):
-        """``dk``, ``dv``; with ``DQ``, also ``dq`` (times ``dq_scale``) added into the float32 ``dq^T`` buffer
-        ``[H DQK, L]`` that ``dq_desc`` covers (``DS_LAYOUT``: ``dS^T``'s shared layout)."""
+        """``dk``, ``dv``; with ``DQ``, also ``dq`` (times ``dq_scale``) added into the float32 rows ``[L, H DQK]``
+        that ``dq_desc`` covers (``DS_LAYOUT``: ``dS^T``'s shared layout)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -237,7 +239,7 @@ if HAVE_GLUON:
         dq_smem = None
         if DQ:
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [DQK, BLOCK_M], dq_desc.layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQK], dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)

@@ -130,9 +130,9 @@ def attention_backward(
     options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias)
     grads = BiasGrads.zeros(bias, needs_position, needs_time, max_seq_len, q.device)
     if resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "atomic":
-        dq_accum = attention_triton_bwd.dq_accumulator(q)
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, bias_grads=grads, **options)
-        dq = attention_triton_bwd.dq_from_accumulator(dq_accum, q.dtype)
+        dq = dq_accum.to(q.dtype)
     else:
         dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, bias_grads=grads, **options)
         dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, **options)

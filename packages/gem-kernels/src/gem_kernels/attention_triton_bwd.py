@@ -91,28 +91,21 @@ atomic dq costs there."""
 
 
 BULK_DQ = False
-"""With atomic dq on a GPU with tensor memory access (sm_90+), whether :func:`dq_accumulator` lays the float32
-buffer out as ``dq^T`` (``[H, D, L]``, ``L`` padded to 16), so that the key-major pass adds each ``dq^T``
-tile as one bulk tensor reduction (``cp.reduce.async.bulk.tensor``, FlashAttention-3's way) instead of
-one atomic per element, whose addresses along a thread's registers are a row apart. Read at call time."""
+"""With atomic dq on a GPU with tensor memory access (sm_90+), whether the key-major pass adds each ``dq``
+tile (``[BLOCK_M, D]``, from ``dq^T`` transposed on its way through shared memory) into the float32 rows
+as one bulk tensor reduction (``cp.reduce.async.bulk.tensor``, FlashAttention-3's way) instead of one
+atomic per element, whose addresses along a thread's registers are a row apart. Read at call time.
+(A bulk reduction's innermost coordinate must be 16-byte aligned: ``dq^T`` laid out ``[H D, L]``, whose
+innermost coordinate is a sequence's first row, faulted on the H100 with an illegal instruction.)"""
 
 
-def bulk_dq(q: torch.Tensor) -> bool:
-    """Whether atomic dq for ``q`` ``[L, H, D]`` takes the bulk reductions (:data:`BULK_DQ`)."""
+def bulk_dq(q: torch.Tensor, dq_accum: torch.Tensor) -> bool:
+    """Whether atomic dq into ``dq_accum`` (float32 ``[L, H, D]``) takes the bulk reductions (:data:`BULK_DQ`):
+    on sm_90+, a power-of-two head dim, heads side by side in 16-byte aligned rows."""
     d = q.shape[2]
     return (BULK_DQ and TRANSPOSED_DQ and not INTERPRET and q.is_cuda and has_tma(q.device.index or 0)
-            and d == dim_block(d))  # fmt: skip
-
-
-def dq_accumulator(q: torch.Tensor, transposed: bool | None = None) -> torch.Tensor:
-    """The zeroed float32 ``[L, H, D]`` accumulator that :func:`key_major` adds ``dq`` into: contiguous rows,
-    or (``transposed``, default :func:`bulk_dq`) a view of ``dq^T``'s buffer ``[H, D, L]`` with ``L``
-    padded to 16 (the rows of a bulk tensor reduction must start 16-byte aligned)."""
-    rows, heads, dim = q.shape
-    if not (bulk_dq(q) if transposed is None else transposed):
-        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    padded = -(-max(rows, 1) // 16) * 16
-    return torch.zeros(heads, dim, padded, dtype=torch.float32, device=q.device).permute(2, 0, 1)[:rows]
+            and d == dim_block(d) and dq_accum.stride(2) == 1 and dq_accum.stride(1) == d
+            and (dq_accum.stride(0) * 4) % 16 == 0 and dq_accum.data_ptr() % 16 == 0)  # fmt: skip
 
 
 def _have_bulk_reduce() -> bool:
@@ -121,11 +114,6 @@ def _have_bulk_reduce() -> bool:
     from gem_kernels.attention_gluon_common import HAVE_BULK_REDUCE
 
     return HAVE_BULK_REDUCE
-
-
-def dq_from_accumulator(dq_accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``dq`` as a contiguous ``[L, H, D]`` tensor of ``dtype`` from either accumulator layout."""
-    return dq_accum.to(dtype, memory_format=torch.contiguous_format)
 
 
 def _configs(wide: bool) -> list[Config]:
@@ -210,8 +198,8 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
         # Scaled here so that the buffer only needs a cast afterwards, not another full read and write.
         if DQ_T:  # dq^T = k^T ds^T: M is the head dim, so the MMA is a wgmma at any query step
             dq_t = dot(tl.trans(k), ds_t, None, IEEE, INTERP) * (alpha / max_seq_len)
-            if DQ_BULK:  # one bulk reduction of the whole tile into dq^T's buffer (rows past the sequence add 0)
-                dq_desc.atomic_add([q_col, query_row + start], dq_t)
+            if DQ_BULK:  # one bulk reduction of the whole tile (rows past the sequence add 0)
+                dq_desc.atomic_add([query_row + start, q_col], tl.trans(dq_t))
             else:
                 tl.atomic_add(dq_ptrs + start * stride_dqm, dq_t, mask=d_qk_ok[:, None] & queries_ok[None, :],
                               sem="relaxed")
@@ -227,7 +215,7 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
 def key_major_kernel(
     Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
-    stride_dqm, stride_dqh, stride_dqd, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
+    stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     num_seqs, num_heads, num_rows, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, DQ_BULK: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -240,8 +228,7 @@ def key_major_kernel(
     ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
     ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``. ``TMA``: the query and
     output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``. ``DQ_BULK`` (with
-    ``DQ_T``): ``DQ`` is dq^T's float32 buffer ``[num_heads * DQK, stride_dqd]`` (rows unit-strided), and
-    each ``dq^T`` tile goes into it as one bulk tensor reduction (``cp.reduce.async.bulk.tensor``)."""
+    ``DQ_T``): each ``dq`` tile goes into ``DQ``'s rows as one bulk tensor reduction."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -261,8 +248,7 @@ def key_major_kernel(
         do_desc = row_descriptor(DO, num_rows, num_heads * DV_DIM, stride_dom, BLOCK_M, BLOCK_DV)
     dq_desc = DQ  # unused without DQ_BULK
     if DQ_BULK:
-        dq_desc = tl.make_tensor_descriptor(DQ, shape=[num_heads * DQK, num_rows], strides=[stride_dqd, 1],
-                                            block_shape=[BLOCK_DQK, BLOCK_M])
+        dq_desc = row_descriptor(DQ, num_rows, num_heads * DQK, stride_dqm, BLOCK_M, BLOCK_DQK)
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
@@ -283,9 +269,9 @@ def key_major_kernel(
             do_ptrs = DO + seq_start * stride_dom + head * stride_doh + offs_m[:, None] * stride_dom + offs_v[None, :]
             dq_head = DQ + seq_start * stride_dqm + head * stride_dqh
             if DQ_T:  # [D, BLOCK_M] tiles of dq^T
-                dq_ptrs = dq_head + offs_qk[:, None] * stride_dqd + offs_m[None, :] * stride_dqm
+                dq_ptrs = dq_head + offs_qk[:, None] + offs_m[None, :] * stride_dqm
             else:
-                dq_ptrs = dq_head + offs_m[:, None] * stride_dqm + offs_qk[None, :] * stride_dqd
+                dq_ptrs = dq_head + offs_m[:, None] * stride_dqm + offs_qk[None, :]
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
             query_times = QTS
             key_t = keys
@@ -358,15 +344,15 @@ def key_major(
     bias_grads: BiasGrads | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``, either layout of
-    :func:`dq_accumulator`) also adds ``dq`` into it, and
+    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it (by bulk
+    reductions under :data:`BULK_DQ`, from the Gluon pass where it runs), and
     with ``bias_grads`` (zeroed, :meth:`BiasGrads.zeros`) the bias gradients times ``max_seq_len``.
     ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     no_bias_grads = bias_grads is None or (bias_grads.position is None and bias_grads.time is None)
-    gluon_dq = dq_accum is None or (dq_accum.stride(0) == 1 and num_rows > 1 and TRANSPOSED_DQ and not INTERPRET
-                                    and _have_bulk_reduce())  # fmt: skip
+    bulk = dq_accum is not None and num_rows > 0 and bulk_dq(q, dq_accum)
+    gluon_dq = dq_accum is None or (bulk and _have_bulk_reduce())
     if (attention_gluon.DKDV and gluon_dq and no_bias_grads and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
         return attention_gluon.dkdv(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
@@ -382,14 +368,8 @@ def key_major(
     device = q.device
     atomic = dq_accum is not None
     dq = dq_accum if dq_accum is not None else dk  # unused without ATOMIC_DQ: any tensor of the row layout
-    transposed = atomic and dq.stride(0) == 1 and num_rows > 1
-    if transposed and (not TRANSPOSED_DQ or dq.stride(1) != dim_qk * dq.stride(2) or dq.stride(2) % 4
-                       or dq.data_ptr() % 16 or dim_qk != dim_block(dim_qk)):  # fmt: skip
-        raise ValueError(f"key_major: a transposed dq_accum (strides {dq.stride()}) must be dq_accumulator's "
-                         f"[H, D, L] buffer with TRANSPOSED_DQ on and a power-of-two head dim, got D={dim_qk}")
-    bulk = transposed and not INTERPRET  # the interpreter has no bulk reductions: element atomics there
     if bulk:
-        ensure_allocator()  # the kernel builds dq^T's descriptor on the device
+        ensure_allocator()  # the kernel builds dq's descriptor on the device
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
     grads = bias_grads if bias_grads is not None else BiasGrads(None, None)
@@ -425,7 +405,7 @@ def key_major(
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
             counter, *bias.pointers(q), *grads.pointers(dq), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
-            dq.stride(2), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, num_rows, float(alpha),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, num_rows, float(alpha),
             float(max_seq_len), max_attn_len, max_seq_len - 1, bias.num_buckets,
         )
         if blocks is not None:

@@ -205,9 +205,9 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
              "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
              "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "half_alpha": "fp32",
              "out_scale": "fp32", "dq_scale": "fp32"}  # fmt: skip
-    if dkdv and not specialized:  # the dq^T buffer's descriptor, from a CPU tensor of its layout
-        dq_buffer = torch.empty(2, dim_qk, 16).permute(2, 0, 1)
-        types["dq_desc"] = mangle_type(ag.dq_transposed_descriptor(dq_buffer, block_m)) if dkdv_dq else "constexpr"
+    if dkdv and not specialized:  # dq's descriptor, from a CPU tensor of its layout
+        types["dq_desc"] = (mangle_type(ag.dq_row_descriptor(torch.empty(16, 2, dim_qk), block_m)) if dkdv_dq
+                            else "constexpr")
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
                      STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
                      **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}),
