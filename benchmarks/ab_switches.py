@@ -290,8 +290,6 @@ VARIANTS: dict[str, Switch] = {
     "compile": switch_compile,
     "dq_atomic": _attention_option(dq="atomic"),
     "dq_separate": _attention_option(dq="separate"),
-    # atomic dq with one bulk tensor reduction a dq^T tile (attention_triton_bwd.BULK_DQ)
-    "dq_bulk": all_of(_attention_option(dq="atomic"), patched("gem_kernels.attention_triton_bwd", "BULK_DQ", True)),
     "unfused": switch_unfused,
     "adamw_foreach": switch_adamw_foreach,
     "fp8_attention": _attention_option(fp8_forward=True),

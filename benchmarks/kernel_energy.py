@@ -19,10 +19,8 @@ power-law lengths, 384 sequences of 8 heads of 128, ~200,000 rows):
 - ``uvqk_fwd_fp8``: the same forward as e4m3 with row scales (``torch._scaled_mm``), quantization not counted;
 - ``attention_forward`` / ``attention_dq`` / ``attention_dkdv``: the three attention passes as shipped (the
   Triton forward and dq pass, the Gluon dk/dv pass on sm_90);
-- ``attention_backward`` / ``attention_backward_atomic`` / ``attention_backward_bulk_*``: the whole backward as
-  shipped, with ``dq`` added by float32 atomics in the (Triton) key-major pass instead of its own pass, and
-  with one bulk tensor reduction a ``dq^T`` tile, from the Triton pass (``_triton``) or the Gluon pass (at
-  each of three configs and two schedules: ``attention_gluon.DKDV_DQ_SCHEDULES``);
+- ``attention_backward`` / ``attention_backward_atomic``: the whole backward as shipped, and with ``dq`` added
+  by float32 atomics in the (Triton) key-major pass instead of its own pass;
 - ``uvqk_wgrad_fp8_blocks`` / ``cast_t_blocks``: uvqk's weight gradient in e4m3 with 1 x 128 block scales,
   and the passes that make its transposed operands, as ``weight_gradient: fp8_blocks`` runs them;
 - ``copy``: ``[N, 4096]`` bf16 copied, the bytes-only reference.
@@ -142,9 +140,7 @@ def fp8_weight_grad_kernels(rows: int, device: torch.device, gen: torch.Generato
     }
 
 
-def attention_kernels(seed: int, device: torch.device, wanted: set[str] | None = None) -> tuple[dict[str, Kernel], int]:
-    """The attention passes and backwards (only the backward forms in ``wanted``, when given, are built and
-    checked: a form that faults leaves the device unusable for the others)."""
+def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel], int]:
     x = make_inputs("big_config", seed, device)
     for which in ("forward", "dq", "dkdv"):
         error = check(x, which, [], 2e-2)["against_float64"]["triton"]
@@ -158,62 +154,37 @@ def attention_kernels(seed: int, device: torch.device, wanted: set[str] | None =
            "dkdv": (torch.empty_like(x["k"]), torch.empty_like(x["v"]))}  # fmt: skip
     kernels = {f"attention_{w}": Kernel(lambda w=w: triton_pass(x, w, out[w]), forward_flops * MMAS[w] / 2)
                for w in ("forward", "dq", "dkdv")}  # fmt: skip
-    kernels.update(attention_backwards(x, forward_flops, wanted))
+    kernels.update(attention_backwards(x, forward_flops))
     return kernels, int(x["q"].shape[0])
 
 
-def attention_backwards(x: dict[str, Any], forward_flops: float, wanted: set[str] | None = None) -> dict[str, Kernel]:
-    """The whole attention backward as shipped (the ``dq`` pass, then the ``dk``/``dv`` pass: 7 MMAs a pair);
-    with ``dq`` added by element atomics in the Triton key-major pass (5 MMAs a pair, the float32 buffer's
-    zeroing and cast included); and with each ``dq^T`` tile added by one bulk tensor reduction
-    (``attention_triton_bwd.BULK_DQ``) from the Triton pass and, where it runs, the Gluon pass: what
-    removing the ``dq`` pass's recompute saves in energy. Every form's gradients are checked against the
-    shipped ones first."""
-    from gem_kernels import attention_gluon, attention_triton_bwd
+def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Kernel]:
+    """The whole attention backward two ways: as shipped (the ``dq`` pass, then the ``dk``/``dv`` pass: 7
+    MMAs a pair) and with ``dq`` added by atomics in the key-major pass (5 MMAs a pair, the float32
+    buffer's zeroing and cast included): what removing the ``dq`` pass's recompute saves in energy. The
+    atomic form's gradients are checked against the shipped ones first."""
     from gem_kernels.attention_triton_autograd import attention_backward
     from gem_kernels.attention_triton_bias import NO_BIAS
 
     options = x["options"]
 
-    def backward(mode: str, **settings: object) -> tuple[torch.Tensor, ...]:
-        """One backward with ``settings`` (``BULK_DQ`` of ``attention_triton_bwd``, ``DKDV``,
-        ``DKDV_DQ_CONFIG`` and ``DKDV_DQ_SCHEDULE`` of ``attention_gluon``) in force."""
-        modules = {"BULK_DQ": attention_triton_bwd, "DKDV": attention_gluon, "DKDV_DQ_CONFIG": attention_gluon,
-                   "DKDV_DQ_SCHEDULE": attention_gluon}  # fmt: skip
-        before = {name: getattr(modules[name], name) for name in settings}
-        for name, value in settings.items():
-            setattr(modules[name], name, value)
-        try:
-            dq, dk, dv, _, _ = attention_backward(
-                x["grad_out"], x["q"], x["k"], x["v"], x["offsets"], x["targets"], NO_BIAS,
-                max_seq_len=options["max_seq_len"], alpha=options["alpha"], max_attn_len=options["max_attn_len"],
-                dq_mode=mode, blocks=None, needs_position=False, needs_time=False,
-            )  # fmt: skip
-        finally:
-            for name, value in before.items():
-                setattr(modules[name], name, value)
+    def backward(mode: str) -> tuple[torch.Tensor, ...]:
+        dq, dk, dv, _, _ = attention_backward(
+            x["grad_out"], x["q"], x["k"], x["v"], x["offsets"], x["targets"], NO_BIAS,
+            max_seq_len=options["max_seq_len"], alpha=options["alpha"], max_attn_len=options["max_attn_len"],
+            dq_mode=mode, blocks=None, needs_position=False, needs_time=False,
+        )  # fmt: skip
         return dq, dk, dv
 
-    forms = {"attention_backward_atomic": {"BULK_DQ": False},
-             "attention_backward_bulk_triton": {"BULK_DQ": True, "DKDV": False}}  # fmt: skip
-    if attention_gluon.DKDV and attention_gluon.supported(x["q"], x["k"], x["v"], x["grad_out"]):
-        # the Gluon dk/dv pass adding dq (on sm_90 only): each config and schedule
-        for config in ("n64m16", "n64m32", "n128m32"):
-            for schedule in attention_gluon.DKDV_DQ_SCHEDULES:
-                forms[f"attention_backward_bulk_{config}_{schedule}"] = {
-                    "BULK_DQ": True, "DKDV_DQ_CONFIG": config, "DKDV_DQ_SCHEDULE": schedule}
-    if wanted is not None:
-        forms = {name: settings for name, settings in forms.items() if name in wanted}
-    shipped = backward("separate")
-    for form, settings in forms.items():
-        for name, a, b in zip(("dq", "dk", "dv"), backward("atomic", **settings), shipped, strict=True):
-            error = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
-            if not error <= ATTENTION_TOLERANCE:
-                raise SystemExit(f"{form}: {name} {error:.3g} from the shipped backward's, refusing")
-    kernels = {"attention_backward": Kernel(lambda: backward("separate"), forward_flops * 7 / 2)}
-    for form, settings in forms.items():
-        kernels[form] = Kernel(lambda settings=settings: backward("atomic", **settings), forward_flops * 5 / 2)
-    return kernels
+    shipped, atomic = backward("separate"), backward("atomic")
+    for name, a, b in zip(("dq", "dk", "dv"), atomic, shipped, strict=True):
+        error = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+        if not error <= ATTENTION_TOLERANCE:
+            raise SystemExit(f"attention backward, atomic dq: {name} {error:.3g} from the shipped backward's, refusing")
+    return {
+        "attention_backward": Kernel(lambda: backward("separate"), forward_flops * 7 / 2),
+        "attention_backward_atomic": Kernel(lambda: backward("atomic"), forward_flops * 5 / 2),
+    }
 
 
 def measure(kernel: Kernel, seconds: float, settle: float, sampler: Any) -> dict[str, float]:
@@ -265,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("kernel_energy.py measures a GPU; none is visible")
     device = torch.device("cuda")
-    kernels, rows = attention_kernels(args.seed, device, set(args.kernels.split(",")) if args.kernels else None)
+    kernels, rows = attention_kernels(args.seed, device)
     gen = torch.Generator(device).manual_seed(args.seed)
     kernels = {**gemm_kernels(args.rows or rows, device, gen), **fp8_weight_grad_kernels(args.rows or rows, device, gen),
                **kernels}  # fmt: skip

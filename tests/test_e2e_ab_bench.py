@@ -382,24 +382,3 @@ def test_the_mixer_backend_switch_keeps_cudnn_out_and_undoes(monkeypatch):
     undo()
     assert hstu.MIXER_SDPA_BACKENDS is None
 
-
-
-def test_the_bulk_dq_switch_asks_for_atomic_dq_by_bulk_reductions_and_undoes(monkeypatch):
-    """``dq_bulk``: the attention's ``dq`` added by the key-major pass (``dq: atomic``) with one bulk reduction a
-    tile (``attention_triton_bwd.BULK_DQ``); undone, the kernel's config and the flag are as before."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from types import SimpleNamespace
-
-    from ab_switches import VARIANTS
-
-    from gem_kernels import attention_triton_bwd
-    from gem_kernels.attention import TritonJaggedAttention
-
-    kernel = TritonJaggedAttention()
-    run = SimpleNamespace(components=SimpleNamespace(attention=kernel))
-    before = kernel.config
-    assert attention_triton_bwd.BULK_DQ is False and before.dq != "atomic"
-    undo = VARIANTS["dq_bulk"](run)
-    assert kernel.config.dq == "atomic" and attention_triton_bwd.BULK_DQ is True
-    undo()
-    assert kernel.config == before and attention_triton_bwd.BULK_DQ is False

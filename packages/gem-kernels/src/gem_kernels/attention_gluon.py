@@ -29,7 +29,10 @@ Triton kernels': (sequence, head, block) claimed from a queue by a persistent gr
 the ``ws_*`` kernels' two partitions); blocks wholly inside the mask run without mask math.
 
 What they do not do (the Triton kernels do): relative biases, ``max_attn_len``, fp8 inputs, atomic
-``dq``, head dims other than 64 and 128, and any GPU other than sm_90. :func:`supported` says whether
+``dq``, head dims other than 64 and 128, and any GPU other than sm_90. (A ``dk``/``dv`` pass that adds ``dq``
+itself, a fifth MMA a step and one bulk tensor reduction a tile, was built and measured on the H100 on
+2026-12-06: 1.22-1.38x the energy of the shipped backward, which recomputes ``q k^T`` and ``g v^T`` in
+its ``dq`` pass; removed, recoverable from 9d480e6. ``benchmarks/results/e2e_ab.md`` has the table.) :func:`supported` says whether
 a call qualifies. ``query_major`` and ``key_major`` route there when :data:`FORWARD`, :data:`DQ` or
 :data:`DKDV` is on. The kernels are compiled for sm_90 on the CPU and checked there; their numbers on
 the GPU are ``benchmarks/attention_gluon.py``'s (``benchmarks/results/jagged_attention.md``). On the H200
@@ -111,15 +114,6 @@ DEFAULT_DKDV_CONFIG = "n64m32"
 """The fastest on the H200 (2026-12-05, ``benchmarks/attention_gluon.py --rounds 8``): 3.434 ms against
 the Triton pass's 4.059 at the big config's lengths (1.182x; ``n128m32``, the default before, 0.868x),
 2.844 against 3.144 at 1,024."""
-DKDV_DQ_SCHEDULES = {"overlap": 1, "after_silu": 2}
-DKDV_DQ_SCHEDULE = "after_silu"
-"""Where the ``dk``/``dv`` pass that also adds ``dq`` (``dkdv(dq_accum=...)``) issues a block's ``dq^T`` MMA: with
-the next block's score MMAs, under its silu (``overlap``: at ``n64m32`` its accumulator stays live through
-the silu and 192 bytes a thread spill), or after that silu (``after_silu``: no more live registers
-than the pass without ``dq``, the MMA alone in flight while the other program on the SM runs)."""
-DKDV_DQ_CONFIG = "n64m16"
-"""The config of the ``dk``/``dv`` pass that also adds ``dq`` when the call names none: at 16-query steps it
-compiles without spills on either schedule (``n64m32`` spills 120-192 bytes a thread)."""
 PRODUCER_REGISTERS = 40
 """Registers of the ``ws_*`` configs' producer warp (it computes addresses and waits on barriers)."""
 DEFAULT_CONFIG = "m64n64"
@@ -153,8 +147,7 @@ def shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     """The NVMMA (wgmma-readable, 128-byte swizzled) shared layout of a ``block`` tile."""
     from triton.experimental.gluon import language as gl
 
-    types = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-    return gl.NVMMASharedLayout.get_default_for(block, types[dtype])
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *grad_out: torch.Tensor) -> bool:
@@ -297,21 +290,6 @@ def dq(
     return out
 
 
-def dq_row_descriptor(dq_accum: torch.Tensor, block_m: int) -> Any:
-    """A host tensor descriptor over the float32 ``dq`` accumulator ``[L, H, D]`` seen as ``[L, H D]``, in
-    ``[block_m, D]`` tiles: what the ``dk``/``dv`` pass adds ``dq`` into by bulk reductions."""
-    rows, heads, dim = dq_accum.shape
-    if (dq_accum.dtype != torch.float32 or dq_accum.stride(2) != 1 or dq_accum.stride(1) != dim
-            or (dq_accum.stride(0) * 4) % 16 or dq_accum.data_ptr() % 16):  # fmt: skip
-        raise ValueError(f"attention_gluon.dkdv: dq_accum must be float32 [L, H, D] with heads side by side in "
-                         f"16-byte aligned rows, got {dq_accum.dtype} with strides {dq_accum.stride()}")
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    block = [block_m, dim]
-    return TensorDescriptor(dq_accum, [rows, heads * dim], [dq_accum.stride(0), 1], block,
-                            shared_layout(block, torch.float32))
-
-
 def dkdv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -325,19 +303,14 @@ def dkdv(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: str | None = None,
     programs: int | None = None,
-    dq_accum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk``, ``dv`` of the attention (:mod:`gem_kernels.attention_gluon_dkdv`), into ``out`` if given;
-    the caller has checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it.
-    ``dq_accum``: also add ``dq`` into these zeroed float32 rows (:func:`dq_row_descriptor`), one bulk
-    reduction a tile (one partition configs only)."""
+    the caller has checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it."""
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
     dk, dv = out if out is not None else (torch.empty_like(k, memory_format=torch.contiguous_format),
                                           torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
-    with_dq = dq_accum is not None
-    config = config or (DKDV_DQ_CONFIG if with_dq else DEFAULT_DKDV_CONFIG)
     block_m, block_n, warps, stages, per_sm = _config("dkdv", config, DKDV_CONFIGS, DEFAULT_DKDV_CONFIG)
     if rows == 0 or seq_offsets.shape[0] <= 1:
         return dk, dv
@@ -348,19 +321,12 @@ def dkdv(
                    row_view_descriptor(k, block_n), row_view_descriptor(v, block_n))  # fmt: skip
     scalars = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *counts, float(alpha) / max_seq_len,
                1.0 / max_seq_len)  # fmt: skip
-    if with_dq and config.startswith("ws_"):
-        raise ValueError(f"attention_gluon.dkdv: dq_accum needs a one-partition config, not {config!r}")
-    dq_args = ((dq_row_descriptor(dq_accum, block_m), float(alpha) / max_seq_len) if with_dq
-               else (None, 0.0))  # fmt: skip
-    ds_layout = shared_layout([block_n, block_m], q.dtype) if with_dq else None
     with device_guard(q.device):
         grid = _grid(q.device, per_sm, programs)
-        if config.startswith("ws_"):
+        if (config or DEFAULT_DKDV_CONFIG).startswith("ws_"):
             dkdv_ws_kernel[grid](*descriptors, dk, dv, *pointers, *scalars, DQK=dim_qk, DVD=v.shape[2],
                                  PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
         else:
-            dkdv_kernel[grid](*descriptors, dk, dv, *pointers, queue_counter(q.device), *scalars, *dq_args, DQK=dim_qk,
-                              DVD=v.shape[2], DQ=DKDV_DQ_SCHEDULES[DKDV_DQ_SCHEDULE] if with_dq else 0,
-                              DS_LAYOUT=ds_layout, **constants,
-                              **_limits(warps, per_sm))  # fmt: skip
+            dkdv_kernel[grid](*descriptors, dk, dv, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk,
+                              DVD=v.shape[2], **constants, **_limits(warps, per_sm))  # fmt: skip
     return dk, dv

@@ -15,29 +15,6 @@ try:  # Gluon ships with Triton 3.5+; its Hopper module is what these kernels ne
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-try:  # Gluon's Hopper module has bulk copies but no bulk reduction; its builder has one (Triton 3.6, 3.7)
-    from triton._C.libtriton import ir as _ir
-    from triton.experimental.gluon.language._core import builtin as _builtin
-
-    HAVE_BULK_REDUCE = HAVE_GLUON and hasattr(_ir, "DESCRIPTOR_REDUCE_KIND")
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    HAVE_BULK_REDUCE = False
-
-
-if HAVE_GLUON:  # the CTA barrier is ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.7
-    cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-
-if HAVE_BULK_REDUCE:
-
-    @_builtin
-    def bulk_reduce_add(tensor_desc, coord, src, _semantic=None):
-        """Add shared-memory tile ``src`` into ``tensor_desc``'s tile at ``coord`` in global memory by one bulk
-        tensor reduction (``cp.reduce.async.bulk.tensor ... add``); ``tma.store_wait`` waits for its read of
-        ``src``, as for a bulk copy out."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
-
 
 if HAVE_GLUON:
 

@@ -33,7 +33,6 @@ if HAVE_GLUON:
     )
 
     from gem_kernels.attention_gluon_common import (
-        HAVE_BULK_REDUCE,
         _allowed,
         _init_barriers,
         _invalidate_barriers,
@@ -42,12 +41,8 @@ if HAVE_GLUON:
         _release_queue,
         _scan_chunk,
         _tanh_approx,
-        cta_barrier,
         mma_layout,
     )
-
-    if HAVE_BULK_REDUCE:
-        from gem_kernels.attention_gluon_common import bulk_reduce_add
 
     @gluon.jit
     def _key_tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
@@ -89,39 +84,14 @@ if HAVE_GLUON:
         return p_t, ds_t
 
     @gluon.jit
-    def _stage_ds(ds_smem, ds_t):
-        """A block's ``dS^T`` into shared memory for the ``dq^T`` MMA: every warp's part written and visible to
-        the tensor cores before one of them issues it."""
-        ds_smem.store(ds_t)
-        fence_async_shared()
-        cta_barrier()
-
-    @gluon.jit
-    def _add_dq(dq_t, dq_smem, dq_desc, head_col, query_row, dq_scale):
-        """``dq^T`` of one query block (``[DQK, BLOCK_M]``, float32) into ``dq``'s rows: transposed into
-        ``dq_smem`` (``[BLOCK_M, DQK]``) once the previous block's reduction has read it, then one bulk
-        reduction (rows past the sequence add 0; the innermost coordinate, the head's first column, is
-        16-byte aligned as a bulk reduction needs)."""
-        tma.store_wait(0)
-        cta_barrier()
-        dq_smem.permute((1, 0)).store(dq_t * dq_scale)
-        fence_async_shared()
-        cta_barrier()
-        bulk_reduce_add(dq_desc, [query_row, head_col], dq_smem)
-
-    @gluon.jit
     def _dkdv_steps(k_tile, v_tile, q_smem, do_smem, ready, empty, loads, n_blocks, n_diag, diag_lo, full_lo,
                     full_hi, n0, seq_len, history_len, half_alpha, q_desc, do_desc, q_row, q_col, do_col,
-                    ds_smem, dq_smem, dq_desc, dq_scale,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQK: gl.constexpr, DVD: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WS: gl.constexpr, DQ: gl.constexpr):
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WS: gl.constexpr):
         """One key tile's ``dk`` and ``dv`` (float32, unscaled) over its ``n_blocks`` query blocks, whose
         ``(q, g)`` tiles come through the ring: block ``b`` in slot ``(loads + b) % STAGES`` on barrier
         ``ready``. A slot whose MMAs have retired is refilled here with the block ``STAGES`` ahead (one
-        partition), or handed back on ``empty`` to the producer warp (``WS``). ``DQ`` (1 or 2): also
-        ``dq^T = k^T dS^T`` of each block (a fifth MMA, ``dS^T`` through ``ds_smem``), issued with the next
-        block's MMAs, before its silu (1) or after it (2, fewer registers live), and added into ``dq_desc``'s
-        rows by one bulk reduction from ``dq_smem``."""
+        partition), or handed back on ``empty`` to the producer warp (``WS``)."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
         dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
@@ -146,8 +116,6 @@ if HAVE_GLUON:
             p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, False)
         p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
         ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
-        if DQ:
-            _stage_ds(ds_smem, ds_t.to(dtype))
         for i in range(1, n_blocks):
             prev = (loads + i - 1) % STAGES
             slot = (loads + i) % STAGES
@@ -156,27 +124,13 @@ if HAVE_GLUON:
             dp_t = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
             dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
             dk = warpgroup_mma(ds_op, q_smem.index(prev), dk, is_async=True)
-            if DQ == 1:
-                dq_t = warpgroup_mma(k_tile.permute((1, 0)), ds_smem, gl.zeros([DQK, BLOCK_M], gl.float32, s_layout),
-                                     use_acc=False, is_async=True)
-                s_t, dp_t = warpgroup_mma_wait(3, deps=[s_t, dp_t])
-            else:
-                s_t, dp_t = warpgroup_mma_wait(2, deps=[s_t, dp_t])  # this block's; the previous two run on
+            s_t, dp_t = warpgroup_mma_wait(2, deps=[s_t, dp_t])  # this block's; the previous two run on
             start = _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M)
             if (i < n_diag) | (start >= full_hi):
                 p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, True)
             else:
                 p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, False)
-            if DQ:
-                if DQ == 2:  # issued after the silu: its accumulator is not live through it
-                    dq_t = warpgroup_mma(k_tile.permute((1, 0)), ds_smem,
-                                         gl.zeros([DQK, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
-                dv, dk, p_op, ds_op, dq_t = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op, dq_t])
-                _add_dq(dq_t, dq_smem, dq_desc, q_col, q_row + _query_start(i - 1, n_diag, diag_lo, full_lo, BLOCK_M),
-                        dq_scale)
-                _stage_ds(ds_smem, ds_t.to(dtype))  # the MMA that read block i - 1's is done
-            else:
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op])
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op])
             p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
             ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
             if WS:  # block i - 1's slot goes back to the producer
@@ -189,14 +143,7 @@ if HAVE_GLUON:
         last = (loads + n_blocks - 1) % STAGES
         dv = warpgroup_mma(p_op, do_smem.index(last), dv, is_async=True)
         dk = warpgroup_mma(ds_op, q_smem.index(last), dk, is_async=True)
-        if DQ:
-            dq_t = warpgroup_mma(k_tile.permute((1, 0)), ds_smem, gl.zeros([DQK, BLOCK_M], gl.float32, s_layout),
-                                     use_acc=False, is_async=True)
-            dv, dk, dq_t = warpgroup_mma_wait(0, deps=[dv, dk, dq_t])
-            _add_dq(dq_t, dq_smem, dq_desc, q_col,
-                    q_row + _query_start(n_blocks - 1, n_diag, diag_lo, full_lo, BLOCK_M), dq_scale)
-        else:
-            dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
         if WS:
             mbarrier.arrive(empty.index(last), count=1)
         return dk, dv
@@ -222,12 +169,9 @@ if HAVE_GLUON:
     def dkdv_kernel(
         q_desc, do_desc, k_desc, v_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
         stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs, num_heads, half_alpha, dk_scale, dv_scale,
-        dq_desc, dq_scale,
         HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr, DS_LAYOUT: gl.constexpr,
+        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr,
     ):
-        """``dk``, ``dv``; with ``DQ``, also ``dq`` (times ``dq_scale``) added into the float32 rows ``[L, H DQK]``
-        that ``dq_desc`` covers (``DS_LAYOUT``: ``dS^T``'s shared layout)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -235,11 +179,6 @@ if HAVE_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DVD], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DQK], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DVD], do_desc.layout)
-        ds_smem = None
-        dq_smem = None
-        if DQ:
-            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], DS_LAYOUT)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, DQK], dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
@@ -270,15 +209,13 @@ if HAVE_GLUON:
                 kv_phase ^= 1
                 dk, dv = _dkdv_steps(k_smem, v_smem, q_smem, do_smem, bars, bars, loads, n_blocks, n_diag, diag_lo,
                                      full_lo, full_hi, n0, seq_len, history_len, half_alpha, q_desc, do_desc,
-                                     seq_start, head * DQK, head * DVD, ds_smem, dq_smem, dq_desc, dq_scale,
-                                     BLOCK_M, BLOCK_N, DQK, DVD, STAGES, NUM_WARPS, False, DQ)
+                                     seq_start, head * DQK, head * DVD, BLOCK_M, BLOCK_N, DQK, DVD, STAGES,
+                                     NUM_WARPS, False)
                 loads += n_blocks
                 _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm,
                             stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS)
                 tile = next_tile
             tiles_before = chunk_end
-        if DQ:
-            tma.store_wait(0)
         mbarrier.invalidate(kv_bar)
         _invalidate_barriers(bars, STAGES)
         _release_queue(COUNTER)
@@ -345,8 +282,8 @@ if HAVE_GLUON:
                 mbarrier.wait(kv_ready.index(kv), (done // 2) & 1)
                 dk, dv = _dkdv_steps(k_smem.index(kv), v_smem.index(kv), q_smem, do_smem, ready, empty, loads,
                                      n_blocks, n_diag, diag_lo, full_lo, full_hi, n0, seq_len, history_len,
-                                     half_alpha, None, None, seq_start, head * DQK, head * DVD, None, None, None,
-                                     0.0, BLOCK_M, BLOCK_N, DQK, DVD, STAGES, NUM_WARPS, True, False)
+                                     half_alpha, None, None, seq_start, head * DQK, head * DVD, BLOCK_M, BLOCK_N,
+                                     DQK, DVD, STAGES, NUM_WARPS, True)
                 mbarrier.arrive(kv_empty.index(kv), count=1)  # every MMA that read this k and v is done
                 loads += n_blocks
                 done += 1

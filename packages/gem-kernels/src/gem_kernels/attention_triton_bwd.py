@@ -39,8 +39,6 @@ from gem_kernels.attention_triton_common import (
     device_guard,
     dim_block,
     dot,
-    ensure_allocator,
-    has_tma,
     history_length,
     length_buckets,
     load_tile,
@@ -90,32 +88,6 @@ medians, ms): big config 7.469 -> 6.869 (1.087x), N = 1024 / 4096 uniform 6.080 
 atomic dq costs there."""
 
 
-BULK_DQ = False
-"""With atomic dq on a GPU with tensor memory access (sm_90+), whether the key-major pass adds each ``dq``
-tile (``[BLOCK_M, D]``, from ``dq^T`` transposed on its way through shared memory) into the float32 rows
-as one bulk tensor reduction (``cp.reduce.async.bulk.tensor``, FlashAttention-3's way) instead of one
-atomic per element, whose addresses along a thread's registers are a row apart. Read at call time.
-(A bulk reduction's innermost coordinate must be 16-byte aligned: ``dq^T`` laid out ``[H D, L]``, whose
-innermost coordinate is a sequence's first row, faulted on the H100 with an illegal instruction.)"""
-
-
-def bulk_dq(q: torch.Tensor, dq_accum: torch.Tensor) -> bool:
-    """Whether atomic dq into ``dq_accum`` (float32 ``[L, H, D]``) takes the bulk reductions (:data:`BULK_DQ`):
-    on sm_90+, a power-of-two head dim, heads side by side in 16-byte aligned rows."""
-    d = q.shape[2]
-    return (BULK_DQ and TRANSPOSED_DQ and not INTERPRET and q.is_cuda and has_tma(q.device.index or 0)
-            and d == dim_block(d) and dq_accum.stride(2) == 1 and dq_accum.stride(1) == d
-            and (dq_accum.stride(0) * 4) % 16 == 0 and dq_accum.data_ptr() % 16 == 0)  # fmt: skip
-
-
-def _have_bulk_reduce() -> bool:
-    """Whether the Gluon ``dk``/``dv`` pass can add ``dq`` by bulk reductions (imported here: defining the
-    Gluon kernels costs ~0.1 s, which a run without them should not pay)."""
-    from gem_kernels.attention_gluon_common import HAVE_BULK_REDUCE
-
-    return HAVE_BULK_REDUCE
-
-
 def _configs(wide: bool) -> list[Config]:
     return INTERPRETER_CONFIGS if INTERPRET else (WIDE_CONFIGS if wide else CONFIGS)
 
@@ -151,9 +123,8 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
                     PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
-                    q_desc, do_desc, dq_desc, query_row, q_col, do_col, TMA: tl.constexpr,
-                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, DQ_BULK: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr,
+                    q_desc, do_desc, query_row, q_col, do_col, TMA: tl.constexpr,
+                    MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
                     CHECK_QK: tl.constexpr, CHECK_V: tl.constexpr,
@@ -198,11 +169,8 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
         # Scaled here so that the buffer only needs a cast afterwards, not another full read and write.
         if DQ_T:  # dq^T = k^T ds^T: M is the head dim, so the MMA is a wgmma at any query step
             dq_t = dot(tl.trans(k), ds_t, None, IEEE, INTERP) * (alpha / max_seq_len)
-            if DQ_BULK:  # one bulk reduction of the whole tile (rows past the sequence add 0)
-                dq_desc.atomic_add([query_row + start, q_col], tl.trans(dq_t))
-            else:
-                tl.atomic_add(dq_ptrs + start * stride_dqm, dq_t, mask=d_qk_ok[:, None] & queries_ok[None, :],
-                              sem="relaxed")
+            tl.atomic_add(dq_ptrs + start * stride_dqm, dq_t, mask=d_qk_ok[:, None] & queries_ok[None, :],
+                          sem="relaxed")
         else:
             dq = dot(tl.trans(ds_t), k, None, IEEE, INTERP) * (alpha / max_seq_len)
             tl.atomic_add(dq_ptrs + start * stride_dqm, dq, mask=queries_ok[:, None] & d_qk_ok[None, :],
@@ -218,7 +186,7 @@ def key_major_kernel(
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     num_seqs, num_heads, num_rows, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, DQ_BULK: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr,
@@ -227,8 +195,7 @@ def key_major_kernel(
     """dk, dv (and dq with ``ATOMIC_DQ``) for every (sequence, head, key block) tile; with ``POS_GRAD`` /
     ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
     ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``. ``TMA``: the query and
-    output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``. ``DQ_BULK`` (with
-    ``DQ_T``): each ``dq`` tile goes into ``DQ``'s rows as one bulk tensor reduction."""
+    output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -246,9 +213,6 @@ def key_major_kernel(
     if TMA:
         q_desc = row_descriptor(Q, num_rows, num_heads * DQK, stride_qm, BLOCK_M, BLOCK_DQK)
         do_desc = row_descriptor(DO, num_rows, num_heads * DV_DIM, stride_dom, BLOCK_M, BLOCK_DV)
-    dq_desc = DQ  # unused without DQ_BULK
-    if DQ_BULK:
-        dq_desc = row_descriptor(DQ, num_rows, num_heads * DQK, stride_dqm, BLOCK_M, BLOCK_DQK)
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
@@ -292,8 +256,8 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc, dq_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, False, ATOMIC_DQ, DQ_T, DQ_BULK, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, False, ATOMIC_DQ, DQ_T, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -302,8 +266,8 @@ def key_major_kernel(
                 dk, dv = _key_block_step(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
-                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc, dq_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, True, ATOMIC_DQ, DQ_T, DQ_BULK, HAS_WINDOW,
+                    EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, True, ATOMIC_DQ, DQ_T, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -344,19 +308,16 @@ def key_major(
     bias_grads: BiasGrads | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it (by bulk
-    reductions under :data:`BULK_DQ`, from the Gluon pass where it runs), and
+    """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it, and
     with ``bias_grads`` (zeroed, :meth:`BiasGrads.zeros`) the bias gradients times ``max_seq_len``.
     ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     no_bias_grads = bias_grads is None or (bias_grads.position is None and bias_grads.time is None)
-    bulk = dq_accum is not None and num_rows > 0 and bulk_dq(q, dq_accum)
-    gluon_dq = dq_accum is None or (bulk and _have_bulk_reduce())
-    if (attention_gluon.DKDV and gluon_dq and no_bias_grads and blocks is None and max_attn_len <= 0
+    if (attention_gluon.DKDV and dq_accum is None and no_bias_grads and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
         return attention_gluon.dkdv(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
-                                    out=out, dq_accum=dq_accum)  # fmt: skip
+                                    out=out)  # fmt: skip
     if out is not None:
         dk, dv = out
     else:
@@ -368,8 +329,6 @@ def key_major(
     device = q.device
     atomic = dq_accum is not None
     dq = dq_accum if dq_accum is not None else dk  # unused without ATOMIC_DQ: any tensor of the row layout
-    if bulk:
-        ensure_allocator()  # the kernel builds dq's descriptor on the device
     has_targets = num_targets is not None
     has_window = max_attn_len > 0
     grads = bias_grads if bias_grads is not None else BiasGrads(None, None)
@@ -379,12 +338,12 @@ def key_major(
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
                "auto" if blocks is None else blocks, "tma" if tma else "pointers")
     if atomic:
-        variant += ("bulk" if bulk else "transposed" if TRANSPOSED_DQ else "rows",)
+        variant += ("transposed" if TRANSPOSED_DQ else "rows",)
 
     def constexprs() -> dict:
         return dict(
             DQK=dim_qk, DV_DIM=dim_v, BLOCK_DQK=dim_block(dim_qk), BLOCK_DV=dim_block(dim_v), ATOMIC_DQ=atomic,
-            DQ_T=atomic and TRANSPOSED_DQ, DQ_BULK=bulk,
+            DQ_T=atomic and TRANSPOSED_DQ,
             HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),

@@ -28,7 +28,7 @@ from gem_kernels import attention_triton, attention_triton_bias, attention_trito
 from gem_kernels.attention_gluon import REGISTER_FILE
 from gem_kernels.attention_triton_common import CHUNK, INTERPRET, dim_block
 
-KERNELS = ("forward", "dq", "dkdv", "dkdv_atomic", "dkdv_bulk")
+KERNELS = ("forward", "dq", "dkdv", "dkdv_atomic")
 TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -90,10 +90,8 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
         fn = attention_triton_bwd.key_major_kernel
         constants = dict(
             DQK=variant.dim_qk, DV_DIM=variant.dim_v, BLOCK_DV=dim_block(variant.dim_v),
-            ATOMIC_DQ=variant.kernel in ("dkdv_atomic", "dkdv_bulk"),
-            # as key_major sets them; the bulk reductions need dq^T
-            DQ_T=variant.kernel == "dkdv_bulk" or (variant.kernel == "dkdv_atomic" and attention_triton_bwd.TRANSPOSED_DQ),
-            DQ_BULK=variant.kernel == "dkdv_bulk",
+            ATOMIC_DQ=variant.kernel == "dkdv_atomic",
+            DQ_T=variant.kernel == "dkdv_atomic" and attention_triton_bwd.TRANSPOSED_DQ,  # as key_major sets it
             POS_GRAD=variant.position_bias, TIME_GRAD=variant.time_bias,
             POS_STRIPES=attention_triton_bias.POSITION_STRIPES, TIME_STRIPES=attention_triton_bias.TIME_STRIPES,
             TMA=variant.tma, **common,
@@ -125,7 +123,6 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     ptx = compiled.asm["ptx"]
     return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
             "fp8_mma": ".e4m3.e4m3" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
-            "bulk_reductions": "cp.reduce.async.bulk.tensor" in ptx,
             "barriers": ptx.count("bar.sync"), **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}
 
 
@@ -171,12 +168,10 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
 
 
 def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
-                          arch: int = 90, dq: bool = False, dkdv: bool = False,
-                          dkdv_dq: bool = False) -> dict[str, Any]:
+                          arch: int = 90, dq: bool = False, dkdv: bool = False) -> dict[str, Any]:
     """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``; with ``dq``
     the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq`, with ``dkdv`` the ``dk``/``dv`` pass of
-    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``, and with ``dkdv_dq`` as well
-    the ``dq`` it adds by bulk reductions) for ``arch`` with bf16
+    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``) for ``arch`` with bf16
     inputs, as :mod:`~gem_kernels.attention_gluon` launches it: shared bytes,
     registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
     (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
@@ -204,17 +199,11 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
              "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
              "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "half_alpha": "fp32",
-             "out_scale": "fp32", "dq_scale": "fp32"}  # fmt: skip
-    if dkdv and not specialized:  # dq's descriptor, from a CPU tensor of its layout
-        types["dq_desc"] = (mangle_type(ag.dq_row_descriptor(torch.empty(16, 2, dim_qk), block_m)) if dkdv_dq
-                            else "constexpr")
+             "out_scale": "fp32"}  # fmt: skip
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
                      STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
                      **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}),
-                     **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}),
-                     **({"DQ": ag.DKDV_DQ_SCHEDULES[ag.DKDV_DQ_SCHEDULE] if dkdv_dq else 0, "DS_LAYOUT": ag.shared_layout([block_n, block_m], torch.bfloat16)
-                         if dkdv_dq else None} if dkdv and not specialized else {}),
-                     **({"dq_desc": None} if dkdv and not specialized and not dkdv_dq else {}))  # fmt: skip
+                     **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}))  # fmt: skip
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if signature[n].startswith("*") or n.startswith("stride")}  # fmt: skip
@@ -228,7 +217,6 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
             "mma_order": _mma_order(ptx), "arrives_after_barrier": _arrives_after_barrier(ptx),
             "async_mmas": ptx.count("wgmma.mma_async"), "mma_waits": waits,
             "tma_loads": ptx.count("cp.async.bulk.tensor"), "tanh_approx": "tanh.approx.f32" in ptx,
-            "bulk_reductions": ptx.count("cp.reduce.async.bulk.tensor"),
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}),
             "register_cap": cap, "programs_per_sm": per_sm,
             "fit_per_sm": programs_fitting(usage["registers"], compiled.metadata.shared, warps, arch),
