@@ -19,6 +19,7 @@ power-law lengths, 384 sequences of 8 heads of 128, ~200,000 rows):
 - ``uvqk_fwd_fp8``: the same forward as e4m3 with row scales (``torch._scaled_mm``), quantization not counted;
 - ``attention_forward`` / ``attention_dq`` / ``attention_dkdv``: the three attention passes as shipped (the
   Triton forward and dq pass, the Gluon dk/dv pass on sm_90);
+- ``attention_forward_fp8``: the forward with ``q k^T`` in e4m3 (``fp8_forward``), its inputs cast before;
 - ``attention_backward`` / ``attention_backward_atomic``: the whole backward as shipped, and with ``dq`` added
   by float32 atomics in the (Triton) key-major pass instead of its own pass;
 - ``uvqk_wgrad_fp8_blocks`` / ``cast_t_blocks``: uvqk's weight gradient in e4m3 with 1 x 128 block scales,
@@ -155,7 +156,33 @@ def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel
     kernels = {f"attention_{w}": Kernel(lambda w=w: triton_pass(x, w, out[w]), forward_flops * MMAS[w] / 2)
                for w in ("forward", "dq", "dkdv")}  # fmt: skip
     kernels.update(attention_backwards(x, forward_flops))
+    kernels.update(attention_forward_fp8(x, forward_flops, out["forward"][0]))
     return kernels, int(x["q"].shape[0])
+
+
+FP8_FORWARD_TOLERANCE = 0.1
+"""The fp8 forward's largest relative error against the bf16 forward's output (``benchmarks/attention_fp8.py``'s
+``--max-error``): e4m3 keeps 3 mantissa bits of ``q`` and ``k``."""
+
+
+def attention_forward_fp8(x: dict[str, Any], forward_flops: float, out: torch.Tensor) -> dict[str, Kernel]:
+    """The forward with ``q k^T`` in e4m3 (``fp8_forward``; ``q``, ``k`` cast per token and head before, as the
+    fused gap's silu pass writes them, so not counted), checked against the bf16 forward first. Its FLOPs
+    are the bf16 forward's: one of its two MMAs runs in e4m3."""
+    from gem_kernels.attention_fp8 import quantize_qk
+    from gem_kernels.attention_triton import query_major
+
+    q8, k8, scales = quantize_qk(x["q"], x["k"])
+
+    def call() -> tuple[torch.Tensor]:
+        return (query_major(q8, k8, x["v"], None, x["offsets"], x["targets"], fp8_scales=scales, out=out,
+                            **x["options"]),)  # fmt: skip
+
+    bf16 = triton_pass(x, "forward")[0].float()
+    error = ((call()[0].float() - bf16).norm() / bf16.norm().clamp(min=1e-30)).item()
+    if not error <= FP8_FORWARD_TOLERANCE:
+        raise SystemExit(f"attention forward, fp8: {error:.3g} from the bf16 forward's, refusing")
+    return {"attention_forward_fp8": Kernel(call, forward_flops)}
 
 
 def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Kernel]:

@@ -66,3 +66,21 @@ def test_the_two_attention_backwards_agree_before_they_are_measured(kernel_energ
     assert kernels["attention_backward"].flops == 7.0 and kernels["attention_backward_atomic"].flops == 5.0
     dq, dk, dv = kernels["attention_backward_atomic"].call()
     assert dq.shape == dk.shape == dv.shape == x["q"].shape and bool(torch.isfinite(dq).all())
+
+
+def test_the_fp8_forward_is_checked_against_the_bf16_forward_before_it_is_measured(kernel_energy):
+    """Under the interpreter on three short sequences: the e4m3 ``q k^T`` forward passes the script's check
+    against the bf16 forward, counts the bf16 forward's FLOPs, and writes its output where it is told."""
+    from attention_gluon import inputs_of, triton_pass
+    from jagged_attention import Case
+
+    lengths = torch.tensor([5, 40, 70])
+    x = inputs_of(Case(3, 2, 32, 70, 0.6, lengths="powerlaw"), lengths, torch.ones_like(lengths), 1, torch.device("cpu"))
+    out = torch.full_like(x["q"], float("nan"))
+    kernels = kernel_energy.attention_forward_fp8(x, forward_flops=2.0, out=out)
+    assert set(kernels) == {"attention_forward_fp8"} and kernels["attention_forward_fp8"].flops == 2.0
+    (y,) = kernels["attention_forward_fp8"].call()
+    assert y is out and bool(torch.isfinite(out).all())
+    bf16 = triton_pass(x, "forward")[0].float()
+    error = ((out.float() - bf16).norm() / bf16.norm()).item()
+    assert 0 < error <= kernel_energy.FP8_FORWARD_TOLERANCE  # e4m3 rounds: not the bf16 result, close to it
