@@ -41,7 +41,8 @@ def test_the_gemm_kernels_pass_their_checks_and_count_their_work(kernel_energy):
     ends the run), and the FLOPs and bytes a call are the shapes'."""
     rows = 512
     kernels = kernel_energy.gemm_kernels(rows, torch.device("cpu"), torch.Generator().manual_seed(3))
-    assert set(kernels) == {"uvqk_fwd", "uvqk_dgrad", "uvqk_wgrad", "out_fwd", "uvqk_fwd_fp8", "copy"}
+    assert set(kernels) == {"uvqk_fwd", "uvqk_fwd_nobias", "uvqk_dgrad", "uvqk_wgrad", "out_fwd", "uvqk_fwd_fp8", "copy"}
+    assert kernels["uvqk_fwd_nobias"].flops == kernels["uvqk_fwd"].flops
     assert kernels["uvqk_fwd"].flops == 2.0 * rows * 1024 * 4096 == kernels["uvqk_wgrad"].flops
     assert kernels["out_fwd"].flops == 2.0 * rows * 1024 * 1024
     assert kernels["copy"].flops == 0 and kernels["copy"].bytes == 2 * rows * 4096 * 2  # read and write, bf16
