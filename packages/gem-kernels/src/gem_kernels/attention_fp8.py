@@ -51,8 +51,15 @@ The alternative, ``p`` in e4m3 per query row of the tile and ``v`` per head:
 ``q k^T`` needs neither: ``q`` ``[BLOCK_M, Dqk]`` and ``k`` ``[BLOCK_N, Dqk]`` are both K-major with
 ``Dqk`` contiguous, and the scores are scaled in fp32 before anything else reads them. So the simpler
 correct one first: the fp8 MMA for ``q k^T`` (half the bytes of ``k`` read per tile, the fp8 tensor
-core rate for one of the two MMAs), bf16 for ``p v``. Not measured yet (no GPU in the session that
-wrote it): ``benchmarks/attention_fp8.py`` measures it.
+core rate for one of the two MMAs), bf16 for ``p v``. Measured, it does not pay, so it stays an option,
+off by default:
+
+* on the H200 (2026-12-02, ``benchmarks/attention_fp8.py``) it took 0.92-0.97x the bf16 forward's time;
+* on the H100 at the 700 W cap (2026-12-06, ``benchmarks/kernel_energy.py``, the big config's
+  lengths) it took 1.707 J and 2.474 ms a call against the bf16 forward's 1.493 J and 2.142 ms. That is
+  1.14x the energy, though it ran at 1,785 MHz against 1,440. The fp8 builds take 255 registers with
+  8-16 bytes of spills at the ``64 x 64`` tiles (``compile_report --fp8``); the bf16 builds take 255
+  with no spills.
 
 Accumulation: ``tl.dot`` of two e4m3 tiles with a float32 result. Triton's default on sm_90
 (``max_num_imprecise_acc`` unset) keeps the whole ``Dqk`` chain in the wgmma accumulator, whose
