@@ -19,6 +19,8 @@ power-law lengths, 384 sequences of 8 heads of 128, ~200,000 rows):
 - ``uvqk_fwd_fp8``: the same forward as e4m3 with row scales (``torch._scaled_mm``), quantization not counted;
 - ``attention_forward`` / ``attention_dq`` / ``attention_dkdv``: the three attention passes as shipped (the
   Triton forward and dq pass, the Gluon dk/dv pass on sm_90);
+- ``attention_forward@BMxBNxWxSxP`` / ``attention_dq@...`` / ``attention_dkdv@NAME``: each pass with each of
+  its candidate configs pinned (the tuner picks by short runs below the cap);
 - ``attention_forward_fp8``: the forward with ``q k^T`` in e4m3 (``fp8_forward``), its inputs cast before;
 - ``attention_backward`` / ``attention_backward_atomic``: the whole backward as shipped, and with ``dq`` added
   by float32 atomics in the (Triton) key-major pass instead of its own pass;
@@ -49,7 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_gluon import MMAS, check, make_inputs, triton_pass  # beside this script
+from attention_gluon import MMAS, check, gluon_pass, make_inputs, triton_pass  # beside this script
 from rounds import save_results  # beside this script
 
 from gem_model.profiling.device_power import sampler_for, summarize
@@ -157,9 +159,65 @@ def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel
            "dkdv": (torch.empty_like(x["k"]), torch.empty_like(x["v"]))}  # fmt: skip
     kernels = {f"attention_{w}": Kernel(lambda w=w: triton_pass(x, w, out[w]), forward_flops * MMAS[w] / 2)
                for w in ("forward", "dq", "dkdv")}  # fmt: skip
+    kernels.update(attention_configs(x, forward_flops, out))
     kernels.update(attention_backwards(x, forward_flops))
     kernels.update(attention_forward_fp8(x, forward_flops, out["forward"][0]))
     return kernels, int(x["q"].shape[0])
+
+
+def _config_name(config: tuple[int, ...]) -> str:
+    return "x".join(map(str, config))
+
+
+def attention_configs(x: dict[str, Any], forward_flops: float, out: dict[str, tuple[torch.Tensor, ...]], *,
+                      tables: dict[str, list[tuple[int, ...]]] | None = None, dkdv: bool = True) -> dict[str, Kernel]:  # fmt: skip
+    """Every candidate config of each attention pass, pinned: ``attention_forward@BMxBNxWxSxP`` and
+    ``attention_dq@...`` (the Triton passes' ``FORWARD_CONFIGS`` and ``DQ_CONFIGS``), ``attention_dkdv@NAME``
+    (the Gluon pass's ``DKDV_CONFIGS``). The tuner picks by the time of short runs, where the card is not
+    yet at its power cap; these rows give each config's energy at the cap. A pinned call puts the tuner's
+    pick back as soon as it has launched, so no other row runs a pinned config. Each pinned config is
+    checked against the tuned one's output first. ``tables`` replaces
+    the Triton passes' candidates (the CPU test's, which the interpreter can run); ``dkdv=False`` leaves the
+    Gluon pass out."""
+    from gem_kernels import attention_gluon
+    from gem_kernels import attention_triton as at
+
+    tables = tables or {"forward": at.FORWARD_CONFIGS, "dq": at.DQ_CONFIGS}
+    kernels: dict[str, Kernel] = {}
+    picks = {}
+    for which, tuned in (("forward", at.FORWARD), ("dq", at.DQ)):
+        want = triton_pass(x, which)[0].float()  # tunes (if not yet), and names the key
+        key, auto = tuned.last
+        picks[which] = _config_name(auto)
+
+        def pinned(config: tuple[int, ...], which: str = which, tuned: Any = tuned, key: tuple = key,
+                   auto: tuple[int, ...] = auto) -> Any:  # fmt: skip
+            tuned.chosen[key] = config  # read at launch, on the host; every other caller gets the tuner's pick
+            try:
+                return triton_pass(x, which, out[which])
+            finally:
+                tuned.chosen[key] = auto
+
+        for config in tables[which]:
+            _refuse_if_far_from(f"attention_{which}@{_config_name(config)}", pinned(config)[0], want)
+            kernels[f"attention_{which}@{_config_name(config)}"] = Kernel(
+                lambda p=pinned, c=config: p(c), forward_flops * MMAS[which] / 2)
+    want_dkdv = [t.float() for t in triton_pass(x, "dkdv")] if dkdv else []
+    for name in attention_gluon.DKDV_CONFIGS if dkdv else ():
+        got = gluon_pass(x, "dkdv", name, out["dkdv"])
+        for a, b in zip(got, want_dkdv, strict=True):
+            _refuse_if_far_from(f"attention_dkdv@{name}", a, b)
+        kernels[f"attention_dkdv@{name}"] = Kernel(lambda n=name: gluon_pass(x, "dkdv", n, out["dkdv"]),
+                                                   forward_flops * MMAS["dkdv"] / 2)  # fmt: skip
+    print(f"tuner's picks on these inputs: {picks}; the dk/dv pass's default {attention_gluon.DEFAULT_DKDV_CONFIG}")
+    return kernels
+
+
+def _refuse_if_far_from(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """A pinned config against the tuned (float64-checked) one: the same math in another tile order."""
+    error = ((got.float() - want).norm() / want.norm().clamp(min=1e-30)).item()
+    if not error <= ATTENTION_TOLERANCE:
+        raise SystemExit(f"{name}: {error:.3g} from the tuned config's output (limit {ATTENTION_TOLERANCE}), refusing")
 
 
 FP8_FORWARD_TOLERANCE = 0.1

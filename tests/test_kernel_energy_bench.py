@@ -85,3 +85,30 @@ def test_the_fp8_forward_is_checked_against_the_bf16_forward_before_it_is_measur
     bf16 = triton_pass(x, "forward")[0].float()
     error = ((out.float() - bf16).norm() / bf16.norm()).item()
     assert 0 < error <= kernel_energy.FP8_FORWARD_TOLERANCE  # e4m3 rounds: not the bf16 result, close to it
+
+
+def test_each_attention_config_is_pinned_checked_and_put_back(kernel_energy):
+    """Under the interpreter on three short sequences, with two configs a pass that it can run: each pinned
+    row launches its own config (the tuned kernel's last launch says which), passes the check against the
+    tuned config's output, and leaves the tuner's pick in place for every other caller."""
+    from attention_gluon import inputs_of, triton_pass
+    from jagged_attention import Case
+
+    from gem_kernels import attention_triton as at
+
+    lengths = torch.tensor([5, 40, 70])
+    x = inputs_of(Case(3, 2, 32, 70, 0.6, lengths="powerlaw"), lengths, torch.ones_like(lengths), 1, torch.device("cpu"))
+    out = {"forward": (torch.empty_like(x["q"]),), "dq": (torch.empty_like(x["q"]),)}
+    tables = {"forward": [(16, 16, 1, 1, 1), (32, 16, 1, 1, 1)], "dq": [(16, 16, 1, 1, 1), (32, 16, 1, 1, 1)]}
+    kernels = kernel_energy.attention_configs(x, forward_flops=2.0, out=out, tables=tables, dkdv=False)
+    assert set(kernels) == {f"attention_{w}@{b}x16x1x1x1" for w in ("forward", "dq") for b in (16, 32)}
+    assert kernels["attention_dq@32x16x1x1x1"].flops == 3.0 and kernels["attention_forward@16x16x1x1x1"].flops == 2.0
+    for which, tuned in (("forward", at.FORWARD), ("dq", at.DQ)):
+        want = triton_pass(x, which)[0]
+        key, auto = tuned.last
+        out[which][0].fill_(float("nan"))
+        (got,) = kernels[f"attention_{which}@32x16x1x1x1"].call()
+        assert tuned.last == (key, (32, 16, 1, 1, 1)) and tuned.chosen[key] == auto != (32, 16, 1, 1, 1)
+        assert got is out[which][0] and torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        triton_pass(x, which)
+        assert tuned.last == (key, auto)
