@@ -145,7 +145,9 @@ def fp8_weight_grad_kernels(rows: int, device: torch.device, gen: torch.Generato
     }
 
 
-def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel], int]:
+def attention_kernels(seed: int, device: torch.device, *, configs: bool = True) -> tuple[dict[str, Kernel], int]:
+    """The attention rows; ``configs``: with each pass's pinned configs (:func:`attention_configs`, which
+    compiles, runs and checks every candidate first)."""
     x = make_inputs("big_config", seed, device)
     for which in ("forward", "dq", "dkdv"):
         error = check(x, which, [], 2e-2)["against_float64"]["triton"]
@@ -159,7 +161,8 @@ def attention_kernels(seed: int, device: torch.device) -> tuple[dict[str, Kernel
            "dkdv": (torch.empty_like(x["k"]), torch.empty_like(x["v"]))}  # fmt: skip
     kernels = {f"attention_{w}": Kernel(lambda w=w: triton_pass(x, w, out[w]), forward_flops * MMAS[w] / 2)
                for w in ("forward", "dq", "dkdv")}  # fmt: skip
-    kernels.update(attention_configs(x, forward_flops, out))
+    if configs:
+        kernels.update(attention_configs(x, forward_flops, out))
     kernels.update(attention_backwards(x, forward_flops))
     kernels.update(attention_forward_fp8(x, forward_flops, out["forward"][0]))
     return kernels, int(x["q"].shape[0])
@@ -323,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("kernel_energy.py measures a GPU; none is visible")
     device = torch.device("cuda")
-    kernels, rows = attention_kernels(args.seed, device)
+    wanted = [k for k in args.kernels.split(",") if k]
+    kernels, rows = attention_kernels(args.seed, device, configs=not wanted or any("@" in k for k in wanted))
     gen = torch.Generator(device).manual_seed(args.seed)
     kernels = {**gemm_kernels(args.rows or rows, device, gen), **fp8_weight_grad_kernels(args.rows or rows, device, gen),
                **kernels}  # fmt: skip
