@@ -78,10 +78,14 @@ class Kernel:
     """Bytes a call must move through HBM at least."""
 
 
-def _refuse_if_wrong(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
-    error = ((got.float() - want).norm() / want.norm()).item()
+def _refuse_if_wrong(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float,
+                     against: str = "the float32 product") -> None:  # fmt: skip
+    """End the run before ``name`` is measured if its result is not within ``tolerance`` (relative, by
+    norm) of ``want``, which is ``against``."""
+    want = want.float()
+    error = ((got.float() - want).norm() / want.norm().clamp(min=1e-30)).item()
     if not error <= tolerance:
-        raise SystemExit(f"{name}: relative error {error:.2e} against the float32 product (limit {tolerance}), "
+        raise SystemExit(f"{name}: relative error {error:.2e} against {against} (limit {tolerance}), "
                          "refusing to measure it")  # fmt: skip
 
 
@@ -189,7 +193,7 @@ def attention_configs(x: dict[str, Any], forward_flops: float, out: dict[str, tu
     kernels: dict[str, Kernel] = {}
     picks = {}
     for which, tuned in (("forward", at.FORWARD), ("dq", at.DQ)):
-        want = triton_pass(x, which)[0].float()  # tunes (if not yet), and names the key
+        want = triton_pass(x, which)[0]  # tunes (if not yet), and names the key
         key, auto = tuned.last
         picks[which] = _config_name(auto)
 
@@ -202,25 +206,19 @@ def attention_configs(x: dict[str, Any], forward_flops: float, out: dict[str, tu
                 tuned.chosen[key] = auto
 
         for config in tables[which]:
-            _refuse_if_far_from(f"attention_{which}@{_config_name(config)}", pinned(config)[0], want)
+            _refuse_if_wrong(f"attention_{which}@{_config_name(config)}", pinned(config)[0], want,
+                             ATTENTION_TOLERANCE, "the tuned config's output")  # fmt: skip
             kernels[f"attention_{which}@{_config_name(config)}"] = Kernel(
                 lambda p=pinned, c=config: p(c), forward_flops * MMAS[which] / 2)
-    want_dkdv = [t.float() for t in triton_pass(x, "dkdv")] if dkdv else []
+    want_dkdv = triton_pass(x, "dkdv") if dkdv else ()
     for name in attention_gluon.DKDV_CONFIGS if dkdv else ():
         got = gluon_pass(x, "dkdv", name, out["dkdv"])
         for a, b in zip(got, want_dkdv, strict=True):
-            _refuse_if_far_from(f"attention_dkdv@{name}", a, b)
+            _refuse_if_wrong(f"attention_dkdv@{name}", a, b, ATTENTION_TOLERANCE, "the default config's output")
         kernels[f"attention_dkdv@{name}"] = Kernel(lambda n=name: gluon_pass(x, "dkdv", n, out["dkdv"]),
                                                    forward_flops * MMAS["dkdv"] / 2)  # fmt: skip
     print(f"tuner's picks on these inputs: {picks}; the dk/dv pass's default {attention_gluon.DEFAULT_DKDV_CONFIG}")
     return kernels
-
-
-def _refuse_if_far_from(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """A pinned config against the tuned (float64-checked) one: the same math in another tile order."""
-    error = ((got.float() - want).norm() / want.norm().clamp(min=1e-30)).item()
-    if not error <= ATTENTION_TOLERANCE:
-        raise SystemExit(f"{name}: {error:.3g} from the tuned config's output (limit {ATTENTION_TOLERANCE}), refusing")
 
 
 FP8_FORWARD_TOLERANCE = 0.1
@@ -241,10 +239,8 @@ def attention_forward_fp8(x: dict[str, Any], forward_flops: float, out: torch.Te
         return (query_major(q8, k8, x["v"], None, x["offsets"], x["targets"], fp8_scales=scales, out=out,
                             **x["options"]),)  # fmt: skip
 
-    bf16 = triton_pass(x, "forward")[0].float()
-    error = ((call()[0].float() - bf16).norm() / bf16.norm().clamp(min=1e-30)).item()
-    if not error <= FP8_FORWARD_TOLERANCE:
-        raise SystemExit(f"attention forward, fp8: {error:.3g} from the bf16 forward's, refusing")
+    _refuse_if_wrong("attention_forward_fp8", call()[0], triton_pass(x, "forward")[0], FP8_FORWARD_TOLERANCE,
+                     "the bf16 forward's output")  # fmt: skip
     return {"attention_forward_fp8": Kernel(call, forward_flops)}
 
 
@@ -268,9 +264,7 @@ def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Ke
 
     shipped, atomic = backward("separate"), backward("atomic")
     for name, a, b in zip(("dq", "dk", "dv"), atomic, shipped, strict=True):
-        error = ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
-        if not error <= ATTENTION_TOLERANCE:
-            raise SystemExit(f"attention backward, atomic dq: {name} {error:.3g} from the shipped backward's, refusing")
+        _refuse_if_wrong(f"attention_backward_atomic ({name})", a, b, ATTENTION_TOLERANCE, "the shipped backward's")
     return {
         "attention_backward": Kernel(lambda: backward("separate"), forward_flops * 7 / 2),
         "attention_backward_atomic": Kernel(lambda: backward("atomic"), forward_flops * 5 / 2),
