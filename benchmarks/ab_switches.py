@@ -290,6 +290,7 @@ VARIANTS: dict[str, Switch] = {
     "compile": switch_compile,
     "dq_atomic": _attention_option(dq="atomic"),
     "dq_separate": _attention_option(dq="separate"),
+    "dq_stored": _attention_option(dq="stored"),
     "unfused": switch_unfused,
     "adamw_foreach": switch_adamw_foreach,
     "fp8_attention": _attention_option(fp8_forward=True),

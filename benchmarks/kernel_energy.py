@@ -22,8 +22,10 @@ power-law lengths, 384 sequences of 8 heads of 128, ~200,000 rows):
 - ``attention_forward@BMxBNxWxSxP`` / ``attention_dq@...`` / ``attention_dkdv@NAME``: each pass with each of
   its candidate configs pinned (the tuner picks by short runs below the cap);
 - ``attention_forward_fp8``: the forward with ``q k^T`` in e4m3 (``fp8_forward``), its inputs cast before;
-- ``attention_backward`` / ``attention_backward_atomic``: the whole backward as shipped, and with ``dq`` added
-  by float32 atomics in the (Triton) key-major pass instead of its own pass;
+- ``attention_backward`` / ``attention_backward_atomic`` / ``attention_backward_stored``: the whole backward as
+  shipped, with ``dq`` added by float32 atomics in the (Triton) key-major pass instead of its own pass, and
+  with ``dq`` from the ``ds`` tiles the key-major pass stores (``attention_dkdv_stored`` and
+  ``attention_dq_stored``: its two passes alone);
 - ``uvqk_wgrad_fp8_blocks`` / ``cast_t_blocks``: uvqk's weight gradient in e4m3 with 1 x 128 block scales,
   and the passes that make its transposed operands, as ``weight_gradient: fp8_blocks`` runs them;
 - ``copy``: ``[N, 4096]`` bf16 copied, the bytes-only reference.
@@ -245,29 +247,54 @@ def attention_forward_fp8(x: dict[str, Any], forward_flops: float, out: torch.Te
 
 
 def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Kernel]:
-    """The whole attention backward two ways: as shipped (the ``dq`` pass, then the ``dk``/``dv`` pass: 7
-    MMAs a pair) and with ``dq`` added by atomics in the key-major pass (5 MMAs a pair, the float32
-    buffer's zeroing and cast included): what removing the ``dq`` pass's recompute saves in energy. The
-    atomic form's gradients are checked against the shipped ones first."""
+    """The whole attention backward three ways: as shipped (the ``dq`` pass, then the ``dk``/``dv`` pass: 7
+    MMAs a pair), with ``dq`` added by atomics in the key-major pass (5 MMAs a pair, the float32 buffer's
+    zeroing and cast included), and with ``dq`` from the ``ds`` tiles the ``dk``/``dv`` pass stores
+    (``dq_mode="stored"``, :mod:`gem_kernels.attention_stored`: 5 MMAs a pair and ~2 bytes a pair each way,
+    the buffer's allocation included); and the stored form's two passes alone. Each form's gradients are
+    checked against the shipped ones first."""
+    from gem_kernels.attention_stored import dq_from_stored, prepare
     from gem_kernels.attention_triton_autograd import attention_backward
     from gem_kernels.attention_triton_bias import NO_BIAS
+    from gem_kernels.attention_triton_bwd import key_major
 
     options = x["options"]
+    plan = prepare(x["offsets"], x["q"].shape[1])
 
     def backward(mode: str) -> tuple[torch.Tensor, ...]:
         dq, dk, dv, _, _ = attention_backward(
             x["grad_out"], x["q"], x["k"], x["v"], x["offsets"], x["targets"], NO_BIAS,
             max_seq_len=options["max_seq_len"], alpha=options["alpha"], max_attn_len=options["max_attn_len"],
-            dq_mode=mode, blocks=None, needs_position=False, needs_time=False,
+            dq_mode=mode, blocks=None, needs_position=False, needs_time=False, score_plan=plan,
         )  # fmt: skip
         return dq, dk, dv
 
-    shipped, atomic = backward("separate"), backward("atomic")
-    for name, a, b in zip(("dq", "dk", "dv"), atomic, shipped, strict=True):
-        _refuse_if_wrong(f"attention_backward_atomic ({name})", a, b, ATTENTION_TOLERANCE, "the shipped backward's")
+    shipped = backward("separate")
+    for mode in ("atomic", "stored"):
+        for name, a, b in zip(("dq", "dk", "dv"), backward(mode), shipped, strict=True):
+            _refuse_if_wrong(f"attention_backward_{mode} ({name})", a, b, ATTENTION_TOLERANCE, "the shipped backward's")
+    stored = plan.scores(x["q"].dtype)
+    if stored is None:
+        raise SystemExit("attention_backward_stored: the ds buffer passes attention_stored.BUDGET_BYTES")
+    dk, dv, dq = torch.empty_like(x["k"]), torch.empty_like(x["v"]), torch.empty_like(x["q"])
+    kernel_args = (x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"], None)
+    key_options = {k: options[k] for k in ("max_seq_len", "alpha", "max_attn_len")}
+
+    def dkdv_stored() -> tuple[torch.Tensor, torch.Tensor]:
+        return key_major(*kernel_args, out=(dk, dv), stored=stored, **key_options)
+
+    def dq_stored() -> torch.Tensor:
+        return dq_from_stored(stored, x["k"], x["offsets"], x["targets"], max_seq_len=options["max_seq_len"],
+                              alpha=options["alpha"], out=dq)  # fmt: skip
+
+    dkdv_stored()
+    _refuse_if_wrong("attention_dq_stored", dq_stored(), shipped[0], ATTENTION_TOLERANCE, "the shipped backward's dq")
     return {
         "attention_backward": Kernel(lambda: backward("separate"), forward_flops * 7 / 2),
         "attention_backward_atomic": Kernel(lambda: backward("atomic"), forward_flops * 5 / 2),
+        "attention_backward_stored": Kernel(lambda: backward("stored"), forward_flops * 5 / 2),
+        "attention_dkdv_stored": Kernel(dkdv_stored, forward_flops * 4 / 2),
+        "attention_dq_stored": Kernel(dq_stored, forward_flops / 2),
     }
 
 

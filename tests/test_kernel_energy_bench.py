@@ -54,19 +54,24 @@ def test_the_gemm_kernels_pass_their_checks_and_count_their_work(kernel_energy):
     assert blocks["cast_t_blocks"].bytes == 3.0 * 300 * (1024 + 4096)  # bf16 read, e4m3 written
 
 
-def test_the_two_attention_backwards_agree_before_they_are_measured(kernel_energy):
-    """Under the interpreter on three short sequences: the shipped backward and the one with atomic ``dq``
-    pass the agreement check the script makes before measuring, and each call gives ``dq``, ``dk``, ``dv``."""
+def test_the_attention_backwards_agree_before_they_are_measured(kernel_energy):
+    """Under the interpreter on three short sequences: the shipped backward, the one with atomic ``dq`` and
+    the one with ``dq`` from stored ``ds`` tiles pass the agreement check the script makes before measuring,
+    and each call gives ``dq``, ``dk``, ``dv``; the stored form's two passes count 4 and 1 MMAs a pair."""
     from attention_gluon import inputs_of
     from jagged_attention import Case
 
     lengths = torch.tensor([5, 40, 70])
-    x = inputs_of(Case(3, 2, 32, 70, 0.6, lengths="powerlaw"), lengths, torch.ones_like(lengths), 1, torch.device("cpu"))
+    x = inputs_of(Case(3, 2, 64, 70, 0.6, lengths="powerlaw"), lengths, torch.ones_like(lengths), 1, torch.device("cpu"))
     kernels = kernel_energy.attention_backwards(x, forward_flops=2.0)
-    assert set(kernels) == {"attention_backward", "attention_backward_atomic"}
+    assert set(kernels) == {"attention_backward", "attention_backward_atomic", "attention_backward_stored",
+                            "attention_dkdv_stored", "attention_dq_stored"}  # fmt: skip
     assert kernels["attention_backward"].flops == 7.0 and kernels["attention_backward_atomic"].flops == 5.0
-    dq, dk, dv = kernels["attention_backward_atomic"].call()
-    assert dq.shape == dk.shape == dv.shape == x["q"].shape and bool(torch.isfinite(dq).all())
+    assert kernels["attention_backward_stored"].flops == 5.0
+    assert kernels["attention_dkdv_stored"].flops == 4.0 and kernels["attention_dq_stored"].flops == 1.0
+    for name in ("attention_backward_atomic", "attention_backward_stored"):
+        dq, dk, dv = kernels[name].call()
+        assert dq.shape == dk.shape == dv.shape == x["q"].shape and bool(torch.isfinite(dq).all())
 
 
 def test_the_fp8_forward_is_checked_against_the_bf16_forward_before_it_is_measured(kernel_energy):

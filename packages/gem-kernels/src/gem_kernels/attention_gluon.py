@@ -180,6 +180,14 @@ def row_view_descriptor(t: torch.Tensor, block_rows: int) -> Any:
     return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], block, shared_layout(block, t.dtype))
 
 
+def stored_descriptor(buffer: torch.Tensor) -> Any:
+    """A host tensor descriptor over a stored ``ds`` buffer ``[rows, 64]`` in ``[32, 64]`` tiles."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [32, 64]
+    return TensorDescriptor(buffer, list(buffer.shape), [buffer.stride(0), 1], block, shared_layout(block, buffer.dtype))
+
+
 def _config(kind: str, config: str | None, names: dict | tuple, default: str) -> tuple[int, int, int, int, int]:
     """The launch of config ``config`` (or ``default``) of pass ``kind``; a clear error for an unknown one."""
     name = config or default
@@ -303,15 +311,22 @@ def dkdv(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: str | None = None,
     programs: int | None = None,
+    stored: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk``, ``dv`` of the attention (:mod:`gem_kernels.attention_gluon_dkdv`), into ``out`` if given;
-    the caller has checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it."""
+    the caller has checked :func:`supported` with ``grad_out``. ``programs`` as :func:`forward` takes it.
+    ``stored`` (:class:`gem_kernels.attention_stored.StoredScores`): also write every ``ds`` tile there (a
+    config of 32-query steps over 64-key tiles, not warp-specialized: ``n64m32``)."""
     from gem_kernels.attention_triton_common import device_guard, queue_counter
 
     rows, heads, dim_qk = q.shape
     dk, dv = out if out is not None else (torch.empty_like(k, memory_format=torch.contiguous_format),
                                           torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
     block_m, block_n, warps, stages, per_sm = _config("dkdv", config, DKDV_CONFIGS, DEFAULT_DKDV_CONFIG)
+    name = config or DEFAULT_DKDV_CONFIG
+    if stored is not None and (name.startswith("ws_") or (block_m, block_n) != (32, 64)):
+        raise ValueError(f"attention_gluon.dkdv: stored ds tiles need 32-query steps of 64-key tiles in one "
+                         f"partition (n64m32), not config {name!r}")  # fmt: skip
     if rows == 0 or seq_offsets.shape[0] <= 1:
         return dk, dv
     from gem_kernels.attention_gluon_dkdv import dkdv_kernel, dkdv_ws_kernel
@@ -323,10 +338,14 @@ def dkdv(
                1.0 / max_seq_len)  # fmt: skip
     with device_guard(q.device):
         grid = _grid(q.device, per_sm, programs)
-        if (config or DEFAULT_DKDV_CONFIG).startswith("ws_"):
+        if name.startswith("ws_"):
             dkdv_ws_kernel[grid](*descriptors, dk, dv, *pointers, *scalars, DQK=dim_qk, DVD=v.shape[2],
                                  PRODUCER_REGS=PRODUCER_REGISTERS, **constants)  # fmt: skip
         else:
-            dkdv_kernel[grid](*descriptors, dk, dv, *pointers, queue_counter(q.device), *scalars, DQK=dim_qk,
-                              DVD=v.shape[2], **constants, **_limits(warps, per_sm))  # fmt: skip
+            # without stored tiles, q's descriptor and the offsets stand in for the unread ds arguments
+            ds_desc = descriptors[0] if stored is None else stored_descriptor(stored.buffer)
+            ds_base = seq_offsets if stored is None else stored.base
+            dkdv_kernel[grid](*descriptors, ds_desc, dk, dv, *pointers, queue_counter(q.device), ds_base, *scalars,
+                              DQK=dim_qk, DVD=v.shape[2], STORE_DS=stored is not None, **constants,
+                              **_limits(warps, per_sm))  # fmt: skip
     return dk, dv

@@ -17,6 +17,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 
 if HAVE_GLUON:
+    # every thread of the program at one point: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.7
+    cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
     @gluon.jit
     def _add(a, b):
@@ -102,8 +104,8 @@ if HAVE_GLUON:
     def _locate(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
                 HAS_TARGETS: gl.constexpr, BLOCK: gl.constexpr):
         """Queue entry ``tile`` (the Triton kernels' ``locate_tile``): its sequence's first row and length,
-        its head, its block's index within the sequence and the sequence's block count, and the history
-        length ``n - targets`` (clamped to ``[0, n]``)."""
+        its head, its block's index within the sequence and the sequence's block count, the history
+        length ``n - targets`` (clamped to ``[0, n]``), and the sequence's index."""
         before = tiles_end <= tile
         seq = chunk0 + gl.sum(before.to(gl.int32), 0)
         first_tile = tiles_before + gl.sum(gl.where(before, tiles, 0), 0)
@@ -117,7 +119,7 @@ if HAVE_GLUON:
             history_len = gl.minimum(gl.maximum(seq_len - targets, 0), seq_len)
         else:
             history_len = seq_len
-        return seq_start, seq_len, head, rank - head * blocks, blocks, history_len
+        return seq_start, seq_len, head, rank - head * blocks, blocks, history_len, seq
 
     @gluon.jit
     def _tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
@@ -126,7 +128,7 @@ if HAVE_GLUON:
         sequence's last block first: it sees the most keys), history length, and its key blocks
         (``full_hi``: end of the unmasked ones; ``n_hist`` history blocks, then the diagonal's from
         ``diag_lo``; ``n_blocks`` in all)."""
-        seq_start, seq_len, head, block, blocks, history_len = _locate(
+        seq_start, seq_len, head, block, blocks, history_len, _ = _locate(
             tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS, BLOCK_M)
         m0 = (blocks - 1 - block) * BLOCK_M
         rows_end = gl.minimum(m0 + BLOCK_M, seq_len)

@@ -35,6 +35,7 @@ if HAVE_GLUON:
     from gem_kernels.attention_gluon_common import (
         _allowed,
         _init_barriers,
+        cta_barrier,
         _invalidate_barriers,
         _load_pair,
         _locate,
@@ -50,7 +51,7 @@ if HAVE_GLUON:
         """Queue entry ``tile`` (key blocks, the first first): first row, length, head, first key, history
         length, and its query blocks: ``n_diag`` masked ones from ``diag_lo``, then from ``full_lo`` the
         unmasked ones up to ``full_hi`` and the masked tail, ``n_blocks`` in all."""
-        seq_start, seq_len, head, block, _, history_len = _locate(
+        seq_start, seq_len, head, block, _, history_len, seq = _locate(
             tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS, BLOCK_N)
         n0 = block * BLOCK_N
         keys_end = gl.minimum(n0 + BLOCK_N, seq_len)
@@ -62,7 +63,7 @@ if HAVE_GLUON:
         full_hi = gl.where(keys_end <= history_len, gl.maximum(whole_blocks_end, full_lo), full_lo)
         n_diag = (full_lo - diag_lo) // BLOCK_M
         n_rest = (full_hi - full_lo) // BLOCK_M + (gl.maximum(rows_end - full_hi, 0) + BLOCK_M - 1) // BLOCK_M
-        return seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_diag + n_rest
+        return seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_diag + n_rest, seq
 
     @gluon.jit
     def _query_start(i, n_diag, diag_lo, full_lo, BLOCK_M: gl.constexpr):
@@ -84,14 +85,36 @@ if HAVE_GLUON:
         return p_t, ds_t
 
     @gluon.jit
+    def _store_ds(ds_t, ds_smem, ds_desc, step, row):
+        """``ds^T`` of one step (``[keys, queries]``, the input dtype) as the ``[queries, keys]`` tile at ``row`` of
+        the stored layout (:mod:`gem_kernels.attention_stored`): into shared slot ``step % 2`` (transposed on
+        the way), then one bulk tensor store, not waited for; the slot's store of two steps before (``step``
+        counts the program's steps over its tiles) has finished reading it first."""
+        slot = step % 2
+        tma.store_wait(1)
+        cta_barrier()  # the issuing thread's wait covers every thread's writes below
+        ds_smem.index(slot).permute((1, 0)).store(ds_t)
+        fence_async_shared()
+        cta_barrier()
+        tma.async_copy_shared_to_global(ds_desc, [row, 0], ds_smem.index(slot))
+
+    @gluon.jit
+    def _ds_row(ds_head, j, start, qb):
+        """The first row of the stored tile of (query block ``start // 32``, key block ``j``)."""
+        return ((ds_head + j * qb - j * (j - 1) + start // 32 - 2 * j) * 32).to(gl.int32)
+
+    @gluon.jit
     def _dkdv_steps(k_tile, v_tile, q_smem, do_smem, ready, empty, loads, n_blocks, n_diag, diag_lo, full_lo,
                     full_hi, n0, seq_len, history_len, half_alpha, q_desc, do_desc, q_row, q_col, do_col,
+                    ds_smem, ds_desc, ds_head,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQK: gl.constexpr, DVD: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WS: gl.constexpr):
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WS: gl.constexpr, STORE_DS: gl.constexpr):
         """One key tile's ``dk`` and ``dv`` (float32, unscaled) over its ``n_blocks`` query blocks, whose
         ``(q, g)`` tiles come through the ring: block ``b`` in slot ``(loads + b) % STAGES`` on barrier
         ``ready``. A slot whose MMAs have retired is refilled here with the block ``STAGES`` ahead (one
-        partition), or handed back on ``empty`` to the producer warp (``WS``)."""
+        partition), or handed back on ``empty`` to the producer warp (``WS``). ``STORE_DS``: each step's ``ds``
+        also goes to the stored layout (``ds_head``: this (sequence, head)'s first tile; 64-key tiles of
+        32-query steps)."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
         dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
@@ -115,7 +138,12 @@ if HAVE_GLUON:
         else:
             p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, False)
         p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
-        ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
+        ds_low = ds_t.to(dtype)
+        ds_op = gl.convert_layout(ds_low, pk_layout)
+        j = n0 // BLOCK_N
+        qb = (seq_len + 31) // 32
+        if STORE_DS:
+            _store_ds(ds_low, ds_smem, ds_desc, loads, _ds_row(ds_head, j, start, qb))
         for i in range(1, n_blocks):
             prev = (loads + i - 1) % STAGES
             slot = (loads + i) % STAGES
@@ -132,7 +160,10 @@ if HAVE_GLUON:
                 p_t, ds_t = _grads_t(s_t, dp_t, half_alpha, keys, start + cols, seq_len, history_len, False)
             dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, p_op, ds_op])
             p_op = gl.convert_layout(p_t.to(dtype), pv_layout)
-            ds_op = gl.convert_layout(ds_t.to(dtype), pk_layout)
+            ds_low = ds_t.to(dtype)
+            ds_op = gl.convert_layout(ds_low, pk_layout)
+            if STORE_DS:
+                _store_ds(ds_low, ds_smem, ds_desc, loads + i, _ds_row(ds_head, j, start, qb))
             if WS:  # block i - 1's slot goes back to the producer
                 mbarrier.arrive(empty.index(prev), count=1)
             else:  # it takes block i - 1 + STAGES
@@ -167,11 +198,13 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def dkdv_kernel(
-        q_desc, do_desc, k_desc, v_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
+        q_desc, do_desc, k_desc, v_desc, ds_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, DS_BASE,
         stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs, num_heads, half_alpha, dk_scale, dv_scale,
         HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr,
+        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr, STORE_DS: gl.constexpr,
     ):
+        """``STORE_DS`` (32-query steps of 64-key tiles): every ``ds`` tile also goes to ``ds_desc``'s buffer,
+        ``DS_BASE`` the first tile of each sequence (:mod:`gem_kernels.attention_stored`)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -181,6 +214,9 @@ if HAVE_GLUON:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DVD], do_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_smem = k_smem  # unused without STORE_DS
+        if STORE_DS:
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_desc.layout)
         mbarrier.init(kv_bar, count=1)
         _init_barriers(bars, STAGES)
         fence_async_shared()
@@ -194,10 +230,15 @@ if HAVE_GLUON:
                                            BLOCK_N, CHUNK, chunk_layout)
             chunk_end = tiles_before + gl.sum(tiles, 0)
             while tile < chunk_end:
-                seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_blocks = (
+                seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_blocks, seq = (
                     _key_tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
                                  HAS_TARGETS, BLOCK_M, BLOCK_N))
                 next_tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
+                ds_head = seq.to(gl.int64) * 0
+                if STORE_DS:
+                    kb = (seq_len.to(gl.int64) + 63) // 64
+                    qb = (seq_len.to(gl.int64) + 31) // 32
+                    ds_head = gl.load(DS_BASE + seq) + head * (kb * qb - kb * (kb - 1))
                 mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [seq_start + n0, head * DQK], kv_bar, k_smem)
                 tma.async_copy_global_to_shared(v_desc, [seq_start + n0, head * DVD], kv_bar, v_smem)
@@ -209,13 +250,15 @@ if HAVE_GLUON:
                 kv_phase ^= 1
                 dk, dv = _dkdv_steps(k_smem, v_smem, q_smem, do_smem, bars, bars, loads, n_blocks, n_diag, diag_lo,
                                      full_lo, full_hi, n0, seq_len, history_len, half_alpha, q_desc, do_desc,
-                                     seq_start, head * DQK, head * DVD, BLOCK_M, BLOCK_N, DQK, DVD, STAGES,
-                                     NUM_WARPS, False)
+                                     seq_start, head * DQK, head * DVD, ds_smem, ds_desc, ds_head, BLOCK_M, BLOCK_N,
+                                     DQK, DVD, STAGES, NUM_WARPS, False, STORE_DS)
                 loads += n_blocks
                 _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm,
                             stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS)
                 tile = next_tile
             tiles_before = chunk_end
+        if STORE_DS:
+            tma.store_wait(0)
         mbarrier.invalidate(kv_bar)
         _invalidate_barriers(bars, STAGES)
         _release_queue(COUNTER)
@@ -238,7 +281,7 @@ if HAVE_GLUON:
                                            BLOCK_N, CHUNK, chunk_layout)
             chunk_end = tiles_before + gl.sum(tiles, 0)
             while tile < chunk_end:
-                seq_start, _len, head, n0, _hist, diag_lo, full_lo, _full, n_diag, n_blocks = _key_tile_of(
+                seq_start, _len, head, n0, _hist, diag_lo, full_lo, _full, n_diag, n_blocks, _seq = _key_tile_of(
                     tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
                     BLOCK_M, BLOCK_N)
                 kv = done % 2
@@ -275,15 +318,15 @@ if HAVE_GLUON:
                                            BLOCK_N, CHUNK, chunk_layout)
             chunk_end = tiles_before + gl.sum(tiles, 0)
             while tile < chunk_end:
-                seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_blocks = (
+                seq_start, seq_len, head, n0, history_len, diag_lo, full_lo, full_hi, n_diag, n_blocks, _seq = (
                     _key_tile_of(tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS,
                                  HAS_TARGETS, BLOCK_M, BLOCK_N))
                 kv = done % 2
                 mbarrier.wait(kv_ready.index(kv), (done // 2) & 1)
                 dk, dv = _dkdv_steps(k_smem.index(kv), v_smem.index(kv), q_smem, do_smem, ready, empty, loads,
                                      n_blocks, n_diag, diag_lo, full_lo, full_hi, n0, seq_len, history_len,
-                                     half_alpha, None, None, seq_start, head * DQK, head * DVD, BLOCK_M, BLOCK_N,
-                                     DQK, DVD, STAGES, NUM_WARPS, True)
+                                     half_alpha, None, None, seq_start, head * DQK, head * DVD, None, None, 0,
+                                     BLOCK_M, BLOCK_N, DQK, DVD, STAGES, NUM_WARPS, True, False)
                 mbarrier.arrive(kv_empty.index(kv), count=1)  # every MMA that read this k and v is done
                 loads += n_blocks
                 done += 1

@@ -6,14 +6,14 @@ from typing import Any, Literal
 
 import torch
 
-from gem_kernels import attention_triton, attention_triton_bwd
+from gem_kernels import attention_stored, attention_triton, attention_triton_bwd
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias, prepare_bias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.launcher import config_str, key_label
 from gem_model.api import NO_EXTRAS, AttentionExtras
 
-DqMode = Literal["auto", "atomic", "separate"]
+DqMode = Literal["auto", "atomic", "separate", "stored"]
 
 ATOMIC_DQ_BELOW_PAIRS = 2**24
 """``auto`` takes atomic dq below this many (query, key) pairs, estimated as ``H L^2 / (2 B)``.
@@ -27,7 +27,8 @@ zeroed fp32 buffer and its cast); the two small batches, where the second kernel
 drain do not pay off, favour atomics. 2^24 sits between the two groups."""
 
 
-def resolve_dq_mode(dq_mode: DqMode, num_rows: int, num_seqs: int, num_heads: int) -> Literal["atomic", "separate"]:
+def resolve_dq_mode(dq_mode: DqMode, num_rows: int, num_seqs: int,
+                    num_heads: int) -> Literal["atomic", "separate", "stored"]:  # fmt: skip
     if dq_mode != "auto":
         return dq_mode
     pairs = num_heads * num_rows * num_rows / (2 * max(1, num_seqs))
@@ -68,6 +69,8 @@ class JaggedAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, seq_offsets, num_targets, bias.position, bias.time, bias.timestamps,
                               bias.query_timestamps)
         ctx.params = (max_seq_len, alpha, max_attn_len, dq_mode, blocks, bias.edges)
+        stored = dq_mode == "stored" and attention_stored.applies(q, k, bias, max_attn_len)
+        ctx.score_plan = attention_stored.prepare(seq_offsets, q.shape[1]) if stored else None
         return out
 
     @staticmethod
@@ -77,7 +80,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
         dq, dk, dv, d_position, d_time = attention_backward(
             grad_out, q, k, v, seq_offsets, num_targets, RelativeBias(*tables, edges=edges),
             max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, dq_mode=dq_mode, blocks=blocks,
-            needs_position=ctx.needs_input_grad[10], needs_time=ctx.needs_input_grad[11],
+            needs_position=ctx.needs_input_grad[10], needs_time=ctx.needs_input_grad[11], score_plan=ctx.score_plan,
         )
         return dq, dk, dv, None, None, None, None, None, None, None, d_position, d_time, None, None
 
@@ -124,15 +127,26 @@ def attention_backward(
     blocks: tuple[int, int] | None,
     needs_position: bool,
     needs_time: bool,
+    score_plan: attention_stored.ScorePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``dq, dk, dv`` (contiguous) and the bias gradients (``None`` where not needed) of one call."""
+    """``dq, dk, dv`` (contiguous) and the bias gradients (``None`` where not needed) of one call.
+    ``score_plan``: the batch's plan from the forward, for ``dq_mode="stored"`` (without one, or when its
+    buffer would pass the budget, ``dq`` is recomputed as ``separate`` does)."""
     grad_out = _unit_stride(grad_out)
     options = dict(max_seq_len=max_seq_len, alpha=alpha, max_attn_len=max_attn_len, blocks=blocks, bias=bias)
     grads = BiasGrads.zeros(bias, needs_position, needs_time, max_seq_len, q.device)
-    if resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "atomic":
+    mode = resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1])
+    stored = None
+    if mode == "stored" and score_plan is not None and attention_stored.applies(q, k, bias, max_attn_len):
+        stored = score_plan.scores(q.dtype)
+    if mode == "atomic":
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, bias_grads=grads, **options)
         dq = dq_accum.to(q.dtype)
+    elif stored is not None:
+        dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, stored=stored, **options)
+        dq = attention_stored.dq_from_stored(stored, k, seq_offsets, num_targets, max_seq_len=max_seq_len,
+                                             alpha=alpha, out=torch.empty_like(q))  # fmt: skip
     else:
         dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, bias_grads=grads, **options)
         dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, **options)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels import attention_gluon
+from gem_kernels.attention_stored import StoredScores, head_base, store_tile_elements
 from gem_kernels.attention_triton import KEY_NAMES
 from gem_kernels.attention_triton_bias import (
     NO_BIAS,
@@ -123,7 +124,7 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
                     PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
-                    q_desc, do_desc, query_row, q_col, do_col, TMA: tl.constexpr,
+                    q_desc, do_desc, query_row, q_col, do_col, DS, ds_base, STORE_DS: tl.constexpr, TMA: tl.constexpr,
                     MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
@@ -164,6 +165,8 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
         time_grad(DTB, ds_t, bucket_t, num_buckets)
     dv = dot(cast(silu_t, do.dtype, INTERP), do, dv, IEEE, INTERP)
     ds_t = cast(ds_t, q.dtype, INTERP)
+    if STORE_DS:  # for the dq pass (gem_kernels.attention_stored)
+        store_tile_elements(DS, ds_base, ds_t, keys, queries, seq_len)
     dk = dot(ds_t, q, dk, IEEE, INTERP)
     if ATOMIC_DQ:
         # Scaled here so that the buffer only needs a cast afterwards, not another full read and write.
@@ -181,7 +184,7 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
 # no recompiles for B = 1, H = 1, W = 1, nor per max_seq_len or bucket count
 @triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_rows", "max_attn_len", "pos_offset", "num_buckets"])
 def key_major_kernel(
-    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB,
+    Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB, DS, DS_BASE,
     stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     num_seqs, num_heads, num_rows, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
@@ -190,12 +193,13 @@ def key_major_kernel(
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
+    STORE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """dk, dv (and dq with ``ATOMIC_DQ``) for every (sequence, head, key block) tile; with ``POS_GRAD`` /
     ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
     ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``. ``TMA``: the query and
-    output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``."""
+    output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``. ``STORE_DS``: every
+    ``ds`` tile also goes into ``DS`` (:mod:`gem_kernels.attention_stored`'s layout, ``DS_BASE`` its bases)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -237,6 +241,9 @@ def key_major_kernel(
             else:
                 dq_ptrs = dq_head + offs_m[:, None] * stride_dqm + offs_qk[None, :]
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
+            ds_base = seq_start * 0
+            if STORE_DS:
+                ds_base = head_base(DS_BASE, seq, head, seq_len)
             query_times = QTS
             key_t = keys
             if HAS_TIME_BIAS:
@@ -257,7 +264,7 @@ def key_major_kernel(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
                     EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, False, ATOMIC_DQ, DQ_T, HAS_WINDOW,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, DS, ds_base, STORE_DS, TMA, False, ATOMIC_DQ, DQ_T, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -267,7 +274,7 @@ def key_major_kernel(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
                     EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, TMA, True, ATOMIC_DQ, DQ_T, HAS_WINDOW,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, DS, ds_base, STORE_DS, TMA, True, ATOMIC_DQ, DQ_T, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -283,7 +290,7 @@ def key_major_kernel(
 
 
 _POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES",
-             "TS", "QTS", "DPB", "DTB")
+             "TS", "QTS", "DPB", "DTB", "DS", "DS_BASE")
 DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES)
 DKDV_ATOMIC = TunedKernel(
     "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"),
@@ -307,17 +314,22 @@ def key_major(
     bias: RelativeBias = NO_BIAS,
     bias_grads: BiasGrads | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    stored: StoredScores | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dk`` and ``dv``; with ``dq_accum`` (zeroed fp32 ``[L, H, Dqk]``) also adds ``dq`` into it, and
     with ``bias_grads`` (zeroed, :meth:`BiasGrads.zeros`) the bias gradients times ``max_seq_len``.
-    ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors."""
+    ``out = (dk, dv)``: where to write them (``[L, H, D]`` views, unit last stride), else new tensors.
+    ``stored``: also write every ``ds`` tile there, for :func:`gem_kernels.attention_stored.dq_from_stored`."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     no_bias_grads = bias_grads is None or (bias_grads.position is None and bias_grads.time is None)
     if (attention_gluon.DKDV and dq_accum is None and no_bias_grads and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
         return attention_gluon.dkdv(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,
-                                    out=out)  # fmt: skip
+                                    out=out, stored=stored)  # fmt: skip
+    if stored is not None and (dq_accum is not None or max_attn_len > 0 or bias.position is not None
+                               or bias.time is not None):  # fmt: skip
+        raise ValueError("key_major: stored ds tiles are written without atomic dq, relative biases or a window")
     if out is not None:
         dk, dv = out
     else:
@@ -336,7 +348,7 @@ def key_major(
     chunk = CHUNK  # read at call time: tests shrink it
     tma = TMA_LOADS and tma_loads(q, grad_out)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
-               "auto" if blocks is None else blocks, "tma" if tma else "pointers")
+               "auto" if blocks is None else blocks, "tma" if tma else "pointers", stored is not None)
     if atomic:
         variant += ("transposed" if TRANSPOSED_DQ else "rows",)
 
@@ -347,7 +359,7 @@ def key_major(
             HAS_TARGETS=has_targets, HAS_WINDOW=has_window, HAS_POS_BIAS=bias.position is not None,
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
-            IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, TMA=tma,
+            IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, TMA=tma, STORE_DS=stored is not None,
         )
 
     def restore() -> None:  # tuning runs added into the accumulators
@@ -362,7 +374,9 @@ def key_major(
         counter = queue_counter(device)
         args = (
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
-            counter, *bias.pointers(q), *grads.pointers(dq), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            counter, *bias.pointers(q), *grads.pointers(dq),
+            *((stored.buffer, stored.base) if stored is not None else (dk, seq_offsets)),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, num_rows, float(alpha),
             float(max_seq_len), max_attn_len, max_seq_len - 1, bias.num_buckets,

@@ -94,10 +94,10 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
             DQ_T=variant.kernel == "dkdv_atomic" and attention_triton_bwd.TRANSPOSED_DQ,  # as key_major sets it
             POS_GRAD=variant.position_bias, TIME_GRAD=variant.time_bias,
             POS_STRIPES=attention_triton_bias.POSITION_STRIPES, TIME_STRIPES=attention_triton_bias.TIME_STRIPES,
-            TMA=variant.tma, **common,
+            TMA=variant.tma, STORE_DS=False, **common,
         )
-        pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV")} | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32"}
-                    | offsets)
+        pointers = ({n: "*" + t for n in ("Q", "K", "V", "DO", "DK", "DV", "DS")}
+                    | {"DQ": "*fp32", "DPB": "*fp32", "DTB": "*fp32", "DS_BASE": "*i64"} | offsets)
         signature = _signature(fn, pointers, ("alpha", "max_seq_len"))
     return {"variant": variant, "config": config, **compile_kernel(fn, signature, constants, warps, stages, arch)}
 
@@ -168,10 +168,12 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
 
 
 def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
-                          arch: int = 90, dq: bool = False, dkdv: bool = False) -> dict[str, Any]:
+                          arch: int = 90, dq: bool = False, dkdv: bool = False,
+                          store_ds: bool = False) -> dict[str, Any]:  # fmt: skip
     """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``; with ``dq``
     the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq`, with ``dkdv`` the ``dk``/``dv`` pass of
-    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``) for ``arch`` with bf16
+    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``, with ``store_ds`` writing
+    its ``ds`` tiles for :mod:`~gem_kernels.attention_stored`) for ``arch`` with bf16
     inputs, as :mod:`~gem_kernels.attention_gluon` launches it: shared bytes,
     registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
     (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
@@ -199,10 +201,12 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
              "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
              "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "half_alpha": "fp32",
-             "out_scale": "fp32"}  # fmt: skip
+             "out_scale": "fp32", "DS_BASE": "*i64",
+             "ds_desc": mangle_type(ag.stored_descriptor(torch.empty(64, 64, dtype=torch.bfloat16)))}  # fmt: skip
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
                      STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
                      **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}),
+                     **({"STORE_DS": store_ds} if fn is dkdv_pass.dkdv_kernel else {}),
                      **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}))  # fmt: skip
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

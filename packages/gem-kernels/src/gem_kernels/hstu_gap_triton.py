@@ -52,7 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gem_kernels import attention_stored
 from gem_kernels.attention_fp8 import quantize_qk, silu_quantize_qk
+from gem_kernels.attention_stored import dq_from_stored
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_autograd import DqMode, resolve_dq_mode
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
@@ -181,6 +183,9 @@ class HSTUGapFunction(torch.autograd.Function):
         ctx.save_for_backward(*kept, *kept_attn, mean, rstd, gate_weight, gate_bias, seq_offsets, num_targets,
                               bias.position, bias.time, bias.timestamps, bias.query_timestamps)  # fmt: skip
         ctx.params = (shape, options, bias.edges)
+        # dq from the dk/dv pass's stored ds tiles: the batch's tile count starts on its way to the host here
+        stored = options["dq_mode"] == "stored" and attention_stored.applies(q, k, bias, options["max_attn_len"])
+        ctx.score_plan = attention_stored.prepare(seq_offsets, heads) if stored and any(ctx.needs_input_grad) else None
         if rows_out is None:
             return y
         ctx.mark_non_differentiable(*rows_out.tensors())  # y's e4m3 rows, for the output projection
@@ -221,13 +226,20 @@ class HSTUGapFunction(torch.autograd.Function):
         d_attn = d_attn.view(rows, heads, dv)
         mode = resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads)
         dq_accum = torch.zeros((rows, heads, dqk), dtype=torch.float32, device=pre.device) if mode == "atomic" else None
+        plan = ctx.score_plan
+        stored = plan.scores(post.dtype) if mode == "stored" and plan is not None else None
         key_major(q, k, v, d_attn, seq_offsets, num_targets, dq_accum, bias=bias, bias_grads=grads,
-                  out=(d_k, d_v), **kernel)  # fmt: skip
+                  out=(d_k, d_v), stored=stored, **kernel)  # fmt: skip
         q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
         if dq_accum is not None:
             passes = [(q_cols, dq_accum.view(rows, hq))] + [(c, d_pre[:, c]) for c in (v_cols, k_cols)]
         else:
-            query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
+            if stored is not None:
+                dq_from_stored(stored, k, seq_offsets, num_targets, max_seq_len=kernel["max_seq_len"],
+                               alpha=kernel["alpha"], out=d_q)  # fmt: skip
+                del stored  # the tiles' memory is free for the passes below
+            else:
+                query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
             passes = [(every, d_pre[:, every])]
         if grad_rows is not None:  # one pass over whole rows, writing d_pre's e4m3 rows too (hstu_gap_grad_rows)

@@ -1,0 +1,198 @@
+"""``dq_mode="stored"``: the key-major pass stores its score gradients, :func:`dq_from_stored` reads them back
+(gem_kernels.attention_stored). Under Triton's interpreter, on poisoned memory (unwritten tiles are NaN)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gem_kernels import attention_gluon, attention_stored, attention_triton_bwd
+from gem_kernels.attention_stored import StoredScores, dq_from_stored, prepare
+from gem_kernels.attention_triton import query_major
+from gem_kernels.attention_triton_autograd import jagged_attention_triton
+from gem_kernels.attention_triton_bias import NO_BIAS
+from gem_kernels.attention_triton_bwd import key_major
+from gem_kernels.hstu_gap_triton import hstu_gap_triton
+from gem_kernels.reference import attention_mask
+from gem_kernels.testing import offsets_from_lengths, random_qkv
+from gem_model.api import AttentionExtras
+
+pytestmark = pytest.mark.usefixtures("poison")
+
+
+def tile_rows(lengths: list[int], heads: int) -> dict[tuple[int, int, int, int], int]:
+    """The first buffer row of every (sequence, head, key block of 64, query block of 32) tile, counted out
+    one by one in the documented order (sequence, head, key block, query block from ``2 j``)."""
+    rows, at = {}, 0
+    for b, n in enumerate(lengths):
+        for h in range(heads):
+            for j in range(-(-n // 64)):
+                for i in range(2 * j, -(-n // 32)):
+                    rows[b, h, j, i] = at
+                    at += 32
+    return rows
+
+
+def expected_ds(q, k, v, g, lengths, targets, alpha):  # type: ignore[no-untyped-def]
+    """float64 ``mask * <g_i, v_j> * silu'(alpha <q_i, k_j>)`` per sequence, ``[H, n, n]`` each."""
+    offsets = offsets_from_lengths(lengths)
+    mask = attention_mask(torch.tensor(lengths), targets, 0, max(lengths))
+    result = []
+    for b, n in enumerate(lengths):
+        a, e = int(offsets[b]), int(offsets[b + 1])
+        s = alpha * torch.einsum("ihd,jhd->hij", q[a:e].double(), k[a:e].double())
+        sig = torch.sigmoid(s)
+        dp = torch.einsum("ihd,jhd->hij", g[a:e].double(), v[a:e].double())
+        result.append(dp * sig * (1 + s * (1 - sig)) * mask[b, :n, :n])
+    return result
+
+
+def test_the_key_major_pass_stores_every_allowed_pair_where_the_layout_says(gen, monkeypatch) -> None:
+    """Every allowed pair's ``ds`` at its tile's row and column (rows counted out here, not by the module's
+    formula), across chunk borders of the in-kernel scan, an empty sequence and lengths off the tile grid."""
+    monkeypatch.setattr(attention_triton_bwd, "CHUNK", 4)
+    lengths = [70, 0, 33, *torch.randint(1, 100, (3,), generator=gen).tolist(), 129]
+    heads, dim, alpha = 2, 16, 0.25
+    targets = torch.minimum(torch.randint(0, 4, (len(lengths),), generator=gen), torch.tensor(lengths))
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = random_qkv(int(offsets[-1]), heads, dim, dim, torch.float32, gen)
+    g = torch.randn(q.shape, generator=gen)
+    plan = prepare(offsets, heads)
+    rows = tile_rows(lengths, heads)
+    per_seq = [sum(1 for key in rows if key[0] == b) for b in range(len(lengths))]
+    assert plan.tiles() == len(rows) and plan.base.tolist() == [sum(per_seq[:b]) for b in range(len(lengths))]
+    stored = plan.scores(torch.float32)
+    assert stored is not None and stored.buffer.shape == ((len(rows) + 1) * 32, 64)
+    key_major(q, k, v, g, offsets, targets, None, max_seq_len=max(lengths), alpha=alpha, max_attn_len=0,
+              stored=stored)  # fmt: skip
+    want = expected_ds(q, k, v, g, lengths, targets, alpha)
+    mask = attention_mask(torch.tensor(lengths), targets, 0, max(lengths))
+    checked = 0
+    for b, n in enumerate(lengths):
+        for h in range(heads):
+            for i, j in torch.nonzero(mask[b, :n, :n]).tolist():
+                got = stored.buffer[rows[b, h, j // 64, i // 32] + i % 32, j % 64]
+                torch.testing.assert_close(got.double(), want[b][h, i, j], rtol=1e-5, atol=1e-6)
+                checked += 1
+    assert checked == int(mask.sum()) * heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_targets", [False, True])
+def test_dq_from_stored_tiles_is_the_recomputed_dq(gen, monkeypatch, dtype, with_targets) -> None:
+    """``dq`` from the stored tiles equals the separate pass's (the same ``ds``, summed in another order);
+    storing changes nothing in ``dk`` and ``dv``; unwritten tiles (NaN) are never added."""
+    monkeypatch.setattr(attention_stored, "CHUNK", 4)
+    lengths = [*torch.randint(1, 140, (5,), generator=gen).tolist(), 64, 97]
+    heads, dim, max_len, alpha = 2, 64, 140, 0.2
+    offsets = offsets_from_lengths(lengths)
+    targets = torch.minimum(torch.randint(1, 4, (len(lengths),), generator=gen), torch.tensor(lengths))
+    targets = targets if with_targets else None
+    q, k, v = random_qkv(int(offsets[-1]), heads, dim, dim, dtype, gen)
+    g = torch.randn(q.shape, generator=gen).to(dtype)
+    options = dict(max_seq_len=max_len, alpha=alpha, max_attn_len=0)
+    dk0, dv0 = key_major(q, k, v, g, offsets, targets, None, **options)
+    dq0 = query_major(q, k, v, g, offsets, targets, **options)
+    stored = prepare(offsets, heads).scores(dtype)
+    assert stored is not None
+    dk, dv = key_major(q, k, v, g, offsets, targets, None, stored=stored, **options)
+    dq = dq_from_stored(stored, k, offsets, targets, max_seq_len=max_len, alpha=alpha, out=torch.empty_like(q))
+    assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
+    assert not dq.isnan().any()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(dq.float(), dq0.float(), rtol=tolerance, atol=tolerance * dq0.abs().max().item())
+
+
+def test_the_autograd_function_and_the_fused_gap_take_stored_dq(gen, monkeypatch) -> None:
+    """Through autograd: the attention's and the HSTU gap's gradients with ``dq_mode="stored"`` are those of
+    ``separate``; past the budget the call recomputes (no buffer), with the same gradients."""
+    lengths = [45, 80, 3]
+    heads, dim = 2, 64
+    offsets = offsets_from_lengths(lengths)
+    rows = int(offsets[-1])
+    q, k, v = (t.requires_grad_() for t in random_qkv(rows, heads, dim, dim, torch.float32, gen))
+    g = torch.randn(q.shape, generator=gen)
+    grads = {}
+    for mode in ("separate", "stored"):
+        out = jagged_attention_triton(q, k, v, offsets, max_seq_len=80, alpha=0.3, dq_mode=mode)
+        grads[mode] = torch.autograd.grad(out, (q, k, v), g)
+    for a, b in zip(grads["separate"], grads["stored"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    pre = torch.randn(rows, heads * 4 * dim, generator=gen, requires_grad=True)
+    weight, bias = torch.randn(heads * dim, generator=gen), torch.randn(heads * dim, generator=gen)
+    dy = torch.randn(rows, heads * dim, generator=gen)
+    extras = AttentionExtras(num_targets=torch.tensor([1, 2, 0]))
+    gap = {}
+    allocated: list[int] = []
+    real = attention_stored.ScorePlan.scores
+    monkeypatch.setattr(attention_stored.ScorePlan, "scores",
+                        lambda self, *a, **kw: allocated.append(1) or real(self, *a, **kw))  # fmt: skip
+    for mode, budget in (("separate", None), ("stored", None), ("stored", 0)):
+        if budget is not None:
+            monkeypatch.setattr(attention_stored, "BUDGET_BYTES", budget)
+        y, _ = hstu_gap_triton(pre, weight, bias, offsets, num_heads=heads, attention_dim=dim, value_dim=dim,
+                               max_seq_len=80, alpha=1 / math.sqrt(dim), eps=1e-5, extras=extras, dq_mode=mode)  # fmt: skip
+        gap[mode, budget] = torch.autograd.grad(y, pre, dy)[0]
+    assert len(allocated) == 2  # stored asked for a buffer twice: one made, one over the budget
+    torch.testing.assert_close(gap["stored", None], gap["separate", None], rtol=1e-5, atol=1e-5)
+    assert torch.equal(gap["stored", 0], gap["separate", None])  # over the budget: the separate pass itself
+
+
+def test_the_plan_is_shared_by_one_batch_and_remade_for_another() -> None:
+    offsets = offsets_from_lengths([3, 70])
+    plan = prepare(offsets, 2)
+    assert prepare(offsets, 2) is plan and plan.tiles() == 2 * (1 + 4)
+    assert prepare(offsets, 1) is not plan  # another head count
+    offsets[2] = 66  # changed in place: a new plan, with the new lengths
+    assert prepare(offsets, 1).tiles() == 1 + 2 and prepare(offsets_from_lengths([3, 70]), 1) is not plan
+    assert attention_stored.ScorePlan(offsets_from_lengths([]), 4).tiles() == 0
+
+
+def test_refusals() -> None:
+    """Stored tiles only where they are written: no window or bias in the key-major pass, 64-key tiles of
+    32-query steps in the Gluon pass; the dq pass's shapes."""
+    q = torch.zeros(8, 1, 64)
+    offsets = torch.tensor([0, 8])
+    stored = StoredScores(torch.zeros(64, 64), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="without atomic dq, relative biases or a window"):
+        key_major(q, q, q, q, offsets, None, None, max_seq_len=8, alpha=1.0, max_attn_len=3, stored=stored)
+    with pytest.raises(ValueError, match="not config 'ws_n128m16'"):
+        attention_gluon.dkdv(q, q, q, q, offsets, None, max_seq_len=8, alpha=1.0, config="ws_n128m16", stored=stored)
+    with pytest.raises(ValueError, match="not config 'n128m32'"):
+        attention_gluon.dkdv(q, q, q, q, offsets, None, max_seq_len=8, alpha=1.0, config="n128m32", stored=stored)
+    with pytest.raises(ValueError, match="D in"):
+        dq_from_stored(stored, torch.zeros(8, 1, 32), offsets, None, max_seq_len=8, alpha=1.0, out=torch.zeros(8, 1, 32))
+    assert attention_stored.applies(q, q, NO_BIAS, 0) and not attention_stored.applies(q, q, NO_BIAS, 3)
+    assert not attention_stored.applies(torch.zeros(8, 1, 32), torch.zeros(8, 1, 32), NO_BIAS, 0)
+
+
+COMPILE = """
+import json
+from gem_kernels.compile_report import compile_gluon_forward
+for store in (False, True):
+    print(json.dumps({"store": store, **compile_gluon_forward("n64m32", dkdv=True, store_ds=store)}))
+"""
+
+
+def test_the_gluon_pass_that_stores_its_tiles_compiles_for_hopper_and_still_fits_twice_an_sm() -> None:
+    """The shipped dk/dv pass (``n64m32``) built for sm_90 with and without its ``ds`` stores: the stores add
+    one bulk tensor copy and one ``[32, 64]`` slot pair of shared memory (8 KiB), and the build still fits two
+    programs an SM with at most 24 bytes of spills (none in Triton 3.6's build, 8 without the stores and 24
+    with them in 3.7's)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    plain, storing = (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))
+    assert storing["shared_bytes"] - plain["shared_bytes"] == 2 * 32 * 64 * 2, (plain, storing)
+    assert storing["tma_loads"] > plain["tma_loads"]  # the bulk tensor store (counted with the copies)
+    assert storing["fit_per_sm"] >= 2 and storing["stack_bytes"] <= 24, storing
+    assert storing["async_mmas"] == plain["async_mmas"] and storing["mma_waits"] == plain["mma_waits"], storing
