@@ -35,13 +35,13 @@ if HAVE_GLUON:
     from gem_kernels.attention_gluon_common import (
         _allowed,
         _init_barriers,
-        cta_barrier,
         _invalidate_barriers,
         _load_pair,
         _locate,
         _release_queue,
         _scan_chunk,
         _tanh_approx,
+        cta_barrier,
         mma_layout,
     )
 
