@@ -187,8 +187,10 @@ def test_forward_without_autograd_matches(gen: torch.Generator) -> None:
     assert torch.equal(direct, tracked.detach())
 
 
-def test_dq_auto(gen: torch.Generator) -> None:
-    """``auto`` (the default) is exact whichever pass it picks; it picks as the H200 figures say."""
+def test_dq_auto(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` (the default) is exact whichever pass it picks; it picks as the H200 figures say, with the
+    stored ``ds`` tiles in place of the recomputing pass (``STORED_BY_DEFAULT``)."""
+    from gem_kernels import attention_triton_autograd
     from gem_kernels.attention_triton_autograd import resolve_dq_mode
 
     lengths = random_lengths(gen, 4, 40)
@@ -197,9 +199,11 @@ def test_dq_auto(gen: torch.Generator) -> None:
     # (rows, sequences, heads) of the benchmark cases whose two backward modes were timed
     assert resolve_dq_mode("auto", 39011, 512, 4) == "atomic"  # N = 256, s = 0.3
     assert resolve_dq_mode("auto", 15939, 128, 2) == "atomic"  # MovieLens-like
-    assert resolve_dq_mode("auto", 124189, 512, 4) == "separate"  # N = 256, s = 0.95
-    assert resolve_dq_mode("auto", 154387, 512, 4) == "separate"  # N = 1024, s = 0.3
+    assert resolve_dq_mode("auto", 124189, 512, 4) == "stored"  # N = 256, s = 0.95
+    assert resolve_dq_mode("auto", 154387, 512, 4) == "stored"  # N = 1024, s = 0.3
     assert resolve_dq_mode("atomic", 10**7, 512, 4) == "atomic"
+    monkeypatch.setattr(attention_triton_autograd, "STORED_BY_DEFAULT", False)
+    assert resolve_dq_mode("auto", 124189, 512, 4) == "separate"
 
 
 def test_tuning_keys() -> None:

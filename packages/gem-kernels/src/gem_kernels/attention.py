@@ -115,8 +115,9 @@ class TritonJaggedAttention(JaggedAttentionKernel):
         second, query-major pass (seven MMAs, no atomics, no fp32 buffer), or ``stored``: the dk/dv pass
         writes its score gradients and a second pass reads them (five MMAs, ~2 bytes a pair each way;
         :mod:`gem_kernels.attention_stored`; calls with a relative bias or a window recompute). ``auto``
-        takes the separate pass, faster on the H200 from ~6e7 (query, key) pairs up, and atomics on small
-        batches (see ``gem_kernels.attention_triton_autograd.ATOMIC_DQ_BELOW_PAIRS`` for the measurements)."""
+        takes ``stored`` from ~6e7 (query, key) pairs up (``STORED_BY_DEFAULT``; before it the separate pass,
+        faster there than atomics), and atomics on small batches (see
+        ``gem_kernels.attention_triton_autograd.ATOMIC_DQ_BELOW_PAIRS`` for the measurements)."""
         block_m: int | None = None
         """Query rows per tile; set together with ``block_n`` to skip autotuning."""
         block_n: int | None = None

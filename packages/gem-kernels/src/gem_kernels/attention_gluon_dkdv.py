@@ -88,15 +88,14 @@ if HAVE_GLUON:
     def _store_ds(ds_t, ds_smem, ds_desc, step, row):
         """``ds^T`` of one step (``[keys, queries]``, the input dtype) as the ``[queries, keys]`` tile at ``row`` of
         the stored layout (:mod:`gem_kernels.attention_stored`): into shared slot ``step % 2`` (transposed on
-        the way), then one bulk tensor store, not waited for; the slot's store of two steps before (``step``
-        counts the program's steps over its tiles) has finished reading it first."""
-        slot = step % 2
-        tma.store_wait(1)
-        cta_barrier()  # the issuing thread's wait covers every thread's writes below
-        ds_smem.index(slot).permute((1, 0)).store(ds_t)
+        the way; ``step`` counts the program's steps over its tiles), then one bulk tensor store, issued
+        and not waited for. The slot's last store, two steps back, is known done: the issuing thread waited
+        for every store before the previous step's barrier, which this step's threads have passed."""
+        ds_smem.index(step % 2).permute((1, 0)).store(ds_t)
         fence_async_shared()
+        tma.store_wait(0)  # the previous step's store, a step old: then no thread writes its slot too early
         cta_barrier()
-        tma.async_copy_shared_to_global(ds_desc, [row, 0], ds_smem.index(slot))
+        tma.async_copy_shared_to_global(ds_desc, [row, 0], ds_smem.index(step % 2))
 
     @gluon.jit
     def _ds_row(ds_head, j, start, qb):

@@ -27,12 +27,20 @@ zeroed fp32 buffer and its cast); the two small batches, where the second kernel
 drain do not pay off, favour atomics. 2^24 sits between the two groups."""
 
 
+STORED_BY_DEFAULT = True
+"""Whether ``auto`` takes ``stored`` where it took ``separate`` (a call it does not apply to, or whose buffer
+does not fit, still recomputes: :mod:`gem_kernels.attention_stored`). On the H100 (2026-12-06, big config,
+seed 601) the step ran 1.015x (IQR 1.008-1.020) over 40 batches, 1.008x in steady rounds, at 133.5 J a step
+against 135.3 (``benchmarks/results/e2e_ab.md``); the backward alone 4.64 J against 4.89
+(``kernel_energy.py``). The e2e switch ``dq_separate`` gives the recomputing pass back."""
+
+
 def resolve_dq_mode(dq_mode: DqMode, num_rows: int, num_seqs: int,
                     num_heads: int) -> Literal["atomic", "separate", "stored"]:  # fmt: skip
     if dq_mode != "auto":
         return dq_mode
     pairs = num_heads * num_rows * num_rows / (2 * max(1, num_seqs))
-    return "atomic" if pairs < ATOMIC_DQ_BELOW_PAIRS else "separate"
+    return "atomic" if pairs < ATOMIC_DQ_BELOW_PAIRS else ("stored" if STORED_BY_DEFAULT else "separate")
 
 
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +77,8 @@ class JaggedAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, seq_offsets, num_targets, bias.position, bias.time, bias.timestamps,
                               bias.query_timestamps)
         ctx.params = (max_seq_len, alpha, max_attn_len, dq_mode, blocks, bias.edges)
-        stored = dq_mode == "stored" and attention_stored.applies(q, k, bias, max_attn_len)
+        stored = (resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "stored"
+                  and attention_stored.applies(q, k, bias, max_attn_len))  # fmt: skip
         ctx.score_plan = attention_stored.prepare(seq_offsets, q.shape[1]) if stored else None
         return out
 

@@ -184,8 +184,9 @@ class HSTUGapFunction(torch.autograd.Function):
                               bias.position, bias.time, bias.timestamps, bias.query_timestamps)  # fmt: skip
         ctx.params = (shape, options, bias.edges)
         # dq from the dk/dv pass's stored ds tiles: the batch's tile count starts on its way to the host here
-        stored = options["dq_mode"] == "stored" and attention_stored.applies(q, k, bias, options["max_attn_len"])
-        ctx.score_plan = attention_stored.prepare(seq_offsets, heads) if stored and any(ctx.needs_input_grad) else None
+        stored = (resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads) == "stored"
+                  and attention_stored.applies(q, k, bias, options["max_attn_len"]) and any(ctx.needs_input_grad))
+        ctx.score_plan = attention_stored.prepare(seq_offsets, heads) if stored else None
         if rows_out is None:
             return y
         ctx.mark_non_differentiable(*rows_out.tensors())  # y's e4m3 rows, for the output projection
