@@ -291,10 +291,12 @@ def key_major_kernel(
 
 _POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES",
              "TS", "QTS", "DPB", "DTB", "DS", "DS_BASE")
-DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"), key_names=KEY_NAMES)
+# ``ds``: whether the pass also stores its score gradients (gem_kernels.attention_stored)
+DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"),
+                   key_names=(*KEY_NAMES[:-2], "ds", *KEY_NAMES[-2:]))
 DKDV_ATOMIC = TunedKernel(
     "dkdv_atomic", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"),
-    key_names=(*KEY_NAMES[:-2], "dq_form", *KEY_NAMES[-2:]),
+    key_names=(*KEY_NAMES[:-2], "ds", "dq_form", *KEY_NAMES[-2:]),
 )
 
 
@@ -348,7 +350,7 @@ def key_major(
     chunk = CHUNK  # read at call time: tests shrink it
     tma = TMA_LOADS and tma_loads(q, grad_out)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
-               "auto" if blocks is None else blocks, "tma" if tma else "pointers", stored is not None)
+               "auto" if blocks is None else blocks, "tma" if tma else "pointers", "stored" if stored is not None else "-")
     if atomic:
         variant += ("transposed" if TRANSPOSED_DQ else "rows",)
 
