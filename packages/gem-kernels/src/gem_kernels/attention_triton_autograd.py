@@ -29,10 +29,11 @@ drain do not pay off, favour atomics. 2^24 sits between the two groups."""
 
 STORED_BY_DEFAULT = True
 """Whether ``auto`` takes ``stored`` where it took ``separate`` (a call it does not apply to, or whose buffer
-does not fit, still recomputes: :mod:`gem_kernels.attention_stored`). On the H100 (2026-12-06, big config,
-seed 601) the step ran 1.015x (IQR 1.008-1.020) over 40 batches, 1.008x in steady rounds, at 133.5 J a step
-against 135.3 (``benchmarks/results/e2e_ab.md``); the backward alone 4.64 J against 4.89
-(``kernel_energy.py``). The e2e switch ``dq_separate`` gives the recomputing pass back."""
+does not fit, still recomputes: :mod:`gem_kernels.attention_stored`). On the H100 (2026-12-06, big config)
+the step ran 1.015x (IQR 1.008-1.020) and 1.010x (1 / 0.990, IQR 1.002-1.018) over 40 batches at seeds
+601 and 613, 1.008x and 1.006x in steady rounds (``benchmarks/results/e2e_ab.md``); the backward alone took
+4.64 J against 4.89 and 4.51 against 4.72 a call (``kernel_energy.py``). Not yet measured on an H200. The
+e2e switch ``dq_separate`` gives the recomputing pass back."""
 
 
 def resolve_dq_mode(dq_mode: DqMode, num_rows: int, num_seqs: int,
