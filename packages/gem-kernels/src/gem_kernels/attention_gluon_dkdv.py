@@ -97,6 +97,15 @@ if HAVE_GLUON:
         cta_barrier()
         tma.async_copy_shared_to_global(ds_desc, [row, 0], ds_smem.index(step % 2))
 
+    # _ds_head and _ds_row are attention_stored.head_base and tile_index for Gluon, which calls no triton.jit
+    # function: the layout's formulas, written once more here
+    @gluon.jit
+    def _ds_head(DS_BASE, seq, head, seq_len):
+        """The first stored tile of (``seq``, ``head``): the sequence's base, then ``head`` times its tile count."""
+        kb = (seq_len.to(gl.int64) + 63) // 64
+        qb = (seq_len.to(gl.int64) + 31) // 32
+        return gl.load(DS_BASE + seq) + head * (kb * qb - kb * (kb - 1))
+
     @gluon.jit
     def _ds_row(ds_head, j, start, qb):
         """The first row of the stored tile of (query block ``start // 32``, key block ``j``)."""
@@ -235,9 +244,7 @@ if HAVE_GLUON:
                 next_tile = gl.atomic_add(COUNTER, 1, sem="relaxed")
                 ds_head = seq.to(gl.int64) * 0
                 if STORE_DS:
-                    kb = (seq_len.to(gl.int64) + 63) // 64
-                    qb = (seq_len.to(gl.int64) + 31) // 32
-                    ds_head = gl.load(DS_BASE + seq) + head * (kb * qb - kb * (kb - 1))
+                    ds_head = _ds_head(DS_BASE, seq, head, seq_len)
                 mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(k_desc, [seq_start + n0, head * DQK], kv_bar, k_smem)
                 tma.async_copy_global_to_shared(v_desc, [seq_start + n0, head * DVD], kv_bar, v_smem)

@@ -220,8 +220,7 @@ class ScorePlan:
         """A buffer for this batch's tiles, or None if it would take more than ``budget_bytes``
         (:data:`BUDGET_BYTES`) or the device has no room for it (the caller then recomputes)."""
         tiles = self.tiles()
-        element = torch.empty((), dtype=dtype).element_size()
-        if (tiles + 1) * TILE_Q * TILE_K * element > (BUDGET_BYTES if budget_bytes is None else budget_bytes):
+        if (tiles + 1) * TILE_Q * TILE_K * dtype.itemsize > (BUDGET_BYTES if budget_bytes is None else budget_bytes):
             return None
         try:
             buffer = torch.empty(((tiles + 1) * TILE_Q, TILE_K), dtype=dtype, device=self.base.device)
