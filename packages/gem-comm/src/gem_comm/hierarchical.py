@@ -14,6 +14,7 @@ another order than one flat all-reduce, so results equal ``default``'s up to flo
 """
 
 # no ``from __future__ import annotations``: DDP checks a comm hook's annotations as objects
+import datetime
 import os
 from typing import ClassVar
 
@@ -36,7 +37,7 @@ class HierarchicalConfig(ComponentConfig):
 class NodeGroups:
     """The intra-node group of this rank and its inter-node group (same local index on every node)."""
 
-    def __init__(self, ranks: list[int], node_size: int, rank: int):
+    def __init__(self, ranks: list[int], node_size: int, rank: int, timeout: datetime.timedelta):
         if len(ranks) % node_size:
             raise ValueError(
                 f"comm.strategy 'hierarchical': the DDP group's {len(ranks)} ranks do not split into nodes of "
@@ -44,14 +45,15 @@ class NodeGroups:
             )
         nodes = [ranks[i : i + node_size] for i in range(0, len(ranks), node_size)]
         across = [list(r) for r in zip(*nodes, strict=True)]
-        # new_group is collective over the default group: every rank makes every group, in this order
+        # new_group is collective over the default group: every rank makes every group, in this order;
+        # each with the run's collective timeout (a group made without one waits for gloo's 30 minutes)
         self.intra = self.inter = None
         for members in nodes:
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 self.intra = group
         for members in across:
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 self.inter = group
         self.node_size, self.nodes = node_size, len(nodes)
@@ -105,5 +107,5 @@ class HierarchicalComm(MeasuredComm):
     def configure_ddp(self, ddp: DistributedDataParallel) -> None:
         group = self._ddp_group(ddp)
         ranks = dist.get_process_group_ranks(group)
-        self.groups = NodeGroups(ranks, self.node_size(), dist.get_rank())
+        self.groups = NodeGroups(ranks, self.node_size(), dist.get_rank(), self.env.timeout)
         ddp.register_comm_hook(_HookState(self.groups, len(ranks), self.meter), hierarchical_hook)

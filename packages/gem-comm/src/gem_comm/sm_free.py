@@ -77,7 +77,7 @@ class SmFreeComm(MeasuredComm):
         if os.environ.setdefault("NCCL_NVLS_ENABLE", "0") != "0":
             raise ValueError("comm.strategy 'sm_free' keeps NVLink multicast off; the environment sets NCCL_NVLS_ENABLE != 0")
         options, self.path = self.nccl_options()
-        own = dist.new_group(dist.get_process_group_ranks(group), backend="nccl", pg_options=options)
+        own = dist.new_group(dist.get_process_group_ranks(group), backend="nccl", pg_options=options, timeout=self.env.timeout)
         ddp.register_comm_hook(own, default_hooks.allreduce_hook)
 
     def measurements(self) -> dict[str, float]:

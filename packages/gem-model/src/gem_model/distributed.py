@@ -21,10 +21,18 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str | None
+    timeout_s: float = 600.0
+    """How long a collective waits for a peer before it fails (``trainer.collective_timeout_s``): the
+    process group's timeout, and that of every group the run makes (:func:`group_timeout`)."""
 
     @property
     def distributed(self) -> bool:
         return self.backend is not None
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """:attr:`timeout_s` as ``torch.distributed``'s ``new_group(timeout=...)`` takes it."""
+        return datetime.timedelta(seconds=self.timeout_s)
 
     @property
     def is_main(self) -> bool:
@@ -77,7 +85,25 @@ def init_distributed(device_preference: str = "auto", *, timeout_s: float = 600.
         else:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+    else:  # a second run in the same processes: its timeout, not the first one's
+        group_timeout(dist.group.WORLD, timeout_s)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend, timeout_s)
+
+
+def group_timeout(group: dist.ProcessGroup, timeout_s: float) -> None:
+    """Give ``group`` the run's collective timeout (``DistEnv.timeout_s``).
+
+    A group made without a ``timeout`` does not take the default group's: ``torch.distributed`` gives
+    it its backend's default (30 minutes for gloo, 10 for NCCL), and ``init_device_mesh`` and
+    ``DeviceMesh._flatten`` take no timeout. So a peer stalled in a collective of a mesh dim (FSDP2's
+    all-gathers, TP's all-reduces) would hold its partners past ``trainer.collective_timeout_s``.
+    This sets the timeout of a group that exists, as TorchTitan does for its mesh's groups (through
+    ``torch.distributed``'s ``_set_pg_timeout``, the one way there is); a group this rank is not in
+    is left alone."""
+    from torch.distributed.distributed_c10d import _rank_not_in_group, _set_pg_timeout
+
+    if not _rank_not_in_group(group):
+        _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
 
 
 def teardown(env: DistEnv, *, clean: bool = True) -> None:

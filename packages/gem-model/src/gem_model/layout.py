@@ -93,7 +93,7 @@ class Layout:
         layout = cls(dims, env.rank, mesh_dims)
         if not (env.distributed and dist.is_available() and dist.is_initialized()):
             return layout
-        mesh, groups = build_groups(layout, env.device.type)
+        mesh, groups = build_groups(layout, env.device.type, timeout_s=env.timeout_s)
         return cls(dims, env.rank, layout.mesh_dims, groups, mesh)
 
     # ----------------------------------------------------------------------------------- queries

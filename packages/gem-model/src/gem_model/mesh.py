@@ -5,7 +5,8 @@ order; then the flattened groups the loop and FSDP2 reduce over (``dp_shard x cp
 data dims for the gradients of replicated tables, the data x context dims for the loss); then, when
 the sparse groups are smaller than the world, those groups (torchrec's 2-D
 sparse parallelism: a ``world / sparse x sparse`` mesh, its rows or its columns the sharding
-groups as the dims cut them, contiguous or strided).
+groups as the dims cut them, contiguous or strided). Every group gets the run's collective timeout
+(:func:`~gem_model.distributed.group_timeout`), which ``init_device_mesh`` does not pass on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from gem_model.distributed import group_timeout
 from gem_model.parallel_dims import DATA_DIMS, LOSS_DIMS, SPARSE_GROUP, SPARSE_REPLICA_GROUP, ParallelDims
 
 
@@ -37,8 +39,9 @@ class MeshSpec(Protocol):
 FLAT_GROUPS = (("dp_shard", "cp"), DATA_DIMS, LOSS_DIMS)
 
 
-def build_groups(layout: MeshSpec, device_type: str) -> tuple[DeviceMesh, dict[str, Any]]:
-    """(the mesh, every group by its key in :attr:`Layout.groups`) for this rank of ``layout``."""
+def build_groups(layout: MeshSpec, device_type: str, *, timeout_s: float | None = None) -> tuple[DeviceMesh, dict[str, Any]]:
+    """(the mesh, every group by its key in :attr:`Layout.groups`) for this rank of ``layout``; each
+    group with the collective timeout ``timeout_s`` (None: as ``torch.distributed`` made it)."""
     if not dist.is_initialized():
         raise RuntimeError("a device mesh needs the process group: torch.distributed is not initialized")
     degrees = layout.degrees
@@ -55,6 +58,9 @@ def build_groups(layout: MeshSpec, device_type: str) -> tuple[DeviceMesh, dict[s
     sparse, world = layout.dims.sparse, layout.world_size
     if sparse < world:  # a sparse group of 1 too: a planner may shard its tables over one rank
         groups.update(_sparse_groups(world, sparse, strided=layout.dims.sparse_groups == "strided", device_type=device_type))
+    if timeout_s is not None:
+        for group in groups.values():
+            group_timeout(group, timeout_s)
     return mesh, groups
 
 
