@@ -6,10 +6,15 @@ step 2, then a second run in the same processes that resumes that checkpoint and
 Rank 0 writes ``OUT/results.json``: per layout, the step losses of both runs and the layout and
 placement each run reported, and every rank's digest of its dense weights before the first step
 (whole tensors: DTensors gathered) and of its table shards after the last.
+
+A rank still running after ``GEM_TEST_HANG_S`` seconds (default 240) prints every thread's stack to
+stderr and exits 1 (``faulthandler``), so a start that hangs fails with the stacks of where it hung
+instead of being killed silently at the test's time limit.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -66,7 +71,7 @@ def train(overrides: list[str]) -> tuple[Run, RunSummary, dict[str, list[str]]]:
     pm = GemPluginManager(autoload=False, plugins=[testing, gem_parallel.plugin])
     components = resolve_components(config, pm)
     check_run(config, components, int(os.environ["WORLD_SIZE"]))  # before the group, as gem-train run
-    env = init_distributed(config.trainer.device)
+    env = init_distributed(config.trainer.device, timeout_s=config.trainer.collective_timeout_s)
     run = Run(config, pm, components, env)
     digests = {"dense_before": dense_digest(run)}
     summary = run.fit()
@@ -104,6 +109,7 @@ def main(out: Path, layouts: list[str], common: list[str]) -> None:
 if __name__ == "__main__":
     out_dir, rest = Path(sys.argv[1]), sys.argv[2:]
     split = rest.index("--")
+    faulthandler.dump_traceback_later(float(os.environ.get("GEM_TEST_HANG_S", "240")), exit=True)
     main(out_dir, rest[:split], rest[split + 1 :])
     # as gem-train run ends a torchrun rank: the torchrec gloo group torn down with the interpreter aborts
     # the rank now and then (SIGABRT, seen once in ~40 starts of this worker), after everything was written

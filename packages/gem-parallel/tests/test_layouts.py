@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,7 @@ WORLD = 4
 COMMON = [
     *testing.INLINE_OVERRIDES, "model.num_heads=4", "model.num_blocks=2", "model.relative_position_bias=true",
     "model.max_attn_len=5", "trainer.grad_clip=0.5", "trainer.checkpoint_at_end=false",
+    "trainer.collective_timeout_s=60",  # every group's, the mesh's too: a stalled collective fails in 60 s
 ]  # fmt: skip
 SGD_TABLES = "trainer.sparse_optimizer=sgd,trainer.sparse_lr=0.5"  # a rate that moves the losses
 LAYOUTS = {
@@ -81,15 +83,34 @@ GROUPS = {name: [name] for name in DENSE + SPARSE}
 """The layouts of each torchrun start: one each."""
 
 
+HANG_S = 150
+"""A rank of a start still running after this long prints its threads' stacks and exits (the worker's
+``faulthandler``): a start takes ~35 s, up to ~75 s on a loaded machine."""
+HUNG = ("Timeout (0:", "Timed out waiting")
+"""What a hung start prints: ``faulthandler``'s header, or gloo's on a collective's timeout."""
+
+
 def start(out: Path, names: list[str]) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GEM_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    """Train ``names`` in one torchrun start, once more if the first start hung.
+
+    One start in ~500 hung in the resumed run of ``dp_shard_x_tp`` on the CI machine (2026-12-06,
+    killed at the 600 s limit then, with no stacks); 60 starts here did not hang. The stacks of a hang
+    now come out as a warning, and a second hang in a row, or any other failure, fails the test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GEM_DISABLE_PLUGIN_AUTOLOAD": "1", "GEM_TEST_HANG_S": str(HANG_S)}
     worker = Path(__file__).with_name("layouts_worker.py")
     layouts = [f"{name}={LAYOUTS[name]}" for name in names]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(worker),
-           str(out), *layouts, "--", *COMMON]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads((out / "results.json").read_text())
+    for attempt in (1, 2):
+        where = out / f"attempt{attempt}"
+        where.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(worker),
+               str(where), *layouts, "--", *COMMON]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S + 120)
+        if proc.returncode == 0:
+            return json.loads((where / "results.json").read_text())
+        hung = any(mark in proc.stderr for mark in HUNG)
+        assert hung and attempt == 1, f"start {attempt} of {names} exited {proc.returncode}:\n{proc.stderr[-12000:]}"
+        warnings.warn(f"the start of {names} hung; its stacks and errors:\n{proc.stderr[-12000:]}", stacklevel=1)
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
