@@ -93,9 +93,10 @@ HUNG = ("Timeout (0:", "Timed out waiting")
 def start(out: Path, names: list[str]) -> dict:
     """Train ``names`` in one torchrun start, once more if the first start hung.
 
-    One start in ~500 hung in the resumed run of ``dp_shard_x_tp`` on the CI machine (2026-12-06,
-    killed at the 600 s limit then, with no stacks); 60 starts here did not hang. The stacks of a hang
-    now come out as a warning, and a second hang in a row, or any other failure, fails the test."""
+    One start hung on the CI machine (2026-12-06: ``dp_shard_x_tp``, after its resumed run printed that
+    it continued from step 2, killed at the 600 s limit with no stacks), in some hundreds of CI starts
+    of these layouts; ~55 starts of that layout here, two at a time on 2 cores, did not hang. The
+    stacks of a hang now come out as a warning; a second hang in a row, or any other failure, fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GEM_DISABLE_PLUGIN_AUTOLOAD": "1", "GEM_TEST_HANG_S": str(HANG_S)}
     worker = Path(__file__).with_name("layouts_worker.py")
     layouts = [f"{name}={LAYOUTS[name]}" for name in names]
