@@ -19,6 +19,13 @@ def kernel_energy(monkeypatch):
     return kernel_energy
 
 
+@pytest.fixture
+def energy_attention(kernel_energy):
+    import kernel_energy_attention
+
+    return kernel_energy_attention
+
+
 def test_a_settle_as_long_as_the_run_is_refused(kernel_energy, capsys):
     with pytest.raises(SystemExit) as e:
         kernel_energy.main(["--seconds", "2", "--settle", "2"])
@@ -54,7 +61,7 @@ def test_the_gemm_kernels_pass_their_checks_and_count_their_work(kernel_energy):
     assert blocks["cast_t_blocks"].bytes == 3.0 * 300 * (1024 + 4096)  # bf16 read, e4m3 written
 
 
-def test_the_attention_backwards_agree_before_they_are_measured(kernel_energy):
+def test_the_attention_backwards_agree_before_they_are_measured(energy_attention):
     """Under the interpreter on three short sequences: the shipped backward, the one with atomic ``dq`` and
     the one with ``dq`` from stored ``ds`` tiles pass the agreement check the script makes before measuring,
     and each call gives ``dq``, ``dk``, ``dv``; the stored form's two passes count 4 and 1 MMAs a pair."""
@@ -63,7 +70,7 @@ def test_the_attention_backwards_agree_before_they_are_measured(kernel_energy):
 
     lengths = torch.tensor([5, 40, 70])
     x = inputs_of(Case(3, 2, 64, 70, 0.6, lengths="powerlaw"), lengths, torch.ones_like(lengths), 1, torch.device("cpu"))
-    kernels = kernel_energy.attention_backwards(x, forward_flops=2.0)
+    kernels = energy_attention.attention_backwards(x, forward_flops=2.0)
     assert set(kernels) == {"attention_backward", "attention_backward_atomic", "attention_backward_stored",
                             "attention_dkdv_stored", "attention_dq_stored"}  # fmt: skip
     assert kernels["attention_backward"].flops == 7.0 and kernels["attention_backward_atomic"].flops == 5.0
@@ -74,7 +81,7 @@ def test_the_attention_backwards_agree_before_they_are_measured(kernel_energy):
         assert dq.shape == dk.shape == dv.shape == x["q"].shape and bool(torch.isfinite(dq).all())
 
 
-def test_the_fp8_forward_is_checked_against_the_bf16_forward_before_it_is_measured(kernel_energy):
+def test_the_fp8_forward_is_checked_against_the_bf16_forward_before_it_is_measured(energy_attention):
     """Under the interpreter on three short sequences: the e4m3 ``q k^T`` forward passes the script's check
     against the bf16 forward, counts the bf16 forward's FLOPs, and writes its output where it is told."""
     from attention_gluon import inputs_of, triton_pass
@@ -83,16 +90,16 @@ def test_the_fp8_forward_is_checked_against_the_bf16_forward_before_it_is_measur
     lengths = torch.tensor([5, 40, 70])
     x = inputs_of(Case(3, 2, 32, 70, 0.6, lengths="powerlaw"), lengths, torch.ones_like(lengths), 1, torch.device("cpu"))
     out = torch.full_like(x["q"], float("nan"))
-    kernels = kernel_energy.attention_forward_fp8(x, forward_flops=2.0, out=out)
+    kernels = energy_attention.attention_forward_fp8(x, forward_flops=2.0, out=out)
     assert set(kernels) == {"attention_forward_fp8"} and kernels["attention_forward_fp8"].flops == 2.0
     (y,) = kernels["attention_forward_fp8"].call()
     assert y is out and bool(torch.isfinite(out).all())
     bf16 = triton_pass(x, "forward")[0].float()
     error = ((out.float() - bf16).norm() / bf16.norm()).item()
-    assert 0 < error <= kernel_energy.FP8_FORWARD_TOLERANCE  # e4m3 rounds: not the bf16 result, close to it
+    assert 0 < error <= energy_attention.FP8_FORWARD_TOLERANCE  # e4m3 rounds: not the bf16 result, close to it
 
 
-def test_each_attention_config_is_pinned_checked_and_put_back(kernel_energy):
+def test_each_attention_config_is_pinned_checked_and_put_back(energy_attention):
     """Under the interpreter on three short sequences, with two configs a pass that it can run: each pinned
     row launches its own config (the tuned kernel's last launch says which), passes the check against the
     tuned config's output, and leaves the tuner's pick in place for every other caller."""
@@ -105,7 +112,7 @@ def test_each_attention_config_is_pinned_checked_and_put_back(kernel_energy):
     x = inputs_of(Case(3, 2, 32, 70, 0.6, lengths="powerlaw"), lengths, torch.ones_like(lengths), 1, torch.device("cpu"))
     out = {"forward": (torch.empty_like(x["q"]),), "dq": (torch.empty_like(x["q"]),)}
     tables = {"forward": [(16, 16, 1, 1, 1), (32, 16, 1, 1, 1)], "dq": [(16, 16, 1, 1, 1), (32, 16, 1, 1, 1)]}
-    kernels = kernel_energy.attention_configs(x, forward_flops=2.0, out=out, tables=tables, dkdv=False)
+    kernels = energy_attention.attention_configs(x, forward_flops=2.0, out=out, tables=tables, dkdv=False)
     assert set(kernels) == {f"attention_{w}@{b}x16x1x1x1" for w in ("forward", "dq") for b in (16, 32)}
     assert kernels["attention_dq@32x16x1x1x1"].flops == 3.0 and kernels["attention_forward@16x16x1x1x1"].flops == 2.0
     for which, tuned in (("forward", at.FORWARD), ("dq", at.DQ)):
