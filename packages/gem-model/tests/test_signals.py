@@ -106,3 +106,22 @@ def test_sigterm_to_every_process_of_a_torchrun_launch_stops_both_ranks_at_one_s
     assert err.count(f"stopped by SIGTERM after step {done}") + err.count(f"a peer's signal after step {done}") == 2, err[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{done:08d}"]
     assert proc.returncode != 0
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path):
+    """``kill -USR1``: where the run is (the training loop in the main thread, the prefetch thread beside
+    it), then more steps, then a SIGTERM stops it as usual."""
+    out = tmp_path / "run"
+    proc = start(out, "trainer.checkpoint_at_end=false", "trainer.prefetch=2")
+    deadline = time.monotonic() + 120
+    while logged(out) < 3:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the run ended or stalled before step 3: {proc.communicate()[1][-3000:]}")
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGUSR1)
+    seen = logged(out)
+    code, err = signal_after_steps(proc, out, signal.SIGTERM, steps=seen + 3)  # it went on training
+    assert code == EXIT_SIGTERM, err[-3000:]
+    assert "Current thread 0x" in err and err.count("Thread 0x") >= 1, err[-3000:]  # the main thread and another
+    assert "(most recent call first)" in err and " in _loop" in err, err[-3000:]

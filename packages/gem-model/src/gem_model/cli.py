@@ -114,7 +114,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gem_model.distributed import launched_by_torchrun
     from gem_model.plugins import GemPluginManager
     from gem_model.train import resume
+    from gem_model.train.stacks import print_stacks_on_signal
 
+    print_stacks_on_signal()  # kill -USR1 <pid>: where this process is, printed to stderr
     launch.set_cuda_allocator()  # before the checks (which may start CUDA); torchrun's processes inherit it
     pm = GemPluginManager()
     launched = launched_by_torchrun()
