@@ -10,7 +10,6 @@ ranks, not the agent (whose SIGUSR1 would end it): ``pkill -USR1 -P <torchrun's 
 from __future__ import annotations
 
 import faulthandler
-import io
 import signal
 import sys
 
@@ -27,6 +26,6 @@ def print_stacks_on_signal() -> bool:
         return False
     try:
         faulthandler.register(STACKS_SIGNAL, file=stream, all_threads=True, chain=False)
-    except (OSError, ValueError, io.UnsupportedOperation):  # a stderr without a file descriptor
+    except (OSError, ValueError):  # a stderr without a file descriptor (io.UnsupportedOperation is both)
         return False
     return True
