@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from gem_model.testing import RunTimedOut, finish, start_run
+
 HERE = Path(__file__).resolve().parent
 
 # gem-parallel's tests/conftest.py REFERENCE overrides and test_loss_pin.py's pinned losses
@@ -80,16 +82,25 @@ def start(out: Path, *overrides: str, plugins: str = PLUGINS) -> subprocess.Pope
         *overrides,
         f"trainer.output_dir={out}",
     ]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return start_run(cmd, env=env)  # in a session of its own: collect it with finish (a hang shows its stacks)
 
 
 def run_all(root: Path, names: list[str]) -> dict[str, Finished]:
-    """The runs of :data:`RUNS` named, started at once."""
+    """The runs of :data:`RUNS` named, started at once. One that outlives its 600 s fails with its ranks'
+    stacks (gem_model.testing.finish); the others still running are then ended, their stacks printed."""
     procs = {name: start(root / name, *RUNS[name]) for name in names}
     done = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        done[name] = Finished(root / name, proc.returncode, stdout, stderr)
+    try:
+        for name, proc in procs.items():
+            run = finish(proc, timeout_s=600)
+            done[name] = Finished(root / name, run.returncode, run.stdout, run.stderr)
+    finally:
+        for name, proc in procs.items():
+            if proc.poll() is None:
+                try:
+                    finish(proc, timeout_s=0)
+                except RunTimedOut as stopped:
+                    print(f"{name}, ended with the one that timed out: {stopped}")
     return done
 
 

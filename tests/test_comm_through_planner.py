@@ -27,7 +27,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: comm_runs beside this file
 from comm_runs import PINNED, SKIPPED_PINNED, run_all, start, step_losses
 
-from gem_model.testing import assert_pinned
+from gem_model.testing import assert_pinned, finish
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # 2-process runs: ~12 s of CPU each
 
@@ -85,7 +85,7 @@ def test_quantized_all_to_alls_refuse_lookups_in_another_dtype(tmp_path):
     """FBGEMM's qcomm codecs take float32 lookups (a float16 lookup overflows the bf16 codec's clamp):
     the planner says so, naming the option and the strategy, before any table is sharded (exit 2)."""
     proc = start(tmp_path / "q16", "comm.strategy=quantized", "parallel.planner.options.table_output_dtype=float16")
-    _, stderr = proc.communicate(timeout=600)
+    stderr = finish(proc, timeout_s=600).stderr  # a hang fails with the ranks' stacks
     assert proc.returncode != 0
     message = ("parallel.planner.options.table_output_dtype: comm.strategy 'quantized' quantizes the embedding "
                "all-to-alls, whose codecs take float32 lookups")  # fmt: skip

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from gem_model.testing_runs import run_until  # not gem_model.testing: no torch in this process
+
 
 def gem_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("GEM_DISABLE_PLUGIN_AUTOLOAD", None)
-    return subprocess.run([sys.executable, "-m", "gem_model", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return run_until([sys.executable, "-m", "gem_model", *args], env=env, timeout_s=timeout)  # a hang shows its stacks
 
 
 ROOT = Path(__file__).resolve().parents[1]

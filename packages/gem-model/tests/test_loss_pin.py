@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -49,7 +48,7 @@ def test_two_tensor_parallel_ranks_reproduce_the_pinned_losses(tmp_path):
     env = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "GEM_DISABLE_PLUGIN_AUTOLOAD": "1", "OMP_NUM_THREADS": "1"}
     args = [*testing.INLINE_OVERRIDES, *RUN, "trainer.steps=4", "parallel.planner=inline_replicated"]
     cmd = [sys.executable, "-m", "gem_model", "run", "--nproc", "2", *args, f"trainer.output_dir={tmp_path}/two"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    proc = testing.run_until(cmd, env=env, timeout_s=600)  # a hang fails with both ranks' stacks
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tp=2 (2 ranks)" in proc.stdout
     losses = [json.loads(x)["step_loss"] for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]

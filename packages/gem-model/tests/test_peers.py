@@ -63,7 +63,7 @@ def launch(out: Path, *extra: str, site: Path | None = None,
     env = ENV if site is None else {**ENV, "PYTHONPATH": os.pathsep.join([str(site), ENV.get("PYTHONPATH", "")])}
     env = {**env, **(env_extra or {})}
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = testing.run_until(cmd, env=env, timeout_s=300)  # a hang fails with the ranks' stacks
     return proc, time.monotonic() - start
 
 

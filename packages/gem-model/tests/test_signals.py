@@ -63,9 +63,9 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_the_same_command_resu
     assert saved == [f"step_{done:08d}"], saved  # that step's checkpoint, complete (no .partial left)
     assert f"stopped by SIGTERM after step {done}" in err
     # the same command continues from that checkpoint, as if it had never stopped
-    resumed = subprocess.run(
+    resumed = testing.run_until(
         [sys.executable, "-m", "gem_model", "run", *SMALL, f"trainer.steps={done + 2}", f"trainer.output_dir={out}"],
-        capture_output=True, text=True, env=ENV, timeout=300,
+        env=ENV, timeout_s=300,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"continuing from {out / 'checkpoints' / f'step_{done:08d}'} (step {done} of {done + 2})" in resumed.stdout

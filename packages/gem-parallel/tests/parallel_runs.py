@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gem_model.testing import run_until
+
 ENV = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "OMP_NUM_THREADS": "1"}
 
 
@@ -20,7 +22,7 @@ def gem_train(
     else:
         launch = ["-m", "gem_model", "run", *(["--nproc", str(nproc)] if nproc > 1 else [])]
     cmd = [sys.executable, *launch, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})}, timeout=timeout)
+    proc = run_until(cmd, env={**ENV, **(env or {})}, timeout_s=timeout)  # a hang fails with the ranks' stacks
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -33,7 +35,7 @@ def gem_train_failing(args: list[str], *, nproc: int = 2, timeout: int = 300) ->
     """``gem-train run`` under torchrun in ``nproc`` processes (the launcher's own imports left out),
     for a run that must fail: its process, whose non-zero status is asserted."""
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "gem_model", "run"]
-    proc = subprocess.run([sys.executable, *launch, *args], capture_output=True, text=True, env=ENV, timeout=timeout)
+    proc = run_until([sys.executable, *launch, *args], env=ENV, timeout_s=timeout)
     assert proc.returncode != 0, proc.stderr[-3000:]
     return proc
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gem_model.testing import assert_pinned
+from gem_model.testing import assert_pinned, run_until
 
 # trainer.steps=4 of the REFERENCE overrides (conftest.py), by planner, per CPU family (assert_pinned)
 AVX2 = "AVX2 CI machine, 4ddf59e"
@@ -35,7 +34,7 @@ RUN = ["trainer.steps=4", "trainer.checkpoint_at_end=false", "trainer.eval_at_en
 def losses(args: list[str], out: Path, nproc: int) -> list[str]:
     env = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "gem_model", "run", *(["--nproc", str(nproc)] if nproc > 1 else []), *args]
-    proc = subprocess.run([*cmd, f"trainer.output_dir={out}"], capture_output=True, text=True, env=env, timeout=600)
+    proc = run_until([*cmd, f"trainer.output_dir={out}"], env=env, timeout_s=600)  # a hang fails with the stacks
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(x)["step_loss"].hex() for x in (out / "metrics.jsonl").read_text().splitlines()]
 

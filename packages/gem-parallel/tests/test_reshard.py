@@ -28,7 +28,7 @@ def gem_train(nproc: int, args: list[str], *, code: int = 0) -> subprocess.Compl
     """``gem-train run`` in ``nproc`` processes: through torchrun, or one process without it."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     cmd = [sys.executable, *launcher, "-m", "gem_model", "run", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    proc = testing.run_until(cmd, env=ENV, timeout_s=300)  # a hang fails with the ranks' stacks
     assert proc.returncode == code, proc.stderr[-4000:]
     return proc
 

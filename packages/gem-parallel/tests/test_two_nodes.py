@@ -13,6 +13,9 @@ import sys
 import pytest
 from parallel_runs import step_losses
 
+from gem_model.testing import RunTimedOut, start_run
+from gem_model.testing import finish as finish_run
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
@@ -25,13 +28,13 @@ def free_port() -> int:
 def gem_train(args: list[str]) -> subprocess.Popen[str]:
     env = {**os.environ, "GEM_PLUGINS": "gem_model.testing", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "gem_model", "run", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return start_run(cmd, env=env)
 
 
 def finish(proc: subprocess.Popen[str]) -> str:
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-4000:]
-    return out + err
+    done = finish_run(proc, timeout_s=600)  # a hang fails with the node's ranks' stacks
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout + done.stderr
 
 
 def test_two_nodes_match_one_node_of_the_same_world_size(ddp_run, tmp_path):
@@ -47,9 +50,11 @@ def test_two_nodes_match_one_node_of_the_same_world_size(ddp_run, tmp_path):
         outputs = [finish(p) for p in nodes]
     finally:
         for proc in nodes:
-            if proc.poll() is None:  # a launch failed: end the other it left waiting at the rendezvous
-                proc.kill()
-                proc.wait()
+            if proc.poll() is None:  # a launch failed: end the other it left waiting (its stacks in the output)
+                try:
+                    finish_run(proc, timeout_s=0)
+                except RunTimedOut as stopped:
+                    print(f"the other node: {stopped}")
     # global rank 0 prints the summary, on whichever node the rendezvous gave it; each node says which
     summaries = [bool(re.search(r"processes\s+2 on cpu", out)) for out in outputs]
     assert sorted(summaries) == [False, True]

@@ -13,7 +13,9 @@ For a plugin's own tests:
 - :func:`fake_run_context`: a :class:`~gem_model.context.RunContext` over a real tiny model, to
   call a callback's hooks directly;
 - :func:`assert_pinned` (:mod:`gem_model.testing_pins`): losses equal, bit for bit, to one of
-  the sets pinned per CPU family.
+  the sets pinned per CPU family;
+- :func:`run_until`, :func:`start_run` and :func:`finish` (:mod:`gem_model.testing_runs`): ``gem-train run``
+  as a subprocess whose timeout fails with the stacks of its processes (:class:`RunTimedOut`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ from gem_model.plan import DensePlacement, Plan, TablePlacement
 from gem_model.results import RunSummary
 from gem_model.testing_faults import Digests, Fault, NanForward, StateDump, UnevenSource
 from gem_model.testing_pins import assert_pinned as assert_pinned
+from gem_model.testing_runs import RunTimedOut as RunTimedOut
+from gem_model.testing_runs import finish as finish
+from gem_model.testing_runs import run_until as run_until
+from gem_model.testing_runs import start_run as start_run
 
 
 def hstu_mask(n: int, t: int, window: int, device: torch.device) -> torch.Tensor:
