@@ -10,8 +10,6 @@ from collections.abc import Callable
 
 from ab_patch import Switch, all_of, patched  # beside this script
 
-STORED_DQ_LAUNCHES = ((128, 8, 3, 1), (128, 8, 2, 1), (128, 4, 3, 1))
-
 
 def switch_torch_loss(run: object) -> Callable[[], None]:
     """The next-item loss by gem-model's ``torch`` kernel (``TorchNextItemLoss``, the chunked GEMMs and
@@ -80,10 +78,6 @@ KERNEL_VARIANTS: dict[str, Switch] = {
     **{f"gluon_dq_{config}": all_of(patched("gem_kernels.attention_gluon", "DQ", True),
                                     patched("gem_kernels.attention_gluon", "DEFAULT_DQ_CONFIG", config))
        for config in ("m64n32p2", "m64n32s2p2")},
-    # the dq pass from stored ds tiles at a 128-query launch candidate of benchmarks/stored_dq.py
-    # (attention_stored.LAUNCH: queries a program, warps, stages, programs an SM; shipped (64, 4, 4, 2))
-    **{"stored_dq_" + "_".join(map(str, launch)): patched("gem_kernels.attention_stored", "LAUNCH", launch)
-       for launch in STORED_DQ_LAUNCHES},
     # the backward's dk/dv pass in Triton (the Gluon pass is shipped since 2026-12-05; this session's
     # commands named it ``gluon_dkdv``)
     "triton_dkdv": patched("gem_kernels.attention_gluon", "DKDV", False),

@@ -249,21 +249,6 @@ def test_the_gluon_dq_config_switches_route_the_dq_pass_at_their_config_and_undo
     assert (attention_gluon.DQ, attention_gluon.DEFAULT_DQ_CONFIG) == shipped
 
 
-@pytest.mark.parametrize("launch", [(128, 8, 3, 1), (128, 8, 2, 1), (128, 4, 3, 1)])
-def test_the_stored_dq_launch_switches_set_their_launch_and_undo(monkeypatch, launch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    from ab_switches import VARIANTS
-
-    from gem_kernels import attention_stored
-
-    shipped = attention_stored.LAUNCH
-    undo = VARIANTS["stored_dq_" + "_".join(map(str, launch))](None)
-    assert attention_stored.LAUNCH == launch != shipped
-    assert launch[0] in attention_stored.QUERY_BLOCKS
-    undo()
-    assert attention_stored.LAUNCH == shipped
-
-
 def test_the_pointwise_unpipelined_switch_is_undone(monkeypatch):
     """``pointwise_unpipelined`` puts the norm-gate's and the sums pass's launches of before the pipeline back, and undoes."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

@@ -21,16 +21,12 @@ block (the order the ``dk``/``dv`` pass makes them in)::
     tile(s, h, j, i) = base[s] + h c(n) + j Qb - j (j - 1) + i - 2 j
     c(n) = Kb Qb - Kb (Kb - 1),   Kb = ceil(n / 64),   Qb = ceil(n / 32)
 
-``base[s]`` is the number of tiles of the sequences before ``s`` (all heads). A program of the ``dq`` pass takes
-64 or 128 queries (:data:`LAUNCH`), ``m = 2`` or ``4`` query blocks: for key block ``j`` its tiles ``(j, m p)``
-.. ``(j, m p + m - 1)`` are neighbours, one ``[32 m, 64]`` block read from the row of tile ``(j, m p)``. Where
-some of them do not exist (``i < 2 j`` next to the diagonal, ``i >= Qb`` at the sequence's end) the block's
-rows hold other tiles, or lie past the last tile: the buffer has :data:`SPARE_TILES` tiles after it for that.
-A writer may also leave pairs unwritten that the mask forbids (past a sequence's end, or target keys' rows).
-:func:`dq_from_stored` masks every block that can hold either, by selection, so what was never written, or
-belongs to another tile, is never added to a row it stores.
+``base[s]`` is the number of tiles of the sequences before ``s`` (all heads). The ``dq`` pass takes 64 queries
+at a time: tiles ``(2p, j)`` and ``(2p + 1, j)`` are neighbours, one ``[64, 64]`` block. A writer may leave
+pairs unwritten that the mask forbids (past a sequence's end, or target keys' rows): :func:`dq_from_stored`
+masks every block that can hold one, by selection, so what was never written is never added.
 
-Size. ``H sum c(n) + 3`` tiles of 4 KiB in bf16: ~2 bytes a pair plus the diagonal's padding, e.g. ~3.6 GB for
+Size. ``H sum c(n)`` tiles of 4 KiB in bf16: ~2 bytes a pair plus the diagonal's padding, e.g. ~3.6 GB for
 one block of the big config, held from the ``dk``/``dv`` pass to the end of this pass. Counting them needs the
 lengths on the host: :func:`prepare` starts that count on the device in the forward and copies it to the host
 without waiting; the backward reads it long after it landed. A batch whose buffer would pass
@@ -69,15 +65,12 @@ BUDGET_BYTES = 12 * 2**30
 """The most a ``ds`` buffer may take; a batch that needs more recomputes its scores (``separate``)."""
 HEAD_DIMS = (64, 128)
 """Head dims of the ``dq`` pass here (its key tile is ``[64, D]``)."""
-QUERY_BLOCKS = (64, 128)
-"""Queries a program of the ``dq`` pass may take: two or four stored tiles of each key block."""
-SPARE_TILES = max(QUERY_BLOCKS) // TILE_Q - 1
-"""Tiles after the last one in every buffer: a ``[128, 64]`` block read at the buffer's last tile runs 3 past it."""
-LAUNCH = (64, 4, 4, 2)
-"""(queries a program, warps, pipeline stages, programs an SM) of the ``dq`` pass: one warpgroup's ``[64, D]``
-float32 accumulator, two programs an SM. On the H100 (2026-12-06, ``benchmarks/stored_dq.py --rounds 5``, big
-config) 1.753 ms against 1.870 at 3 stages, 2.343 at (64, 4, 2, 3), 2.572 on 8 warps. The 128-query form is a
-candidate of that benchmark, not measured here yet."""
+LAUNCH = (4, 4, 2)
+"""(warps, pipeline stages, programs an SM) of the ``dq`` pass: one warpgroup's ``[64, D]`` float32
+accumulator, two programs an SM. On the H100 (2026-12-06, ``benchmarks/stored_dq.py --rounds 5``, big config)
+1.753 ms against 1.870 at 3 stages, 2.343 at (4, 2, 3), 2.572 on 8 warps. A 128-query form (four tiles of a
+key block a program, 57c4d43) was slower at every launch it was timed at (H100, 2026-12-06): 2.297 ms at best
+(8 warps, 3 stages, one program an SM) against 1.739 here; removed."""
 
 
 @triton.jit
@@ -119,10 +112,10 @@ def store_tile_elements(DS, base, ds_t, keys, queries, n):
 @triton.jit
 def _load_pair(DS, ds_desc, k_head, k_desc, rows, keys, k_row, k_col, offs_m, offs_n, offs_d, stride_km, keys_ok,
                TMA: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """A ``[len(offs_m), 64]`` block of stored ``ds`` from row ``rows`` (int64) on, and the ``[64, D]`` key tile of
-    keys ``keys`` (``k_row``, ``k_col``: its first row and column in the whole ``[L, H D]`` tensor). By
-    descriptors, rows past the sequence hold the next one's keys (past the tensor, zeros; ``ds`` rows past the
-    buffer, zeros too): a masked step's selection drops them."""
+    """A ``[64, 64]`` block of stored ``ds`` from row ``rows`` (int64) on, and the ``[64, D]`` key tile of keys
+    ``keys`` (``k_row``, ``k_col``: its first row and column in the whole ``[L, H D]`` tensor). By descriptors,
+    rows past the sequence hold the next one's keys (past the tensor, zeros): a masked step's selection
+    drops them."""
     if TMA:
         return ds_desc.load([rows.to(tl.int32), 0]), k_desc.load([k_row, k_col])
     ds = tl.load(DS + (rows + offs_m)[:, None] * 64 + offs_n[None, :])
@@ -135,68 +128,51 @@ def _load_pair(DS, ds_desc, k_head, k_desc, rows, keys, k_row, k_col, offs_m, of
 def _dq_stored_kernel(DS, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER, stride_km, stride_kh, stride_dqm,
                       stride_dqh, num_seqs, num_heads, num_rows, ds_rows, scale, DQK: tl.constexpr,
                       HAS_TARGETS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
-                      TMA: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """``dq = scale * ds k`` for every (sequence, head, block of ``BLOCK_M`` queries: 64 or 128), the sequence's
-    last block first; ``TMA``: the ``ds`` blocks and key tiles by tensor descriptors (``DS`` ``[ds_rows, 64]``,
-    ``K`` ``[num_rows, num_heads * DQK]``).
-
-    Key blocks ``j`` from 0 to the last one that holds keys of the sequence not after the block's last query. A
-    full step's block is one key block's tiles ``(j, m p)`` .. ``(j, m p + m - 1)`` (``m = BLOCK_M / 32``), all
-    there, of pairs all allowed and written. A masked step drops, by selection, every pair the mask forbids
-    (that covers the rows of tiles before the diagonal, ``i < 2 j``: their keys all come after their queries)
-    and every key past the sequence; at 128 queries also every row past the sequence's end (the rows of tiles
-    ``i >= Qb`` hold other tiles, or lie past the last one), and its full steps take only blocks wholly inside
-    the sequence. The 64-query form keeps such rows, as it always did: a row of ``ds`` reaches only its own row
-    of ``dq``, and rows past the end are not stored."""
-    offs_m = tl.arange(0, BLOCK_M)
+                      TMA: tl.constexpr):  # fmt: skip
+    """``dq = scale * ds k`` for every (sequence, head, block of 64 queries), the sequence's last block first;
+    ``TMA``: the ``ds`` blocks and key tiles by tensor descriptors (``DS`` ``[ds_rows, 64]``, ``K`` ``[num_rows,
+    num_heads * DQK]``)."""
+    offs_m = tl.arange(0, 64)
     offs_n = tl.arange(0, 64)
     offs_d = tl.arange(0, DQK)
     ds_desc = DS  # unused without TMA
     k_desc = K
     if TMA:
-        ds_desc = tl.make_tensor_descriptor(DS, shape=[ds_rows, 64], strides=[64, 1], block_shape=[BLOCK_M, 64])
+        ds_desc = tl.make_tensor_descriptor(DS, shape=[ds_rows, 64], strides=[64, 1], block_shape=[64, 64])
         k_desc = tl.make_tensor_descriptor(K, shape=[num_rows, num_heads * DQK], strides=[stride_km, 1],
                                            block_shape=[64, DQK])  # fmt: skip
     tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
     tiles_before = tile * 0
     for chunk0 in range(0, num_seqs, CHUNK):
-        tiles, tiles_end = scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before, BLOCK_M, CHUNK)
+        tiles, tiles_end = scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before, 64, CHUNK)
         chunk_end = tiles_before + tl.sum(tiles)
         while tile < chunk_end:
             seq, seq_start, seq_len, head, block, blocks = locate_tile(
-                tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, BLOCK_M
+                tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, 64
             )
             next_tile = tl.atomic_add(COUNTER, 1, sem="relaxed")
             p = blocks - 1 - block
             history_len = history_length(NUM_TARGETS, seq, seq_len, HAS_TARGETS)
             base = head_base(DS_BASE, seq, head, seq_len)
-            queries = p * BLOCK_M + offs_m
+            queries = p * 64 + offs_m
             k_head = K + seq_start * stride_km + head * stride_kh
-            acc = tl.zeros([BLOCK_M, DQK], dtype=tl.float32)
+            acc = tl.zeros([64, DQK], dtype=tl.float32)
             # key blocks wholly in the history and before the queries: every pair allowed, every pair written
-            full_end = tl.minimum(p * (BLOCK_M // 64), history_len // 64)
-            end = (p + 1) * (BLOCK_M // 64)
-            if BLOCK_M > 64:
-                # full steps only where the block lies wholly inside the sequence (its 4 tiles exist, every row
-                # written), no key block past the sequence's last (a block with no tile of this program)
-                full_end = tl.where((p + 1) * BLOCK_M <= seq_len, full_end, 0)
-                end = tl.minimum(end, (seq_len + 63) // 64)
+            full_end = tl.minimum(p, history_len // 64)
             k_col = head * DQK
             for j in range(0, full_end):
                 keys = j * 64 + offs_n
-                rows = tile_index(base, j, p * (BLOCK_M // 32), seq_len) * 32
+                rows = tile_index(base, j, 2 * p, seq_len) * 32
                 ds, k = _load_pair(DS, ds_desc, k_head, k_desc, rows, keys, (seq_start + j * 64).to(tl.int32), k_col,
                                    offs_m, offs_n, offs_d, stride_km, keys, TMA, False)  # fmt: skip
                 acc = dot(ds, k, acc, IEEE, INTERP)
-            for j in range(full_end, end):
+            for j in range(full_end, p + 1):
                 keys = j * 64 + offs_n
                 keys_ok = keys < seq_len
-                rows = tile_index(base, j, p * (BLOCK_M // 32), seq_len) * 32
+                rows = tile_index(base, j, 2 * p, seq_len) * 32
                 ds, k = _load_pair(DS, ds_desc, k_head, k_desc, rows, keys, (seq_start + j * 64).to(tl.int32), k_col,
                                    offs_m, offs_n, offs_d, stride_km, keys_ok, TMA, True)  # fmt: skip
                 keep = allowed(queries[:, None], keys[None, :], history_len, 0, False) & keys_ok[None, :]
-                if BLOCK_M > 64:
-                    keep = keep & (queries < seq_len)[:, None]  # rows past the end: other tiles, or never written
                 ds = tl.where(keep, ds, 0.0)  # a selection: what was never written is never added
                 acc = dot(ds, k, acc, IEEE, INTERP)
             dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + queries[:, None] * stride_dqm + offs_d[None, :]
@@ -208,9 +184,9 @@ def _dq_stored_kernel(DS, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER, str
 
 @dataclass
 class StoredScores:
-    """Where the ``dk``/``dv`` pass writes its ``ds`` tiles: ``buffer [(tiles + SPARE_TILES) * 32, 64]`` (the ``dq``
-    pass reads whole ``[64, 64]`` or ``[128, 64]`` blocks, which may run 1 or 3 tiles past the last tile) and
-    ``base [B]`` (int64, each sequence's first tile)."""
+    """Where the ``dk``/``dv`` pass writes its ``ds`` tiles: ``buffer [tiles * 32 + 32, 64]`` (one spare tile: the
+    ``dq`` pass reads whole ``[64, 64]`` blocks, whose second half may lie past the last tile) and ``base [B]``
+    (int64, each sequence's first tile)."""
 
     buffer: torch.Tensor
     base: torch.Tensor
@@ -243,13 +219,13 @@ class ScorePlan:
         return int(self._total[0])
 
     def scores(self, dtype: torch.dtype, budget_bytes: int | None = None) -> StoredScores | None:
-        """A buffer for this batch's tiles and :data:`SPARE_TILES` more, or None if it would take more than
-        ``budget_bytes`` (:data:`BUDGET_BYTES`) or the device has no room for it (the caller then recomputes)."""
-        tiles = self.tiles() + SPARE_TILES
-        if tiles * TILE_Q * TILE_K * dtype.itemsize > (BUDGET_BYTES if budget_bytes is None else budget_bytes):
+        """A buffer for this batch's tiles, or None if it would take more than ``budget_bytes``
+        (:data:`BUDGET_BYTES`) or the device has no room for it (the caller then recomputes)."""
+        tiles = self.tiles()
+        if (tiles + 1) * TILE_Q * TILE_K * dtype.itemsize > (BUDGET_BYTES if budget_bytes is None else budget_bytes):
             return None
         try:
-            buffer = torch.empty((tiles * TILE_Q, TILE_K), dtype=dtype, device=self.base.device)
+            buffer = torch.empty(((tiles + 1) * TILE_Q, TILE_K), dtype=dtype, device=self.base.device)
         except torch.OutOfMemoryError:  # the step goes on, recomputing; it only runs slower
             return None
         return StoredScores(buffer, self.base)
@@ -281,26 +257,24 @@ def applies(q: torch.Tensor, k: torch.Tensor, bias: RelativeBias, max_attn_len: 
 def dq_from_stored(scores: StoredScores, k: torch.Tensor, seq_offsets: torch.Tensor, num_targets: torch.Tensor | None,
                    *, max_seq_len: int, alpha: float, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """``out[:] = alpha / max_seq_len * ds k`` (``out``, ``k``: ``[L, H, D]`` with unit last stride) from the tiles
-    the ``dk``/``dv`` pass stored in ``scores``, at :data:`LAUNCH` (read at call time)."""
+    the ``dk``/``dv`` pass stored in ``scores``."""
     rows, heads, dim = k.shape
     if dim not in HEAD_DIMS or out.shape != k.shape or out.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"dq_from_stored: k and out must be [L, H, D] alike with D in {HEAD_DIMS} and unit last "
                          f"stride, got k {tuple(k.shape)} and out {tuple(out.shape)}")  # fmt: skip
-    queries, warps, stages, per_sm = LAUNCH
-    if queries not in QUERY_BLOCKS:
-        raise ValueError(f"dq_from_stored: LAUNCH takes {QUERY_BLOCKS} queries a program, got {queries}")
     num_seqs = seq_offsets.shape[0] - 1
     if rows == 0 or num_seqs <= 0:
         return out
-    tile_bound = num_seqs * heads * -(-max(max_seq_len, 1) // queries)
+    tile_bound = num_seqs * heads * -(-max(max_seq_len, 1) // 64)
     tma = tma_loads(k) and scores.buffer.dtype == k.dtype and scores.buffer.data_ptr() % 16 == 0
+    warps, stages, per_sm = LAUNCH
     with device_guard(k.device):
         grid = (num_programs(k.device, per_sm, tile_bound),)
         _dq_stored_kernel[grid](
             scores.buffer, scores.base, k, out, seq_offsets, num_targets if num_targets is not None else seq_offsets,
             queue_counter(k.device), k.stride(0), k.stride(1), out.stride(0), out.stride(1), num_seqs, heads, rows,
             scores.buffer.shape[0], float(alpha) / max_seq_len, DQK=dim, HAS_TARGETS=num_targets is not None,
-            IEEE=k.dtype == torch.float32, INTERP=INTERPRET, CHUNK=CHUNK, TMA=tma, BLOCK_M=queries,
+            IEEE=k.dtype == torch.float32, INTERP=INTERPRET, CHUNK=CHUNK, TMA=tma,
             num_warps=1 if INTERPRET else warps, num_stages=1 if INTERPRET else stages,
         )  # fmt: skip
     return out
