@@ -38,6 +38,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from gem_kernels import attention_stored
 from gem_kernels.attention_triton_autograd import (
     autotuned_configs,
     clear_last_configs,
@@ -50,8 +51,13 @@ from gem_kernels.testing import attention_errors
 from gem_model.api import AttentionExtras
 
 SEED = 1001
+TILE_BYTES = attention_stored.TILE_Q * attention_stored.TILE_K * 2
+"""One stored bf16 tile of score gradients: ``TILE_Q`` queries by 64 keys."""
 REP_MS = 300  # do_bench's budget per measurement: a few repetitions even of the 80 ms cases
-DQ_MODES = ("atomic", "separate")
+DQ_MODES = ("atomic", "separate", "stored")
+"""The backward's ``dq`` variants: fp32 atomics in the ``dk``/``dv`` pass, a separate query-major pass that
+recomputes the scores, or a pass over the score gradients the ``dk``/``dv`` pass stored (which recomputes,
+as ``separate``, when the batch's tiles pass ``attention_stored.BUDGET_BYTES``: see ``stored_fits``)."""
 
 
 @dataclass(frozen=True)
@@ -202,10 +208,12 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
     fwd_flops, bwd_flops = flops(case, inputs["squares"])
     row.update(rows=int(inputs["offsets"][-1]), squares=inputs["squares"], fwd_flops=fwd_flops, bwd_flops=bwd_flops)
     row["dq_auto"] = resolve_dq_mode("auto", row["rows"], case.batch, case.heads)
+    row["stored_bytes"] = (attention_stored.prepare(inputs["offsets"], case.heads).tiles() + 1) * TILE_BYTES  # a spare
+    row["stored_fits"] = row["stored_bytes"] <= attention_stored.BUDGET_BYTES
     options = dict(max_seq_len=case.max_seq_len, alpha=1.0 / case.dim,
                    extras=AttentionExtras(num_targets=inputs["targets"]))
     offsets = inputs["offsets"]
-    for mode in DQ_MODES if args.dq == "both" else (args.dq,):
+    for mode in args.dq_modes:
 
         def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str = mode) -> torch.Tensor:
             return jagged_attention_triton(q, k, v, offsets, dq_mode=mode, **options)
@@ -269,7 +277,7 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (f"{'case':<12} {'rows':>8} {'fwd ms':>8} {'TF/s':>6} {'bwd ms':>8} {'TF/s':>6} {'bwd2 ms':>8} "
-              f"{'TF/s':>6} {'ref f/b ms':>15} {'sdpa f/b ms':>15} {'max rel err':>11}  verdict / failures")
+              f"{'TF/s':>6} {'bwd3 ms':>8} {'TF/s':>6} {'fits':>6} {'ref f/b ms':>15} {'sdpa f/b ms':>15} {'max rel err':>11}  verdict / failures")
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -290,10 +298,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt(tflops(row.get('bwd_flops', 0), row.get('triton_bwd_atomic_ms')), '.0f'):>6} "
             f"{fmt(row.get('triton_bwd_separate_ms')):>8} "
             f"{fmt(tflops(row.get('bwd_flops', 0), row.get('triton_bwd_separate_ms')), '.0f'):>6} "
+            f"{fmt(row.get('triton_bwd_stored_ms')):>8} "
+            f"{fmt(tflops(row.get('bwd_flops', 0), row.get('triton_bwd_stored_ms')), '.0f'):>6} "
+            f"{'yes' if row.get('stored_fits') else 'no':>6} "
             f"{ref:>15} {sdpa:>15} {fmt(max(errs) if errs else None, '.1e'):>11}  {tail}"
         )
-    print("bwd = dq by fp32 atomics in the dk/dv pass; bwd2 = dq by a separate query-major pass. "
-          "TF/s count real (causal, jagged) FLOPs for every column.")
+    print("bwd = dq by fp32 atomics in the dk/dv pass; bwd2 = dq by a separate query-major pass; bwd3 = dq from "
+          "the score gradients the dk/dv pass stored (fits: within attention_stored.BUDGET_BYTES; if not, bwd3 "
+          "recomputes as bwd2). TF/s count real (causal, jagged) FLOPs for every column.")
 
 
 def print_configs(rows: list[dict[str, Any]]) -> None:
@@ -316,9 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the target cases only; skip the reference and SDPA")
     parser.add_argument("--cases", help=f"comma-separated subset of: {', '.join(CASES)}")
     parser.add_argument(
-        "--dq", choices=("both", *DQ_MODES), default="both", help="backward variants to check and time"
+        "--dq", default="all", help=f"backward variants to check and time: all, or some of {', '.join(DQ_MODES)}, comma-separated"
     )
     args = parser.parse_args(argv)
+    modes = DQ_MODES if args.dq == "all" else tuple(args.dq.split(","))
+    if not modes or any(m not in DQ_MODES for m in modes):
+        parser.error(f"--dq {args.dq}: choose all, or some of {', '.join(DQ_MODES)}")
+    args.dq_modes = modes
     if not torch.cuda.is_available():
         print("jagged_attention benchmark: needs a CUDA device", file=sys.stderr)
         return 2
