@@ -63,5 +63,7 @@ def test_a_hung_two_process_run_fails_with_both_ranks_stacks_and_leaves_no_proce
     assert len(caught.value.signalled) == 2 and proc.pid not in caught.value.signalled  # the ranks, not torchrun
     assert message.count("Current thread 0x") == 2, message  # one per rank
     assert "Thread 0x" in message and 'File "' in message
-    assert message.count(" in _loop\n") == 2, message  # both in the training loop
+    # both in the training loop: the function's name is one write of faulthandler's, whole even where two
+    # ranks' dumps interleave (the signals go out 0.5 s apart, but a loaded machine may stall a rank longer)
+    assert message.count("_loop") >= 2, message
     assert not [pid for pid in {*recorded, *caught.value.pids} if alive(pid)]

@@ -22,6 +22,9 @@ from pathlib import Path
 
 STACKS_WAIT_S = 3.0
 """How long the signalled processes get to write their stacks before the tree is killed."""
+STACKS_GAP_S = 0.5
+"""The pause between two processes' signals, so that their stacks come out one after the other (the ranks of a
+torchrun launch share its stderr, and faulthandler writes a stack in many small pieces)."""
 STDERR_TAIL = 30_000
 """How much of the end of stderr the failure message shows (the stacks of a few ranks fit)."""
 
@@ -54,7 +57,12 @@ def finish(proc: subprocess.Popen[str], timeout_s: float) -> subprocess.Complete
         pass
     tree = process_tree(proc.pid)
     signalled = [pid for pid in tree if trains(cmdline(pid))]
-    for pid in signalled:
+    for i, pid in enumerate(signalled):  # one at a time: ranks dumping together interleave their writes
+        if i:
+            try:
+                proc.communicate(timeout=STACKS_GAP_S)
+            except subprocess.TimeoutExpired:
+                pass
         _signal(pid, signal.SIGUSR1)
     try:  # the stacks go to the pipes: keep draining them meanwhile (communicate keeps what it has read)
         proc.communicate(timeout=STACKS_WAIT_S if signalled else 0.01)
