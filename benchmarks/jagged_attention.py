@@ -51,8 +51,6 @@ from gem_kernels.testing import attention_errors
 from gem_model.api import AttentionExtras
 
 SEED = 1001
-TILE_BYTES = attention_stored.TILE_Q * attention_stored.TILE_K * 2
-"""One stored bf16 tile of score gradients: ``TILE_Q`` queries by 64 keys."""
 REP_MS = 300  # do_bench's budget per measurement: a few repetitions even of the 80 ms cases
 DQ_MODES = ("atomic", "separate", "stored")
 """The backward's ``dq`` variants: fp32 atomics in the ``dk``/``dv`` pass, a separate query-major pass that
@@ -208,7 +206,7 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
     fwd_flops, bwd_flops = flops(case, inputs["squares"])
     row.update(rows=int(inputs["offsets"][-1]), squares=inputs["squares"], fwd_flops=fwd_flops, bwd_flops=bwd_flops)
     row["dq_auto"] = resolve_dq_mode("auto", row["rows"], case.batch, case.heads)
-    row["stored_bytes"] = (attention_stored.prepare(inputs["offsets"], case.heads).tiles() + 1) * TILE_BYTES  # a spare
+    row["stored_bytes"] = attention_stored.prepare(inputs["offsets"], case.heads).buffer_bytes(inputs["q"].dtype)
     row["stored_fits"] = row["stored_bytes"] <= attention_stored.BUDGET_BYTES
     options = dict(max_seq_len=case.max_seq_len, alpha=1.0 / case.dim,
                    extras=AttentionExtras(num_targets=inputs["targets"]))

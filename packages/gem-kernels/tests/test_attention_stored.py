@@ -69,6 +69,9 @@ def test_the_key_major_pass_stores_every_allowed_pair_where_the_layout_says(gen,
     assert plan.tiles() == len(rows) and plan.base.tolist() == [sum(per_seq[:b]) for b in range(len(lengths))]
     stored = plan.scores(torch.float32)
     assert stored is not None and stored.buffer.shape == ((len(rows) + 1) * 32, 64)
+    need = plan.buffer_bytes(torch.float32)
+    assert need == stored.buffer.numel() * 4  # what scores() checks against the budget is what it allocates
+    assert plan.scores(torch.float32, budget_bytes=need) is not None and plan.scores(torch.float32, need - 1) is None
     key_major(q, k, v, g, offsets, targets, None, max_seq_len=max(lengths), alpha=alpha, max_attn_len=0,
               stored=stored)  # fmt: skip
     want = expected_ds(q, k, v, g, lengths, targets, alpha)

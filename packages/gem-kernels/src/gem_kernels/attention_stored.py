@@ -218,14 +218,17 @@ class ScorePlan:
             self._event.synchronize()  # recorded in the forward: long done by the backward
         return int(self._total[0])
 
+    def buffer_bytes(self, dtype: torch.dtype) -> int:
+        """What this batch's ``ds`` buffer takes in ``dtype``: its tiles and the spare one."""
+        return (self.tiles() + 1) * TILE_Q * TILE_K * dtype.itemsize
+
     def scores(self, dtype: torch.dtype, budget_bytes: int | None = None) -> StoredScores | None:
         """A buffer for this batch's tiles, or None if it would take more than ``budget_bytes``
         (:data:`BUDGET_BYTES`) or the device has no room for it (the caller then recomputes)."""
-        tiles = self.tiles()
-        if (tiles + 1) * TILE_Q * TILE_K * dtype.itemsize > (BUDGET_BYTES if budget_bytes is None else budget_bytes):
+        if self.buffer_bytes(dtype) > (BUDGET_BYTES if budget_bytes is None else budget_bytes):
             return None
         try:
-            buffer = torch.empty(((tiles + 1) * TILE_Q, TILE_K), dtype=dtype, device=self.base.device)
+            buffer = torch.empty(((self.tiles() + 1) * TILE_Q, TILE_K), dtype=dtype, device=self.base.device)
         except torch.OutOfMemoryError:  # the step goes on, recomputing; it only runs slower
             return None
         return StoredScores(buffer, self.base)
