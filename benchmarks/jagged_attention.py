@@ -54,8 +54,9 @@ SEED = 1001
 REP_MS = 300  # do_bench's budget per measurement: a few repetitions even of the 80 ms cases
 DQ_MODES = ("atomic", "separate", "stored")
 """The backward's ``dq`` variants: fp32 atomics in the ``dk``/``dv`` pass, a separate query-major pass that
-recomputes the scores, or a pass over the score gradients the ``dk``/``dv`` pass stored (which recomputes,
-as ``separate``, when the batch's tiles pass ``attention_stored.BUDGET_BYTES``: see ``stored_fits``)."""
+recomputes the scores, or a pass over the score gradients the ``dk``/``dv`` pass stored (a group of heads at
+a time when all heads' tiles pass ``attention_stored.BUDGET_BYTES``: see ``stored_heads``; it recomputes, as
+``separate``, when not even one head's fit)."""
 
 
 @dataclass(frozen=True)
@@ -206,8 +207,9 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
     fwd_flops, bwd_flops = flops(case, inputs["squares"])
     row.update(rows=int(inputs["offsets"][-1]), squares=inputs["squares"], fwd_flops=fwd_flops, bwd_flops=bwd_flops)
     row["dq_auto"] = resolve_dq_mode("auto", row["rows"], case.batch, case.heads)
-    row["stored_bytes"] = attention_stored.prepare(inputs["offsets"], case.heads).buffer_bytes(inputs["q"].dtype)
-    row["stored_fits"] = row["stored_bytes"] <= attention_stored.BUDGET_BYTES
+    plan = attention_stored.prepare(inputs["offsets"], case.heads)
+    row["stored_bytes"] = plan.buffer_bytes(inputs["q"].dtype)  # every head's tiles
+    row["stored_heads"] = plan.group_heads(inputs["q"].dtype)  # heads a buffer holds (0: bwd3 recomputes)
     options = dict(max_seq_len=case.max_seq_len, alpha=1.0 / case.dim,
                    extras=AttentionExtras(num_targets=inputs["targets"]))
     offsets = inputs["offsets"]
@@ -275,7 +277,7 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (f"{'case':<12} {'rows':>8} {'fwd ms':>8} {'TF/s':>6} {'bwd ms':>8} {'TF/s':>6} {'bwd2 ms':>8} "
-              f"{'TF/s':>6} {'bwd3 ms':>8} {'TF/s':>6} {'fits':>6} {'ref f/b ms':>15} {'sdpa f/b ms':>15} {'max rel err':>11}  verdict / failures")
+              f"{'TF/s':>6} {'bwd3 ms':>8} {'TF/s':>6} {'heads':>6} {'ref f/b ms':>15} {'sdpa f/b ms':>15} {'max rel err':>11}  verdict / failures")
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -298,12 +300,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt(tflops(row.get('bwd_flops', 0), row.get('triton_bwd_separate_ms')), '.0f'):>6} "
             f"{fmt(row.get('triton_bwd_stored_ms')):>8} "
             f"{fmt(tflops(row.get('bwd_flops', 0), row.get('triton_bwd_stored_ms')), '.0f'):>6} "
-            f"{'yes' if row.get('stored_fits') else 'no':>6} "
+            f"{row.get('stored_heads', 0):>6} "
             f"{ref:>15} {sdpa:>15} {fmt(max(errs) if errs else None, '.1e'):>11}  {tail}"
         )
     print("bwd = dq by fp32 atomics in the dk/dv pass; bwd2 = dq by a separate query-major pass; bwd3 = dq from "
-          "the score gradients the dk/dv pass stored (fits: within attention_stored.BUDGET_BYTES; if not, bwd3 "
-          "recomputes as bwd2). TF/s count real (causal, jagged) FLOPs for every column.")
+          "the score gradients the dk/dv pass stored (heads: how many heads' tiles a buffer holds within "
+          "attention_stored.BUDGET_BYTES, the passes taking that many at a time; 0: bwd3 recomputes as bwd2). TF/s count real (causal, jagged) FLOPs for every column.")
 
 
 def print_configs(rows: list[dict[str, Any]]) -> None:

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from gem_kernels import attention_gluon, attention_stored, attention_triton_bwd
+from gem_kernels import attention_gluon, attention_stored, attention_triton_autograd, attention_triton_bwd
 from gem_kernels.attention_stored import StoredScores, dq_from_stored, prepare
 from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_autograd import jagged_attention_triton
@@ -71,7 +71,11 @@ def test_the_key_major_pass_stores_every_allowed_pair_where_the_layout_says(gen,
     assert stored is not None and stored.buffer.shape == ((len(rows) + 1) * 32, 64)
     need = plan.buffer_bytes(torch.float32)
     assert need == stored.buffer.numel() * 4  # what scores() checks against the budget is what it allocates
-    assert plan.scores(torch.float32, budget_bytes=need) is not None and plan.scores(torch.float32, need - 1) is None
+    assert plan.scores(torch.float32, budget_bytes=need) is not None
+    one_head = plan.scores(torch.float32, need - 1)  # the heads one at a time
+    assert one_head is not None and one_head.heads == 1
+    assert one_head.buffer.numel() * 4 == plan.buffer_bytes(torch.float32, 1)
+    assert plan.scores(torch.float32, plan.buffer_bytes(torch.float32, 1) - 1) is None
     key_major(q, k, v, g, offsets, targets, None, max_seq_len=max(lengths), alpha=alpha, max_attn_len=0,
               stored=stored)  # fmt: skip
     want = expected_ds(q, k, v, g, lengths, targets, alpha)
@@ -184,6 +188,76 @@ def test_the_autograd_function_and_the_fused_gap_take_stored_dq(gen, monkeypatch
     assert len(allocated) == 2  # stored asked for a buffer twice: one made, one over the budget
     torch.testing.assert_close(gap["stored", None], gap["separate", None], rtol=1e-5, atol=1e-5)
     assert torch.equal(gap["stored", 0], gap["separate", None])  # over the budget: the separate pass itself
+
+
+def test_a_buffer_holds_the_most_heads_that_fit_the_budget() -> None:
+    """Head groups: the most heads, a divisor of the head count, whose tiles fit; each sequence's first tile in a
+    buffer of that many heads; none when not even one head fits."""
+    offsets = offsets_from_lengths([3, 70, 129])
+    plan = prepare(offsets, 6)
+    per_head = 1 + (2 * 3 - 2) + (3 * 5 - 6)  # c(n) = Kb Qb - Kb (Kb - 1)
+    assert plan.tiles_per_head() == per_head and plan.tiles() == 6 * per_head and plan.tiles(2) == 2 * per_head
+    one = plan.buffer_bytes(torch.bfloat16, 1)
+    assert one == (per_head + 1) * 32 * 64 * 2
+    for budget, heads in ((plan.buffer_bytes(torch.bfloat16), 6), (plan.buffer_bytes(torch.bfloat16) - 1, 3),
+                          (plan.buffer_bytes(torch.bfloat16, 3) - 1, 2), (plan.buffer_bytes(torch.bfloat16, 2) - 1, 1),
+                          (one - 1, 0)):  # fmt: skip
+        assert plan.group_heads(torch.bfloat16, budget) == heads, budget
+        stored = plan.scores(torch.bfloat16, budget)
+        if heads == 0:
+            assert stored is None
+            continue
+        assert stored is not None and stored.heads == heads
+        assert stored.buffer.shape == ((heads * per_head + 1) * 32, 64)
+        assert stored.base.tolist() == [0, heads * 1, heads * (1 + 4)]
+
+
+def test_a_budget_short_of_every_head_stores_a_group_of_heads_at_a_time(gen, monkeypatch) -> None:
+    """Through autograd and the fused gap, with a budget that fits one head of two: one buffer, the passes run
+    once per head, and the gradients are those of ``separate`` (unwritten tiles NaN)."""
+    lengths = [45, 130, 3]
+    heads, dim, heads_fit = 2, 64, 1
+    offsets = offsets_from_lengths(lengths)
+    rows = int(offsets[-1])
+    budget = prepare(offsets, heads).buffer_bytes(torch.float32, heads_fit)
+    monkeypatch.setattr(attention_stored, "BUDGET_BYTES", budget)
+    calls: list[tuple[int, int]] = []
+    real_key_major, real_dq = attention_triton_autograd.key_major, attention_stored.dq_from_stored
+
+    def counted_key_major(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(("key_major", q.shape[1]))
+        return real_key_major(q, *args, **kwargs)
+
+    def counted_dq(stored, k, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(("dq", stored.heads))
+        return real_dq(stored, k, *args, **kwargs)
+
+    monkeypatch.setattr(attention_triton_autograd, "key_major", counted_key_major)
+    monkeypatch.setattr(attention_stored, "dq_from_stored", counted_dq)
+    q, k, v = (t.requires_grad_() for t in random_qkv(rows, heads, dim, dim, torch.float32, gen))
+    g = torch.randn(q.shape, generator=gen)
+    grads = {}
+    for mode in ("separate", "stored"):
+        calls.clear()
+        out = jagged_attention_triton(q, k, v, offsets, max_seq_len=130, alpha=0.3, dq_mode=mode)
+        grads[mode] = torch.autograd.grad(out, (q, k, v), g)
+    groups = heads // heads_fit
+    assert calls == [("key_major", heads_fit), ("dq", heads_fit)] * groups
+    for a, b in zip(grads["separate"], grads["stored"], strict=True):
+        assert not b.isnan().any()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    pre = torch.randn(rows, heads * 4 * dim, generator=gen, requires_grad=True)
+    weight, bias = torch.randn(heads * dim, generator=gen), torch.randn(heads * dim, generator=gen)
+    dy = torch.randn(rows, heads * dim, generator=gen)
+    gap = {}
+    for mode in ("separate", "stored"):
+        calls.clear()
+        y, _ = hstu_gap_triton(pre, weight, bias, offsets, num_heads=heads, attention_dim=dim, value_dim=dim,
+                               max_seq_len=130, alpha=1 / math.sqrt(dim), eps=1e-5, dq_mode=mode)  # fmt: skip
+        gap[mode] = torch.autograd.grad(y, pre, dy)[0]
+    assert calls == [("key_major", heads_fit), ("dq", heads_fit)] * groups
+    torch.testing.assert_close(gap["stored"], gap["separate"], rtol=1e-5, atol=1e-5)
 
 
 def test_the_plan_is_shared_by_one_batch_and_remade_for_another() -> None:

@@ -21,7 +21,7 @@ block (the order the ``dk``/``dv`` pass makes them in)::
     tile(s, h, j, i) = base[s] + h c(n) + j Qb - j (j - 1) + i - 2 j
     c(n) = Kb Qb - Kb (Kb - 1),   Kb = ceil(n / 64),   Qb = ceil(n / 32)
 
-``base[s]`` is the number of tiles of the sequences before ``s`` (all heads). The ``dq`` pass takes 64 queries
+``base[s]`` is the number of tiles of the sequences before ``s`` (all heads of the buffer). The ``dq`` pass takes 64 queries
 at a time: tiles ``(2p, j)`` and ``(2p + 1, j)`` are neighbours, one ``[64, 64]`` block. A writer may leave
 pairs unwritten that the mask forbids (past a sequence's end, or target keys' rows): :func:`dq_from_stored`
 masks every block that can hold one, by selection, so what was never written is never added.
@@ -29,8 +29,13 @@ masks every block that can hold one, by selection, so what was never written is 
 Size. ``H sum c(n)`` tiles of 4 KiB in bf16: ~2 bytes a pair plus the diagonal's padding, e.g. ~3.6 GB for
 one block of the big config, held from the ``dk``/``dv`` pass to the end of this pass. Counting them needs the
 lengths on the host: :func:`prepare` starts that count on the device in the forward and copies it to the host
-without waiting; the backward reads it long after it landed. A batch whose buffer would pass
-:data:`BUDGET_BYTES` recomputes (``separate``) instead.
+without waiting; the backward reads it long after it landed.
+
+Head groups. A buffer holds the tiles of ``g`` heads, the most of a divisor of ``H`` that fit
+:data:`BUDGET_BYTES`; the backward runs both passes on each group of ``g`` heads in turn (head slices of the
+``[L, H, D]`` tensors) and reuses the buffer. So long sequences (at ``N = 4096``, B 512, H 4: 32.5 GiB of tiles
+for all heads) still take their ``dq`` from stored tiles. A batch of which not even one head fits recomputes
+(``separate``) instead.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ from gem_kernels.attention_triton_common import (
 TILE_Q, TILE_K = 32, 64
 """Queries and keys of a stored tile (the Gluon ``dk``/``dv`` pass's ``n64m32`` step)."""
 BUDGET_BYTES = 12 * 2**30
-"""The most a ``ds`` buffer may take; a batch that needs more recomputes its scores (``separate``)."""
+"""The most a ``ds`` buffer may take: a batch that needs more stores a group of heads at a time, and one of which
+not even one head fits recomputes its scores (``separate``)."""
 HEAD_DIMS = (64, 128)
 """Head dims of the ``dq`` pass here (its key tile is ``[64, D]``)."""
 LAUNCH = (4, 4, 2)
@@ -185,11 +191,13 @@ def _dq_stored_kernel(DS, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER, str
 @dataclass
 class StoredScores:
     """Where the ``dk``/``dv`` pass writes its ``ds`` tiles: ``buffer [tiles * 32 + 32, 64]`` (one spare tile: the
-    ``dq`` pass reads whole ``[64, 64]`` blocks, whose second half may lie past the last tile) and ``base [B]``
-    (int64, each sequence's first tile)."""
+    ``dq`` pass reads whole ``[64, 64]`` blocks, whose second half may lie past the last tile), ``base [B]``
+    (int64, each sequence's first tile) and ``heads``, how many heads' tiles the buffer holds (the passes take
+    that many heads at a time; ``None``: every head of the call)."""
 
     buffer: torch.Tensor
     base: torch.Tensor
+    heads: int | None = None
 
 
 class ScorePlan:
@@ -200,38 +208,63 @@ class ScorePlan:
         kb = (lengths + 63) // 64
         qb = (lengths + 31) // 32
         counts = kb * qb - kb * (kb - 1)
-        ends = torch.cumsum(counts, 0) * num_heads
-        self.base = ends - counts * num_heads
+        ends = torch.cumsum(counts, 0)
+        self._head_base = ends - counts  # a sequence's first tile in a buffer of one head
         self.num_heads = num_heads
-        total = ends[-1:] if ends.numel() else torch.zeros(1, dtype=torch.int64, device=seq_offsets.device)
+        self._bases: dict[int, torch.Tensor] = {}
+        per_head = ends[-1:] if ends.numel() else torch.zeros(1, dtype=torch.int64, device=seq_offsets.device)
         self._event: torch.cuda.Event | None = None
-        if total.is_cuda:
-            self._total = torch.empty(1, dtype=torch.int64, pin_memory=True)
-            self._total.copy_(total, non_blocking=True)
+        if per_head.is_cuda:
+            self._per_head = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            self._per_head.copy_(per_head, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._total = total
+            self._per_head = per_head
 
-    def tiles(self) -> int:
+    @property
+    def base(self) -> torch.Tensor:
+        """Each sequence's first tile in a buffer of every head."""
+        return self.base_for(self.num_heads)
+
+    def base_for(self, heads: int) -> torch.Tensor:
+        """Each sequence's first tile in a buffer of ``heads`` heads."""
+        if heads not in self._bases:
+            self._bases[heads] = self._head_base * heads
+        return self._bases[heads]
+
+    def tiles_per_head(self) -> int:
         if self._event is not None:
             self._event.synchronize()  # recorded in the forward: long done by the backward
-        return int(self._total[0])
+        return int(self._per_head[0])
 
-    def buffer_bytes(self, dtype: torch.dtype) -> int:
-        """What this batch's ``ds`` buffer takes in ``dtype``: its tiles and the spare one."""
-        return (self.tiles() + 1) * TILE_Q * TILE_K * dtype.itemsize
+    def tiles(self, heads: int | None = None) -> int:
+        """The tiles of ``heads`` heads (every head)."""
+        return self.tiles_per_head() * (self.num_heads if heads is None else heads)
+
+    def buffer_bytes(self, dtype: torch.dtype, heads: int | None = None) -> int:
+        """What a ``ds`` buffer of ``heads`` heads (every head) of this batch takes in ``dtype``: its tiles and the
+        spare one."""
+        return (self.tiles(heads) + 1) * TILE_Q * TILE_K * dtype.itemsize
+
+    def group_heads(self, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
+        """The most heads, a divisor of the head count, whose buffer fits ``budget_bytes`` (:data:`BUDGET_BYTES`);
+        0 if not even one head's does."""
+        budget = BUDGET_BYTES if budget_bytes is None else budget_bytes
+        divisors = [g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]
+        return max((g for g in divisors if self.buffer_bytes(dtype, g) <= budget), default=0)
 
     def scores(self, dtype: torch.dtype, budget_bytes: int | None = None) -> StoredScores | None:
-        """A buffer for this batch's tiles, or None if it would take more than ``budget_bytes``
+        """A buffer for the tiles of :meth:`group_heads` heads, or None if not even one head's fits ``budget_bytes``
         (:data:`BUDGET_BYTES`) or the device has no room for it (the caller then recomputes)."""
-        if self.buffer_bytes(dtype) > (BUDGET_BYTES if budget_bytes is None else budget_bytes):
+        heads = self.group_heads(dtype, budget_bytes)
+        if heads == 0:
             return None
         try:
-            buffer = torch.empty(((self.tiles() + 1) * TILE_Q, TILE_K), dtype=dtype, device=self.base.device)
+            buffer = torch.empty(((self.tiles(heads) + 1) * TILE_Q, TILE_K), dtype=dtype, device=self._head_base.device)
         except torch.OutOfMemoryError:  # the step goes on, recomputing; it only runs slower
             return None
-        return StoredScores(buffer, self.base)
+        return StoredScores(buffer, self.base_for(heads), heads)
 
 
 _LAST: list[tuple[weakref.ref[torch.Tensor], int, int, ScorePlan]] = []
@@ -265,6 +298,8 @@ def dq_from_stored(scores: StoredScores, k: torch.Tensor, seq_offsets: torch.Ten
     if dim not in HEAD_DIMS or out.shape != k.shape or out.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"dq_from_stored: k and out must be [L, H, D] alike with D in {HEAD_DIMS} and unit last "
                          f"stride, got k {tuple(k.shape)} and out {tuple(out.shape)}")  # fmt: skip
+    if scores.heads is not None and scores.heads != heads:
+        raise ValueError(f"dq_from_stored: the buffer holds the tiles of {scores.heads} heads, k has {heads}")
     num_seqs = seq_offsets.shape[0] - 1
     if rows == 0 or num_seqs <= 0:
         return out

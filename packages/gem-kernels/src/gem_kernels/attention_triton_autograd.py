@@ -154,14 +154,40 @@ def attention_backward(
         dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, bias_grads=grads, **options)
         dq = dq_accum.to(q.dtype)
     elif stored is not None:
-        dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, stored=stored, **options)
-        dq = attention_stored.dq_from_stored(stored, k, seq_offsets, num_targets, max_seq_len=max_seq_len,
-                                             alpha=alpha, out=torch.empty_like(q))  # fmt: skip
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        grads_from_stored(q, k, v, grad_out, seq_offsets, num_targets, stored, out=(dq, dk, dv), **options)
     else:
         dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, None, bias_grads=grads, **options)
         dq = query_major(q, k, v, grad_out, seq_offsets, num_targets, **options)
     d_position, d_time = grads.result(bias, max_seq_len)
     return dq, dk, dv, d_position, d_time
+
+
+def grads_from_stored(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    stored: attention_stored.StoredScores,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    max_seq_len: int,
+    alpha: float,
+    **options: Any,
+) -> None:
+    """``dk``, ``dv`` by the key-major pass, which stores its ``ds`` tiles in ``stored``, then ``dq`` from those
+    tiles, into ``out = (dq, dk, dv)`` (``[L, H, D]``, unit last stride): ``stored.heads`` heads at a time, through
+    the one buffer (:mod:`gem_kernels.attention_stored`). ``options``: the rest of :func:`key_major`'s."""
+    dq, dk, dv = out
+    group = stored.heads or q.shape[1]
+    for h in range(0, q.shape[1], group):
+        heads = slice(h, h + group)
+        key_major(q[:, heads], k[:, heads], v[:, heads], grad_out[:, heads], seq_offsets, num_targets, None,
+                  stored=stored, out=(dk[:, heads], dv[:, heads]), max_seq_len=max_seq_len, alpha=alpha, **options)  # fmt: skip
+        attention_stored.dq_from_stored(stored, k[:, heads], seq_offsets, num_targets, max_seq_len=max_seq_len,
+                                        alpha=alpha, out=dq[:, heads])  # fmt: skip
 
 
 def jagged_attention_triton(

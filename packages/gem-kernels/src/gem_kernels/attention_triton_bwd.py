@@ -325,6 +325,8 @@ def key_major(
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     no_bias_grads = bias_grads is None or (bias_grads.position is None and bias_grads.time is None)
+    if stored is not None and stored.heads is not None and stored.heads != num_heads:
+        raise ValueError(f"key_major: the ds buffer holds the tiles of {stored.heads} heads, q has {num_heads}")
     if (attention_gluon.DKDV and dq_accum is None and no_bias_grads and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v, grad_out)):  # fmt: skip
         return attention_gluon.dkdv(q, k, v, grad_out, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha,

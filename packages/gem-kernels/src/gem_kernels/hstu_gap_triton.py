@@ -54,9 +54,8 @@ import triton.language as tl
 
 from gem_kernels import attention_stored
 from gem_kernels.attention_fp8 import quantize_qk, silu_quantize_qk
-from gem_kernels.attention_stored import dq_from_stored
 from gem_kernels.attention_triton import query_major
-from gem_kernels.attention_triton_autograd import DqMode, resolve_dq_mode
+from gem_kernels.attention_triton_autograd import DqMode, grads_from_stored, resolve_dq_mode
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
@@ -229,17 +228,19 @@ class HSTUGapFunction(torch.autograd.Function):
         dq_accum = torch.zeros((rows, heads, dqk), dtype=torch.float32, device=pre.device) if mode == "atomic" else None
         plan = ctx.score_plan
         stored = plan.scores(post.dtype) if mode == "stored" and plan is not None else None
-        key_major(q, k, v, d_attn, seq_offsets, num_targets, dq_accum, bias=bias, bias_grads=grads,
-                  out=(d_k, d_v), stored=stored, **kernel)  # fmt: skip
+        dq_done = stored is not None
+        if stored is not None:  # dk, dv and dq, a group of heads at a time
+            grads_from_stored(q, k, v, d_attn, seq_offsets, num_targets, stored, out=(d_q, d_k, d_v), bias=bias,
+                              **kernel)  # fmt: skip
+            del stored  # the tiles' memory is free for the passes below
+        else:
+            key_major(q, k, v, d_attn, seq_offsets, num_targets, dq_accum, bias=bias, bias_grads=grads,
+                      out=(d_k, d_v), **kernel)  # fmt: skip
         q_cols, k_cols, v_cols = slice(2 * hv, 2 * hv + hq), slice(2 * hv + hq, 2 * hv + 2 * hq), slice(hv, 2 * hv)
         if dq_accum is not None:
             passes = [(q_cols, dq_accum.view(rows, hq))] + [(c, d_pre[:, c]) for c in (v_cols, k_cols)]
         else:
-            if stored is not None:
-                dq_from_stored(stored, k, seq_offsets, num_targets, max_seq_len=kernel["max_seq_len"],
-                               alpha=kernel["alpha"], out=d_q)  # fmt: skip
-                del stored  # the tiles' memory is free for the passes below
-            else:
+            if not dq_done:
                 query_major(q, k, v, d_attn, seq_offsets, num_targets, bias=bias, out=d_q, **kernel)
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
             passes = [(every, d_pre[:, every])]
