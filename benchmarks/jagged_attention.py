@@ -102,8 +102,8 @@ def sample_lengths(case: Case, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(low, high, (case.batch,), generator=gen)
 
 
-def make_inputs(case: Case, device: torch.device) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(SEED)
+def make_inputs(case: Case, device: torch.device, seed: int = SEED) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
     lengths = sample_lengths(case, gen)
     targets = torch.minimum(torch.randint(1, 21, (case.batch,), generator=gen), lengths)
     if case.lengths == "fixed":
@@ -113,7 +113,7 @@ def make_inputs(case: Case, device: torch.device) -> dict[str, Any]:
     offsets = torch.zeros(case.batch + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     rows = int(offsets[-1])
-    device_gen = torch.Generator(device).manual_seed(SEED)  # the values are drawn where they live: GBs of them
+    device_gen = torch.Generator(device).manual_seed(seed)  # the values are drawn where they live: GBs of them
 
     def draw() -> torch.Tensor:
         x = torch.rand(rows, case.heads, case.dim, generator=device_gen, device=device)
@@ -201,7 +201,7 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
             torch.cuda.empty_cache()
             return None
 
-    inputs = stage("inputs", lambda: make_inputs(case, device))
+    inputs = stage("inputs", lambda: make_inputs(case, device, args.seed))
     if inputs is None:
         return row
     fwd_flops, bwd_flops = flops(case, inputs["squares"])
@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--quick", action="store_true", help="the target cases only; skip the reference and SDPA")
+    parser.add_argument("--seed", type=int, default=SEED, help="the lengths' and values' seed")
     parser.add_argument("--cases", help=f"comma-separated subset of: {', '.join(CASES)}")
     parser.add_argument(
         "--dq", default="all", help=f"backward variants to check and time: all, or some of {', '.join(DQ_MODES)}, comma-separated"
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "triton": triton.__version__,
             "python": platform.python_version(),
-            "seed": SEED,
+            "seed": args.seed,
             "autotuned_configs": autotuned_configs(),
             "cases": rows,
         }
