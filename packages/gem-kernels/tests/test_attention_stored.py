@@ -66,7 +66,7 @@ def test_the_key_major_pass_stores_every_allowed_pair_where_the_layout_says(gen,
     plan = prepare(offsets, heads)
     rows = tile_rows(lengths, heads)
     per_seq = [sum(1 for key in rows if key[0] == b) for b in range(len(lengths))]
-    assert plan.tiles() == len(rows) and plan.base.tolist() == [sum(per_seq[:b]) for b in range(len(lengths))]
+    assert plan.tiles() == len(rows) and plan.base_for(heads).tolist() == [sum(per_seq[:b]) for b in range(len(lengths))]
     stored = plan.scores(torch.float32)
     assert stored is not None and stored.buffer.shape == ((len(rows) + 1) * 32, 64)
     need = plan.buffer_bytes(torch.float32)

@@ -222,11 +222,6 @@ class ScorePlan:
         else:
             self._per_head = per_head
 
-    @property
-    def base(self) -> torch.Tensor:
-        """Each sequence's first tile in a buffer of every head."""
-        return self.base_for(self.num_heads)
-
     def base_for(self, heads: int) -> torch.Tensor:
         """Each sequence's first tile in a buffer of ``heads`` heads."""
         if heads not in self._bases:

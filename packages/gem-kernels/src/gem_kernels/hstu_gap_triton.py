@@ -229,7 +229,7 @@ class HSTUGapFunction(torch.autograd.Function):
         plan = ctx.score_plan
         stored = plan.scores(post.dtype) if mode == "stored" and plan is not None else None
         dq_done = stored is not None
-        if stored is not None:  # dk, dv and dq, a group of heads at a time
+        if dq_done:  # dk, dv and dq, a group of heads at a time
             grads_from_stored(q, k, v, d_attn, seq_offsets, num_targets, stored, out=(d_q, d_k, d_v), bias=bias,
                               **kernel)  # fmt: skip
             del stored  # the tiles' memory is free for the passes below
