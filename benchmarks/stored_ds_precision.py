@@ -4,7 +4,7 @@
 (:mod:`gem_kernels.attention_stored`). At the power cap the tiles' bytes cost energy; fp8 tiles would take half.
 This prints the relative error of ``dq`` (Frobenius norm, and the largest element against the largest) against
 the exact float64 product, for ``ds`` kept in bf16 and in e4m3 / e5m2 with one scale a stored tile (32 queries x
-64 keys) or one a query row of a tile; ``k`` in bf16 throughout, as the ``dq`` pass reads it. One causal
+64 keys), one a query row of a tile, or one a key of a tile (``dq_mode="stored_e4m3"``'s); ``k`` in bf16 throughout, as the ``dq`` pass reads it. One causal
 sequence of ``n`` rows, random ``q, k, v`` and output gradient, HSTU's silu scores.
 
     python benchmarks/stored_ds_precision.py --n 1024 --seed 0 --out stored_ds_precision.json
@@ -31,14 +31,16 @@ def exact_ds(n: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(mask, (grad_out @ v.T) * sig * (1 + s * (1 - sig)), 0.0), k
 
 
-def quantized(ds: torch.Tensor, dtype: torch.dtype, per_row: bool) -> torch.Tensor:
-    """``ds`` through ``dtype`` and back, scaled to its range by tile (or by query row of a tile)."""
+def quantized(ds: torch.Tensor, dtype: torch.dtype, per: str) -> torch.Tensor:
+    """``ds`` through ``dtype`` and back, scaled to its range by tile, by query row of a tile, or by key (column)
+    of a tile (``per``: ``tile``, ``row`` or ``key``; ``key`` is what ``dq_mode="stored_e4m3"`` keeps)."""
     out = torch.empty_like(ds)
     top = torch.finfo(dtype).max
     for i in range(0, ds.shape[0], TILE_Q):
         for j in range(0, ds.shape[1], TILE_K):
             tile = ds[i : i + TILE_Q, j : j + TILE_K]
-            amax = tile.abs().amax(1, keepdim=True) if per_row else tile.abs().amax()
+            amax = {"tile": lambda: tile.abs().amax(), "row": lambda: tile.abs().amax(1, keepdim=True),
+                    "key": lambda: tile.abs().amax(0, keepdim=True)}[per]()  # fmt: skip
             scale = top / torch.as_tensor(amax).clamp_min(1e-300)
             out[i : i + TILE_Q, j : j + TILE_K] = (tile * scale).to(dtype).double() / scale
     return out
@@ -50,8 +52,9 @@ def errors(n: int, dim: int, seed: int) -> list[dict[str, object]]:
     k16 = k.to(torch.bfloat16).double()
     kept = {"bf16": ds.to(torch.bfloat16).double()}
     for name, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
-        kept[f"{name}, a scale a tile"] = quantized(ds, dtype, per_row=False)
-        kept[f"{name}, a scale a tile row"] = quantized(ds, dtype, per_row=True)
+        kept[f"{name}, a scale a tile"] = quantized(ds, dtype, "tile")
+        kept[f"{name}, a scale a tile row"] = quantized(ds, dtype, "row")
+        kept[f"{name}, a scale a key of a tile"] = quantized(ds, dtype, "key")
     rows = []
     for name, tiles in kept.items():
         got = tiles @ k16
@@ -69,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = errors(args.n, args.dim, args.seed)
     print(f"dq = ds k, n {args.n}, D {args.dim}, seed {args.seed}: error against float64")
-    print(f"{'ds kept in':<24} {'relative':>10} {'largest':>10}")
+    print(f"{'ds kept in':<30} {'relative':>10} {'largest':>10}")
     for row in rows:
-        print(f"{row['ds kept in']:<24} {row['relative error']:>10.2e} {row['largest error / largest']:>10.2e}")
+        print(f"{row['ds kept in']:<30} {row['relative error']:>10.2e} {row['largest error / largest']:>10.2e}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"benchmark": "stored_ds_precision", "args": vars(args), "rows": rows}, f, indent=2)
