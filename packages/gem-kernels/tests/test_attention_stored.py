@@ -53,16 +53,51 @@ def expected_ds(q, k, v, g, lengths, targets, alpha):  # type: ignore[no-untyped
     return result
 
 
+def attention_leaves(gen: torch.Generator, rows: int, heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """float32 ``q, k, v`` (leaves) and an output gradient."""
+    q, k, v = (t.requires_grad_() for t in random_qkv(rows, heads, dim, dim, torch.float32, gen))
+    return q, k, v, torch.randn(q.shape, generator=gen)
+
+
+def attention_grads(leaves, offsets, max_len, mode) -> tuple[torch.Tensor, ...]:  # type: ignore[no-untyped-def]
+    """``dq, dk, dv`` through the autograd function with ``dq_mode=mode``."""
+    q, k, v, g = leaves
+    out = jagged_attention_triton(q, k, v, offsets, max_seq_len=max_len, alpha=0.3, dq_mode=mode)
+    return torch.autograd.grad(out, (q, k, v), g)
+
+
+def gap_leaves(gen: torch.Generator, rows: int, heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """The fused HSTU gap's pre-activation (a leaf), norm-gate weight and bias, and output gradient."""
+    pre = torch.randn(rows, heads * 4 * dim, generator=gen, requires_grad=True)
+    weight, bias = torch.randn(heads * dim, generator=gen), torch.randn(heads * dim, generator=gen)
+    return pre, weight, bias, torch.randn(rows, heads * dim, generator=gen)
+
+
+def gap_grad(leaves, offsets, heads, dim, max_len, mode, extras=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The gap's gradient in its pre-activation with ``dq_mode=mode``."""
+    pre, weight, bias, dy = leaves
+    y, _ = hstu_gap_triton(pre, weight, bias, offsets, num_heads=heads, attention_dim=dim, value_dim=dim,
+                           max_seq_len=max_len, alpha=1 / math.sqrt(dim), eps=1e-5, dq_mode=mode,
+                           **({} if extras is None else {"extras": extras}))  # fmt: skip
+    return torch.autograd.grad(y, pre, dy)[0]
+
+
+def writer_batch(gen: torch.Generator, random_lengths: int, heads: int, dim: int = 16):  # type: ignore[no-untyped-def]
+    """Lengths across the scan's chunk borders (an empty one, some off the tile grid), up to 3 targets each,
+    their offsets, and float32 ``q, k, v`` and output gradient."""
+    lengths = [70, 0, 33, *torch.randint(1, 100, (random_lengths,), generator=gen).tolist(), 129]
+    targets = torch.minimum(torch.randint(0, 4, (len(lengths),), generator=gen), torch.tensor(lengths))
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = random_qkv(int(offsets[-1]), heads, dim, dim, torch.float32, gen)
+    return lengths, targets, offsets, (q, k, v, torch.randn(q.shape, generator=gen))
+
+
 def test_the_key_major_pass_stores_every_allowed_pair_where_the_layout_says(gen, monkeypatch) -> None:
     """Every allowed pair's ``ds`` at its tile's row and column (rows counted out here, not by the module's
     formula), across chunk borders of the in-kernel scan, an empty sequence and lengths off the tile grid."""
     monkeypatch.setattr(attention_triton_bwd, "CHUNK", 4)
-    lengths = [70, 0, 33, *torch.randint(1, 100, (3,), generator=gen).tolist(), 129]
-    heads, dim, alpha = 2, 16, 0.25
-    targets = torch.minimum(torch.randint(0, 4, (len(lengths),), generator=gen), torch.tensor(lengths))
-    offsets = offsets_from_lengths(lengths)
-    q, k, v = random_qkv(int(offsets[-1]), heads, dim, dim, torch.float32, gen)
-    g = torch.randn(q.shape, generator=gen)
+    heads, alpha = 2, 0.25
+    lengths, targets, offsets, (q, k, v, g) = writer_batch(gen, 3, heads)
     plan = prepare(offsets, heads)
     rows = tile_rows(lengths, heads)
     per_seq = [sum(1 for key in rows if key[0] == b) for b in range(len(lengths))]
@@ -160,12 +195,8 @@ def test_the_key_major_pass_stores_e4m3_tiles_scaled_per_key(gen, monkeypatch) -
     amax of its tile's 32 queries over 448. Allowed pairs only: a writer need not fill the others (the dq pass selects
     them away), nor the scale of a key with no allowed pair in the tile."""
     monkeypatch.setattr(attention_triton_bwd, "CHUNK", 4)
-    lengths = [70, 0, 33, *torch.randint(1, 100, (2,), generator=gen).tolist(), 129]
-    heads, dim, alpha = 2, 16, 0.25
-    targets = torch.minimum(torch.randint(0, 4, (len(lengths),), generator=gen), torch.tensor(lengths))
-    offsets = offsets_from_lengths(lengths)
-    q, k, v = random_qkv(int(offsets[-1]), heads, dim, dim, torch.float32, gen)
-    g = torch.randn(q.shape, generator=gen)
+    heads, alpha = 2, 0.25
+    lengths, targets, offsets, (q, k, v, g) = writer_batch(gen, 2, heads)
     plan = prepare(offsets, heads)
     stored = plan.scores(attention_stored.E4M3)
     assert stored is not None and stored.scales is not None and stored.scales.shape == (plan.tiles() + 1, 64)
@@ -241,29 +272,19 @@ def test_stored_e4m3_gradients_through_autograd_and_the_fused_gap(gen) -> None:
     heads, dim = 2, 64
     offsets = offsets_from_lengths(lengths)
     rows = int(offsets[-1])
-    q, k, v = (t.requires_grad_() for t in random_qkv(rows, heads, dim, dim, torch.float32, gen))
-    g = torch.randn(q.shape, generator=gen)
-    grads = {}
-    for mode in ("separate", "stored_e4m3"):
-        out = jagged_attention_triton(q, k, v, offsets, max_seq_len=130, alpha=0.3, dq_mode=mode)
-        grads[mode] = torch.autograd.grad(out, (q, k, v), g)
+    qkvg = attention_leaves(gen, rows, heads, dim)
+    grads = {mode: attention_grads(qkvg, offsets, 130, mode) for mode in ("separate", "stored_e4m3")}
     (dq0, dk0, dv0), (dq, dk, dv) = grads["separate"], grads["stored_e4m3"]
     torch.testing.assert_close(dk, dk0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dv, dv0, rtol=1e-5, atol=1e-6)
     error = float((dq - dq0).norm() / dq0.norm())
     assert 1e-3 < error < 0.05, error  # quantized, and not by more than e4m3's rounding
 
-    pre = torch.randn(rows, heads * 4 * dim, generator=gen, requires_grad=True)
-    weight, bias = torch.randn(heads * dim, generator=gen), torch.randn(heads * dim, generator=gen)
-    dy = torch.randn(rows, heads * dim, generator=gen)
-    gap = {}
-    for mode in ("separate", "stored_e4m3"):
-        y, _ = hstu_gap_triton(pre, weight, bias, offsets, num_heads=heads, attention_dim=dim, value_dim=dim,
-                               max_seq_len=130, alpha=1 / math.sqrt(dim), eps=1e-5, dq_mode=mode)  # fmt: skip
-        gap[mode] = torch.autograd.grad(y, pre, dy)[0]
+    leaves = gap_leaves(gen, rows, heads, dim)
+    gap = {mode: gap_grad(leaves, offsets, heads, dim, 130, mode) for mode in ("separate", "stored_e4m3")}
     hv, hq = heads * dim, heads * dim
     q_cols = slice(2 * hv, 2 * hv + hq)
-    others = torch.ones(pre.shape[1], dtype=torch.bool)
+    others = torch.ones(leaves[0].shape[1], dtype=torch.bool)
     others[q_cols] = False
     torch.testing.assert_close(gap["stored_e4m3"][:, others], gap["separate"][:, others], rtol=1e-5, atol=1e-5)
     d_q0, d_q = gap["separate"][:, q_cols], gap["stored_e4m3"][:, q_cols]
@@ -277,18 +298,12 @@ def test_the_autograd_function_and_the_fused_gap_take_stored_dq(gen, monkeypatch
     heads, dim = 2, 64
     offsets = offsets_from_lengths(lengths)
     rows = int(offsets[-1])
-    q, k, v = (t.requires_grad_() for t in random_qkv(rows, heads, dim, dim, torch.float32, gen))
-    g = torch.randn(q.shape, generator=gen)
-    grads = {}
-    for mode in ("separate", "stored"):
-        out = jagged_attention_triton(q, k, v, offsets, max_seq_len=80, alpha=0.3, dq_mode=mode)
-        grads[mode] = torch.autograd.grad(out, (q, k, v), g)
+    qkvg = attention_leaves(gen, rows, heads, dim)
+    grads = {mode: attention_grads(qkvg, offsets, 80, mode) for mode in ("separate", "stored")}
     for a, b in zip(grads["separate"], grads["stored"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
-    pre = torch.randn(rows, heads * 4 * dim, generator=gen, requires_grad=True)
-    weight, bias = torch.randn(heads * dim, generator=gen), torch.randn(heads * dim, generator=gen)
-    dy = torch.randn(rows, heads * dim, generator=gen)
+    leaves = gap_leaves(gen, rows, heads, dim)
     extras = AttentionExtras(num_targets=torch.tensor([1, 2, 0]))
     gap = {}
     allocated: list[int] = []
@@ -298,9 +313,7 @@ def test_the_autograd_function_and_the_fused_gap_take_stored_dq(gen, monkeypatch
     for mode, budget in (("separate", None), ("stored", None), ("stored", 0)):
         if budget is not None:
             monkeypatch.setattr(attention_stored, "BUDGET_BYTES", budget)
-        y, _ = hstu_gap_triton(pre, weight, bias, offsets, num_heads=heads, attention_dim=dim, value_dim=dim,
-                               max_seq_len=80, alpha=1 / math.sqrt(dim), eps=1e-5, extras=extras, dq_mode=mode)  # fmt: skip
-        gap[mode, budget] = torch.autograd.grad(y, pre, dy)[0]
+        gap[mode, budget] = gap_grad(leaves, offsets, heads, dim, 80, mode, extras)
     assert len(allocated) == 2  # stored asked for a buffer twice: one made, one over the budget
     torch.testing.assert_close(gap["stored", None], gap["separate", None], rtol=1e-5, atol=1e-5)
     assert torch.equal(gap["stored", 0], gap["separate", None])  # over the budget: the separate pass itself
@@ -350,28 +363,22 @@ def test_a_budget_short_of_every_head_stores_a_group_of_heads_at_a_time(gen, mon
 
     monkeypatch.setattr(attention_triton_autograd, "key_major", counted_key_major)
     monkeypatch.setattr(attention_stored, "dq_from_stored", counted_dq)
-    q, k, v = (t.requires_grad_() for t in random_qkv(rows, heads, dim, dim, torch.float32, gen))
-    g = torch.randn(q.shape, generator=gen)
+    qkvg = attention_leaves(gen, rows, heads, dim)
     grads = {}
     for mode in ("separate", "stored"):
         calls.clear()
-        out = jagged_attention_triton(q, k, v, offsets, max_seq_len=130, alpha=0.3, dq_mode=mode)
-        grads[mode] = torch.autograd.grad(out, (q, k, v), g)
+        grads[mode] = attention_grads(qkvg, offsets, 130, mode)
     groups = heads // heads_fit
     assert calls == [("key_major", heads_fit), ("dq", heads_fit)] * groups
     for a, b in zip(grads["separate"], grads["stored"], strict=True):
         assert not b.isnan().any()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
-    pre = torch.randn(rows, heads * 4 * dim, generator=gen, requires_grad=True)
-    weight, bias = torch.randn(heads * dim, generator=gen), torch.randn(heads * dim, generator=gen)
-    dy = torch.randn(rows, heads * dim, generator=gen)
+    leaves = gap_leaves(gen, rows, heads, dim)
     gap = {}
     for mode in ("separate", "stored"):
         calls.clear()
-        y, _ = hstu_gap_triton(pre, weight, bias, offsets, num_heads=heads, attention_dim=dim, value_dim=dim,
-                               max_seq_len=130, alpha=1 / math.sqrt(dim), eps=1e-5, dq_mode=mode)  # fmt: skip
-        gap[mode] = torch.autograd.grad(y, pre, dy)[0]
+        gap[mode] = gap_grad(leaves, offsets, heads, dim, 130, mode)
     assert calls == [("key_major", heads_fit), ("dq", heads_fit)] * groups
     torch.testing.assert_close(gap["stored"], gap["separate"], rtol=1e-5, atol=1e-5)
 
