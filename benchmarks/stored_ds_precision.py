@@ -39,8 +39,8 @@ def quantized(ds: torch.Tensor, dtype: torch.dtype, per: str) -> torch.Tensor:
     for i in range(0, ds.shape[0], TILE_Q):
         for j in range(0, ds.shape[1], TILE_K):
             tile = ds[i : i + TILE_Q, j : j + TILE_K]
-            amax = {"tile": lambda: tile.abs().amax(), "row": lambda: tile.abs().amax(1, keepdim=True),
-                    "key": lambda: tile.abs().amax(0, keepdim=True)}[per]()  # fmt: skip
+            axis = {"tile": None, "row": 1, "key": 0}[per]
+            amax = tile.abs().amax() if axis is None else tile.abs().amax(axis, keepdim=True)
             scale = top / torch.as_tensor(amax).clamp_min(1e-300)
             out[i : i + TILE_Q, j : j + TILE_K] = (tile * scale).to(dtype).double() / scale
     return out
