@@ -291,8 +291,6 @@ VARIANTS: dict[str, Switch] = {
     "dq_atomic": _attention_option(dq="atomic"),
     "dq_separate": _attention_option(dq="separate"),
     "dq_stored": _attention_option(dq="stored"),
-    # dq from score gradients stored in e4m3 with per-key scales (an fp8 option; gem_kernels.attention_stored)
-    "dq_stored_e4m3": _attention_option(dq="stored_e4m3"),
     "unfused": switch_unfused,
     "adamw_foreach": switch_adamw_foreach,
     "fp8_attention": _attention_option(fp8_forward=True),

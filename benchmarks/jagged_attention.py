@@ -52,12 +52,11 @@ from gem_model.api import AttentionExtras
 
 SEED = 1001
 REP_MS = 300  # do_bench's budget per measurement: a few repetitions even of the 80 ms cases
-DQ_MODES = ("atomic", "separate", "stored", "stored_e4m3")
+DQ_MODES = ("atomic", "separate", "stored")
 """The backward's ``dq`` variants: fp32 atomics in the ``dk``/``dv`` pass, a separate query-major pass that
 recomputes the scores, or a pass over the score gradients the ``dk``/``dv`` pass stored (a group of heads at
 a time when all heads' tiles pass ``attention_stored.BUDGET_BYTES``: see ``stored_heads``; it recomputes, as
-``separate``, when not even one head's fit), in bf16 or in e4m3 (``stored_e4m3``, an fp8 option: its ``dq``
-carries e4m3's rounding, so its error is printed on its own)."""
+``separate``, when not even one head's fit)."""
 
 
 @dataclass(frozen=True)
@@ -260,7 +259,7 @@ def run_case(name: str, case: Case, args: argparse.Namespace, device: torch.devi
 def verdict(row: dict[str, Any]) -> str:
     notes = []
     fwd = tflops(row.get("fwd_flops", 0), row.get("triton_fwd_ms"))
-    bwds = [tflops(row.get("bwd_flops", 0), row.get(f"triton_bwd_{m}_ms")) for m in DQ_MODES if m != "stored_e4m3"]
+    bwds = [tflops(row.get("bwd_flops", 0), row.get(f"triton_bwd_{m}_ms")) for m in DQ_MODES]
     bwd = max((b for b in bwds if b is not None), default=None)
     if row.get("fwd_target") and fwd is not None:
         notes.append(f"fwd {'ok' if fwd >= row['fwd_target'] else 'MISS'} (>= {row['fwd_target']})")
@@ -278,14 +277,12 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (f"{'case':<12} {'rows':>8} {'fwd ms':>8} {'TF/s':>6} {'bwd ms':>8} {'TF/s':>6} {'bwd2 ms':>8} "
-              f"{'TF/s':>6} {'bwd3 ms':>8} {'TF/s':>6} {'bwd4 ms':>8} {'TF/s':>6} {'heads':>6} {'ref f/b ms':>15} "
-              f"{'sdpa f/b ms':>15} {'max rel err':>11} {'e4m3 dq err':>11}  verdict / failures")
+              f"{'TF/s':>6} {'bwd3 ms':>8} {'TF/s':>6} {'heads':>6} {'ref f/b ms':>15} {'sdpa f/b ms':>15} {'max rel err':>11}  verdict / failures")
     print(header)
     print("-" * len(header))
     for row in rows:
-        errs = [errors[name] for mode, errors in row["errors"].items() if errors
-                for name in ("out", "dq", "dk", "dv") if not (mode == "stored_e4m3" and name == "dq")]  # fmt: skip
-        e4m3_dq = (row["errors"].get("stored_e4m3") or {}).get("dq")
+        checked = [errors for errors in row["errors"].values() if errors]
+        errs = [errors[name] for errors in checked for name in ("out", "dq", "dk", "dv")]
         ref = f"{fmt(row.get('reference_fwd_ms'), '.2f')}/{fmt(row.get('reference_bwd_ms'), '.2f')}"
         sdpa = f"{fmt(row.get('sdpa_padded_fwd_ms'), '.2f')}/{fmt(row.get('sdpa_padded_bwd_ms'), '.2f')}"
         notes = [verdict(row)] if verdict(row) else []
@@ -303,13 +300,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{fmt(tflops(row.get('bwd_flops', 0), row.get('triton_bwd_separate_ms')), '.0f'):>6} "
             f"{fmt(row.get('triton_bwd_stored_ms')):>8} "
             f"{fmt(tflops(row.get('bwd_flops', 0), row.get('triton_bwd_stored_ms')), '.0f'):>6} "
-            f"{fmt(row.get('triton_bwd_stored_e4m3_ms')):>8} "
-            f"{fmt(tflops(row.get('bwd_flops', 0), row.get('triton_bwd_stored_e4m3_ms')), '.0f'):>6} "
             f"{row.get('stored_heads', 0):>6} "
-            f"{ref:>15} {sdpa:>15} {fmt(max(errs) if errs else None, '.1e'):>11} {fmt(e4m3_dq, '.1e'):>11}  {tail}"
+            f"{ref:>15} {sdpa:>15} {fmt(max(errs) if errs else None, '.1e'):>11}  {tail}"
         )
     print("bwd = dq by fp32 atomics in the dk/dv pass; bwd2 = dq by a separate query-major pass; bwd3 = dq from "
-          "the score gradients the dk/dv pass stored, bwd4 the same in e4m3 (heads: how many heads' tiles a buffer holds within "
+          "the score gradients the dk/dv pass stored (heads: how many heads' tiles a buffer holds within "
           "attention_stored.BUDGET_BYTES, the passes taking that many at a time; 0: bwd3 recomputes as bwd2). TF/s count real (causal, jagged) FLOPs for every column.")
 
 

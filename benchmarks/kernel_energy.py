@@ -25,8 +25,7 @@ power-law lengths, 384 sequences of 8 heads of 128, ~200,000 rows):
 - ``attention_backward`` / ``attention_backward_atomic`` / ``attention_backward_stored``: the whole backward as
   shipped, with ``dq`` added by float32 atomics in the (Triton) key-major pass instead of its own pass, and
   with ``dq`` from the ``ds`` tiles the key-major pass stores (``attention_dkdv_stored`` and
-  ``attention_dq_stored``: its two passes alone), and each of those three with the tiles in e4m3
-  (``..._stored_e4m3``: ``dq_mode="stored_e4m3"``);
+  ``attention_dq_stored``: its two passes alone);
 - ``uvqk_wgrad_fp8_blocks`` / ``cast_t_blocks``: uvqk's weight gradient in e4m3 with 1 x 128 block scales,
   and the passes that make its transposed operands, as ``weight_gradient: fp8_blocks`` runs them;
 - ``copy``: ``[N, 4096]`` bf16 copied, the bytes-only reference.

@@ -91,8 +91,6 @@ def attention_configs(x: dict[str, Any], forward_flops: float, out: dict[str, tu
 
 
 FP8_FORWARD_TOLERANCE = 0.1
-E4M3_DQ_TOLERANCE = 0.05
-"""``dq`` from e4m3 score tiles (``dq_mode="stored_e4m3"``) against the shipped backward's: ~2-3 % expected."""
 """The fp8 forward's largest relative error against the bf16 forward's output (``benchmarks/attention_fp8.py``'s
 ``--max-error``): e4m3 keeps 3 mantissa bits of ``q`` and ``k``."""
 
@@ -120,10 +118,9 @@ def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Ke
     MMAs a pair), with ``dq`` added by atomics in the key-major pass (5 MMAs a pair, the float32 buffer's
     zeroing and cast included), and with ``dq`` from the ``ds`` tiles the ``dk``/``dv`` pass stores
     (``dq_mode="stored"``, :mod:`gem_kernels.attention_stored`: 5 MMAs a pair and ~2 bytes a pair each way,
-    the buffer's allocation included), the same with e4m3 tiles (``stored_e4m3``); and the stored forms' two
-    passes alone. Each form's gradients are checked against the shipped ones first (``dq`` from e4m3 tiles
-    within :data:`E4M3_DQ_TOLERANCE`)."""
-    from gem_kernels.attention_stored import E4M3, dq_from_stored, prepare
+    the buffer's allocation included); and the stored form's two passes alone. Each form's gradients are
+    checked against the shipped ones first."""
+    from gem_kernels.attention_stored import dq_from_stored, prepare
     from gem_kernels.attention_triton_autograd import attention_backward
     from gem_kernels.attention_triton_bias import NO_BIAS
     from gem_kernels.attention_triton_bwd import key_major
@@ -140,33 +137,29 @@ def attention_backwards(x: dict[str, Any], forward_flops: float) -> dict[str, Ke
         return dq, dk, dv
 
     shipped = backward("separate")
-    for mode in ("atomic", "stored", "stored_e4m3"):
+    for mode in ("atomic", "stored"):
         for name, a, b in zip(("dq", "dk", "dv"), backward(mode), shipped, strict=True):
-            tolerance = E4M3_DQ_TOLERANCE if (mode, name) == ("stored_e4m3", "dq") else ATTENTION_TOLERANCE
-            refuse_if_wrong(f"attention_backward_{mode} ({name})", a, b, tolerance, "the shipped backward's")
-    kernels = {
-        "attention_backward": Kernel(lambda: backward("separate"), forward_flops * 7 / 2),
-        "attention_backward_atomic": Kernel(lambda: backward("atomic"), forward_flops * 5 / 2),
-        "attention_backward_stored": Kernel(lambda: backward("stored"), forward_flops * 5 / 2),
-        "attention_backward_stored_e4m3": Kernel(lambda: backward("stored_e4m3"), forward_flops * 5 / 2),
-    }
+            refuse_if_wrong(f"attention_backward_{mode} ({name})", a, b, ATTENTION_TOLERANCE, "the shipped backward's")
+    stored = plan.scores(x["q"].dtype)
+    if stored is None:
+        raise SystemExit("attention_backward_stored: the ds buffer passes attention_stored.BUDGET_BYTES")
     dk, dv, dq = torch.empty_like(x["k"]), torch.empty_like(x["v"]), torch.empty_like(x["q"])
     kernel_args = (x["q"], x["k"], x["v"], x["grad_out"], x["offsets"], x["targets"], None)
     key_options = {k: options[k] for k in ("max_seq_len", "alpha", "max_attn_len")}
-    for suffix, dtype, tolerance in (("", x["q"].dtype, ATTENTION_TOLERANCE), ("_e4m3", E4M3, E4M3_DQ_TOLERANCE)):
-        stored = plan.scores(dtype)
-        if stored is None:
-            raise SystemExit(f"attention_backward_stored{suffix}: the ds buffer passes attention_stored.BUDGET_BYTES")
 
-        def dkdv_stored(stored: Any = stored) -> tuple[torch.Tensor, torch.Tensor]:
-            return key_major(*kernel_args, out=(dk, dv), stored=stored, **key_options)
+    def dkdv_stored() -> tuple[torch.Tensor, torch.Tensor]:
+        return key_major(*kernel_args, out=(dk, dv), stored=stored, **key_options)
 
-        def dq_stored(stored: Any = stored) -> torch.Tensor:
-            return dq_from_stored(stored, x["k"], x["offsets"], x["targets"], max_seq_len=options["max_seq_len"],
-                                  alpha=options["alpha"], out=dq)  # fmt: skip
+    def dq_stored() -> torch.Tensor:
+        return dq_from_stored(stored, x["k"], x["offsets"], x["targets"], max_seq_len=options["max_seq_len"],
+                              alpha=options["alpha"], out=dq)  # fmt: skip
 
-        dkdv_stored()
-        refuse_if_wrong(f"attention_dq_stored{suffix}", dq_stored(), shipped[0], tolerance, "the shipped backward's dq")
-        kernels[f"attention_dkdv_stored{suffix}"] = Kernel(dkdv_stored, forward_flops * 4 / 2)
-        kernels[f"attention_dq_stored{suffix}"] = Kernel(dq_stored, forward_flops / 2)
-    return kernels
+    dkdv_stored()
+    refuse_if_wrong("attention_dq_stored", dq_stored(), shipped[0], ATTENTION_TOLERANCE, "the shipped backward's dq")
+    return {
+        "attention_backward": Kernel(lambda: backward("separate"), forward_flops * 7 / 2),
+        "attention_backward_atomic": Kernel(lambda: backward("atomic"), forward_flops * 5 / 2),
+        "attention_backward_stored": Kernel(lambda: backward("stored"), forward_flops * 5 / 2),
+        "attention_dkdv_stored": Kernel(dkdv_stored, forward_flops * 4 / 2),
+        "attention_dq_stored": Kernel(dq_stored, forward_flops / 2),
+    }

@@ -387,8 +387,7 @@ def test_the_mixer_backend_switch_keeps_cudnn_out_and_undoes(monkeypatch):
 @pytest.mark.parametrize(
     ("switch", "field", "value"),
     [("dq_atomic", "dq", "atomic"), ("dq_separate", "dq", "separate"), ("dq_stored", "dq", "stored"),
-     ("dq_stored_e4m3", "dq", "stored_e4m3"), ("fp8_attention", "fp8_forward", True),
-     ("bias_grad_by_linear", "bias_grad_in_gap", False)],
+     ("fp8_attention", "fp8_forward", True), ("bias_grad_by_linear", "bias_grad_in_gap", False)],
 )  # fmt: skip
 def test_an_attention_option_switch_sets_the_kernels_option_and_undoes(monkeypatch, switch, field, value):
     """Each switch sets one option of the run's attention kernel (a validated config: a name the kernel does not

@@ -211,7 +211,7 @@ def test_a_grid_of_no_program_is_refused() -> None:
 
 
 @pytest.mark.parametrize("which", ["forward", "forward_qr", "ws", "dq", "dq3", "dq_ws", "dkdv", "dkdv_default", "dkdv_ws",
-                                   "dkdv_stored", "dkdv_stored_e4m3"])
+                                   "dkdv_stored"])
 def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> None:
     """The launchers never run on the CPU; here each kernel is replaced by a recorder, and what the
     launcher hands it must bind to the kernel's own parameters (names, count, constexprs), with the
@@ -225,8 +225,7 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
                     "dq": (attention_gluon_dq, "dq_kernel"), "dq_ws": (attention_gluon_dq, "dq_ws_kernel"),
                     "dkdv": (attention_gluon_dkdv, "dkdv_kernel"), "dkdv_default": (attention_gluon_dkdv, "dkdv_kernel"),
                     "dkdv_ws": (attention_gluon_dkdv, "dkdv_ws_kernel"),
-                    "dkdv_stored": (attention_gluon_dkdv, "dkdv_kernel"),
-                    "dkdv_stored_e4m3": (attention_gluon_dkdv, "dkdv_kernel")}[which]
+                    "dkdv_stored": (attention_gluon_dkdv, "dkdv_kernel")}[which]
     real = getattr(module, name)
     calls: list[tuple] = []
 
@@ -250,11 +249,8 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
 
         config = {"dkdv_ws": "ws_n128m16", "dkdv": "n128m32"}.get(which)
         stored = StoredScores(torch.empty(96, 64, dtype=torch.bfloat16), torch.tensor([0, 4, 4]))
-        if which == "dkdv_stored_e4m3":
-            stored = StoredScores(torch.empty(96, 64, dtype=torch.float8_e4m3fn), torch.tensor([0, 4, 4]),
-                                  scales=torch.empty(3, 64))  # fmt: skip
         attention_gluon.dkdv(q, k, v, g, offsets, targets, config=config,
-                             stored=stored if which.startswith("dkdv_stored") else None, **options)  # fmt: skip
+                             stored=stored if which == "dkdv_stored" else None, **options)  # fmt: skip
     (grid, args, kwargs), = calls
     assert grid == (3,)
     launch = {key: kwargs.pop(key) for key in ("num_warps", "maxnreg") if key in kwargs}
@@ -265,18 +261,15 @@ def test_each_launcher_binds_its_kernels_signature(monkeypatch, gen, which) -> N
     scale = {"forward": ("out_scale", 1 / 25), "forward_qr": ("out_scale", 1 / 25), "ws": ("out_scale", 1 / 25),
              "dq": ("out_scale", 0.5 / 25), "dq3": ("out_scale", 0.5 / 25), "dq_ws": ("out_scale", 0.5 / 25),
              "dkdv": ("dk_scale", 0.5 / 25), "dkdv_default": ("dk_scale", 0.5 / 25), "dkdv_ws": ("dv_scale", 1 / 25),
-             "dkdv_stored": ("dk_scale", 0.5 / 25), "dkdv_stored_e4m3": ("dk_scale", 0.5 / 25)}[which]
+             "dkdv_stored": ("dk_scale", 0.5 / 25)}[which]
     assert values[scale[0]] == pytest.approx(scale[1])
     assert launch["num_warps"] in (4, 8)
-    if which in ("dkdv_default", "dkdv_stored", "dkdv_stored_e4m3"):  # n64m32: one warpgroup of 64 keys, two an SM
+    if which in ("dkdv_default", "dkdv_stored"):  # n64m32: one warpgroup of 64 keys, two programs an SM
         assert launch["num_warps"] == 4 and values["BLOCK_N"] == 64 and values["BLOCK_M"] == 32, (launch, values)
-        # the ds tiles' descriptor ([32, 64] blocks of the buffer) and bases only when storing; scales with e4m3
-        assert values["STORE_DS"] is which.startswith("dkdv_stored"), values
-        assert values["DS_E4M3"] is (which == "dkdv_stored_e4m3"), values
-        if which.startswith("dkdv_stored"):
+        # the ds tiles' descriptor ([32, 64] blocks of the buffer) and bases only when storing
+        assert values["STORE_DS"] is (which == "dkdv_stored"), values
+        if which == "dkdv_stored":
             assert values["ds_desc"].block_shape == [32, 64] and values["DS_BASE"] is stored.base
-        if which == "dkdv_stored_e4m3":
-            assert values["DS_SCALES"] is stored.scales
     # three programs of 4 warps an SM: registers capped so that they fit; the others need no cap
     assert launch.get("maxnreg") == (168 if which in ("forward_qr", "dq3") else None), launch
     if which in ("forward", "forward_qr"):

@@ -82,22 +82,16 @@ def gap_grad(leaves, offsets, heads, dim, max_len, mode, extras=None) -> torch.T
     return torch.autograd.grad(y, pre, dy)[0]
 
 
-def writer_batch(gen: torch.Generator, random_lengths: int, heads: int, dim: int = 16):  # type: ignore[no-untyped-def]
-    """Lengths across the scan's chunk borders (an empty one, some off the tile grid), up to 3 targets each,
-    their offsets, and float32 ``q, k, v`` and output gradient."""
-    lengths = [70, 0, 33, *torch.randint(1, 100, (random_lengths,), generator=gen).tolist(), 129]
-    targets = torch.minimum(torch.randint(0, 4, (len(lengths),), generator=gen), torch.tensor(lengths))
-    offsets = offsets_from_lengths(lengths)
-    q, k, v = random_qkv(int(offsets[-1]), heads, dim, dim, torch.float32, gen)
-    return lengths, targets, offsets, (q, k, v, torch.randn(q.shape, generator=gen))
-
-
 def test_the_key_major_pass_stores_every_allowed_pair_where_the_layout_says(gen, monkeypatch) -> None:
     """Every allowed pair's ``ds`` at its tile's row and column (rows counted out here, not by the module's
     formula), across chunk borders of the in-kernel scan, an empty sequence and lengths off the tile grid."""
     monkeypatch.setattr(attention_triton_bwd, "CHUNK", 4)
-    heads, alpha = 2, 0.25
-    lengths, targets, offsets, (q, k, v, g) = writer_batch(gen, 3, heads)
+    lengths = [70, 0, 33, *torch.randint(1, 100, (3,), generator=gen).tolist(), 129]
+    heads, dim, alpha = 2, 16, 0.25
+    targets = torch.minimum(torch.randint(0, 4, (len(lengths),), generator=gen), torch.tensor(lengths))
+    offsets = offsets_from_lengths(lengths)
+    q, k, v = random_qkv(int(offsets[-1]), heads, dim, dim, torch.float32, gen)
+    g = torch.randn(q.shape, generator=gen)
     plan = prepare(offsets, heads)
     rows = tile_rows(lengths, heads)
     per_seq = [sum(1 for key in rows if key[0] == b) for b in range(len(lengths))]
@@ -187,108 +181,6 @@ def test_dq_from_stored_adds_only_the_allowed_pairs_of_its_tiles(gen, monkeypatc
     assert not dq.isnan().any()
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(dq.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
-
-
-def test_the_key_major_pass_stores_e4m3_tiles_scaled_per_key(gen, monkeypatch) -> None:
-    """``stored_e4m3``: every allowed pair's ``ds`` is its tile's e4m3 value times its key's scale, within e4m3's
-    rounding (2**-4 of the value, or below e4m3's normals, 2**-6 times the scale); each key's scale is the
-    amax of its tile's 32 queries over 448. Allowed pairs only: a writer need not fill the others (the dq pass selects
-    them away), nor the scale of a key with no allowed pair in the tile."""
-    monkeypatch.setattr(attention_triton_bwd, "CHUNK", 4)
-    heads, alpha = 2, 0.25
-    lengths, targets, offsets, (q, k, v, g) = writer_batch(gen, 2, heads)
-    plan = prepare(offsets, heads)
-    stored = plan.scores(attention_stored.E4M3)
-    assert stored is not None and stored.scales is not None and stored.scales.shape == (plan.tiles() + 1, 64)
-    assert plan.buffer_bytes(attention_stored.E4M3) == stored.buffer.numel() + stored.scales.numel() * 4
-    key_major(q, k, v, g, offsets, targets, None, max_seq_len=max(lengths), alpha=alpha, max_attn_len=0,
-              stored=stored)  # fmt: skip
-    want = expected_ds(q, k, v, g, lengths, targets, alpha)
-    mask = attention_mask(torch.tensor(lengths), targets, 0, max(lengths))
-    rows = tile_rows(lengths, heads)
-    checked = 0
-    for (b, h, j, i), at in rows.items():
-        n = lengths[b]
-        exact = torch.zeros(32, 64, dtype=torch.float64)
-        block = want[b][h, 32 * i : 32 * i + 32, 64 * j : 64 * j + 64]
-        exact[: block.shape[0], : block.shape[1]] = block
-        allowed = torch.zeros(32, 64, dtype=torch.bool)
-        part = mask[b, 32 * i : min(32 * i + 32, n), 64 * j : min(64 * j + 64, n)].bool()
-        allowed[: part.shape[0], : part.shape[1]] = part
-        seen = allowed.any(0)  # keys with an allowed pair in the tile: the others' scales may be left unwritten
-        scale = torch.where(seen, stored.scales[at // 32].double(), 0.0)
-        want_scale = exact.abs().amax(0) / 448  # float32 sums: a small amax has a float32 error of the tile's size
-        torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=1e-6 * want_scale.max().item())
-        got = stored.buffer[at : at + 32].double() * scale
-        bound = exact.abs() * 2**-4 + scale * 2**-6 + 1e-12  # scaled values below 2**-6: the interpreter flushes
-        bad = ((got - exact).abs() > bound) & allowed
-        assert not bad.any(), (b, h, j, i, got[bad], exact[bad], scale.expand(32, 64)[bad])
-        checked += int(allowed.sum())
-    assert checked == int(mask.sum()) * heads
-
-
-def test_dq_from_e4m3_tiles_widens_each_by_its_keys_scales(gen, monkeypatch) -> None:
-    """Tiles written by hand in e4m3 with random per-key scales (NaN in every forbidden pair, the spare tile and its
-    scales): ``dq`` is ``scale * (tile * scales) k`` over the allowed pairs, by pointers (float32 ``k``) and by
-    tensor descriptors where the device has them (bf16)."""
-    monkeypatch.setattr(attention_stored, "CHUNK", 4)
-    lengths = [17, 300, 0, 96, *torch.randint(1, 200, (2,), generator=gen).tolist(), 129]
-    heads, dim, max_len, alpha = 2, 64, 300, 0.3
-    offsets = offsets_from_lengths(lengths)
-    targets = torch.minimum(torch.randint(1, 40, (len(lengths),), generator=gen), torch.tensor(lengths))
-    mask = attention_mask(torch.tensor(lengths), targets, 0, max_len)
-    plan = prepare(offsets, heads)
-    stored = plan.scores(attention_stored.E4M3)
-    assert stored is not None and stored.scales is not None and stored.scales.isnan().all()
-    rows = tile_rows(lengths, heads)
-    for dtype in (torch.float32, torch.bfloat16):
-        k = torch.randn(int(offsets[-1]), heads, dim, generator=gen).to(dtype)
-        want = torch.zeros(k.shape, dtype=torch.float64)
-        for (b, h, j, i), at in rows.items():
-            n, a = lengths[b], int(offsets[b])
-            values = torch.randn(32, 64, generator=gen).mul(100).to(attention_stored.E4M3)
-            scale = torch.rand(64, generator=gen) * 10.0 ** torch.randint(-6, 3, (1,), generator=gen)
-            allowed = torch.zeros(32, 64, dtype=torch.bool)
-            block = mask[b, 32 * i : min(32 * i + 32, n), 64 * j : min(64 * j + 64, n)].bool()
-            allowed[: block.shape[0], : block.shape[1]] = block
-            stored.buffer[at : at + 32] = torch.where(allowed, values.float(), math.nan).to(attention_stored.E4M3)
-            stored.scales[at // 32] = scale
-            ds = torch.where(allowed, values.double() * scale.double(), 0.0)[: block.shape[0], : block.shape[1]]
-            keys = k[a + 64 * j : a + 64 * j + block.shape[1], h].double()
-            want[a + 32 * i : a + 32 * i + block.shape[0], h] += ds @ keys
-        stored.buffer[len(rows) * 32 :] = math.nan
-        stored.scales[len(rows) :] = math.nan
-        dq = dq_from_stored(stored, k, offsets, targets, max_seq_len=max_len, alpha=alpha, out=torch.empty_like(k))
-        want *= alpha / max_len
-        assert not dq.isnan().any()
-        tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: ds widened to bf16 for the MMA
-        torch.testing.assert_close(dq.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
-
-
-def test_stored_e4m3_gradients_through_autograd_and_the_fused_gap(gen) -> None:
-    """``dq_mode="stored_e4m3"``: ``dk`` and ``dv`` are ``separate``'s (their ``ds`` is not quantized); ``dq`` is
-    within e4m3's rounding of it: relative error (Frobenius) at most 5 %, against ~2.6 % expected."""
-    lengths = [45, 130, 3]
-    heads, dim = 2, 64
-    offsets = offsets_from_lengths(lengths)
-    rows = int(offsets[-1])
-    qkvg = attention_leaves(gen, rows, heads, dim)
-    grads = {mode: attention_grads(qkvg, offsets, 130, mode) for mode in ("separate", "stored_e4m3")}
-    (dq0, dk0, dv0), (dq, dk, dv) = grads["separate"], grads["stored_e4m3"]
-    torch.testing.assert_close(dk, dk0, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dv, dv0, rtol=1e-5, atol=1e-6)
-    error = float((dq - dq0).norm() / dq0.norm())
-    assert 1e-3 < error < 0.05, error  # quantized, and not by more than e4m3's rounding
-
-    leaves = gap_leaves(gen, rows, heads, dim)
-    gap = {mode: gap_grad(leaves, offsets, heads, dim, 130, mode) for mode in ("separate", "stored_e4m3")}
-    hv, hq = heads * dim, heads * dim
-    q_cols = slice(2 * hv, 2 * hv + hq)
-    others = torch.ones(leaves[0].shape[1], dtype=torch.bool)
-    others[q_cols] = False
-    torch.testing.assert_close(gap["stored_e4m3"][:, others], gap["separate"][:, others], rtol=1e-5, atol=1e-5)
-    d_q0, d_q = gap["separate"][:, q_cols], gap["stored_e4m3"][:, q_cols]
-    assert 1e-3 < float((d_q - d_q0).norm() / d_q0.norm()) < 0.05
 
 
 def test_the_autograd_function_and_the_fused_gap_take_stored_dq(gen, monkeypatch) -> None:
@@ -416,26 +308,23 @@ def test_refusals() -> None:
 COMPILE = """
 import json
 from gem_kernels.compile_report import compile_gluon_forward
-for store, e4m3 in ((False, False), (True, False), (True, True)):
-    print(json.dumps({"store": store, **compile_gluon_forward("n64m32", dkdv=True, store_ds=store, ds_e4m3=e4m3)}))
+for store in (False, True):
+    print(json.dumps({"store": store, **compile_gluon_forward("n64m32", dkdv=True, store_ds=store)}))
 """
 
 
 def test_the_gluon_pass_that_stores_its_tiles_compiles_for_hopper_and_still_fits_twice_an_sm() -> None:
     """The shipped dk/dv pass (``n64m32``) built for sm_90 with and without its ``ds`` stores: the stores add
-    one bulk tensor copy and one ``[32, 64]`` slot pair of shared memory (8 KiB; 4 KiB in e4m3), and the build
-    still fits two programs an SM with at most 24 bytes of spills (none in Triton 3.6's build, 8 without the
-    stores and 24 with them in 3.7's; 16 with e4m3 tiles in 3.7's). The e4m3 build converts with
-    ``cvt.rn.satfinite`` (round to nearest even, as the interpreter's writer does in software)."""
+    one bulk tensor copy and one ``[32, 64]`` slot pair of shared memory (8 KiB), and the build still fits two
+    programs an SM with at most 24 bytes of spills (none in Triton 3.6's build, 8 without the stores and 24
+    with them in 3.7's)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     pytest.importorskip("triton.backends.nvidia")
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     result = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    plain, storing, e4m3 = (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))
-    for built, tile_bytes in ((storing, 2), (e4m3, 1)):
-        assert built["shared_bytes"] - plain["shared_bytes"] == 2 * 32 * 64 * tile_bytes, (plain, built)
-        assert built["tma_loads"] > plain["tma_loads"]  # the bulk tensor store (counted with the copies)
-        assert built["fit_per_sm"] >= 2 and built["stack_bytes"] <= 24, built
-        assert built["async_mmas"] == plain["async_mmas"] and built["mma_waits"] == plain["mma_waits"], built
-    assert e4m3["e4m3_converts"] > 0 and plain["e4m3_converts"] == storing["e4m3_converts"] == 0, e4m3
+    plain, storing = (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))
+    assert storing["shared_bytes"] - plain["shared_bytes"] == 2 * 32 * 64 * 2, (plain, storing)
+    assert storing["tma_loads"] > plain["tma_loads"]  # the bulk tensor store (counted with the copies)
+    assert storing["fit_per_sm"] >= 2 and storing["stack_bytes"] <= 24, storing
+    assert storing["async_mmas"] == plain["async_mmas"] and storing["mma_waits"] == plain["mma_waits"], storing

@@ -110,17 +110,14 @@ class TritonJaggedAttention(JaggedAttentionKernel):
     saved_formats = (E4M3_ROW,)  # the fused gap keeps its pre-activation in e4m3 rows (hstu_gap_saved)
 
     class Config(ComponentConfig):
-        dq: Literal["auto", "atomic", "separate", "stored", "stored_e4m3"] = "auto"
+        dq: Literal["auto", "atomic", "separate", "stored"] = "auto"
         """How the backward gets dq: fp32 atomics from the dk/dv pass (five MMAs per tile pair), or a
         second, query-major pass (seven MMAs, no atomics, no fp32 buffer), or ``stored``: the dk/dv pass
         writes its score gradients and a second pass reads them (five MMAs, ~2 bytes a pair each way;
         :mod:`gem_kernels.attention_stored`; calls with a relative bias or a window recompute). ``auto``
         takes ``stored`` from ~6e7 (query, key) pairs up (``STORED_BY_DEFAULT``; before it the separate pass,
         faster there than atomics), and atomics on small batches (see
-        ``gem_kernels.attention_triton_autograd.ATOMIC_DQ_BELOW_PAIRS`` for the measurements).
-        ``stored_e4m3``: ``stored`` with the score gradients kept in e4m3, one scale per key of a 32-query tile
-        (half the bytes each way; ``dq``'s error ~2.6 % against bf16 tiles' 0.24 % on random data), an fp8
-        option that ``auto`` never takes."""
+        ``gem_kernels.attention_triton_autograd.ATOMIC_DQ_BELOW_PAIRS`` for the measurements)."""
         block_m: int | None = None
         """Query rows per tile; set together with ``block_n`` to skip autotuning."""
         block_n: int | None = None

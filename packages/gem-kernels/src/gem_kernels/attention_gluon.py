@@ -147,8 +147,7 @@ def shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     """The NVMMA (wgmma-readable, 128-byte swizzled) shared layout of a ``block`` tile."""
     from triton.experimental.gluon import language as gl
 
-    kinds = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
-    return gl.NVMMASharedLayout.get_default_for(block, kinds[dtype])
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *grad_out: torch.Tensor) -> bool:
@@ -346,8 +345,7 @@ def dkdv(
             # without stored tiles, q's descriptor and the offsets stand in for the unread ds arguments
             ds_desc = descriptors[0] if stored is None else stored_descriptor(stored.buffer)
             ds_base = seq_offsets if stored is None else stored.base
-            e4m3 = stored is not None and stored.scales is not None
-            dkdv_kernel[grid](*descriptors, ds_desc, dk, dv, *pointers, queue_counter(q.device), ds_base,
-                              stored.scales if e4m3 else seq_offsets, *scalars, DQK=dim_qk, DVD=v.shape[2],
-                              STORE_DS=stored is not None, DS_E4M3=e4m3, **constants, **_limits(warps, per_sm))  # fmt: skip
+            dkdv_kernel[grid](*descriptors, ds_desc, dk, dv, *pointers, queue_counter(q.device), ds_base, *scalars,
+                              DQK=dim_qk, DVD=v.shape[2], STORE_DS=stored is not None, **constants,
+                              **_limits(warps, per_sm))  # fmt: skip
     return dk, dv

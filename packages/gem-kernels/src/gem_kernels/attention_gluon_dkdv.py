@@ -97,17 +97,6 @@ if HAVE_GLUON:
         cta_barrier()
         tma.async_copy_shared_to_global(ds_desc, [row, 0], ds_smem.index(step % 2))
 
-    @gluon.jit
-    def _store_ds_e4m3(ds_t, ds_smem, ds_desc, DS_SCALES, key_cols, step, row):
-        """``ds^T`` of one step (float32 ``[keys, queries]``) as an e4m3 tile, each key scaled to its amax over the
-        step's 32 queries, by :func:`_store_ds`; the keys' scales (``amax / 448``) to ``DS_SCALES`` at the tile's
-        row of 64 (plain stores: a key's amax is a reduction within its warp's rows)."""
-        amax = gl.max(gl.abs(ds_t), axis=1)
-        inverse = 448.0 / gl.maximum(amax, 1e-30)  # a zero key stays zero, with no inf on the way
-        scaled = ds_t * gl.expand_dims(inverse, 1)
-        _store_ds(gl.minimum(gl.maximum(scaled, -448.0), 448.0).to(gl.float8e4nv), ds_smem, ds_desc, step, row)
-        gl.store(DS_SCALES + row.to(gl.int64) * 2 + key_cols, amax * (1.0 / 448.0))
-
     # _ds_head and _ds_row are attention_stored.head_base and tile_index for Gluon, which calls no triton.jit
     # function: the layout's formulas, written once more here
     @gluon.jit
@@ -125,16 +114,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_steps(k_tile, v_tile, q_smem, do_smem, ready, empty, loads, n_blocks, n_diag, diag_lo, full_lo,
                     full_hi, n0, seq_len, history_len, half_alpha, q_desc, do_desc, q_row, q_col, do_col,
-                    ds_smem, ds_desc, ds_head, DS_SCALES,
+                    ds_smem, ds_desc, ds_head,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQK: gl.constexpr, DVD: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WS: gl.constexpr, STORE_DS: gl.constexpr,
-                    DS_E4M3: gl.constexpr):
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WS: gl.constexpr, STORE_DS: gl.constexpr):
         """One key tile's ``dk`` and ``dv`` (float32, unscaled) over its ``n_blocks`` query blocks, whose
         ``(q, g)`` tiles come through the ring: block ``b`` in slot ``(loads + b) % STAGES`` on barrier
         ``ready``. A slot whose MMAs have retired is refilled here with the block ``STAGES`` ahead (one
         partition), or handed back on ``empty`` to the producer warp (``WS``). ``STORE_DS``: each step's ``ds``
         also goes to the stored layout (``ds_head``: this (sequence, head)'s first tile; 64-key tiles of
-        32-query steps; ``DS_E4M3``: in e4m3 with per-key scales, :func:`_store_ds_e4m3`)."""
+        32-query steps)."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
         dk_layout: gl.constexpr = mma_layout(NUM_WARPS, DQK)
@@ -163,10 +151,7 @@ if HAVE_GLUON:
         j = n0 // BLOCK_N
         qb = (seq_len + 31) // 32
         if STORE_DS:
-            if DS_E4M3:
-                _store_ds_e4m3(ds_t, ds_smem, ds_desc, DS_SCALES, keys - n0, loads, _ds_row(ds_head, j, start, qb))
-            else:
-                _store_ds(ds_low, ds_smem, ds_desc, loads, _ds_row(ds_head, j, start, qb))
+            _store_ds(ds_low, ds_smem, ds_desc, loads, _ds_row(ds_head, j, start, qb))
         for i in range(1, n_blocks):
             prev = (loads + i - 1) % STAGES
             slot = (loads + i) % STAGES
@@ -186,11 +171,7 @@ if HAVE_GLUON:
             ds_low = ds_t.to(dtype)
             ds_op = gl.convert_layout(ds_low, pk_layout)
             if STORE_DS:
-                row = _ds_row(ds_head, j, start, qb)
-                if DS_E4M3:
-                    _store_ds_e4m3(ds_t, ds_smem, ds_desc, DS_SCALES, keys - n0, loads + i, row)
-                else:
-                    _store_ds(ds_low, ds_smem, ds_desc, loads + i, row)
+                _store_ds(ds_low, ds_smem, ds_desc, loads + i, _ds_row(ds_head, j, start, qb))
             if WS:  # block i - 1's slot goes back to the producer
                 mbarrier.arrive(empty.index(prev), count=1)
             else:  # it takes block i - 1 + STAGES
@@ -225,14 +206,13 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def dkdv_kernel(
-        q_desc, do_desc, k_desc, v_desc, ds_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, DS_BASE, DS_SCALES,
+        q_desc, do_desc, k_desc, v_desc, ds_desc, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, DS_BASE,
         stride_dkm, stride_dkh, stride_dvm, stride_dvh, num_seqs, num_heads, half_alpha, dk_scale, dv_scale,
         HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr, STORE_DS: gl.constexpr, DS_E4M3: gl.constexpr,
+        DQK: gl.constexpr, DVD: gl.constexpr, STAGES: gl.constexpr, STORE_DS: gl.constexpr,
     ):
         """``STORE_DS`` (32-query steps of 64-key tiles): every ``ds`` tile also goes to ``ds_desc``'s buffer,
-        ``DS_BASE`` the first tile of each sequence (:mod:`gem_kernels.attention_stored`); ``DS_E4M3``: e4m3 tiles,
-        their per-key scales to ``DS_SCALES``."""
+        ``DS_BASE`` the first tile of each sequence (:mod:`gem_kernels.attention_stored`)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         dtype: gl.constexpr = q_desc.dtype
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -244,7 +224,7 @@ if HAVE_GLUON:
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_smem = k_smem  # unused without STORE_DS
         if STORE_DS:
-            ds_smem = gl.allocate_shared_memory(ds_desc.dtype, [2, BLOCK_M, BLOCK_N], ds_desc.layout)
+            ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_desc.layout)
         mbarrier.init(kv_bar, count=1)
         _init_barriers(bars, STAGES)
         fence_async_shared()
@@ -276,8 +256,8 @@ if HAVE_GLUON:
                 kv_phase ^= 1
                 dk, dv = _dkdv_steps(k_smem, v_smem, q_smem, do_smem, bars, bars, loads, n_blocks, n_diag, diag_lo,
                                      full_lo, full_hi, n0, seq_len, history_len, half_alpha, q_desc, do_desc,
-                                     seq_start, head * DQK, head * DVD, ds_smem, ds_desc, ds_head, DS_SCALES,
-                                     BLOCK_M, BLOCK_N, DQK, DVD, STAGES, NUM_WARPS, False, STORE_DS, DS_E4M3)
+                                     seq_start, head * DQK, head * DVD, ds_smem, ds_desc, ds_head, BLOCK_M, BLOCK_N,
+                                     DQK, DVD, STAGES, NUM_WARPS, False, STORE_DS)
                 loads += n_blocks
                 _store_dkdv(dk, dv, DK, DV, seq_start, n0, head, seq_len, stride_dkm, stride_dkh, stride_dvm,
                             stride_dvh, dk_scale, dv_scale, BLOCK_N, DQK, DVD, NUM_WARPS)
@@ -351,8 +331,8 @@ if HAVE_GLUON:
                 mbarrier.wait(kv_ready.index(kv), (done // 2) & 1)
                 dk, dv = _dkdv_steps(k_smem.index(kv), v_smem.index(kv), q_smem, do_smem, ready, empty, loads,
                                      n_blocks, n_diag, diag_lo, full_lo, full_hi, n0, seq_len, history_len,
-                                     half_alpha, None, None, seq_start, head * DQK, head * DVD, None, None, 0, None,
-                                     BLOCK_M, BLOCK_N, DQK, DVD, STAGES, NUM_WARPS, True, False, False)
+                                     half_alpha, None, None, seq_start, head * DQK, head * DVD, None, None, 0,
+                                     BLOCK_M, BLOCK_N, DQK, DVD, STAGES, NUM_WARPS, True, False)
                 mbarrier.arrive(kv_empty.index(kv), count=1)  # every MMA that read this k and v is done
                 loads += n_blocks
                 done += 1

@@ -31,13 +31,14 @@ one block of the big config, held from the ``dk``/``dv`` pass to the end of this
 lengths on the host: :func:`prepare` starts that count on the device in the forward and copies it to the host
 without waiting; the backward reads it long after it landed.
 
-e4m3 tiles (``dq_mode="stored_e4m3"``). The tiles may be kept in e4m3 instead, half the bytes each way, with
-one float32 scale per key of each tile: ``scales[t, c] = amax / 448`` over the tile's 32 queries of key ``c``,
-the tile holding ``ds / scales[t, c]`` (a zero column holds zeros and scale 0). A writer takes each key's amax
-from its own 32-query step (the Gluon pass's ``n64m32`` step; the Triton pass then steps 32 queries at a
-time), a reduction within a warp's rows. On random data (``benchmarks/stored_ds_precision.py``, CPU, float64)
-``dq``'s relative error is ~2.6 % against 0.24 % from bf16 tiles: the e4m3 mantissa, not the scales' grain,
-sets it; an fp8 option, off by default.
+Why bf16. Tiles in e4m3 with a float32 scale per key of each tile (1.125 bytes a pair instead of 2) were built
+and measured on 2026-12-07 (commit f85073e): on the H100 at its power cap, one block of the big config, the
+whole backward took 7.355 ms and 5.14 J against 6.427 ms and 4.47 J, the storing ``dk``/``dv`` pass 3.75 J
+against 3.26 and the ``dq`` pass 1.39 J against 1.20 (``benchmarks/kernel_energy.py``;
+``benchmarks/results/jagged_attention.md``). Half the bytes did not pay for the work around them: each key's
+amax, the scaling and conversion, 16 byte stores a thread a step into the transposed shared tile (bf16 takes
+4 ``stmatrix``), and in the ``dq`` pass the widening back to bf16 through registers and shared memory
+before the MMA. They were removed.
 
 Head groups. A buffer holds the tiles of ``g`` heads, the most of a divisor of ``H`` that fit
 :data:`BUDGET_BYTES`; the backward runs both passes on each group of ``g`` heads in turn (head slices of the
@@ -71,13 +72,9 @@ from gem_kernels.attention_triton_common import (
     scan_chunk,
     tma_loads,
 )
-from gem_kernels.quantized_rows_triton import e4m3_bits
 
 TILE_Q, TILE_K = 32, 64
 """Queries and keys of a stored tile (the Gluon ``dk``/``dv`` pass's ``n64m32`` step)."""
-E4M3 = torch.float8_e4m3fn
-"""The dtype of ``stored_e4m3``'s tiles; :data:`E4M3_MAX` is its largest finite value."""
-E4M3_MAX = 448.0
 BUDGET_BYTES = 12 * 2**30
 """The most a ``ds`` buffer may take: a batch that needs more stores a group of heads at a time, and one of which
 not even one head fits recomputes its scores (``separate``)."""
@@ -128,53 +125,28 @@ def store_tile_elements(DS, base, ds_t, keys, queries, n):
 
 
 @triton.jit
-def store_tile_e4m3(DS, SC, base, ds_t, keys, start, n):
-    """Store a ``[keys, 32]`` float32 tile of ``ds`` (queries ``start .. start + 32``, ``start`` a multiple of 32:
-    one stored tile's rows) in e4m3, scaled per key, with its scales (``stored_e4m3``)."""
-    amax = tl.max(tl.abs(ds_t), axis=1)
-    inverse = 448.0 / tl.maximum(amax, 1e-30)  # a zero key stays zero, with no inf on the way
-    scaled = tl.clamp(ds_t * inverse[:, None], -448.0, 448.0)  # e4m3_bits: nearest even, under the interpreter too
-    ds8 = e4m3_bits(scaled).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    store_tile_elements(DS, base, ds8, keys, start + tl.arange(0, 32), n)
-    j = keys // 64
-    i = start // 32
-    exists = (i >= 2 * j) & (start < (n + 31) // 32 * 32) & (keys < (n + 63) // 64 * 64)
-    tl.store(SC + tile_index(base, j, i, n) * 64 + keys % 64, amax * (1.0 / 448.0), mask=exists)
-
-
-@triton.jit
-def _load_pair(DS, SC, ds_desc, k_head, k_desc, rows, keys, k_row, k_col, offs_m, offs_n, offs_d, stride_km, keys_ok,
-               TMA: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+def _load_pair(DS, ds_desc, k_head, k_desc, rows, keys, k_row, k_col, offs_m, offs_n, offs_d, stride_km, keys_ok,
+               TMA: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """A ``[64, 64]`` block of stored ``ds`` from row ``rows`` (int64) on, and the ``[64, D]`` key tile of keys
     ``keys`` (``k_row``, ``k_col``: its first row and column in the whole ``[L, H D]`` tensor). By descriptors,
     rows past the sequence hold the next one's keys (past the tensor, zeros): a masked step's selection
-    drops them. ``SCALED``: e4m3 tiles, widened here by their per-key scales (``SC``, 64 a tile) to ``k``'s
-    dtype."""
+    drops them."""
     if TMA:
-        ds = ds_desc.load([rows.to(tl.int32), 0])
-        k = k_desc.load([k_row, k_col])
-    else:
-        ds = tl.load(DS + (rows + offs_m)[:, None] * 64 + offs_n[None, :])
-        if MASKED:
-            k = tl.load(k_head + keys[:, None] * stride_km + offs_d[None, :], mask=keys_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_head + keys[:, None] * stride_km + offs_d[None, :])
-    if SCALED:  # tiles rows // 32 and the next: queries 0-31 and 32-63 of the block
-        first = tl.load(SC + rows * 2 + offs_n)
-        second = tl.load(SC + rows * 2 + 64 + offs_n)
-        scale = tl.where((offs_m < 32)[:, None], first[None, :], second[None, :])
-        ds = (ds.to(tl.float32) * scale).to(k.dtype)
-    return ds, k
+        return ds_desc.load([rows.to(tl.int32), 0]), k_desc.load([k_row, k_col])
+    ds = tl.load(DS + (rows + offs_m)[:, None] * 64 + offs_n[None, :])
+    if MASKED:
+        return ds, tl.load(k_head + keys[:, None] * stride_km + offs_d[None, :], mask=keys_ok[:, None], other=0.0)
+    return ds, tl.load(k_head + keys[:, None] * stride_km + offs_d[None, :])
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_rows", "ds_rows"])
-def _dq_stored_kernel(DS, SC, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER, stride_km, stride_kh, stride_dqm,
+def _dq_stored_kernel(DS, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER, stride_km, stride_kh, stride_dqm,
                       stride_dqh, num_seqs, num_heads, num_rows, ds_rows, scale, DQK: tl.constexpr,
                       HAS_TARGETS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
-                      TMA: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+                      TMA: tl.constexpr):  # fmt: skip
     """``dq = scale * ds k`` for every (sequence, head, block of 64 queries), the sequence's last block first;
     ``TMA``: the ``ds`` blocks and key tiles by tensor descriptors (``DS`` ``[ds_rows, 64]``, ``K`` ``[num_rows,
-    num_heads * DQK]``); ``SCALED``: e4m3 tiles with their scales in ``SC``."""
+    num_heads * DQK]``)."""
     offs_m = tl.arange(0, 64)
     offs_n = tl.arange(0, 64)
     offs_d = tl.arange(0, DQK)
@@ -206,15 +178,15 @@ def _dq_stored_kernel(DS, SC, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER,
             for j in range(0, full_end):
                 keys = j * 64 + offs_n
                 rows = tile_index(base, j, 2 * p, seq_len) * 32
-                ds, k = _load_pair(DS, SC, ds_desc, k_head, k_desc, rows, keys, (seq_start + j * 64).to(tl.int32),
-                                   k_col, offs_m, offs_n, offs_d, stride_km, keys, TMA, False, SCALED)  # fmt: skip
+                ds, k = _load_pair(DS, ds_desc, k_head, k_desc, rows, keys, (seq_start + j * 64).to(tl.int32), k_col,
+                                   offs_m, offs_n, offs_d, stride_km, keys, TMA, False)  # fmt: skip
                 acc = dot(ds, k, acc, IEEE, INTERP)
             for j in range(full_end, p + 1):
                 keys = j * 64 + offs_n
                 keys_ok = keys < seq_len
                 rows = tile_index(base, j, 2 * p, seq_len) * 32
-                ds, k = _load_pair(DS, SC, ds_desc, k_head, k_desc, rows, keys, (seq_start + j * 64).to(tl.int32),
-                                   k_col, offs_m, offs_n, offs_d, stride_km, keys_ok, TMA, True, SCALED)  # fmt: skip
+                ds, k = _load_pair(DS, ds_desc, k_head, k_desc, rows, keys, (seq_start + j * 64).to(tl.int32), k_col,
+                                   offs_m, offs_n, offs_d, stride_km, keys_ok, TMA, True)  # fmt: skip
                 keep = allowed(queries[:, None], keys[None, :], history_len, 0, False) & keys_ok[None, :]
                 ds = tl.where(keep, ds, 0.0)  # a selection: what was never written is never added
                 acc = dot(ds, k, acc, IEEE, INTERP)
@@ -230,22 +202,11 @@ class StoredScores:
     """Where the ``dk``/``dv`` pass writes its ``ds`` tiles: ``buffer [tiles * 32 + 32, 64]`` (one spare tile: the
     ``dq`` pass reads whole ``[64, 64]`` blocks, whose second half may lie past the last tile), ``base [B]``
     (int64, each sequence's first tile) and ``heads``, how many heads' tiles the buffer holds (the passes take
-    that many heads at a time; ``None``: every head of the call). e4m3 tiles come with ``scales [tiles + 1,
-    64]`` (float32, one a key of each tile, the spare tile's too)."""
+    that many heads at a time; ``None``: every head of the call)."""
 
     buffer: torch.Tensor
     base: torch.Tensor
     heads: int | None = None
-    scales: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if (self.buffer.dtype == E4M3) != (self.scales is not None):
-            raise ValueError(f"StoredScores: e4m3 tiles need their scales and other tiles have none, got a "
-                             f"{self.buffer.dtype} buffer and scales {None if self.scales is None else 'given'}")  # fmt: skip
-        if self.scales is not None and (self.scales.dtype != torch.float32
-                                        or tuple(self.scales.shape) != (self.buffer.shape[0] // TILE_Q, TILE_K)):  # fmt: skip
-            raise ValueError(f"StoredScores: scales must be float32 [{self.buffer.shape[0] // TILE_Q}, {TILE_K}] "
-                             f"(one a key of each tile), got {self.scales.dtype} {tuple(self.scales.shape)}")  # fmt: skip
 
 
 class ScorePlan:
@@ -287,9 +248,8 @@ class ScorePlan:
 
     def buffer_bytes(self, dtype: torch.dtype, heads: int | None = None) -> int:
         """What a ``ds`` buffer of ``heads`` heads (every head) of this batch takes in ``dtype``: its tiles and the
-        spare one (in :data:`E4M3`, with their scales)."""
-        per_tile = TILE_Q * TILE_K * dtype.itemsize + (TILE_K * 4 if dtype == E4M3 else 0)
-        return (self.tiles(heads) + 1) * per_tile
+        spare one."""
+        return (self.tiles(heads) + 1) * TILE_Q * TILE_K * dtype.itemsize
 
     def group_heads(self, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
         """The most heads, a divisor of the head count, whose buffer fits ``budget_bytes`` (:data:`BUDGET_BYTES`);
@@ -304,13 +264,11 @@ class ScorePlan:
         heads = self.group_heads(dtype, budget_bytes)
         if heads == 0:
             return None
-        tiles, device = self.tiles(heads) + 1, self._head_base.device
         try:
-            buffer = torch.empty((tiles * TILE_Q, TILE_K), dtype=dtype, device=device)
-            scales = torch.empty((tiles, TILE_K), dtype=torch.float32, device=device) if dtype == E4M3 else None
+            buffer = torch.empty(((self.tiles(heads) + 1) * TILE_Q, TILE_K), dtype=dtype, device=self._head_base.device)
         except torch.OutOfMemoryError:  # the step goes on, recomputing; it only runs slower
             return None
-        return StoredScores(buffer, self.base_for(heads), heads, scales)
+        return StoredScores(buffer, self.base_for(heads), heads)
 
 
 _LAST: list[tuple[weakref.ref[torch.Tensor], int, int, ScorePlan]] = []
@@ -350,18 +308,15 @@ def dq_from_stored(scores: StoredScores, k: torch.Tensor, seq_offsets: torch.Ten
     if rows == 0 or num_seqs <= 0:
         return out
     tile_bound = num_seqs * heads * -(-max(max_seq_len, 1) // 64)
-    scaled = scores.scales is not None
-    tma = (tma_loads(k) and scores.buffer.dtype in (k.dtype, E4M3)
-           and scores.buffer.data_ptr() % 16 == 0)  # fmt: skip
+    tma = tma_loads(k) and scores.buffer.dtype == k.dtype and scores.buffer.data_ptr() % 16 == 0
     warps, stages, per_sm = LAUNCH
     with device_guard(k.device):
         grid = (num_programs(k.device, per_sm, tile_bound),)
         _dq_stored_kernel[grid](
-            scores.buffer, scores.scales if scaled else scores.base, scores.base, k, out, seq_offsets,
-            num_targets if num_targets is not None else seq_offsets, queue_counter(k.device), k.stride(0),
-            k.stride(1), out.stride(0), out.stride(1), num_seqs, heads, rows, scores.buffer.shape[0],
-            float(alpha) / max_seq_len, DQK=dim, HAS_TARGETS=num_targets is not None, IEEE=k.dtype == torch.float32,
-            INTERP=INTERPRET, CHUNK=CHUNK, TMA=tma, SCALED=scaled,
+            scores.buffer, scores.base, k, out, seq_offsets, num_targets if num_targets is not None else seq_offsets,
+            queue_counter(k.device), k.stride(0), k.stride(1), out.stride(0), out.stride(1), num_seqs, heads, rows,
+            scores.buffer.shape[0], float(alpha) / max_seq_len, DQK=dim, HAS_TARGETS=num_targets is not None,
+            IEEE=k.dtype == torch.float32, INTERP=INTERPRET, CHUNK=CHUNK, TMA=tma,
             num_warps=1 if INTERPRET else warps, num_stages=1 if INTERPRET else stages,
         )  # fmt: skip
     return out

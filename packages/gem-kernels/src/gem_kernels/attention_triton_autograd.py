@@ -13,9 +13,7 @@ from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.launcher import config_str, key_label
 from gem_model.api import NO_EXTRAS, AttentionExtras
 
-DqMode = Literal["auto", "atomic", "separate", "stored", "stored_e4m3"]
-STORED_MODES = {"stored": None, "stored_e4m3": attention_stored.E4M3}
-"""The modes that take ``dq`` from stored score gradients, and their tiles' dtype (``None``: the inputs')."""
+DqMode = Literal["auto", "atomic", "separate", "stored"]
 
 ATOMIC_DQ_BELOW_PAIRS = 2**24
 """``auto`` takes atomic dq below this many (query, key) pairs, estimated as ``H L^2 / (2 B)``.
@@ -39,7 +37,7 @@ e2e switch ``dq_separate`` gives the recomputing pass back."""
 
 
 def resolve_dq_mode(dq_mode: DqMode, num_rows: int, num_seqs: int,
-                    num_heads: int) -> Literal["atomic", "separate", "stored", "stored_e4m3"]:  # fmt: skip
+                    num_heads: int) -> Literal["atomic", "separate", "stored"]:  # fmt: skip
     if dq_mode != "auto":
         return dq_mode
     pairs = num_heads * num_rows * num_rows / (2 * max(1, num_seqs))
@@ -80,7 +78,7 @@ class JaggedAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, seq_offsets, num_targets, bias.position, bias.time, bias.timestamps,
                               bias.query_timestamps)
         ctx.params = (max_seq_len, alpha, max_attn_len, dq_mode, blocks, bias.edges)
-        stored = (resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) in STORED_MODES
+        stored = (resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1]) == "stored"
                   and attention_stored.applies(q, k, bias, max_attn_len))  # fmt: skip
         ctx.score_plan = attention_stored.prepare(seq_offsets, q.shape[1]) if stored else None
         return out
@@ -149,8 +147,8 @@ def attention_backward(
     grads = BiasGrads.zeros(bias, needs_position, needs_time, max_seq_len, q.device)
     mode = resolve_dq_mode(dq_mode, q.shape[0], seq_offsets.shape[0] - 1, q.shape[1])
     stored = None
-    if mode in STORED_MODES and score_plan is not None and attention_stored.applies(q, k, bias, max_attn_len):
-        stored = score_plan.scores(STORED_MODES[mode] or q.dtype)
+    if mode == "stored" and score_plan is not None and attention_stored.applies(q, k, bias, max_attn_len):
+        stored = score_plan.scores(q.dtype)
     if mode == "atomic":
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = key_major(q, k, v, grad_out, seq_offsets, num_targets, dq_accum, bias_grads=grads, **options)
@@ -209,8 +207,7 @@ def jagged_attention_triton(
     ``v`` and the relative biases of ``extras`` (semantics of :class:`gem_model.api.JaggedAttentionKernel`
     and :class:`gem_model.api.AttentionExtras`).
 
-    ``dq_mode``: how the backward gets ``dq`` (``auto``: see :data:`ATOMIC_DQ_BELOW_PAIRS`; ``stored_e4m3``: from
-    score gradients stored in e4m3, :mod:`gem_kernels.attention_stored`).
+    ``dq_mode``: how the backward gets ``dq`` (``auto``: see :data:`ATOMIC_DQ_BELOW_PAIRS`).
     ``blocks = (BLOCK_M, BLOCK_N)`` fixes the tile sizes instead of tuning them. ``fp8_forward``: the
     output from e4m3 ``q k^T`` (:mod:`gem_kernels.attention_fp8`, after one Triton pass that quantizes
     ``q`` and ``k``); the backward still reads the bf16 inputs. Without autograd

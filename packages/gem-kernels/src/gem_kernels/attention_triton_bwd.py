@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from gem_kernels import attention_gluon
-from gem_kernels.attention_stored import StoredScores, head_base, store_tile_e4m3, store_tile_elements
+from gem_kernels.attention_stored import StoredScores, head_base, store_tile_elements
 from gem_kernels.attention_triton import KEY_NAMES
 from gem_kernels.attention_triton_bias import (
     NO_BIAS,
@@ -124,8 +124,7 @@ def _key_block_ranges(n0, seq_len, history_len, max_attn_len, HAS_WINDOW: tl.con
 def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm,
                     offs_m, n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len,
                     PB, TB, EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets,
-                    q_desc, do_desc, query_row, q_col, do_col, DS, DS_SCALES, ds_base, STORE_DS: tl.constexpr,
-                    DS_E4M3: tl.constexpr, TMA: tl.constexpr,
+                    q_desc, do_desc, query_row, q_col, do_col, DS, ds_base, STORE_DS: tl.constexpr, TMA: tl.constexpr,
                     MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_T: tl.constexpr, HAS_WINDOW: tl.constexpr,
                     HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
                     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr,
@@ -165,10 +164,8 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
     if TIME_GRAD:
         time_grad(DTB, ds_t, bucket_t, num_buckets)
     dv = dot(cast(silu_t, do.dtype, INTERP), do, dv, IEEE, INTERP)
-    if STORE_DS and DS_E4M3:  # BLOCK_M is 32 and start a multiple of it: one stored tile's queries
-        store_tile_e4m3(DS, DS_SCALES, ds_base, ds_t, keys, start, seq_len)
     ds_t = cast(ds_t, q.dtype, INTERP)
-    if STORE_DS and not DS_E4M3:  # for the dq pass (gem_kernels.attention_stored)
+    if STORE_DS:  # for the dq pass (gem_kernels.attention_stored)
         store_tile_elements(DS, ds_base, ds_t, keys, queries, seq_len)
     dk = dot(ds_t, q, dk, IEEE, INTERP)
     if ATOMIC_DQ:
@@ -188,7 +185,7 @@ def _key_block_step(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, st
 @triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_rows", "max_attn_len", "pos_offset", "num_buckets"])
 def key_major_kernel(
     Q, K, V, DO, DQ, DK, DV, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PB, TB, EDGES, TS, QTS, DPB, DTB, DS, DS_BASE,
-    DS_SCALES, stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
+    stride_qm, stride_qh, stride_km, stride_kh, stride_vm, stride_vh, stride_dom, stride_doh,
     stride_dqm, stride_dqh, stride_dkm, stride_dkh, stride_dvm, stride_dvh,
     num_seqs, num_heads, num_rows, alpha, max_seq_len, max_attn_len, pos_offset, num_buckets,
     DQK: tl.constexpr, DV_DIM: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -196,15 +193,13 @@ def key_major_kernel(
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr, POS_GRAD: tl.constexpr, TIME_GRAD: tl.constexpr,
     POS_STRIPES: tl.constexpr, TIME_STRIPES: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr,
-    STORE_DS: tl.constexpr, DS_E4M3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PROGRAMS_PER_SM: tl.constexpr,
+    STORE_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """dk, dv (and dq with ``ATOMIC_DQ``) for every (sequence, head, key block) tile; with ``POS_GRAD`` /
     ``TIME_GRAD`` also the bias gradients (times N) into ``DPB`` ``[POS_STRIPES, 2 N - 1]`` and ``DTB``
     ``[TIME_STRIPES, num_buckets]``. Bias arguments as in ``query_major_kernel``. ``TMA``: the query and
     output-gradient tiles come by tensor descriptors over ``[num_rows, num_heads * D]``. ``STORE_DS``: every
-    ``ds`` tile also goes into ``DS`` (:mod:`gem_kernels.attention_stored`'s layout, ``DS_BASE`` its bases);
-    ``DS_E4M3``: in e4m3, with each key's scale in ``DS_SCALES`` (32-query steps only)."""
+    ``ds`` tile also goes into ``DS`` (:mod:`gem_kernels.attention_stored`'s layout, ``DS_BASE`` its bases)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -269,7 +264,7 @@ def key_major_kernel(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
                     EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, DS, DS_SCALES, ds_base, STORE_DS, DS_E4M3, TMA, False, ATOMIC_DQ, DQ_T, HAS_WINDOW,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, DS, ds_base, STORE_DS, TMA, False, ATOMIC_DQ, DQ_T, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -279,7 +274,7 @@ def key_major_kernel(
                     dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, start, stride_qm, stride_dom, stride_dqm, offs_m,
                     n0, keys, d_qk_ok, d_v_ok, seq_len, history_len, max_attn_len, alpha, max_seq_len, PB, TB,
                     EDGES, query_times, key_t, DPB, DTB, pos_offset, num_buckets, q_desc, do_desc,
-                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, DS, DS_SCALES, ds_base, STORE_DS, DS_E4M3, TMA, True, ATOMIC_DQ, DQ_T, HAS_WINDOW,
+                    seq_start.to(tl.int32), head * DQK, head * DV_DIM, DS, ds_base, STORE_DS, TMA, True, ATOMIC_DQ, DQ_T, HAS_WINDOW,
                     HAS_POS_BIAS, HAS_TIME_BIAS, POS_GRAD, TIME_GRAD, SILU, IEEE, INTERP, CHECK_QK, CHECK_V,
                     BLOCK_M, BLOCK_N,
                 )
@@ -295,7 +290,7 @@ def key_major_kernel(
 
 
 _POINTERS = ("Q", "K", "V", "DO", "DQ", "DK", "DV", "SEQ_OFFSETS", "NUM_TARGETS", "COUNTER", "PB", "TB", "EDGES",
-             "TS", "QTS", "DPB", "DTB", "DS", "DS_BASE", "DS_SCALES")
+             "TS", "QTS", "DPB", "DTB", "DS", "DS_BASE")
 # ``ds``: whether the pass also stores its score gradients (gem_kernels.attention_stored)
 DKDV = TunedKernel("dkdv", key_major_kernel, pointers=_POINTERS, floats=("alpha", "max_seq_len"),
                    key_names=(*KEY_NAMES[:-2], "ds", *KEY_NAMES[-2:]))
@@ -356,12 +351,8 @@ def key_major(
     grad_flags = (grads.position is not None, grads.time is not None)
     chunk = CHUNK  # read at call time: tests shrink it
     tma = TMA_LOADS and tma_loads(q, grad_out)
-    e4m3 = stored is not None and stored.scales is not None
-    if e4m3 and blocks is not None and blocks[0] != 32:
-        raise ValueError(f"key_major: e4m3 ds tiles are scaled over 32-query steps, got blocks {blocks}")
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(grad_flags), chunk,
-               "auto" if blocks is None else blocks, "tma" if tma else "pointers",
-               "-" if stored is None else ("stored e4m3" if e4m3 else "stored"))  # fmt: skip
+               "auto" if blocks is None else blocks, "tma" if tma else "pointers", "stored" if stored is not None else "-")
     if atomic:
         variant += ("transposed" if TRANSPOSED_DQ else "rows",)
 
@@ -373,7 +364,6 @@ def key_major(
             HAS_TIME_BIAS=bias.time is not None, POS_GRAD=grad_flags[0], TIME_GRAD=grad_flags[1],
             POS_STRIPES=POSITION_STRIPES, TIME_STRIPES=TIME_STRIPES, SILU=silu_mode(q.dtype),
             IEEE=q.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, TMA=tma, STORE_DS=stored is not None,
-            DS_E4M3=e4m3,
         )
 
     def restore() -> None:  # tuning runs added into the accumulators
@@ -390,7 +380,6 @@ def key_major(
             q, k, v, grad_out, dq, dk, dv, seq_offsets, num_targets if num_targets is not None else seq_offsets,
             counter, *bias.pointers(q), *grads.pointers(dq),
             *((stored.buffer, stored.base) if stored is not None else (dk, seq_offsets)),
-            stored.scales if e4m3 else seq_offsets,  # type: ignore[union-attr]
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             v.stride(0), v.stride(1), grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), num_seqs, num_heads, num_rows, float(alpha),
@@ -401,8 +390,6 @@ def key_major(
             buckets: tuple[int, int] = (0, 0)
         else:
             configs = _configs(max(dim_qk, dim_v) > 128)
-            if e4m3:  # a key's scale is the amax of its 32 queries of a stored tile: one step's
-                configs = [c for c in configs if c[0] == 32] or [fixed_config(32, configs[0][1])]
             buckets = length_buckets(max_seq_len, num_rows, num_seqs)
         (DKDV_ATOMIC if atomic else DKDV).launch(
             args, constexprs, variant=variant, buckets=buckets, configs=configs, device=device,

@@ -169,11 +169,11 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
 
 def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
                           arch: int = 90, dq: bool = False, dkdv: bool = False,
-                          store_ds: bool = False, ds_e4m3: bool = False) -> dict[str, Any]:  # fmt: skip
+                          store_ds: bool = False) -> dict[str, Any]:  # fmt: skip
     """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``; with ``dq``
     the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq`, with ``dkdv`` the ``dk``/``dv`` pass of
     :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``, with ``store_ds`` writing
-    its ``ds`` tiles for :mod:`~gem_kernels.attention_stored`, in e4m3 with ``ds_e4m3``) for ``arch`` with bf16
+    its ``ds`` tiles for :mod:`~gem_kernels.attention_stored`) for ``arch`` with bf16
     inputs, as :mod:`~gem_kernels.attention_gluon` launches it: shared bytes,
     registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
     (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
@@ -201,13 +201,12 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
              "k_desc": descriptor(block_n, dim_qk), "v_desc": descriptor(block_n, dim_v), "OUT": "*bf16", "DQ": "*bf16",
              "DK": "*bf16", "DV": "*bf16", "dk_scale": "fp32", "dv_scale": "fp32",
              "SEQ_OFFSETS": "*i64", "NUM_TARGETS": "*i64", "COUNTER": "*i32", "half_alpha": "fp32",
-             "out_scale": "fp32", "DS_BASE": "*i64", "DS_SCALES": "*fp32",
-             "ds_desc": mangle_type(ag.stored_descriptor(torch.empty(
-                 64, 64, dtype=torch.float8_e4m3fn if ds_e4m3 else torch.bfloat16)))}  # fmt: skip
+             "out_scale": "fp32", "DS_BASE": "*i64",
+             "ds_desc": mangle_type(ag.stored_descriptor(torch.empty(64, 64, dtype=torch.bfloat16)))}  # fmt: skip
     constants = dict(HAS_TARGETS=targets, CHUNK=ag.CHUNK, BLOCK_M=block_m, BLOCK_N=block_n, DQK=dim_qk,
                      STAGES=stages, **({"DVD": dim_v} if dkdv else {"DV": dim_v}),
                      **({"PRODUCER_REGS": ag.PRODUCER_REGISTERS} if specialized else {}),
-                     **({"STORE_DS": store_ds, "DS_E4M3": ds_e4m3} if fn is dkdv_pass.dkdv_kernel else {}),
+                     **({"STORE_DS": store_ds} if fn is dkdv_pass.dkdv_kernel else {}),
                      **({"QUERY_REGS": config.startswith("qr_")} if fn is fwd.forward_kernel else {}))  # fmt: skip
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -222,7 +221,6 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
             "mma_order": _mma_order(ptx), "arrives_after_barrier": _arrives_after_barrier(ptx),
             "async_mmas": ptx.count("wgmma.mma_async"), "mma_waits": waits,
             "tma_loads": ptx.count("cp.async.bulk.tensor"), "tanh_approx": "tanh.approx.f32" in ptx,
-            "e4m3_converts": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
             "setmaxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)}),
             "register_cap": cap, "programs_per_sm": per_sm,
             "fit_per_sm": programs_fitting(usage["registers"], compiled.metadata.shared, warps, arch),

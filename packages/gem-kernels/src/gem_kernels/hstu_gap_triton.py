@@ -55,7 +55,7 @@ import triton.language as tl
 from gem_kernels import attention_stored
 from gem_kernels.attention_fp8 import quantize_qk, silu_quantize_qk
 from gem_kernels.attention_triton import query_major
-from gem_kernels.attention_triton_autograd import STORED_MODES, DqMode, grads_from_stored, resolve_dq_mode
+from gem_kernels.attention_triton_autograd import DqMode, grads_from_stored, resolve_dq_mode
 from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
@@ -183,7 +183,7 @@ class HSTUGapFunction(torch.autograd.Function):
                               bias.position, bias.time, bias.timestamps, bias.query_timestamps)  # fmt: skip
         ctx.params = (shape, options, bias.edges)
         # dq from the dk/dv pass's stored ds tiles: the batch's tile count starts on its way to the host here
-        stored = (resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads) in STORED_MODES
+        stored = (resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads) == "stored"
                   and attention_stored.applies(q, k, bias, options["max_attn_len"]) and any(ctx.needs_input_grad))
         ctx.score_plan = attention_stored.prepare(seq_offsets, heads) if stored else None
         if rows_out is None:
@@ -227,7 +227,7 @@ class HSTUGapFunction(torch.autograd.Function):
         mode = resolve_dq_mode(options["dq_mode"], rows, seq_offsets.shape[0] - 1, heads)
         dq_accum = torch.zeros((rows, heads, dqk), dtype=torch.float32, device=pre.device) if mode == "atomic" else None
         plan = ctx.score_plan
-        stored = plan.scores(STORED_MODES[mode] or post.dtype) if mode in STORED_MODES and plan is not None else None
+        stored = plan.scores(post.dtype) if mode == "stored" and plan is not None else None
         dq_done = stored is not None
         if dq_done:  # dk, dv and dq, a group of heads at a time
             grads_from_stored(q, k, v, d_attn, seq_offsets, num_targets, stored, out=(d_q, d_k, d_v), bias=bias,
