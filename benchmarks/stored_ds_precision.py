@@ -4,7 +4,8 @@
 (:mod:`gem_kernels.attention_stored`). At the power cap the tiles' bytes cost energy; fp8 tiles would take half.
 This prints the relative error of ``dq`` (Frobenius norm, and the largest element against the largest) against
 the exact float64 product, for ``ds`` kept in bf16 and in e4m3 / e5m2 with one scale a stored tile (32 queries x
-64 keys), one a query row of a tile, or one a key of a tile (``dq_mode="stored_e4m3"``'s); ``k`` in bf16 throughout, as the ``dq`` pass reads it. One causal
+64 keys), one a query row of a tile, or one a key of a tile (the form built and removed on 2026-12-07: slower
+and dearer than bf16 tiles, ``benchmarks/results/jagged_attention.md``); ``k`` in bf16 throughout, as the ``dq`` pass reads it. One causal
 sequence of ``n`` rows, random ``q, k, v`` and output gradient, HSTU's silu scores.
 
     python benchmarks/stored_ds_precision.py --n 1024 --seed 0 --out stored_ds_precision.json
@@ -33,7 +34,7 @@ def exact_ds(n: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantized(ds: torch.Tensor, dtype: torch.dtype, per: str) -> torch.Tensor:
     """``ds`` through ``dtype`` and back, scaled to its range by tile, by query row of a tile, or by key (column)
-    of a tile (``per``: ``tile``, ``row`` or ``key``; ``key`` is what ``dq_mode="stored_e4m3"`` keeps)."""
+    of a tile (``per``: ``tile``, ``row`` or ``key``; ``key``: one per key of a tile, the form that was built)."""
     out = torch.empty_like(ds)
     top = torch.finfo(dtype).max
     for i in range(0, ds.shape[0], TILE_Q):
