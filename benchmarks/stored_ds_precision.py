@@ -5,8 +5,9 @@
 This prints the relative error of ``dq`` (Frobenius norm, and the largest element against the largest) against
 the exact float64 product, for ``ds`` kept in bf16 and in e4m3 / e5m2 with one scale a stored tile (32 queries x
 64 keys), one a query row of a tile, or one a key of a tile (the form built and removed on 2026-12-07: slower
-and dearer than bf16 tiles, ``benchmarks/results/jagged_attention.md``); ``k`` in bf16 throughout, as the ``dq`` pass reads it. One causal
-sequence of ``n`` rows, random ``q, k, v`` and output gradient, HSTU's silu scores.
+and dearer than bf16 tiles, ``benchmarks/results/jagged_attention.md``); ``k`` in bf16 throughout, as the
+``dq`` pass reads it. One causal sequence of ``n`` rows, random ``q, k, v`` and output gradient, HSTU's silu
+scores.
 
     python benchmarks/stored_ds_precision.py --n 1024 --seed 0 --out stored_ds_precision.json
 """
@@ -37,10 +38,10 @@ def quantized(ds: torch.Tensor, dtype: torch.dtype, per: str) -> torch.Tensor:
     of a tile (``per``: ``tile``, ``row`` or ``key``; ``key``: one per key of a tile, the form that was built)."""
     out = torch.empty_like(ds)
     top = torch.finfo(dtype).max
+    axis = {"tile": None, "row": 1, "key": 0}[per]
     for i in range(0, ds.shape[0], TILE_Q):
         for j in range(0, ds.shape[1], TILE_K):
             tile = ds[i : i + TILE_Q, j : j + TILE_K]
-            axis = {"tile": None, "row": 1, "key": 0}[per]
             amax = tile.abs().amax() if axis is None else tile.abs().amax(axis, keepdim=True)
             scale = top / torch.as_tensor(amax).clamp_min(1e-300)
             out[i : i + TILE_Q, j : j + TILE_K] = (tile * scale).to(dtype).double() / scale

@@ -21,7 +21,7 @@ from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.reference import attention_mask
 from gem_kernels.testing import offsets_from_lengths, random_qkv
-from gem_model.api import AttentionExtras
+from gem_model.api import NO_EXTRAS, AttentionExtras
 
 pytestmark = pytest.mark.usefixtures("poison")
 
@@ -73,12 +73,11 @@ def gap_leaves(gen: torch.Generator, rows: int, heads: int, dim: int) -> tuple[t
     return pre, weight, bias, torch.randn(rows, heads * dim, generator=gen)
 
 
-def gap_grad(leaves, offsets, heads, dim, max_len, mode, extras=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def gap_grad(leaves, offsets, heads, dim, max_len, mode, extras=NO_EXTRAS) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """The gap's gradient in its pre-activation with ``dq_mode=mode``."""
     pre, weight, bias, dy = leaves
     y, _ = hstu_gap_triton(pre, weight, bias, offsets, num_heads=heads, attention_dim=dim, value_dim=dim,
-                           max_seq_len=max_len, alpha=1 / math.sqrt(dim), eps=1e-5, dq_mode=mode,
-                           **({} if extras is None else {"extras": extras}))  # fmt: skip
+                           max_seq_len=max_len, alpha=1 / math.sqrt(dim), eps=1e-5, dq_mode=mode, extras=extras)  # fmt: skip
     return torch.autograd.grad(y, pre, dy)[0]
 
 
