@@ -61,6 +61,9 @@ def test_the_gemm_kernels_pass_their_checks_and_count_their_work(kernel_energy):
     assert blocks["cast_t_blocks"].bytes == 3.0 * 300 * (1024 + 4096)  # bf16 read, e4m3 written
 
 
+# the script poisons the ds buffer with NaN before its checks; the dq pass multiplies whole [64, 64] blocks, and rows
+# past a sequence's end (dropped at its store) then carry NaN through numpy's matmul under the interpreter
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered in matmul:RuntimeWarning")
 def test_the_attention_backwards_agree_before_they_are_measured(energy_attention):
     """Under the interpreter on three short sequences: the shipped backward, the one with atomic ``dq`` and
     the one with ``dq`` from stored ``ds`` tiles pass the agreement check the script makes before measuring,

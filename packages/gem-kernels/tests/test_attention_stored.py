@@ -312,11 +312,17 @@ for store in (False, True):
 """
 
 
+def _follows(order: list[str], run: list[str]) -> bool:
+    return any(order[i:i + len(run)] == run for i in range(len(order)))
+
+
 def test_the_gluon_pass_that_stores_its_tiles_compiles_for_hopper_and_still_fits_twice_an_sm() -> None:
     """The shipped dk/dv pass (``n64m32``) built for sm_90 with and without its ``ds`` stores: the stores add
     one bulk tensor copy and one ``[32, 64]`` slot pair of shared memory (8 KiB), and the build still fits two
     programs an SM with at most 24 bytes of spills (none in Triton 3.6's build, 8 without the stores and 24
-    with them in 3.7's)."""
+    with them in 3.7's). A step's tile is stored once its MMAs have all been waited for: storing it between
+    the next step's score MMAs and its accumulating ones was measured slower (H100, 2026-12-07:
+    ``benchmarks/results/jagged_attention.md``)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     pytest.importorskip("triton.backends.nvidia")
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -327,3 +333,6 @@ def test_the_gluon_pass_that_stores_its_tiles_compiles_for_hopper_and_still_fits
     assert storing["tma_loads"] > plain["tma_loads"]  # the bulk tensor store (counted with the copies)
     assert storing["fit_per_sm"] >= 2 and storing["stack_bytes"] <= 24, storing
     assert storing["async_mmas"] == plain["async_mmas"] and storing["mma_waits"] == plain["mma_waits"], storing
+    assert "store" not in plain["mma_order"], plain["mma_order"]
+    assert _follows(storing["mma_order"], ["wait0", "store"]), storing["mma_order"]
+    assert not _follows(storing["mma_order"], ["64x32", "store"]), storing["mma_order"]

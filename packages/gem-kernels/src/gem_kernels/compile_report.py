@@ -243,8 +243,9 @@ def programs_fitting(registers: int | None, shared_bytes: int, warps: int, arch:
 
 def _mma_order(ptx: str) -> list[str]:
     """The ``wgmma`` commit groups and waits in the PTX's text order: ``"64x64"`` for a group of
-    ``m64n64`` instructions, ``"wait1"`` for ``wgmma.wait_group 1``. The partial wait of a loop follows
-    the groups it leaves in flight, so the order shows which group a wait lets through."""
+    ``m64n64`` instructions, ``"wait1"`` for ``wgmma.wait_group 1``, and ``"store"`` for a bulk tensor store
+    from shared memory. The partial wait of a loop follows the groups it leaves in flight, so the order
+    shows which group a wait lets through, and what a store runs beside."""
     order: list[str] = []
     shape = None
     for line in ptx.splitlines():
@@ -256,6 +257,8 @@ def _mma_order(ptx: str) -> list[str]:
             shape = None
         elif "wgmma.wait_group" in line:
             order.append("wait" + line.split()[-1].rstrip(";"))
+        elif "cp.async.bulk.tensor" in line and ".global.shared" in line:
+            order.append("store")
     return order
 
 
