@@ -67,6 +67,8 @@ KERNEL_NAMES: dict[str, str] = {
     # gem_kernels' Gluon attention (attention_gluon_*), whose names are too plain to match by a part
     "forward_kernel": "attention", "forward_ws_kernel": "attention", "dq_kernel": "attention",
     "dq_ws_kernel": "attention", "dkdv_kernel": "attention", "dkdv_ws_kernel": "attention",
+    # the attention backward's dq from the score gradients the dk/dv pass stores (attention_stored)
+    "_dq_stored_kernel": "attention",
     # gem_kernels' GEMM with its pointwise work in the epilogue (linear_epilogue_triton)
     "_linear_epilogue": "gemm",
 }  # fmt: skip
