@@ -17,6 +17,7 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 from gem_kernels import attention_gluon, attention_triton
 from gem_kernels.attention_triton import query_major
+from gem_kernels.compile_report import follows
 
 HOPPER_SHARED_LIMIT = 227 * 1024
 SCRIPT = """
@@ -55,14 +56,14 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     for r in (reports.pop(), reports.pop()):
         assert r["programs_per_sm"] == 2 and r["register_cap"] is None and r["stack_bytes"] == 0, r
         assert 2 * r["shared_bytes"] <= 228 * 1024 and r["mma_waits"].get("1") == 1, r
-        assert _follows(r["mma_order"], ["64x32", "64x32", "64x128", "wait1"]), r["mma_order"]
+        assert follows(r["mma_order"], ["64x32", "64x32", "64x128", "wait1"]), r["mma_order"]
     # the dk/dv pass in one warpgroup of 64 keys, two programs an SM: no spills at 16-query steps, at most
     # 8 bytes at 32 (none in Triton 3.6's build, 8 in 3.7's), dk and dv accumulating over the step's two
     # MMAs while the next step's scores are computed (wait_group 2)
     for r in (reports.pop(), reports.pop()):
         assert r["programs_per_sm"] == 2 and r["register_cap"] is None, r
         assert r["stack_bytes"] <= (8 if r["config"] == "dkdv_n64m32" else 0), r
-        assert r["mma_waits"].get("2") == 1 and _follows(r["mma_order"], ["64x128", "64x128", "wait2"]), r
+        assert r["mma_waits"].get("2") == 1 and follows(r["mma_order"], ["64x128", "64x128", "wait2"]), r
     three = {r["config"]: r for r in reports[-5:]}
     del reports[-5:]
     # three programs an SM, as the Triton forward's best: registers capped at 168 (three of 4 warps in
@@ -75,10 +76,10 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     assert three["dq_m64n32s2"]["stack_bytes"] <= 32, three["dq_m64n32s2"]
     assert three["qr_m64n32"]["registers"] > three["m64n32"]["registers"] + 16  # the 64 x 128 queries: 32 a thread
     for config in ("m64n32", "qr_m64n32", "m64n16"):
-        assert _follows(three[config]["mma_order"], ["64x" + config[-2:], "64x128", "wait1"]), three[config]["mma_order"]
+        assert follows(three[config]["mma_order"], ["64x" + config[-2:], "64x128", "wait1"]), three[config]["mma_order"]
     dq_ws = reports.pop()
     assert dq_ws["stack_bytes"] == 0 and dq_ws["arrives_after_barrier"], dq_ws
-    assert _follows(dq_ws["mma_order"], ["64x32", "64x32", "64x128", "wait1"]), dq_ws["mma_order"]
+    assert follows(dq_ws["mma_order"], ["64x32", "64x32", "64x128", "wait1"]), dq_ws["mma_order"]
     dkdv_ws = reports.pop()
     # the dk/dv pass with a producer warp: no spills at 16-query steps in the consumers' 240 registers
     assert dkdv_ws["stack_bytes"] == 0 and 240 in dkdv_ws["setmaxnreg"] and dkdv_ws["mma_waits"].get("2") == 1, dkdv_ws
@@ -110,15 +111,10 @@ def test_the_forward_compiles_for_hopper_with_its_schedule() -> None:
     # head dim), then the wait that leaves P v in flight; and a slot is handed back to the producer only
     # after a barrier of the consumer warps (the other warpgroup's MMAs are done with it)
     for r in (one, ws):
-        assert _follows(r["mma_order"], ["64x64", "64x128", "wait1"]), r["mma_order"]
+        assert follows(r["mma_order"], ["64x64", "64x128", "wait1"]), r["mma_order"]
     assert ws["arrives_after_barrier"] and dkdv_ws["arrives_after_barrier"], (ws, dkdv_ws)
-    assert _follows(dq["mma_order"], ["64x64", "64x64", "64x128", "wait1"]), dq["mma_order"]
-    assert _follows(dkdv["mma_order"], ["64x32", "64x32", "64x128", "64x128", "wait2"]), dkdv["mma_order"]
-
-
-def _follows(order: list[str], run: list[str]) -> bool:
-    """Whether ``run`` appears in ``order`` as consecutive entries."""
-    return any(order[i:i + len(run)] == run for i in range(len(order)))
+    assert follows(dq["mma_order"], ["64x64", "64x64", "64x128", "wait1"]), dq["mma_order"]
+    assert follows(dkdv["mma_order"], ["64x32", "64x32", "64x128", "64x128", "wait2"]), dkdv["mma_order"]
 
 
 def test_supported_wants_a_hopper_gpu_and_a_two_dimensional_view() -> None:

@@ -18,6 +18,7 @@ from gem_kernels.attention_triton import query_major
 from gem_kernels.attention_triton_autograd import jagged_attention_triton
 from gem_kernels.attention_triton_bias import NO_BIAS
 from gem_kernels.attention_triton_bwd import key_major
+from gem_kernels.compile_report import follows
 from gem_kernels.hstu_gap_triton import hstu_gap_triton
 from gem_kernels.reference import attention_mask
 from gem_kernels.testing import offsets_from_lengths, random_qkv
@@ -312,10 +313,6 @@ for store in (False, True):
 """
 
 
-def _follows(order: list[str], run: list[str]) -> bool:
-    return any(order[i:i + len(run)] == run for i in range(len(order)))
-
-
 def test_the_gluon_pass_that_stores_its_tiles_compiles_for_hopper_and_still_fits_twice_an_sm() -> None:
     """The shipped dk/dv pass (``n64m32``) built for sm_90 with and without its ``ds`` stores: the stores add
     one bulk tensor copy and one ``[32, 64]`` slot pair of shared memory (8 KiB), and the build still fits two
@@ -334,5 +331,5 @@ def test_the_gluon_pass_that_stores_its_tiles_compiles_for_hopper_and_still_fits
     assert storing["fit_per_sm"] >= 2 and storing["stack_bytes"] <= 24, storing
     assert storing["async_mmas"] == plain["async_mmas"] and storing["mma_waits"] == plain["mma_waits"], storing
     assert "store" not in plain["mma_order"], plain["mma_order"]
-    assert _follows(storing["mma_order"], ["wait0", "store"]), storing["mma_order"]
-    assert not _follows(storing["mma_order"], ["64x32", "store"]), storing["mma_order"]
+    assert follows(storing["mma_order"], ["wait0", "store"]), storing["mma_order"]
+    assert not follows(storing["mma_order"], ["64x32", "store"]), storing["mma_order"]

@@ -262,6 +262,11 @@ def _mma_order(ptx: str) -> list[str]:
     return order
 
 
+def follows(order: list[str], run: list[str]) -> bool:
+    """Whether ``run`` appears in ``order`` (a build's ``mma_order``) as consecutive entries."""
+    return any(order[i:i + len(run)] == run for i in range(len(order)))
+
+
 def _arrives_after_barrier(ptx: str) -> bool:
     """Whether every plain ``mbarrier.arrive`` (one elected thread's) follows a barrier of its warps
     within a few instructions: with two warpgroups, the other one's MMAs must be done before the slot
