@@ -41,7 +41,7 @@ if HAVE_GLUON:
         _tile_of,
         mma_layout,
     )
-    from gem_kernels.attention_gluon_ws import _producer
+    from gem_kernels.attention_gluon_ws import _consumer, _producer
 
     @gluon.jit
     def _score_grads(s, dp, half_alpha, queries, keys, seq_len, history_len, MASKED: gl.constexpr):
@@ -165,39 +165,6 @@ if HAVE_GLUON:
         _invalidate_barriers(kv_bars, STAGES)
         _release_queue(COUNTER)
 
-    @gluon.jit
-    def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, DQ, SEQ_OFFSETS,
-                     NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
-                     HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
-        NUM_WARPS: gl.constexpr = gl.num_warps()
-        chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        programs = gl.num_programs(0)
-        tile = gl.program_id(0)
-        tiles_before = tile * 0
-        loads = 0
-        done = 0
-        for chunk0 in range(0, num_seqs, CHUNK):
-            tiles, tiles_end = _scan_chunk(SEQ_OFFSETS, chunk0, num_seqs, num_heads, tiles_before,
-                                           BLOCK_M, CHUNK, chunk_layout)
-            chunk_end = tiles_before + gl.sum(tiles, 0)
-            while tile < chunk_end:
-                seq_start, seq_len, head, m0, history_len, full_hi, n_hist, diag_lo, n_blocks = _tile_of(
-                    tile, chunk0, tiles, tiles_end, tiles_before, SEQ_OFFSETS, NUM_TARGETS, HAS_TARGETS,
-                    BLOCK_M, BLOCK_N)
-                q_slot = done % 2
-                mbarrier.wait(q_ready.index(q_slot), (done // 2) & 1)
-                acc = _dq_steps(q_smem.index(q_slot), do_smem.index(q_slot), k_smem, v_smem, kv_ready, kv_empty,
-                                loads, n_blocks, n_hist, diag_lo, full_hi, m0, seq_len, history_len, half_alpha, None,
-                                None, seq_start, head * DQK, head * DV, BLOCK_M, BLOCK_N, DQK, STAGES, NUM_WARPS, True)
-                mbarrier.arrive(q_empty.index(q_slot), count=1)  # every MMA that read this q and g is done
-                loads += n_blocks
-                done += 1
-                _store_rows(acc, DQ, seq_start, m0, head, seq_len, stride_om, stride_oh, out_scale, BLOCK_M, DQK,
-                            NUM_WARPS)
-                tile += programs
-            tiles_before = chunk_end
-
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def dq_ws_kernel(
         q_desc, do_desc, k_desc, v_desc, DQ, SEQ_OFFSETS, NUM_TARGETS,
@@ -206,7 +173,8 @@ if HAVE_GLUON:
         DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
         """:func:`dq_kernel` with its loads in the forward's producer warp (``attention_gluon_ws._producer``,
-        which also loads the output gradient's rows); two query slots; tiles dealt statically."""
+        which also loads the output gradient's rows) and its math in the forward's consumer warps
+        (``attention_gluon_ws._consumer`` with :func:`_dq_steps`); two query slots; tiles dealt statically."""
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DQK], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DV], do_desc.layout)
@@ -223,9 +191,9 @@ if HAVE_GLUON:
         fence_async_shared()
         gl.warp_specialize(
             [
-                (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, DQ, SEQ_OFFSETS,
-                                NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
-                                HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES)),
+                (_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, DQ, SEQ_OFFSETS,
+                             NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+                             HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES, _dq_steps, True)),
                 (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
                              kv_ready, kv_empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK,
                              BLOCK_M, BLOCK_N, DQK, DV, STAGES, True)),

@@ -84,11 +84,17 @@ if HAVE_GLUON:
             tiles_before = chunk_end
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT,
+    def _consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT,
                   SEQ_OFFSETS, NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
                   HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr):
+                  DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, STEPS: gl.constexpr,
+                  WITH_GRAD: gl.constexpr):
+        """The math of a query-major kernel's consumer warps: per tile, once :func:`_producer` has loaded its
+        queries, ``STEPS`` over its key blocks (the forward's ``_forward_steps``; with ``WITH_GRAD`` the dq
+        pass's ``_dq_steps``, which also reads the output gradient's rows), its query slot handed back, and
+        the result (``DV`` wide, ``DQK`` with ``WITH_GRAD``) into ``OUT``."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
+        D_OUT: gl.constexpr = DQK if WITH_GRAD else DV
         chunk_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
         programs = gl.num_programs(0)
         tile = gl.program_id(0)
@@ -105,13 +111,18 @@ if HAVE_GLUON:
                     BLOCK_M, BLOCK_N)
                 q_slot = done % 2
                 mbarrier.wait(q_ready.index(q_slot), (done // 2) & 1)
-                acc = _forward_steps(q_smem.index(q_slot), k_smem, v_smem, kv_ready, kv_empty, loads, n_blocks,
-                                     n_hist, diag_lo, full_hi, m0, seq_len, history_len, half_alpha, None, None,
-                                     seq_start, head * DQK, head * DV, BLOCK_M, BLOCK_N, DV, STAGES, NUM_WARPS, True)
-                mbarrier.arrive(q_empty.index(q_slot), count=1)  # every MMA that read this q is done
+                if WITH_GRAD:
+                    acc = STEPS(q_smem.index(q_slot), do_smem.index(q_slot), k_smem, v_smem, kv_ready, kv_empty,
+                                loads, n_blocks, n_hist, diag_lo, full_hi, m0, seq_len, history_len, half_alpha, None,
+                                None, seq_start, head * DQK, head * DV, BLOCK_M, BLOCK_N, DQK, STAGES, NUM_WARPS, True)
+                else:
+                    acc = STEPS(q_smem.index(q_slot), k_smem, v_smem, kv_ready, kv_empty, loads, n_blocks, n_hist,
+                                diag_lo, full_hi, m0, seq_len, history_len, half_alpha, None, None, seq_start,
+                                head * DQK, head * DV, BLOCK_M, BLOCK_N, DV, STAGES, NUM_WARPS, True)
+                mbarrier.arrive(q_empty.index(q_slot), count=1)  # every MMA that read this q (and g) is done
                 loads += n_blocks
                 done += 1
-                _store_rows(acc, OUT, seq_start, m0, head, seq_len, stride_om, stride_oh, out_scale, BLOCK_M, DV,
+                _store_rows(acc, OUT, seq_start, m0, head, seq_len, stride_om, stride_oh, out_scale, BLOCK_M, D_OUT,
                             NUM_WARPS)
                 tile += programs
             tiles_before = chunk_end
@@ -138,9 +149,9 @@ if HAVE_GLUON:
         fence_async_shared()
         gl.warp_specialize(
             [
-                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT, SEQ_OFFSETS,
+                (_consumer, (q_smem, None, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT, SEQ_OFFSETS,
                              NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
-                             HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES)),
+                             HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES, _forward_steps, False)),
                 (_producer, (q_desc, None, k_desc, v_desc, q_smem, None, k_smem, v_smem, q_ready, q_empty,
                              kv_ready, kv_empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK,
                              BLOCK_M, BLOCK_N, DQK, DV, STAGES, False)),
