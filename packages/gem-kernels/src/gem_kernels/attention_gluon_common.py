@@ -8,7 +8,12 @@ from __future__ import annotations
 try:  # Gluon ships with Triton 3.5+; its Hopper module is what these kernels need
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma  # noqa: F401
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 (the host's descriptors)
 
     HAVE_GLUON = True
@@ -55,6 +60,48 @@ if HAVE_GLUON:
     def _invalidate_barriers(bars, COUNT: gl.constexpr):
         for i in gl.static_range(COUNT):
             mbarrier.invalidate(bars.index(i))
+
+    @gluon.jit
+    def _tile_barriers(STAGES: gl.constexpr):
+        """The mbarriers of a one-partition kernel, initialized and fenced: one for the operand a tile keeps
+        (loaded once a tile) and the ring's ``STAGES``."""
+        tile_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ring_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(tile_bar, count=1)
+        _init_barriers(ring_bars, STAGES)
+        fence_async_shared()
+        return tile_bar, ring_bars
+
+    @gluon.jit
+    def _invalidate_tile_barriers(tile_bar, ring_bars, STAGES: gl.constexpr):
+        """:func:`_tile_barriers`' mbarriers, invalidated at the program's end."""
+        mbarrier.invalidate(tile_bar)
+        _invalidate_barriers(ring_bars, STAGES)
+
+    @gluon.jit
+    def _ws_barriers(STAGES: gl.constexpr):
+        """The mbarriers of a warp-specialized kernel, initialized and fenced: ``tile_ready`` and ``tile_empty``
+        of the two slots of the operand a tile keeps (the next tile's loads while this one runs), and
+        ``ready`` and ``empty`` of the ring's ``STAGES`` slots. A slot is loaded on ``*_ready`` and handed back
+        to the producer warp on ``*_empty``."""
+        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        _init_barriers(tile_ready, 2)
+        _init_barriers(tile_empty, 2)
+        _init_barriers(ready, STAGES)
+        _init_barriers(empty, STAGES)
+        fence_async_shared()
+        return tile_ready, tile_empty, ready, empty
+
+    @gluon.jit
+    def _invalidate_ws_barriers(tile_ready, tile_empty, ready, empty, STAGES: gl.constexpr):
+        """:func:`_ws_barriers`' mbarriers, invalidated at the program's end."""
+        _invalidate_barriers(tile_ready, 2)
+        _invalidate_barriers(tile_empty, 2)
+        _invalidate_barriers(ready, STAGES)
+        _invalidate_barriers(empty, STAGES)
 
     @gluon.jit
     def _release_queue(COUNTER):

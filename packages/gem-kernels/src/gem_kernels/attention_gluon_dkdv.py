@@ -34,13 +34,15 @@ if HAVE_GLUON:
 
     from gem_kernels.attention_gluon_common import (
         _allowed,
-        _init_barriers,
-        _invalidate_barriers,
+        _invalidate_tile_barriers,
+        _invalidate_ws_barriers,
         _load_pair,
         _locate,
         _release_queue,
         _scan_chunk,
         _tanh_approx,
+        _tile_barriers,
+        _ws_barriers,
         cta_barrier,
         mma_layout,
     )
@@ -220,14 +222,10 @@ if HAVE_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DVD], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DQK], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DVD], do_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar, bars = _tile_barriers(STAGES)
         ds_smem = k_smem  # unused without STORE_DS
         if STORE_DS:
             ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_desc.layout)
-        mbarrier.init(kv_bar, count=1)
-        _init_barriers(bars, STAGES)
-        fence_async_shared()
 
         loads = 0
         kv_phase = 0
@@ -265,8 +263,7 @@ if HAVE_GLUON:
             tiles_before = chunk_end
         if STORE_DS:
             tma.store_wait(0)
-        mbarrier.invalidate(kv_bar)
-        _invalidate_barriers(bars, STAGES)
+        _invalidate_tile_barriers(kv_bar, bars, STAGES)
         _release_queue(COUNTER)
 
     @gluon.jit
@@ -355,15 +352,7 @@ if HAVE_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, DVD], v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DQK], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, DVD], do_desc.layout)
-        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        _init_barriers(kv_ready, 2)
-        _init_barriers(kv_empty, 2)
-        _init_barriers(ready, STAGES)
-        _init_barriers(empty, STAGES)
-        fence_async_shared()
+        kv_ready, kv_empty, ready, empty = _ws_barriers(STAGES)
         gl.warp_specialize(
             [
                 (_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, kv_ready, kv_empty, ready, empty, DK, DV,
@@ -377,7 +366,4 @@ if HAVE_GLUON:
             [1],
             [PRODUCER_REGS],
         )
-        _invalidate_barriers(kv_ready, 2)
-        _invalidate_barriers(kv_empty, 2)
-        _invalidate_barriers(ready, STAGES)
-        _invalidate_barriers(empty, STAGES)
+        _invalidate_ws_barriers(kv_ready, kv_empty, ready, empty, STAGES)

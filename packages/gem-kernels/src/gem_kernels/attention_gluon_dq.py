@@ -21,7 +21,6 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -31,14 +30,16 @@ if HAVE_GLUON:
     from gem_kernels.attention_gluon_common import (
         _allowed,
         _block_start,
-        _init_barriers,
-        _invalidate_barriers,
+        _invalidate_tile_barriers,
+        _invalidate_ws_barriers,
         _load_pair,
         _release_queue,
         _scan_chunk,
         _store_rows,
         _tanh_approx,
+        _tile_barriers,
         _tile_of,
+        _ws_barriers,
         mma_layout,
     )
     from gem_kernels.attention_gluon_ws import _consumer, _producer
@@ -125,11 +126,7 @@ if HAVE_GLUON:
         do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DV], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        _init_barriers(kv_bars, STAGES)
-        fence_async_shared()
+        q_bar, kv_bars = _tile_barriers(STAGES)
 
         loads = 0
         q_phase = 0
@@ -161,8 +158,7 @@ if HAVE_GLUON:
                             NUM_WARPS)
                 tile = next_tile
             tiles_before = chunk_end
-        mbarrier.invalidate(q_bar)
-        _invalidate_barriers(kv_bars, STAGES)
+        _invalidate_tile_barriers(q_bar, kv_bars, STAGES)
         _release_queue(COUNTER)
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
@@ -180,15 +176,7 @@ if HAVE_GLUON:
         do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DV], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        _init_barriers(q_ready, 2)
-        _init_barriers(q_empty, 2)
-        _init_barriers(kv_ready, STAGES)
-        _init_barriers(kv_empty, STAGES)
-        fence_async_shared()
+        q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(STAGES)
         gl.warp_specialize(
             [
                 (_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, DQ, SEQ_OFFSETS,
@@ -201,7 +189,4 @@ if HAVE_GLUON:
             [1],
             [PRODUCER_REGS],
         )
-        _invalidate_barriers(q_ready, 2)
-        _invalidate_barriers(q_empty, 2)
-        _invalidate_barriers(kv_ready, STAGES)
-        _invalidate_barriers(kv_empty, STAGES)
+        _invalidate_ws_barriers(q_ready, q_empty, kv_ready, kv_empty, STAGES)

@@ -9,7 +9,6 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -18,12 +17,12 @@ if HAVE_GLUON:
 
     from gem_kernels.attention_gluon_common import (
         _block_start,
-        _init_barriers,
-        _invalidate_barriers,
+        _invalidate_tile_barriers,
         _load_pair,
         _release_queue,
         _scan_chunk,
         _store_rows,
+        _tile_barriers,
         _tile_of,
         _weights,
         mma_layout,
@@ -102,11 +101,7 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DQK], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        _init_barriers(kv_bars, STAGES)
-        fence_async_shared()
+        q_bar, kv_bars = _tile_barriers(STAGES)
 
         loads = 0  # key/value tiles loaded by this program so far: slot and phase of the next one
         q_phase = 0
@@ -141,6 +136,5 @@ if HAVE_GLUON:
                             NUM_WARPS)
                 tile = next_tile
             tiles_before = chunk_end
-        mbarrier.invalidate(q_bar)
-        _invalidate_barriers(kv_bars, STAGES)
+        _invalidate_tile_barriers(q_bar, kv_bars, STAGES)
         _release_queue(COUNTER)

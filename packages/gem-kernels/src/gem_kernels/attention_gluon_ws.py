@@ -25,19 +25,18 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
     )
 
     from gem_kernels.attention_gluon_common import (
         _block_start,
-        _init_barriers,
-        _invalidate_barriers,
+        _invalidate_ws_barriers,
         _load_pair,
         _scan_chunk,
         _store_rows,
         _tile_of,
+        _ws_barriers,
     )
     from gem_kernels.attention_gluon_fwd import _forward_steps
 
@@ -138,15 +137,7 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DQK], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        _init_barriers(q_ready, 2)
-        _init_barriers(q_empty, 2)
-        _init_barriers(kv_ready, STAGES)
-        _init_barriers(kv_empty, STAGES)
-        fence_async_shared()
+        q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(STAGES)
         gl.warp_specialize(
             [
                 (_consumer, (q_smem, None, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT, SEQ_OFFSETS,
@@ -159,7 +150,4 @@ if HAVE_GLUON:
             [1],
             [PRODUCER_REGS],
         )
-        _invalidate_barriers(q_ready, 2)
-        _invalidate_barriers(q_empty, 2)
-        _invalidate_barriers(kv_ready, STAGES)
-        _invalidate_barriers(kv_empty, STAGES)
+        _invalidate_ws_barriers(q_ready, q_empty, kv_ready, kv_empty, STAGES)
