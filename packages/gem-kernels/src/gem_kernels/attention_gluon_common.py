@@ -135,12 +135,47 @@ if HAVE_GLUON:
         return w
 
     @gluon.jit
+    def _block_weights(s, i, n_hist, diag_lo, full_hi, half_alpha, queries, cols, seq_len, history_len,
+                       BLOCK_N: gl.constexpr):
+        """:func:`_weights` of a query tile's ``i``-th key block (scores ``s``; ``cols`` the block's columns
+        from 0), with the mask's math only where the block reaches past the unmasked ones (``full_hi``)."""
+        start = _block_start(i, n_hist, diag_lo, BLOCK_N)
+        if start + BLOCK_N > full_hi:
+            w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, True)
+        else:
+            w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, False)
+        return w
+
+    @gluon.jit
     def _load_pair(a_desc, b_desc, a_smem, b_smem, bars, slot, row, a_col, b_col, pred):
         """Tiles of two row-aligned tensors (k and v; q and g) into ring ``slot``, on its barrier."""
         bar = bars.index(slot)
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(a_desc, [row, a_col], bar, a_smem.index(slot), pred=pred)
         tma.async_copy_global_to_shared(b_desc, [row, b_col], bar, b_smem.index(slot), pred=pred)
+
+    @gluon.jit
+    def _ring_wait(ready, n, STAGES: gl.constexpr):
+        """Wait for the ring's ``n``-th block (counted over the program's tiles: slot ``n % STAGES``, its
+        ``n // STAGES``-th fill) to land on its barrier in ``ready``; its slot."""
+        slot = n % STAGES
+        mbarrier.wait(ready.index(slot), (n // STAGES) & 1)
+        return slot
+
+    @gluon.jit
+    def _hand_back(empty, slot, WS: gl.constexpr):
+        """With a producer warp (``WS``): ring ``slot``, whose MMAs have retired, goes back to it on ``empty``."""
+        if WS:
+            mbarrier.arrive(empty.index(slot), count=1)
+
+    @gluon.jit
+    def _pass_slot(a_desc, b_desc, a_smem, b_smem, ready, empty, slot, row, a_col, b_col, pred, WS: gl.constexpr):
+        """Ring ``slot``, whose MMAs have retired: back to the producer warp (``WS``), or refilled here with the
+        tiles at ``row`` (where ``pred``: a block is left to load)."""
+        if WS:
+            _hand_back(empty, slot, WS)
+        else:
+            _load_pair(a_desc, b_desc, a_smem, b_smem, ready, slot, row, a_col, b_col, pred)
 
     @gluon.jit
     def _block_start(i, n_hist, diag_lo, BLOCK_N: gl.constexpr):

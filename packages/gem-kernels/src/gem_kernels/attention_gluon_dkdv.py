@@ -34,11 +34,14 @@ if HAVE_GLUON:
 
     from gem_kernels.attention_gluon_common import (
         _allowed,
+        _hand_back,
         _invalidate_tile_barriers,
         _invalidate_ws_barriers,
         _load_pair,
         _locate,
+        _pass_slot,
         _release_queue,
+        _ring_wait,
         _scan_chunk,
         _tanh_approx,
         _tile_barriers,
@@ -137,8 +140,7 @@ if HAVE_GLUON:
         dk = gl.zeros([BLOCK_N, DQK], gl.float32, dk_layout)
         dv = gl.zeros([BLOCK_N, DVD], gl.float32, dv_layout)
 
-        slot = loads % STAGES
-        mbarrier.wait(ready.index(slot), (loads // STAGES) & 1)
+        slot = _ring_wait(ready, loads, STAGES)
         s_t = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
         s_t, dp_t = warpgroup_mma_wait(0, deps=[s_t, dp_t])
@@ -156,8 +158,7 @@ if HAVE_GLUON:
             _store_ds(ds_low, ds_smem, ds_desc, loads, _ds_row(ds_head, j, start, qb))
         for i in range(1, n_blocks):
             prev = (loads + i - 1) % STAGES
-            slot = (loads + i) % STAGES
-            mbarrier.wait(ready.index(slot), ((loads + i) // STAGES) & 1)
+            slot = _ring_wait(ready, loads + i, STAGES)
             s_t = warpgroup_mma(k_tile, q_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
             dp_t = warpgroup_mma(v_tile, do_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
             dv = warpgroup_mma(p_op, do_smem.index(prev), dv, is_async=True)
@@ -174,19 +175,14 @@ if HAVE_GLUON:
             ds_op = gl.convert_layout(ds_low, pk_layout)
             if STORE_DS:
                 _store_ds(ds_low, ds_smem, ds_desc, loads + i, _ds_row(ds_head, j, start, qb))
-            if WS:  # block i - 1's slot goes back to the producer
-                mbarrier.arrive(empty.index(prev), count=1)
-            else:  # it takes block i - 1 + STAGES
-                nxt = i - 1 + STAGES
-                _load_pair(q_desc, do_desc, q_smem, do_smem, ready, prev,
-                           q_row + _query_start(nxt, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col,
-                           nxt < n_blocks)
+            nxt = i - 1 + STAGES  # block i - 1's slot: to the producer, or it takes block i - 1 + STAGES
+            _pass_slot(q_desc, do_desc, q_smem, do_smem, ready, empty, prev,
+                       q_row + _query_start(nxt, n_diag, diag_lo, full_lo, BLOCK_M), q_col, do_col, nxt < n_blocks, WS)
         last = (loads + n_blocks - 1) % STAGES
         dv = warpgroup_mma(p_op, do_smem.index(last), dv, is_async=True)
         dk = warpgroup_mma(ds_op, q_smem.index(last), dk, is_async=True)
         dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-        if WS:
-            mbarrier.arrive(empty.index(last), count=1)
+        _hand_back(empty, last, WS)
         return dk, dv
 
     @gluon.jit

@@ -30,10 +30,13 @@ if HAVE_GLUON:
     from gem_kernels.attention_gluon_common import (
         _allowed,
         _block_start,
+        _hand_back,
         _invalidate_tile_barriers,
         _invalidate_ws_barriers,
         _load_pair,
+        _pass_slot,
         _release_queue,
+        _ring_wait,
         _scan_chunk,
         _store_rows,
         _tanh_approx,
@@ -57,6 +60,18 @@ if HAVE_GLUON:
         return w
 
     @gluon.jit
+    def _block_score_grads(s, dp, i, n_hist, diag_lo, full_hi, half_alpha, queries, cols, seq_len, history_len,
+                           BLOCK_N: gl.constexpr):
+        """:func:`_score_grads` of a query tile's ``i``-th key block (``cols`` its columns from 0), with the
+        mask's math only where the block reaches past the unmasked ones (``full_hi``)."""
+        start = _block_start(i, n_hist, diag_lo, BLOCK_N)
+        if start + BLOCK_N > full_hi:
+            w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, True)
+        else:
+            w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, False)
+        return w
+
+    @gluon.jit
     def _dq_steps(q_tile, do_tile, k_smem, v_smem, ready, empty, loads, n_blocks, n_hist, diag_lo, full_hi, m0,
                   seq_len, history_len, half_alpha, k_desc, v_desc, kv_row, k_col, v_col, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, DQK: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -72,44 +87,32 @@ if HAVE_GLUON:
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
-        slot = loads % STAGES
-        mbarrier.wait(ready.index(slot), (loads // STAGES) & 1)
+        slot = _ring_wait(ready, loads, STAGES)
         s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
         s, dp = warpgroup_mma_wait(0, deps=[s, dp])
-        start = _block_start(0, n_hist, diag_lo, BLOCK_N)
-        if start + BLOCK_N > full_hi:
-            w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, True)
-        else:
-            w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, False)
+        w = _block_score_grads(s, dp, 0, n_hist, diag_lo, full_hi, half_alpha, queries, cols, seq_len,
+                               history_len, BLOCK_N)
         ds = gl.convert_layout(w.to(dtype), p_layout)
         acc = gl.zeros([BLOCK_M, DQK], gl.float32, o_layout)
         for i in range(1, n_blocks):
             prev = (loads + i - 1) % STAGES
-            slot = (loads + i) % STAGES
-            mbarrier.wait(ready.index(slot), ((loads + i) // STAGES) & 1)
+            slot = _ring_wait(ready, loads + i, STAGES)
             s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
             dp = warpgroup_mma(do_tile, v_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
             acc = warpgroup_mma(ds, k_smem.index(prev), acc, is_async=True)
             s, dp = warpgroup_mma_wait(1, deps=[s, dp])  # this block's; the previous ds k may run on
-            start = _block_start(i, n_hist, diag_lo, BLOCK_N)
-            if start + BLOCK_N > full_hi:
-                w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, True)
-            else:
-                w = _score_grads(s, dp, half_alpha, queries, start + cols, seq_len, history_len, False)
+            w = _block_score_grads(s, dp, i, n_hist, diag_lo, full_hi, half_alpha, queries, cols, seq_len,
+                                   history_len, BLOCK_N)
             acc = warpgroup_mma_wait(0, deps=[acc, ds])[0]
             ds = gl.convert_layout(w.to(dtype), p_layout)
-            if WS:
-                mbarrier.arrive(empty.index(prev), count=1)
-            else:
-                nxt = i - 1 + STAGES
-                _load_pair(k_desc, v_desc, k_smem, v_smem, ready, prev,
-                           kv_row + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
+            nxt = i - 1 + STAGES  # block i - 1's slot: to the producer, or it takes block i - 1 + STAGES
+            _pass_slot(k_desc, v_desc, k_smem, v_smem, ready, empty, prev,
+                       kv_row + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks, WS)
         last = (loads + n_blocks - 1) % STAGES
         acc = warpgroup_mma(ds, k_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        if WS:
-            mbarrier.arrive(empty.index(last), count=1)
+        _hand_back(empty, last, WS)
         return acc
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])

@@ -17,14 +17,17 @@ if HAVE_GLUON:
 
     from gem_kernels.attention_gluon_common import (
         _block_start,
+        _block_weights,
+        _hand_back,
         _invalidate_tile_barriers,
         _load_pair,
+        _pass_slot,
         _release_queue,
+        _ring_wait,
         _scan_chunk,
         _store_rows,
         _tile_barriers,
         _tile_of,
-        _weights,
         mma_layout,
     )
 
@@ -46,42 +49,28 @@ if HAVE_GLUON:
         zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
         # block 0: its scores alone
-        slot = loads % STAGES
-        mbarrier.wait(ready.index(slot), (loads // STAGES) & 1)
+        slot = _ring_wait(ready, loads, STAGES)
         s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
-        start = _block_start(0, n_hist, diag_lo, BLOCK_N)
-        if start + BLOCK_N > full_hi:
-            w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, True)
-        else:
-            w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, False)
+        w = _block_weights(s, 0, n_hist, diag_lo, full_hi, half_alpha, queries, cols, seq_len, history_len, BLOCK_N)
         p = gl.convert_layout(w.to(dtype), p_layout)
         acc = gl.zeros([BLOCK_M, DV], gl.float32, o_layout)
         for i in range(1, n_blocks):
             prev = (loads + i - 1) % STAGES
-            slot = (loads + i) % STAGES
-            mbarrier.wait(ready.index(slot), ((loads + i) // STAGES) & 1)
+            slot = _ring_wait(ready, loads + i, STAGES)
             s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
             acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])  # this block's scores; the previous P v may run on
-            start = _block_start(i, n_hist, diag_lo, BLOCK_N)
-            if start + BLOCK_N > full_hi:
-                w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, True)
-            else:
-                w = _weights(s, half_alpha, queries, start + cols, seq_len, history_len, False)
+            w = _block_weights(s, i, n_hist, diag_lo, full_hi, half_alpha, queries, cols, seq_len, history_len, BLOCK_N)
             acc = warpgroup_mma_wait(0, deps=[acc, p])[0]
             p = gl.convert_layout(w.to(dtype), p_layout)
-            if WS:  # block i - 1's slot goes back to the producer
-                mbarrier.arrive(empty.index(prev), count=1)
-            else:  # it takes block i - 1 + STAGES
-                nxt = i - 1 + STAGES
-                _load_pair(k_desc, v_desc, k_smem, v_smem, ready, prev,
-                           kv_row + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks)
+            nxt = i - 1 + STAGES  # block i - 1's slot: to the producer, or it takes block i - 1 + STAGES
+            _pass_slot(k_desc, v_desc, k_smem, v_smem, ready, empty, prev,
+                       kv_row + _block_start(nxt, n_hist, diag_lo, BLOCK_N), k_col, v_col, nxt < n_blocks, WS)
         last = (loads + n_blocks - 1) % STAGES
         acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        if WS:
-            mbarrier.arrive(empty.index(last), count=1)
+        _hand_back(empty, last, WS)
         return acc
 
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
