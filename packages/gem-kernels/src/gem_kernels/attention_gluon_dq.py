@@ -32,7 +32,6 @@ if HAVE_GLUON:
         _block_start,
         _hand_back,
         _invalidate_tile_barriers,
-        _invalidate_ws_barriers,
         _load_pair,
         _pass_slot,
         _release_queue,
@@ -42,10 +41,9 @@ if HAVE_GLUON:
         _tanh_approx,
         _tile_barriers,
         _tile_of,
-        _ws_barriers,
         mma_layout,
     )
-    from gem_kernels.attention_gluon_ws import _consumer, _producer
+    from gem_kernels.attention_gluon_ws import _query_major_ws
 
     @gluon.jit
     def _score_grads(s, dp, half_alpha, queries, keys, seq_len, history_len, MASKED: gl.constexpr):
@@ -173,23 +171,8 @@ if HAVE_GLUON:
     ):
         """:func:`dq_kernel` with its loads in the forward's producer warp (``attention_gluon_ws._producer``,
         which also loads the output gradient's rows) and its math in the forward's consumer warps
-        (``attention_gluon_ws._consumer`` with :func:`_dq_steps`); two query slots; tiles dealt statically."""
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DQK], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DV], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-        q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(STAGES)
-        gl.warp_specialize(
-            [
-                (_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, DQ, SEQ_OFFSETS,
-                             NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
-                             HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES, _dq_steps, True)),
-                (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
-                             kv_ready, kv_empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK,
-                             BLOCK_M, BLOCK_N, DQK, DV, STAGES, True)),
-            ],
-            [1],
-            [PRODUCER_REGS],
-        )
-        _invalidate_ws_barriers(q_ready, q_empty, kv_ready, kv_empty, STAGES)
+        (``attention_gluon_ws._consumer`` with :func:`_dq_steps`): ``attention_gluon_ws._query_major_ws``; two
+        query slots; tiles dealt statically."""
+        _query_major_ws(q_desc, do_desc, k_desc, v_desc, DQ, SEQ_OFFSETS, NUM_TARGETS, stride_om, stride_oh, num_seqs,
+                        num_heads, half_alpha, out_scale, HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES,
+                        PRODUCER_REGS, _dq_steps, True)

@@ -126,6 +126,38 @@ if HAVE_GLUON:
                 tile += programs
             tiles_before = chunk_end
 
+    @gluon.jit
+    def _query_major_ws(q_desc, do_desc, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS,
+                        stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+                        HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        STEPS: gl.constexpr, WITH_GRAD: gl.constexpr):
+        """A query-major kernel's program with its loads in a producer warp: two query slots (and with
+        ``WITH_GRAD`` two of the output gradient's rows), the ring's ``STAGES`` key and value slots, their
+        barriers, and the two partitions, :func:`_consumer` (with ``STEPS``) and :func:`_producer`."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DQK], q_desc.layout)
+        if WITH_GRAD:
+            do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DV], do_desc.layout)
+        else:
+            do_smem: gl.constexpr = None
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+        q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(STAGES)
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT, SEQ_OFFSETS,
+                             NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
+                             HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES, STEPS, WITH_GRAD)),
+                (_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_empty,
+                             kv_ready, kv_empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK,
+                             BLOCK_M, BLOCK_N, DQK, DV, STAGES, WITH_GRAD)),
+            ],
+            [1],
+            [PRODUCER_REGS],
+        )
+        _invalidate_ws_barriers(q_ready, q_empty, kv_ready, kv_empty, STAGES)
+
     @gluon.jit(do_not_specialize=["num_seqs", "num_heads"])
     def forward_ws_kernel(
         q_desc, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS,
@@ -133,21 +165,6 @@ if HAVE_GLUON:
         HAS_TARGETS: gl.constexpr, CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         DQK: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ):
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, DQK], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DQK], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-        q_ready, q_empty, kv_ready, kv_empty = _ws_barriers(STAGES)
-        gl.warp_specialize(
-            [
-                (_consumer, (q_smem, None, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, OUT, SEQ_OFFSETS,
-                             NUM_TARGETS, stride_om, stride_oh, num_seqs, num_heads, half_alpha, out_scale,
-                             HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES, _forward_steps, False)),
-                (_producer, (q_desc, None, k_desc, v_desc, q_smem, None, k_smem, v_smem, q_ready, q_empty,
-                             kv_ready, kv_empty, SEQ_OFFSETS, NUM_TARGETS, num_seqs, num_heads, HAS_TARGETS, CHUNK,
-                             BLOCK_M, BLOCK_N, DQK, DV, STAGES, False)),
-            ],
-            [1],
-            [PRODUCER_REGS],
-        )
-        _invalidate_ws_barriers(q_ready, q_empty, kv_ready, kv_empty, STAGES)
+        _query_major_ws(q_desc, None, k_desc, v_desc, OUT, SEQ_OFFSETS, NUM_TARGETS, stride_om, stride_oh, num_seqs,
+                        num_heads, half_alpha, out_scale, HAS_TARGETS, CHUNK, BLOCK_M, BLOCK_N, DQK, DV, STAGES,
+                        PRODUCER_REGS, _forward_steps, False)
