@@ -1,6 +1,8 @@
 """What the Gluon attention kernels share (:mod:`gem_kernels.attention_gluon` and its ``_fwd``, ``_ws``,
 ``_dq`` and ``_dkdv`` kernels): Gluon's imports, whether they are there, the tile queue's scan and
-lookup, the key blocks of a query block, the silu by ``tanh.approx``, the mask, and a ring slot's loads.
+lookup, the key blocks of a query block, the silu by ``tanh.approx``, the mask (and a key block's weights
+with it or without), the mbarriers' setup and teardown, and the ring's slots: their loads, the wait for
+one, and its hand-back to the producer warp or its refill.
 """
 
 from __future__ import annotations
