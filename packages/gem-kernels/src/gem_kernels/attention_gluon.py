@@ -127,6 +127,12 @@ REGISTER_FILE = 65536
 """32-bit registers an SM has (sm_90)."""
 
 
+def stores_ds(config: str) -> bool:
+    """Whether the ``dk``/``dv`` pass's ``config`` (one of ``DKDV_CONFIGS``) can write its ``ds`` tiles
+    (``dkdv``'s ``stored``): 32-query steps of 64-key tiles in one partition, not warp-specialized."""
+    return not config.startswith("ws_") and DKDV_CONFIGS[config][:2] == (32, 64)
+
+
 def register_cap(warps: int, per_sm: int) -> int | None:
     """The registers a thread may take so that ``per_sm`` programs of ``warps`` warps share an SM's
     register file (allocated 8 a thread at a time), or ``None`` where the 255 a thread can address
@@ -324,7 +330,7 @@ def dkdv(
                                           torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
     block_m, block_n, warps, stages, per_sm = _config("dkdv", config, DKDV_CONFIGS, DEFAULT_DKDV_CONFIG)
     name = config or DEFAULT_DKDV_CONFIG
-    if stored is not None and (name.startswith("ws_") or (block_m, block_n) != (32, 64)):
+    if stored is not None and not stores_ds(name):
         raise ValueError(f"attention_gluon.dkdv: stored ds tiles need 32-query steps of 64-key tiles in one "
                          f"partition (n64m32), not config {name!r}")  # fmt: skip
     if rows == 0 or seq_offsets.shape[0] <= 1:
