@@ -18,7 +18,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -123,7 +123,7 @@ def compile_kernel(fn: Any, signature: dict[str, str], constants: dict[str, Any]
     ptx = compiled.asm["ptx"]
     return {"shared_bytes": compiled.metadata.shared, "rne_fp8_cast": "cvt.rn.satfinite" in ptx,
             "fp8_mma": ".e4m3.e4m3" in ptx, "tma_loads": "cp.async.bulk.tensor" in ptx,
-            "barriers": ptx.count("bar.sync"), **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}
+            "barriers": ptx.count("bar.sync"), **_narrow_accesses(ptx), **cubin_usage(compiled.asm["cubin"])}
 
 
 def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: bool = False, words: bool = False,
@@ -164,20 +164,21 @@ def compile_producer(kernel: str, *, quantize: bool, column_amax: bool, keep_x: 
                               options={"num_warps": warps})  # fmt: skip
     ptx = compiled.asm["ptx"]
     return {"kernel": kernel, "shared_bytes": compiled.metadata.shared, "barriers": ptx.count("bar.sync"),
-            **_narrow_accesses(ptx), **_cubin_usage(compiled.asm["cubin"])}
+            **_narrow_accesses(ptx), **cubin_usage(compiled.asm["cubin"])}
 
 
-def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
-                          arch: int = 90, dq: bool = False, dkdv: bool = False,
-                          store_ds: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``; with ``dq``
-    the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq`, with ``dkdv`` the ``dk``/``dv`` pass of
-    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``, with ``store_ds`` writing
-    its ``ds`` tiles for :mod:`~gem_kernels.attention_stored`) for ``arch`` with bf16
-    inputs, as :mod:`~gem_kernels.attention_gluon` launches it: shared bytes,
-    registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
-    (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
-    ``tanh.approx`` (the silu) and the register counts the warp-specialized builds set (``setmaxnreg``)."""
+class GluonBuild(NamedTuple):
+    """One compiled Gluon attention kernel (``compiled.asm`` holds its ``ptx`` and ``cubin``) and its launch."""
+
+    compiled: Any
+    warps: int
+    programs_per_sm: int
+    register_cap: int | None
+
+
+def build_gluon(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True, arch: int = 90,
+                dq: bool = False, dkdv: bool = False, store_ds: bool = False) -> GluonBuild:  # fmt: skip
+    """Compile one Gluon attention kernel as :func:`compile_gluon_forward` describes, and hand it back."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -214,8 +215,24 @@ def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, t
     cap = ag.register_cap(warps, per_sm)
     compiled = triton.compile(GluonASTSource(fn, signature, constants, hints), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, **({"maxnreg": cap} if cap else {})})  # fmt: skip
+    return GluonBuild(compiled, warps, per_sm, cap)
+
+
+def compile_gluon_forward(config: str, dim_qk: int = 128, dim_v: int = 128, *, targets: bool = True,
+                          arch: int = 90, dq: bool = False, dkdv: bool = False,
+                          store_ds: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Compile :mod:`gem_kernels.attention_gluon`'s forward (``config`` one of its ``CONFIGS``; with ``dq``
+    the ``dq`` pass of :mod:`~gem_kernels.attention_gluon_dq`, with ``dkdv`` the ``dk``/``dv`` pass of
+    :mod:`~gem_kernels.attention_gluon_dkdv`, ``config`` one of ``DKDV_CONFIGS``, with ``store_ds`` writing
+    its ``ds`` tiles for :mod:`~gem_kernels.attention_stored`) for ``arch`` with bf16
+    inputs, as :mod:`~gem_kernels.attention_gluon` launches it: shared bytes,
+    registers, spill stack, CTA barriers and, per loop iteration's instructions, the asynchronous MMAs
+    (``wgmma.mma_async``), their waits (``wgmma.wait_group N``, by N), bulk tensor copies,
+    ``tanh.approx`` (the silu) and the register counts the warp-specialized builds set (``setmaxnreg``)."""
+    compiled, warps, per_sm, cap = build_gluon(config, dim_qk, dim_v, targets=targets, arch=arch, dq=dq,
+                                               dkdv=dkdv, store_ds=store_ds)  # fmt: skip
     ptx = compiled.asm["ptx"]
-    usage = _cubin_usage(compiled.asm["cubin"])
+    usage = cubin_usage(compiled.asm["cubin"])
     waits = {int(n): ptx.count(f"wgmma.wait_group.sync.aligned {n};") for n in set(re.findall(r"wgmma.wait_group.sync.aligned (\d+);", ptx))}
     return {"shared_bytes": compiled.metadata.shared, "barriers": ptx.count("bar.sync"),
             "mma_order": _mma_order(ptx), "arrives_after_barrier": _arrives_after_barrier(ptx),
@@ -283,8 +300,16 @@ def _narrow_accesses(ptx: str) -> dict[str, int]:
             for kind, op in (("load", "ld"), ("store", "st"))}
 
 
-def _cubin_usage(cubin: bytes) -> dict[str, int | None]:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def bundled_tool(name: str) -> str:
+    """The path of the NVIDIA tool ``name`` (``cuobjdump``, ``nvdisasm``, ``ptxas``) that the installed
+    Triton ships (``triton/backends/nvidia/bin``); whether it is there is the caller's to check."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def cubin_usage(cubin: bytes) -> dict[str, int | None]:
+    """A cubin's ``registers`` a thread and ``stack_bytes`` (its spill stack), by ``cuobjdump -res-usage``;
+    ``None`` each where the tool printed no usage."""
+    tool = bundled_tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
