@@ -95,6 +95,9 @@ KERNEL_VARIANTS: dict[str, Switch] = {
     # the bf16 out linears' bias gradients summed by the linears themselves, as before 2026-12-06 (since then by
     # the next block's layer norm backward as it writes their output gradient; the switch was
     # ``bias_sums_in_norm``, turning that on)
+    # the u columns of the uvqk bias's gradient summed by the gap's last pass, which then reads them, as before
+    # 2026-12-07 (since then by the norm-gate backward that writes them)
+    "u_sums_in_grad_rows": patched("gem_kernels.hstu_gap_triton", "U_SUMS_IN_NORM_GATE", False),
     "bias_sums_in_linear": all_of(patched("gem_precision.bf16_linear", "BIAS_SUMS_FROM_PRODUCER", False),
                                   patched("gem_kernels.layer_norm_triton", "COLUMN_SUMS", False)),
 }

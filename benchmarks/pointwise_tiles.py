@@ -58,7 +58,7 @@ def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: 
 
     def run() -> tuple:
         ng._norm_gate_bwd[(programs,)](
-            x, u, t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, x_inv, u_inv, x.stride(0),
+            x, u, t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, x_inv, u_inv, db, x.stride(0),
             u.stride(0), t["dy"].stride(0), dx.stride(0), du.stride(0), num_rows, per, D=D, BLOCK_D=D,
             ROWS=rows_per_tile, INTERP=INTERPRET, num_warps=warps, SILU_GATE=True, X_E4M3=e4m3, U_E4M3=e4m3,
             STAGES=stages,

@@ -94,17 +94,29 @@ kernels = {
                          dict(D=128, BLOCK_D=128, ROWS=fp8.ROWS, SILU=True), 4),
     # the pipelined loops (tl.range num_stages, which the interpreter ignores), as their launchers set them
     "norm_gate_bwd": (ng._norm_gate_bwd, dict.fromkeys(("X", "U", "DY", "DX", "DU"), "*bf16")
-                      | dict.fromkeys(("W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART", "X_INV", "U_INV"), "*fp32"),
+                      | dict.fromkeys(("W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART", "X_INV", "U_INV", "DU_SUM_PART"), "*fp32"),
                       dict(D=1024, BLOCK_D=1024, ROWS=4, SILU_GATE=True, X_E4M3=False, U_E4M3=False,
-                           STAGES=ng.PIPELINE_STAGES), 4),
+                           DU_SUMS=False, STAGES=ng.PIPELINE_STAGES), 4),
     # fp8_saved's rows read in the loop as 16-bit words (gap.E4M3_ROWS_IN_NORM_GATE)
     "norm_gate_bwd_e4m3": (ng._norm_gate_bwd, dict.fromkeys(("DY", "DX", "DU"), "*bf16") | dict.fromkeys(("X", "U"), "*i16")
-                           | dict.fromkeys(("W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART", "X_INV", "U_INV"), "*fp32"),
+                           | dict.fromkeys(("W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART", "X_INV", "U_INV", "DU_SUM_PART"), "*fp32"),
                            dict(D=1024, BLOCK_D=1024, ROWS=4, SILU_GATE=True, X_E4M3=True, U_E4M3=True,
-                                STAGES=ng.PIPELINE_STAGES), 4),
+                                DU_SUMS=False, STAGES=ng.PIPELINE_STAGES), 4),
+    # the bf16 step's: the norm-gate backward also sums the u columns, the last pass reads only v, q, k
+    # (gap.U_SUMS_IN_NORM_GATE)
+    "norm_gate_bwd_du_sums": (ng._norm_gate_bwd, dict.fromkeys(("X", "U", "DY", "DX", "DU"), "*bf16")
+                              | dict.fromkeys(("W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART", "X_INV", "U_INV",
+                                               "DU_SUM_PART"), "*fp32"),
+                              dict(D=1024, BLOCK_D=1024, ROWS=4, SILU_GATE=True, X_E4M3=False, U_E4M3=False,
+                                   DU_SUMS=True, STAGES=ng.PIPELINE_STAGES), 4),
+    "silu_grad_rows_u_summed": (grad_rows._silu_grad_rows, {"D_PRE": "*bf16", "PRE": "*bf16", "SCALE_INV": "*bf16",
+                                "DQ": "*bf16", "Q": "*fp32", "Q_INV": "*fp32", "SUMS": "*fp32"},
+                                dict(W=4096, BLOCK_W=4096, ROWS=1, HAS_DQ=False, E4M3=False, ROWS_OUT=False,
+                                     COL_SUM=True, U_SUMMED=True, STAGES=grad_rows.PIPELINE_STAGES),
+                                grad_rows.WARPS_SUMS_ONLY),
     "silu_grad_rows": (grad_rows._silu_grad_rows, {"D_PRE": "*bf16", "PRE": "*bf16", "SCALE_INV": "*bf16", "DQ": "*bf16",
                        "Q": "*u8", "Q_INV": "*fp32", "SUMS": "*fp32"},
-                       dict(W=4096, BLOCK_W=4096, ROWS=1, HAS_DQ=False, E4M3=False, ROWS_OUT=True, COL_SUM=True,
+                       dict(W=4096, BLOCK_W=4096, ROWS=1, HAS_DQ=False, E4M3=False, ROWS_OUT=True, COL_SUM=True, U_SUMMED=False,
                             STAGES=grad_rows.PIPELINE_STAGES), 8),
 }
 for name, (fn, pointers, constants, warps) in kernels.items():
@@ -122,7 +134,7 @@ def test_the_gap_kernels_compile_for_hopper_without_spills() -> None:
     result = subprocess.run([sys.executable, "-c", GAP_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = {r["kernel"]: r for r in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))}
-    assert len(reports) == 10
+    assert len(reports) == 12
     for name, report in reports.items():
         # the norm-gate backward's fastest launch on the H200 (4 rows, 4 warps, 3 stages) spills 8 bytes, with
         # its rows read as e4m3 words too

@@ -61,15 +61,19 @@ def block(**options) -> HSTUBlock:
 @pytest.mark.parametrize(("dtype", "dq", "path"), [
     (torch.float32, "atomic", "whole_rows"), (torch.float32, "separate", "whole_rows"),
     (torch.bfloat16, "atomic", "whole_rows"), (torch.bfloat16, "separate", "whole_rows"),
+    (torch.bfloat16, "separate", "whole_rows_u_sums_in_pass"),  # the u columns summed by the last pass too
     (torch.bfloat16, "atomic", "column_blocks"),  # three passes: q from the accumulator, v and k in place
 ])  # fmt: skip
 def test_the_block_with_the_bias_gradient_in_the_gap_matches_the_block_without(gen, dq, dtype, path, monkeypatch):
     import gem_kernels.hstu_gap_triton as gap
 
     calls = []
-    if path == "whole_rows":  # rows that fit: one pass over whole rows, no e4m3 rows written (hstu_gap_grad_rows)
+    u_in_norm_gate = path == "whole_rows"  # gap.U_SUMS_IN_NORM_GATE: the norm-gate backward sums the u columns
+    monkeypatch.setattr(gap, "U_SUMS_IN_NORM_GATE", u_in_norm_gate)
+    if path.startswith("whole_rows"):  # rows that fit: one pass over whole rows, no e4m3 rows written (hstu_gap_grad_rows)
         def rows_pass(pre, d_pre, hv, out, **kw):
             assert out is None and kw["col_sum"] and (kw["dq"] is not None) == (dq == "atomic")
+            assert kw["u_summed"] == u_in_norm_gate
             calls.append(1)
             return silu_grad_rows(pre, d_pre, hv, out, **kw)
 

@@ -134,3 +134,19 @@ def test_whole_rows_pass_without_rows_writes_the_gradient_and_its_sums(gen, with
     torch.testing.assert_close(sums, want.double().sum(0).float(), rtol=1e-6, atol=1e-5)
     with pytest.raises(ValueError, match="neither rows nor column sums"):
         silu_grad_rows(pre, d_pre, HV, None)
+
+
+def test_whole_rows_pass_leaves_the_u_columns_to_their_writer_when_they_are_summed_elsewhere(gen):
+    rows = ROWS_PER_PROGRAM + 5  # two programs, the second short
+    pre = (torch.randn(rows, WIDTH, generator=gen) * 2).bfloat16()
+    d_pre = torch.randn(rows, WIDTH, generator=gen).bfloat16()
+    want = plain_passes(pre, d_pre, None)
+    d_pre[:, :HV] = float("nan")  # never read: the norm-gate backward wrote and summed these columns
+    sums = silu_grad_rows(pre, d_pre, HV, None, col_sum=True, u_summed=True)
+    assert torch.isnan(d_pre[:, :HV]).all()  # nor written
+    assert torch.equal(d_pre[:, HV:], want[:, HV:])
+    assert torch.equal(sums[:HV], torch.zeros(HV))
+    torch.testing.assert_close(sums[HV:], want[:, HV:].double().sum(0).float(), rtol=1e-6, atol=1e-5)
+    out = RowsOut.allocate(rows, WIDTH, pre.device, RowQuantization())
+    with pytest.raises(ValueError, match="u_summed skips the first hv columns"):  # the rows need every column
+        silu_grad_rows(pre, d_pre, HV, out, col_sum=True, u_summed=True)

@@ -57,3 +57,22 @@ def test_rejects_mismatched_shapes() -> None:
     x = torch.zeros(4, 8)
     with pytest.raises(ValueError, match="weight and bias"):
         TorchNormGate()(x, x, torch.ones(7), torch.zeros(8), 1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 37])
+def test_triton_backward_sums_the_gate_gradient_as_it_stores_it(gen: torch.Generator, rows: int) -> None:
+    from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
+
+    dim = 24
+    x, u, dy = (torch.randn(rows, dim, generator=gen).bfloat16() for _ in range(3))
+    weight, bias = torch.randn(dim, generator=gen), torch.randn(dim, generator=gen)
+    _, mean, rstd = NormGateFunction.run_forward(x, u, weight, bias, 1e-5, silu_gate=True)
+    plain = norm_gate_backward(dy, x, u, weight, bias, mean, rstd, silu_gate=True)
+    sums = torch.full((dim,), float("nan"))
+    summed = norm_gate_backward(dy, x, u, weight, bias, mean, rstd, silu_gate=True, du_sum_out=sums)
+    for a, b in zip(plain, summed, strict=True):
+        assert torch.equal(a, b)  # the sums change nothing else
+    # the bf16 du as stored, summed in float32 (the bias gradient the last pass would have summed)
+    torch.testing.assert_close(sums, summed[1].double().sum(0).float(), rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match=r"du_sum_out must be float32 \[24\]"):
+        norm_gate_backward(dy, x, u, weight, bias, mean, rstd, du_sum_out=torch.zeros(dim, dtype=torch.bfloat16))

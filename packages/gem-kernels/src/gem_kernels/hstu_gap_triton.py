@@ -67,6 +67,11 @@ from gem_kernels.quantized_rows_triton import RowsOut, dequantize_rows, load_row
 from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, GradRowsSlot, PrequantizedRows, RowQuantization
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
+U_SUMS_IN_NORM_GATE = True
+"""Where the gap sums the ``uvqk`` bias's gradient in one pass over whole rows (the bf16 step) and the norm-gate
+backward reads bf16 (not ``fp8_saved``'s e4m3 rows, where the sums would spill 40 bytes), that backward sums the ``u`` columns as it writes them, and the last pass reads only the ``v, q, k`` columns
+(``silu_grad_rows``' ``u_summed``): 2 of its 20 KiB a token fewer at the big config. False: the last pass
+reads and sums the ``u`` columns too, as before 2026-12-07 (e2e switch ``u_sums_in_grad_rows``)."""
 SAVED_ATTENTION_E4M3 = True
 """Under ``saved_format="e4m3_row"``, the attention output is kept in e4m3 rows too (written by the
 norm-gate's forward pass, read by its backward: :data:`E4M3_ROWS_IN_NORM_GATE`); False keeps it as computed."""
@@ -204,13 +209,16 @@ class HSTUGapFunction(torch.autograd.Function):
         # the column sums of d_pre, from the passes that write it: the uvqk bias's gradient (hstu_gap_bias)
         sums = None if ctx.pre_bias_dtype is None else torch.empty(pre.shape[1], dtype=torch.float32, device=pre.device)
         grad_rows: GradRowsSlot | None = options["grad_rows"] if fits(pre.shape[1]) else None
+        # the bias sums without rows: one pass over whole rows when they fit (hstu_gap_bias), else per column block
+        # with the u columns by a reduction of their own; the u columns' sums by the norm-gate backward that
+        # writes them, where it is asked to (U_SUMS_IN_NORM_GATE)
+        sum_rows = sums is not None and grad_rows is None and fits(pre.shape[1])
+        in_norm_gate = sum_rows and U_SUMS_IN_NORM_GATE and u_scale_inv is None and attn_scale_inv is None
+        u_sums = torch.empty(hv, dtype=torch.float32, device=pre.device) if in_norm_gate else None
         d_attn, _, d_weight, d_gate_bias = norm_gate_backward(
             dy.reshape(rows, hv), attn.view(rows, hv), u, weight, gate_bias, mean, rstd, silu_gate=True,
-            du_out=d_pre[:, :hv], x_scale_inv=attn_scale_inv, u_scale_inv=u_scale_inv,
+            du_out=d_pre[:, :hv], x_scale_inv=attn_scale_inv, u_scale_inv=u_scale_inv, du_sum_out=u_sums,
         )
-        # the bias sums without rows: one pass over whole rows when they fit (hstu_gap_bias), else per column block
-        # with the u columns by a reduction of their own
-        sum_rows = sums is not None and grad_rows is None and fits(pre.shape[1])
         if sums is not None and grad_rows is None and not sum_rows:
             torch.sum(d_pre[:, :hv], 0, dtype=torch.float32, out=sums[:hv])
         del u  # the expanded gate's memory is free for the attention backward
@@ -249,7 +257,10 @@ class HSTUGapFunction(torch.autograd.Function):
             passes = []
         elif sum_rows:  # the same pass without rows: the column sums of the whole gradient
             dq = None if dq_accum is None else (dq_accum.view(rows, hq), q_cols)
-            sums = silu_grad_rows(pre, d_pre, hv, None, dq=dq, scale_inv=scale_inv, col_sum=True)
+            sums = silu_grad_rows(pre, d_pre, hv, None, dq=dq, scale_inv=scale_inv, col_sum=True,
+                                  u_summed=u_sums is not None)  # fmt: skip
+            if u_sums is not None:
+                sums[:hv] = u_sums
             passes = []
         for cols, grad in passes:
             if sums is None:

@@ -81,11 +81,11 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, XQ, XQ_INV, st
 
 
 @triton.jit
-def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART, X_INV, U_INV,
+def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART, X_INV, U_INV, DU_SUM_PART,
                    stride_x, stride_u, stride_dy, stride_dx, stride_du, num_rows, tiles_per_program,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
                    SILU_GATE: tl.constexpr, X_E4M3: tl.constexpr = False, U_E4M3: tl.constexpr = False,
-                   STAGES: tl.constexpr = None):
+                   DU_SUMS: tl.constexpr = False, STAGES: tl.constexpr = None):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
@@ -93,6 +93,7 @@ def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART, X_INV, 
     b = tl.load(B + cols, mask=cols_ok, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dus = tl.zeros([BLOCK_D], dtype=tl.float32)
     for t in tl.range(0, tiles_per_program, num_stages=STAGES):
         rows = ((pid * tiles_per_program + t) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         rows_ok = rows < num_rows
@@ -120,7 +121,11 @@ def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART, X_INV, 
         dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast(dx, DX.dtype.element_ty, INTERP), mask=inside)
         tl.store(DU + rows[:, None] * stride_du + cols[None, :], cast(du, DU.dtype.element_ty, INTERP), mask=inside)
+        if DU_SUMS:  # of du as stored
+            dus += tl.sum(tl.where(inside, cast(du, DU.dtype.element_ty, INTERP).to(tl.float32), 0.0), 0)
     tl.store(DW_PART + pid * BLOCK_D + cols, dw)
+    if DU_SUMS:
+        tl.store(DU_SUM_PART + pid * BLOCK_D + cols, dus)
     tl.store(DB_PART + pid * BLOCK_D + cols, db)
 
 
@@ -186,6 +191,7 @@ def norm_gate_backward(
     dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     mean: torch.Tensor, rstd: torch.Tensor, *, silu_gate: bool = False, du_out: torch.Tensor | None = None,
     x_scale_inv: torch.Tensor | None = None, u_scale_inv: torch.Tensor | None = None,
+    du_sum_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dx, du`` in ``x``'s shape (contiguous) and ``d_weight, d_bias`` of one call. ``silu_gate``: the
     forward's gate was ``silu(u)``, and ``du`` is the gradient of ``u`` itself. ``du_out``: a ``[rows,
@@ -193,7 +199,11 @@ def norm_gate_backward(
     ``u_scale_inv``: ``x`` / ``u`` are e4m3 rows ``[rows, D]`` (``D`` and the row stride even, e.g. the
     ``u`` columns of the fused gap's saved rows), each times its scale, read by the kernel's loop as
     16-bit words (:func:`gem_kernels.quantized_rows_triton.load_e4m3_pairs`); ``dx`` and ``du`` are then
-    in ``dy``'s dtype."""
+    in ``dy``'s dtype. ``du_sum_out``: a float32 ``[D]`` tensor that receives the column sums of ``du`` as
+    stored (the fused gap's ``u`` columns of the ``uvqk`` bias gradient: :data:`gem_kernels.hstu_gap_triton.U_SUMS_IN_NORM_GATE`)."""
+    if du_sum_out is not None and (du_sum_out.shape != (weight.shape[0],) or du_sum_out.dtype != torch.float32):
+        raise ValueError(f"norm_gate_backward: du_sum_out must be float32 [{weight.shape[0]}], "
+                         f"got {du_sum_out.dtype} {tuple(du_sum_out.shape)}")  # fmt: skip
     x_e4m3, u_e4m3 = x_scale_inv is not None, u_scale_inv is not None
     x2, u2, dy2 = _rows(x), _rows(u), _rows(dy)
     xk, uk = (as_words(x2) if x_e4m3 else x2), (as_words(u2) if u_e4m3 else u2)  # what the kernel reads
@@ -208,14 +218,18 @@ def norm_gate_backward(
     du = torch.empty((num_rows, dim), dtype=dy.dtype if u_e4m3 else u.dtype, device=u.device) if du_out is None else du_out
     dw_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
     db_part = torch.empty((programs, block_d), dtype=torch.float32, device=x2.device)
+    du_sum_part = db_part if du_sum_out is None else torch.empty_like(db_part)
     with device_guard(x2.device):
         _norm_gate_bwd[(programs,)](
             xk, uk, weight, bias, dy2, mean, rstd, dx, du, dw_part, db_part,
-            x_scale_inv if x_e4m3 else mean, u_scale_inv if u_e4m3 else mean, xk.stride(0), uk.stride(0),
-            dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
+            x_scale_inv if x_e4m3 else mean, u_scale_inv if u_e4m3 else mean, du_sum_part, xk.stride(0),
+            uk.stride(0), dy2.stride(0), dx.stride(0), du.stride(0), num_rows, tiles_per_program,
             D=dim, BLOCK_D=block_d, ROWS=rows, INTERP=INTERPRET, num_warps=4 if block_d < 2048 else 8,
-            SILU_GATE=silu_gate, X_E4M3=x_e4m3, U_E4M3=u_e4m3, STAGES=PIPELINE_STAGES,
+            SILU_GATE=silu_gate, X_E4M3=x_e4m3, U_E4M3=u_e4m3, DU_SUMS=du_sum_out is not None,
+            STAGES=PIPELINE_STAGES,
         )
+    if du_sum_out is not None:
+        torch.sum(du_sum_part[:, :dim], 0, out=du_sum_out)
     dw = dw_part[:, :dim].sum(0).to(weight.dtype)
     db = db_part[:, :dim].sum(0).to(bias.dtype)
     return dx.view(x.shape), (du if du_out is not None else du.view(u.shape)), dw, db
