@@ -70,8 +70,11 @@ ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 U_SUMS_IN_NORM_GATE = True
 """Where the gap sums the ``uvqk`` bias's gradient in one pass over whole rows (the bf16 step) and the norm-gate
 backward reads bf16 (not ``fp8_saved``'s e4m3 rows, where the sums would spill 40 bytes), that backward sums the ``u`` columns as it writes them, and the last pass reads only the ``v, q, k`` columns
-(``silu_grad_rows``' ``u_summed``): 2 of its 20 KiB a token fewer at the big config. False: the last pass
-reads and sums the ``u`` columns too, as before 2026-12-07 (e2e switch ``u_sums_in_grad_rows``)."""
+(``silu_grad_rows``' ``u_summed``): 2 of its 20 KiB a token fewer at the big config. On the H100
+(2026-12-07, ``benchmarks/gap_bias_sums.py``, 40 rotated rounds) the two kernels took 2.510 ms against 2.559
+at 207,000 rows (1.019x) and 2.080 against 2.146 at 180,000 (1.032x), the same gradient bit for bit: ~0.4 ms
+of a ~184 ms step, below what a step's A/B resolves (not timed in a step). False: the last pass reads and
+sums the ``u`` columns too, as before (e2e switch ``u_sums_in_grad_rows``)."""
 SAVED_ATTENTION_E4M3 = True
 """Under ``saved_format="e4m3_row"``, the attention output is kept in e4m3 rows too (written by the
 norm-gate's forward pass, read by its backward: :data:`E4M3_ROWS_IN_NORM_GATE`); False keeps it as computed."""
