@@ -4,31 +4,24 @@ broken variant."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("gap_bias_sums_bench", ROOT / "benchmarks" / "gap_bias_sums.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # --import-mode=importlib: bench_modules beside this file
+from bench_modules import load_benchmark
 
 
 def test_the_smoke_run_checks_both_placements(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["gap_bias_sums.py", "--smoke"])
-    assert load_benchmark().main() == 0
+    assert load_benchmark(monkeypatch, "gap_bias_sums.py").main() == 0
     out = capsys.readouterr().out
     assert "same gradient bit for bit" in out and "in_norm_gate" in out
 
 
 def test_wrong_sums_stop_the_benchmark(monkeypatch):
-    bench = load_benchmark()
+    bench = load_benchmark(monkeypatch, "gap_bias_sums.py")
     real = bench.silu_grad_rows
 
     def off_by_one_column(*args, **kwargs):
