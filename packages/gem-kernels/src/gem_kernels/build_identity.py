@@ -28,7 +28,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -132,16 +131,13 @@ def strip_addresses(sass: str) -> str:
 
 def dump_one(build: Build, outdir: Path, nvdisasm: str) -> str | None:
     """Compile ``build`` and write its ``.sass`` and ``.json`` into ``outdir``; the error, if it failed."""
-    from gem_kernels.compile_report import build_gluon, cubin_usage
+    from gem_kernels.compile_report import build_gluon, cubin_usage, run_on_cubin
 
     try:
         compiled = build_gluon(build.config, build.dim_qk, build.dim_v, targets=build.targets,
                                dq=build.kind == "dq", dkdv=build.kind == "dkdv", store_ds=build.store_ds).compiled  # fmt: skip
         cubin = compiled.asm["cubin"]
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(cubin)
-            f.flush()
-            sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        sass = run_on_cubin([nvdisasm, "-c"], cubin, check=True).stdout
     except subprocess.CalledProcessError as e:
         return f"nvdisasm failed ({e.returncode}): {e.stderr.strip()[:500]}"
     except Exception as e:  # a config that no longer compiles is reported, the others still dumped

@@ -306,14 +306,19 @@ def bundled_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def cubin_usage(cubin: bytes) -> dict[str, int | None]:
-    """A cubin's ``registers`` a thread and ``stack_bytes`` (its spill stack), by ``cuobjdump -res-usage``;
-    ``None`` each where the tool printed no usage."""
-    tool = bundled_tool("cuobjdump")
+def run_on_cubin(command: list[str], cubin: bytes, *, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """``command`` (a tool and its options) run on ``cubin`` written to a temporary file, its path last;
+    ``check``: raise ``CalledProcessError`` if the tool fails."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=False).stdout
+        return subprocess.run([*command, f.name], capture_output=True, text=True, check=check)
+
+
+def cubin_usage(cubin: bytes) -> dict[str, int | None]:
+    """A cubin's ``registers`` a thread and ``stack_bytes`` (its spill stack), by ``cuobjdump -res-usage``;
+    ``None`` each where the tool printed no usage."""
+    out = run_on_cubin([bundled_tool("cuobjdump"), "-res-usage"], cubin).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", out)
     return {"registers": int(found[1]) if found else None, "stack_bytes": int(found[2]) if found else None}
 

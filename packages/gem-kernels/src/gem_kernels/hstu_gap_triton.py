@@ -68,8 +68,9 @@ from gem_model.api import E4M3_ROW, NO_EXTRAS, AttentionExtras, GradRowsSlot, Pr
 
 ROWS, COLS = (4, 64) if INTERPRET else (16, 256)
 U_SUMS_IN_NORM_GATE = True
-"""Where the gap sums the ``uvqk`` bias's gradient in one pass over whole rows (the bf16 step) and the norm-gate
-backward reads bf16 (not ``fp8_saved``'s e4m3 rows, where the sums would spill 40 bytes), that backward sums the ``u`` columns as it writes them, and the last pass reads only the ``v, q, k`` columns
+"""Where the gap sums the ``uvqk`` bias's gradient in one pass over whole rows (the bf16 step) and the
+norm-gate backward reads bf16 (not ``fp8_saved``'s e4m3 rows, where the sums would spill 40 bytes), that
+backward sums the ``u`` columns as it writes them, and the last pass reads only the ``v, q, k`` columns
 (``silu_grad_rows``' ``u_summed``): 2 of its 20 KiB a token fewer at the big config. On the H100
 (2026-12-07, ``benchmarks/gap_bias_sums.py``, 40 rotated rounds) the two kernels took 2.510 ms against 2.559
 at 207,000 rows (1.019x) and 2.080 against 2.146 at 180,000 (1.032x), the same gradient bit for bit: ~0.4 ms
