@@ -334,6 +334,9 @@ VARIANTS: dict[str, Switch] = {
     # the bf16 linears' bias gradients by torch's reduction, as before 2026-12-06 (one Triton pass since; the
     # switch was ``bias_grad_kernel``, turning it on; measured with ab_switches_kernels' ``torch_unit_rows``)
     "torch_bias_grad": patched("gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", False),
+    # the sequence lookup's gradients by feature, as before 2026-12-07: autograd's split backward concatenates
+    # them and adds the items' two (gem_model.table_grad's one buffer, which the Triton kernels write, is shipped)
+    "table_grads_by_feature": patched("gem_model.model.embeddings", "ONE_GRADIENT_BUFFER", False),
     # the token mixers' attention on flash, memory-efficient or math SDPA, not torch's choice (cuDNN on Hopper)
     "mixer_no_cudnn": patched("gem_model.model.hstu", "MIXER_SDPA_BACKENDS", [
         SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, dim_block, dot
 from gem_kernels.unit_rows_triton import unit_rows_triton, unit_rows_vjp_triton
-from gem_model.api import L2_EPS, offsets_of, to_device_async, unit_rows, unit_rows_vjp
+from gem_model.api import L2_EPS, GradSection, grad_section, offsets_of, to_device_async, unit_rows, unit_rows_vjp
 
 BLOCK_M = 32
 """Rows of one sequence per tile. 32 rather than 64: half the histories are shorter than ~80 rows, so
@@ -230,7 +230,8 @@ class _SharedNegativesLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, items: torch.Tensor, negatives: torch.Tensor,  # type: ignore[override]
                 item_ids: torch.Tensor, negative_ids: torch.Tensor, offsets: torch.Tensor, tile_seq: torch.Tensor,
-                tile_row: torch.Tensor, num_negatives: int, l2: bool, temperature: float) -> torch.Tensor:
+                tile_row: torch.Tensor, num_negatives: int, l2: bool, temperature: float,
+                items_grad: GradSection | None) -> torch.Tensor:  # fmt: skip
         rows, dim = query.shape
         k = num_negatives
         b = negatives.shape[0] // k
@@ -252,7 +253,7 @@ class _SharedNegativesLoss(torch.autograd.Function):
             )  # fmt: skip
         ctx.save_for_backward(query, items, negatives, u, item_ids, negative_ids, offsets, tile_seq, tile_row,
                               lse, s0, q_norm, p_norm, norm)  # fmt: skip
-        ctx.k, ctx.l2, ctx.temperature = k, l2, temperature
+        ctx.k, ctx.l2, ctx.temperature, ctx.items_grad = k, l2, temperature, items_grad
         return loss.sum()
 
     @staticmethod
@@ -264,7 +265,9 @@ class _SharedNegativesLoss(torch.autograd.Function):
         b = negatives.shape[0] // k
         block_k = dim_block(k)
         grad_q = torch.empty_like(query)
-        grad_p = torch.empty_like(items)
+        # the positives' gradient straight into the lookup's gradient buffer where it is free (gem_model.table_grad)
+        claimed, accumulate = ctx.items_grad.claim() if ctx.items_grad is not None else (None, True)
+        grad_p = claimed if not accumulate else torch.empty_like(items)
         score_grad = torch.empty((rows, k), dtype=query.dtype, device=query.device)
         grad_unit = torch.empty((b, k, dim), dtype=torch.float32, device=query.device)
         grad = grad.float().reshape(1).contiguous()
@@ -287,7 +290,7 @@ class _SharedNegativesLoss(torch.autograd.Function):
             grad_n = unit_rows_vjp(grad_n, unit, norm32).to(negatives.dtype)
         else:
             grad_n = grad_n.to(negatives.dtype)
-        return grad_q, grad_p, grad_n, None, None, None, None, None, None, None, None
+        return grad_q, None if grad_p is claimed else grad_p, grad_n, None, None, None, None, None, None, None, None, None
 
 
 def shared_negatives_loss(
@@ -312,9 +315,11 @@ def shared_negatives_loss(
     if count == 0:
         return query.sum() * 0.0, total
     query = query if query.stride(1) == 1 else query.contiguous()
+    items_grad = grad_section(items)  # items: a view of a lookup's one gradient buffer?
     items = items if items.stride(1) == 1 else items.contiguous()
     loss = _SharedNegativesLoss.apply(
         query, items, negatives.contiguous(), item_ids.contiguous(), negative_ids.contiguous(),
         offsets_of(lengths), tile_seq, tile_row, num_negatives, l2_normalize, temperature,
+        items_grad if torch.is_grad_enabled() and items.requires_grad else None,
     )
     return loss, total

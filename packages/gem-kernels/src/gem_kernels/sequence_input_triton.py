@@ -27,6 +27,7 @@ import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard
 from gem_kernels.row_blocks import MAX_DIM, rows_per_program
+from gem_model.api import GradSection, grad_section
 
 CHUNK = 128
 """Rows of one sequence a forward program takes (read at call time: tests set it small)."""
@@ -95,11 +96,13 @@ def _input_fwd(ITEM, ACTION, FIRST, LAST, POS, HIST_OFFSETS, X, scale, stride_it
 def _input_bwd(G, SEQS, COUNTS, D_ITEM, D_ACTION, D_FIRST, D_LAST, D_POS, scale, stride_g, num_pos,
                D: tl.constexpr, POS_ROWS: tl.constexpr, COLS: tl.constexpr, AT_ONCE: tl.constexpr,
                LEAD: tl.constexpr, TAIL: tl.constexpr, ITEM_GRAD: tl.constexpr, ACTION_GRAD: tl.constexpr,
-               FIRST_GRAD: tl.constexpr, LAST_GRAD: tl.constexpr, POS_GRAD: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
+               FIRST_GRAD: tl.constexpr, LAST_GRAD: tl.constexpr, POS_GRAD: tl.constexpr, ITEM_ADD: tl.constexpr,
+               INTERP: tl.constexpr):  # fmt: skip
     """Program ``k * cdiv(D, COLS) + n``: positions ``k * POS_ROWS ...``, columns ``n * COLS ...`` (the
     first positions, the most work, start first). ``SEQS [B, 3]``: the sequences ``(b, history start,
     length)`` longest first; ``COUNTS[k]``: how many reach position ``k * POS_ROWS``. Their gradient rows
-    there, ``AT_ONCE`` sequences at a time, and their sum."""
+    there, ``AT_ONCE`` sequences at a time, and their sum. ``ITEM_ADD``: ``D_ITEM`` holds a gradient
+    already, and the item rows' are added to it (in float32, rounded once)."""
     k = tl.program_id(0) // tl.cdiv(D, COLS)
     pos = (k * POS_ROWS + tl.arange(0, POS_ROWS)).to(tl.int64)
     cols = tl.program_id(0) % tl.cdiv(D, COLS) * COLS + tl.arange(0, COLS)
@@ -122,7 +125,10 @@ def _input_bwd(G, SEQS, COUNTS, D_ITEM, D_ACTION, D_FIRST, D_LAST, D_POS, scale,
         j = p3 - LEAD
         in_hist = inside & (j >= 0) & (j < seq_len - LEAD - TAIL)
         if ITEM_GRAD:
-            tl.store(D_ITEM + (hist_start + j) * D + c3, cast(g * scale, D_ITEM.dtype.element_ty, INTERP), mask=in_hist)
+            d_item = g * scale
+            if ITEM_ADD:
+                d_item += tl.load(D_ITEM + (hist_start + j) * D + c3, mask=in_hist, other=0.0).to(tl.float32)
+            tl.store(D_ITEM + (hist_start + j) * D + c3, cast(d_item, D_ITEM.dtype.element_ty, INTERP), mask=in_hist)
         if ACTION_GRAD:
             tl.store(D_ACTION + (hist_start + j) * D + c3, cast(g, D_ACTION.dtype.element_ty, INTERP), mask=in_hist)
         if FIRST_GRAD:
@@ -143,7 +149,8 @@ class _SequenceInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, item: torch.Tensor, action: torch.Tensor | None, first: torch.Tensor | None,  # type: ignore[override]
                 last: torch.Tensor | None, position: torch.Tensor | None, hist_lengths: torch.Tensor,
-                hist_offsets: torch.Tensor, scale: float, dtype: torch.dtype, max_len: int) -> torch.Tensor:  # fmt: skip
+                hist_offsets: torch.Tensor, scale: float, dtype: torch.dtype, max_len: int,
+                sections: tuple[GradSection | None, ...]) -> torch.Tensor:  # fmt: skip
         hist_rows, dim = item.shape
         b = hist_lengths.numel()
         lead, tail = int(first is not None), int(last is not None)
@@ -163,7 +170,7 @@ class _SequenceInput(torch.autograd.Function):
         ctx.save_for_backward(hist_lengths, hist_offsets)
         ctx.scale, ctx.max_len, ctx.lead, ctx.tail, ctx.hist_rows = scale, max_len, lead, tail, hist_rows
         ctx.types = [t.dtype if t is not None else None for t in (item, action, first, last, position)]
-        ctx.num_pos = num_pos
+        ctx.num_pos, ctx.sections = num_pos, sections
         return x
 
     @staticmethod
@@ -171,22 +178,24 @@ class _SequenceInput(torch.autograd.Function):
         hist_lengths, hist_offsets = ctx.saved_tensors
         needs = ctx.needs_input_grad[:5]
         if not any(needs):
-            return (None,) * 10
+            return (None,) * 11
         g = _rows(dx)
         rows, dim = g.shape
         b, dev = hist_lengths.numel(), g.device
+        into, add_item = _claimed(needs, ctx.sections)
         # scale 1: item's and action's gradients are the same values, written once and returned for both;
         # autograd copies a gradient that is still referenced elsewhere before anything accumulates into it
-        shared = needs[0] and needs[1] and ctx.scale == 1.0 and ctx.types[0] == ctx.types[1]
+        shared = needs[0] and needs[1] and ctx.scale == 1.0 and ctx.types[0] == ctx.types[1] and into[0] is into[1] is None
         sizes = (ctx.hist_rows, ctx.hist_rows, b, b, ctx.num_pos)
-        grads = [torch.empty((n, dim), dtype=t, device=dev) if need and not (shared and i == 1) else None
-                 for i, (need, t, n) in enumerate(zip(needs, ctx.types, sizes, strict=True))]  # fmt: skip
+        grads = [torch.empty((n, dim), dtype=t, device=dev) if need and into[i] is None and not (shared and i == 1)
+                 else None for i, (need, t, n) in enumerate(zip(needs, ctx.types, sizes, strict=True))]  # fmt: skip
         if shared:
             grads[1] = grads[0]
+        out = [t if t is not None else grads[i] for i, t in enumerate(into)]  # where the kernel writes
         pos_block, col_block = POS_BLOCK, min(COL_BLOCK, triton.next_power_of_2(dim))
         extent = max(ctx.max_len, ctx.num_pos if needs[4] else 0)  # every row's position, every table row
         blocks = triton.cdiv(extent, pos_block)
-        if rows == 0 or b == 0:  # no rows: only the position table's gradient, zeros
+        if rows == 0 or b == 0:  # no rows (nor claimed ones): only the position table's gradient, zeros
             if grads[4] is not None:
                 grads[4].zero_()
         else:
@@ -197,11 +206,26 @@ class _SequenceInput(torch.autograd.Function):
             counts = torch.searchsorted(-sorted_len, -starts)  # the sequences longer than each block's start
             with device_guard(dev):
                 _input_bwd[(blocks * triton.cdiv(dim, col_block),)](
-                    g, seqs, counts, *(t if t is not None else g for t in grads), ctx.scale, g.stride(0),
+                    g, seqs, counts, *(t if t is not None else g for t in out), ctx.scale, g.stride(0),
                     ctx.num_pos, D=dim, POS_ROWS=pos_block, COLS=col_block, AT_ONCE=SEQUENCES, LEAD=ctx.lead,
                     TAIL=ctx.tail, ITEM_GRAD=needs[0], ACTION_GRAD=needs[1] and not shared, FIRST_GRAD=needs[2],
-                    LAST_GRAD=needs[3], POS_GRAD=needs[4], INTERP=INTERPRET, num_warps=4)  # fmt: skip
-        return (*grads, None, None, None, None, None)
+                    LAST_GRAD=needs[3], POS_GRAD=needs[4], ITEM_ADD=add_item, INTERP=INTERPRET, num_warps=4)  # fmt: skip
+        return (*grads, None, None, None, None, None, None)
+
+
+def _claimed(needs: tuple[bool, ...], sections: tuple[GradSection | None, ...]) -> tuple[list[torch.Tensor | None], bool]:
+    """The rows of the lookup's gradient buffer that the item, action and candidate gradients go into
+    (:mod:`gem_model.table_grad`), None where an input has no section (or, for the action and candidate,
+    where another kernel wrote its rows first: then its gradient is returned, and the buffer's node adds
+    it); and whether the item rows hold a gradient already, to which the kernel adds its own."""
+    into: list[torch.Tensor | None] = [None] * 5
+    add_item = False
+    for i in (0, 1, 3):
+        if needs[i] and sections[i] is not None:
+            rows, accumulate = sections[i].claim()
+            if not accumulate or i == 0:
+                into[i], add_item = rows, add_item or accumulate
+    return into, add_item
 
 
 def _check(item: torch.Tensor, action: torch.Tensor | None, hist_lengths: torch.Tensor, hist_offsets: torch.Tensor,
@@ -247,9 +271,11 @@ def sequence_input_triton(item: torch.Tensor, action: torch.Tensor | None, hist_
     and candidate included; ``position``'s rows must too): it sizes the grid. That is not checked on the
     host (it would read the lengths back): a longer sequence's rows are NaN, those past the grid unwritten."""
     _check(item, action, hist_lengths, hist_offsets, first, last, position, dtype, max_len)
+    # the gradients of views of a lookup's one gradient buffer go into its rows (gem_model.table_grad)
+    sections = (grad_section(item), grad_section(action), None, grad_section(last), None)
     item, action, first, last, position = (t if t is None else _rows(t) for t in (item, action, first, last, position))
     return _SequenceInput.apply(item, action, first, last, position, hist_lengths.contiguous(),
-                                hist_offsets.contiguous(), float(scale), dtype, max_len)  # fmt: skip
+                                hist_offsets.contiguous(), float(scale), dtype, max_len, sections)  # fmt: skip
 
 
 def sequence_input_reference(item: torch.Tensor, action: torch.Tensor | None, hist_lengths: torch.Tensor,

@@ -31,6 +31,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     # ... and the backward's side: a linear whose output gradient arrives quantized by its producer
     "gem_model.grad_rows": ("GradRows", "GradRowsSlot", "attach_grad_rows", "attached_grad_rows", "grad_rows_slot"),
+    # a kernel that writes a table lookup's gradient straight into the lookup's one gradient buffer
+    "gem_model.table_grad": ("GradSection", "grad_section", "table_views"),
     "gem_model.linear_bias": ("bias_grad_elsewhere", "lent_from"),  # a linear whose bias gradient a fused kernel sums
     "gem_model.linear_gemm": ("GemmTakingLinear", "LinearGemm", "takes_gemm"),  # ... whose forward GEMM a kernel supplies
     "gem_model.results": ("ReportSection", "RunSummary", "StepResult"),  # what a run hands back
@@ -114,6 +116,7 @@ __all__ = [
     "GemmTakingLinear",
     "GradRows",
     "GradRowsSlot",
+    "GradSection",
     "JaggedAttentionKernel",
     "Kernel",
     "KernelUnavailableError",
@@ -174,6 +177,7 @@ __all__ = [
     "dims_of",
     "gather_bias",
     "grad_rows_slot",
+    "grad_section",
     "hookimpl",
     "lent_from",
     "load_config",
@@ -190,6 +194,7 @@ __all__ = [
     "sequence_pool_torch",
     "set_submodule",
     "step_loss",
+    "table_views",
     "takes_gemm",
     "time_bias_matrix",
     "time_bucket_matrix",
@@ -303,3 +308,4 @@ if TYPE_CHECKING:
     from gem_model.results import ReportSection, RunSummary, StepResult
     from gem_model.run_shape import RunShape
     from gem_model.saved_format import E4M3_ROW, SAVED_FORMATS, SavedFormatBlock
+    from gem_model.table_grad import GradSection, grad_section, table_views

@@ -17,8 +17,16 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from gem_model.data.batch import ACTION_TABLE, CAND_ITEM, ITEM_TABLE, NEG_ITEM, SEQ_ACTION, SEQ_ITEM, FeatureSpec
 from gem_model.model.lookup_bags import even_bags, lengths_by_key
+from gem_model.table_grad import table_views
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+
+ONE_GRADIENT_BUFFER = True
+"""The sequence lookup's rows reach the model as views of one gradient buffer (:mod:`gem_model.table_grad`):
+the kernels that consume them (the sequence input, the next-item loss) write their gradients into it, and
+neither torch's split backward (a copy of every row's gradient) nor the add of the items' two gradients
+runs. False: one :func:`table_output` per feature, autograd's split backward and adds, as before
+(e2e switch ``table_grads_by_feature``). Read at each forward."""
 
 
 class _TableOutput(torch.autograd.Function):
@@ -39,6 +47,29 @@ def table_output(x: torch.Tensor, scale: float, gate: Callable[[], None] | None 
     goes on to the table, whose update torchrec fuses into the lookup's backward), then multiplies the
     gradient by ``scale``."""
     return x if scale == 1.0 and gate is None else _TableOutput.apply(x, scale, gate)
+
+
+def tiling(values: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """The one tensor ``values`` are row slices of, tiling it (contiguous, back to back, every row once),
+    and the order in which they lie there; None if they are anything else. torchrec's lookups hand back
+    their output split per feature (``torch.split``), which this recognises."""
+    base = values[0]._base if values else None
+    if base is None or base.dim() != 2 or not base.is_contiguous() or not base.requires_grad:
+        return None
+    row = base.stride(0)
+    for v in values:
+        if v._base is not base or v.dim() != 2 or v.shape[1] != base.shape[1] or not v.is_contiguous():
+            return None
+        if (v.storage_offset() - base.storage_offset()) % row:
+            return None
+    start = [(v.storage_offset() - base.storage_offset()) // row for v in values]
+    order = sorted(range(len(values)), key=lambda i: (start[i], values[i].shape[0] > 0))  # an empty one fits anywhere
+    end = 0
+    for i in order:
+        if values[i].shape[0] and start[i] != end:
+            return None
+        end += values[i].shape[0]
+    return (base, order) if end == base.shape[0] else None
 
 
 def table_bound(rows: int) -> float:
@@ -69,6 +100,7 @@ class SparseArch(nn.Module):
         self.grad_gate: Callable[[], None] | None = None  # GemModel.set_table_grad_gate
         self.lookup_bags_per_sample = lookup_bags_per_sample
         self.on_meta = on_meta
+        self.one_buffer = False  # whether the last forward's sequence rows were views of one gradient buffer
         if on_meta and sequence_init_std is not None:
             raise ValueError(
                 "model.table_init 'device' draws the tables uniformly on the device; it cannot take "
@@ -151,14 +183,26 @@ class SparseArch(nn.Module):
         pipelined = getattr(self.ec, "is_pipelined", False)
         looked_up = self.ec(sequence if bags is None or pipelined else even_bags(sequence, bags))
         lengths = lengths_by_key(sequence)  # the batch's own bags: the lookup's may be re-split
-        seq = {
-            k: JaggedTensor(values=table_output(jt.values(), self.grad_scale, self.grad_gate), lengths=lengths[k])
-            for k, jt in looked_up.items()
-        }
+        values = self._sequence_values({k: jt.values() for k, jt in looked_up.items()})
+        seq = {k: JaggedTensor(values=v, lengths=lengths[k]) for k, v in values.items()}
         pooled_out: dict[str, torch.Tensor] = {}
         if self.ebc is not None:
             pooled_out = {k: table_output(v, self.grad_scale, self.grad_gate) for k, v in self.ebc(pooled).to_dict().items()}
         return seq, pooled_out
+
+    def _sequence_values(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The sequence features' rows as the model reads them: views of one gradient buffer
+        (:data:`ONE_GRADIENT_BUFFER`) where the lookup's output is one tensor they tile, else each
+        through :func:`table_output`. ``self.one_buffer`` says which it was, the last time."""
+        tiled = tiling(list(values.values())) if ONE_GRADIENT_BUFFER else None
+        self.one_buffer = tiled is not None
+        if tiled is None:
+            return {k: table_output(v, self.grad_scale, self.grad_gate) for k, v in values.items()}
+        base, order = tiled
+        keys = [list(values)[i] for i in order]
+        views = table_views(base, [values[k].shape[0] for k in keys], self.grad_gate, self.grad_scale)
+        by_key = dict(zip(keys, views, strict=True))
+        return {k: by_key[k] for k in values}
 
     def item_table(self) -> torch.Tensor:
         """The item table's weights (unsharded runs only; used by full-catalogue evaluation)."""
