@@ -7,7 +7,8 @@ config's features: history items, negatives, candidates, history actions. Fresh 
 fixture prints its seed); fresh memory is NaN (``poison``), the buffer's too, so a row that neither a
 kernel nor the buffer's node writes fails. Both orders in which autograd may reach the two kernels are
 run: the loss first (as in the model: the loss's queries come from the sequence tower), and the input
-first (then the loss hands its gradient back to autograd, and the node adds it).
+first (then the loss hands its gradient back to autograd, and the node adds it); with ``l2_normalize``
+the loss writes the negatives' rows by its unit-rows backward, without it by a copy.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _step(base: torch.Tensor, context: torch.Tensor, position: torch.Tensor, up: torch.Tensor, *, one_buffer: bool,
-          loss_first: bool, scale: float, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+          loss_first: bool, scale: float, dtype: torch.dtype, l2: bool) -> torch.Tensor:  # fmt: skip
     """The model's use of the lookup: the sequence's rows from items, actions and candidates, and the
     next-item loss over the history rows' outputs (``loss_first``) or over rows of their own."""
     b, nh = len(HISTORIES), sum(HISTORIES)
@@ -51,7 +52,7 @@ def _step(base: torch.Tensor, context: torch.Tensor, position: torch.Tensor, up:
 
     def loss_of(query: torch.Tensor) -> torch.Tensor:
         return shared_negatives_loss(query, item, neg, lengths, item_ids, negative_ids, num_negatives=K,
-                                     l2_normalize=True, temperature=0.5, host_lengths=lengths)[0]  # fmt: skip
+                                     l2_normalize=l2, temperature=0.5, host_lengths=lengths)[0]  # fmt: skip
 
     early = None if loss_first else loss_of(torch.tanh(up[:nh, :]).to(dtype))  # created first: run last
     x = si.sequence_input_triton(item, action, lengths, offsets, scale=scale, first=context, last=cand,
@@ -62,11 +63,12 @@ def _step(base: torch.Tensor, context: torch.Tensor, position: torch.Tensor, up:
     return (x.float() * up).sum() + loss
 
 
+@pytest.mark.parametrize("l2", [True, False], ids=["l2", "dot"])
 @pytest.mark.parametrize("loss_first", [True, False], ids=["loss-first", "input-first"])
 @pytest.mark.parametrize(("rows", "scale"), [(torch.float32, 2.5), (torch.bfloat16, 1.0), (torch.bfloat16, 2.5)],
                          ids=["fp32", "bf16", "bf16-scaled"])  # fmt: skip
 def test_the_kernels_write_the_buffer_as_autograd_would(gen: torch.Generator, loss_first: bool, rows: torch.dtype,
-                                                        scale: float) -> None:  # fmt: skip
+                                                        scale: float, l2: bool) -> None:  # fmt: skip
     b, nh = len(HISTORIES), sum(HISTORIES)
     total = nh * 2 + b * K + b
     data = (torch.randn(total, DIM, generator=gen) * (0.5 + torch.rand(total, 1, generator=gen))).to(rows)
@@ -77,7 +79,7 @@ def test_the_kernels_write_the_buffer_as_autograd_would(gen: torch.Generator, lo
     for one_buffer in (True, False):
         base = data.clone().requires_grad_()
         _step(base, context, position, up, one_buffer=one_buffer, loss_first=loss_first, scale=scale,
-              dtype=rows).backward()  # fmt: skip
+              dtype=rows, l2=l2).backward()  # fmt: skip
         assert not base.grad.isnan().any(), "a row of the lookup's gradient was not written"
         grads.append(base.grad)
     got, want = grads

@@ -231,7 +231,7 @@ class _SharedNegativesLoss(torch.autograd.Function):
     def forward(ctx: Any, query: torch.Tensor, items: torch.Tensor, negatives: torch.Tensor,  # type: ignore[override]
                 item_ids: torch.Tensor, negative_ids: torch.Tensor, offsets: torch.Tensor, tile_seq: torch.Tensor,
                 tile_row: torch.Tensor, num_negatives: int, l2: bool, temperature: float,
-                items_grad: GradSection | None) -> torch.Tensor:  # fmt: skip
+                items_grad: GradSection | None, negatives_grad: GradSection | None) -> torch.Tensor:  # fmt: skip
         rows, dim = query.shape
         k = num_negatives
         b = negatives.shape[0] // k
@@ -253,7 +253,7 @@ class _SharedNegativesLoss(torch.autograd.Function):
             )  # fmt: skip
         ctx.save_for_backward(query, items, negatives, u, item_ids, negative_ids, offsets, tile_seq, tile_row,
                               lse, s0, q_norm, p_norm, norm)  # fmt: skip
-        ctx.k, ctx.l2, ctx.temperature, ctx.items_grad = k, l2, temperature, items_grad
+        ctx.k, ctx.l2, ctx.temperature, ctx.sections = k, l2, temperature, (items_grad, negatives_grad)
         return loss.sum()
 
     @staticmethod
@@ -265,9 +265,10 @@ class _SharedNegativesLoss(torch.autograd.Function):
         b = negatives.shape[0] // k
         block_k = dim_block(k)
         grad_q = torch.empty_like(query)
-        # the positives' gradient straight into the lookup's gradient buffer where it is free (gem_model.table_grad)
-        claimed, accumulate = ctx.items_grad.claim() if ctx.items_grad is not None else (None, True)
-        grad_p = claimed if not accumulate else torch.empty_like(items)
+        # the positives' and negatives' gradients straight into the lookup's gradient buffer, where their
+        # rows are free (gem_model.table_grad); else returned
+        claimed_p, claimed_n = (_free(s) for s in ctx.sections)
+        grad_p = claimed_p if claimed_p is not None else torch.empty_like(items)
         score_grad = torch.empty((rows, k), dtype=query.dtype, device=query.device)
         grad_unit = torch.empty((b, k, dim), dtype=torch.float32, device=query.device)
         grad = grad.float().reshape(1).contiguous()
@@ -284,13 +285,25 @@ class _SharedNegativesLoss(torch.autograd.Function):
             )  # fmt: skip
         grad_n = grad_unit.reshape(b * k, dim)
         if l2 and norm is not None:
-            grad_n = unit_rows_vjp_triton(grad_n, negatives, norm)
+            grad_n = unit_rows_vjp_triton(grad_n, negatives, norm, out=claimed_n)
         elif l2:
             unit, norm32 = unit_rows(negatives.float())
             grad_n = unit_rows_vjp(grad_n, unit, norm32).to(negatives.dtype)
         else:
             grad_n = grad_n.to(negatives.dtype)
-        return grad_q, None if grad_p is claimed else grad_p, grad_n, None, None, None, None, None, None, None, None, None
+        if claimed_n is not None and grad_n is not claimed_n:  # written elsewhere: into its rows
+            claimed_n.copy_(grad_n)
+        return (grad_q, None if claimed_p is not None else grad_p, None if claimed_n is not None else grad_n,
+                *(None,) * 10)  # fmt: skip
+
+
+def _free(section: GradSection | None) -> torch.Tensor | None:
+    """``section``'s rows of the lookup's gradient buffer when nothing is in them yet (this kernel writes
+    them whole), else None (the gradient goes back to autograd, and the buffer's node adds it)."""
+    if section is None:
+        return None
+    rows, accumulate = section.claim()
+    return None if accumulate else rows
 
 
 def shared_negatives_loss(
@@ -315,11 +328,10 @@ def shared_negatives_loss(
     if count == 0:
         return query.sum() * 0.0, total
     query = query if query.stride(1) == 1 else query.contiguous()
-    items_grad = grad_section(items)  # items: a view of a lookup's one gradient buffer?
     items = items if items.stride(1) == 1 else items.contiguous()
     loss = _SharedNegativesLoss.apply(
         query, items, negatives.contiguous(), item_ids.contiguous(), negative_ids.contiguous(),
         offsets_of(lengths), tile_seq, tile_row, num_negatives, l2_normalize, temperature,
-        items_grad if torch.is_grad_enabled() and items.requires_grad else None,
+        *((grad_section(t) if torch.is_grad_enabled() and t.requires_grad else None) for t in (items, negatives)),
     )
     return loss, total

@@ -86,16 +86,22 @@ def unit_rows_triton(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     return u, norm
 
 
-def unit_rows_vjp_triton(grad: torch.Tensor, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+def unit_rows_vjp_triton(grad: torch.Tensor, x: torch.Tensor, norm: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The gradient of ``x [N, D]`` from ``grad`` (the gradient of its unit rows, any float dtype) and
-    ``norm`` (from :func:`unit_rows_triton`), in ``x``'s dtype."""
+    ``norm`` (from :func:`unit_rows_triton`), in ``x``'s dtype; written into ``out`` (contiguous rows of
+    ``x``'s shape and dtype) when given."""
     x = _rows_2d(x, "unit_rows_vjp_triton")
     rows, dim = x.shape
     if grad.shape != x.shape or norm.shape != (rows,) or norm.dtype != torch.float32:
         raise ValueError(f"unit_rows_vjp_triton: grad must be {tuple(x.shape)} and norm float32 [{rows}], got "
                          f"{tuple(grad.shape)} and {norm.dtype} {tuple(norm.shape)}")  # fmt: skip
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
+                            or not out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"unit_rows_vjp_triton: out must be contiguous {x.dtype} {tuple(x.shape)} on {x.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")  # fmt: skip
     grad = grad.contiguous()
-    dx = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
+    dx = out if out is not None else torch.empty((rows, dim), dtype=x.dtype, device=x.device)
     block_d, per = _launch(dim)
     if rows:
         with device_guard(x.device):
