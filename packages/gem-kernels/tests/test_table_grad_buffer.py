@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from gem_kernels import sequence_input_triton as si
 from gem_kernels.next_item_loss_triton import shared_negatives_loss
-from gem_kernels.testing import offsets_from_lengths
+from gem_kernels.testing import offsets_from_lengths, relative_error
 from gem_model.api import grad_section, table_views
 
 pytestmark = pytest.mark.usefixtures("poison")
@@ -85,5 +85,6 @@ def test_the_kernels_write_the_buffer_as_autograd_would(gen: torch.Generator, lo
     got, want = grads
     if rows == torch.float32 or scale == 1.0:  # the same roundings: the same bits (up to the adds' order)
         torch.testing.assert_close(got, want, rtol=1e-6 if rows == torch.float32 else 0, atol=1e-7 if rows == torch.float32 else 0)
-    else:  # the item rows' sum rounded once to bf16, where autograd rounds the scaled gradient first
-        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=1e-6)  # one rounding against two
+    else:  # the item rows' sum rounded once to bf16, where autograd rounds the scaled gradient first: elements
+        # apart by a rounding of the addends (large against a sum that cancels), so the whole is compared
+        assert relative_error(got, want) <= 2**-8
