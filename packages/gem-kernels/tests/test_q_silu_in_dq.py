@@ -62,7 +62,7 @@ def test_the_q_columns_done_in_the_dq_pass_match_the_last_pass(gen, monkeypatch,
     off = gap_grads(gen, dtype, False, monkeypatch, data)
     assert calls == [False] * (HEADS // heads_fit) + [None]
     q = slice(2 * HEADS * DIM, 3 * HEADS * DIM)
-    for a, b, name in zip(on, off, ("d pre", "d bias"), strict=True):
+    for a, name in zip(on, ("d pre", "d bias"), strict=True):
         assert not a.isnan().any(), name
     other = torch.ones(width, dtype=torch.bool)
     other[q] = False
