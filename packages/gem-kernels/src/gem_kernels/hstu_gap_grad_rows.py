@@ -27,6 +27,7 @@ import triton.language as tl
 
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
 from gem_kernels.quantized_rows_triton import RowsOut, load_rows, write_e4m3_rows
+from gem_model.api import GradRowsSlot, RowQuantization
 
 MAX_WIDTH = 8192
 """Widest gradient row held in registers whole; a wider gap leaves the quantization to the linear."""
@@ -161,3 +162,16 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
             STAGES=PIPELINE_STAGES if dq is None else None,
         )  # fmt: skip
     return sums.sum(0) if col_sum else None
+
+
+def complete_with_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, slot: GradRowsSlot,
+                       dq_accum: torch.Tensor | None, q_cols: slice, scale_inv: torch.Tensor | None,
+                       bias_sums: bool) -> torch.Tensor | None:  # fmt: skip
+    """The fused gap's last pass over whole rows (:func:`silu_grad_rows`), offering ``d_pre``'s e4m3 rows (and
+    column sums, when the slot asks) to the ``uvqk`` linear's backward; returns the column sums when
+    ``bias_sums`` (the gap sums the lent bias's gradient), else None."""
+    rows_out = RowsOut.allocate(pre.shape[0], pre.shape[1], pre.device, RowQuantization())
+    dq = None if dq_accum is None else (dq_accum.view(pre.shape[0], -1), q_cols)
+    col_sum = silu_grad_rows(pre, d_pre, hv, rows_out, dq=dq, scale_inv=scale_inv, col_sum=bias_sums or slot.column_sum)
+    slot.offer(d_pre, rows_out.result(), col_sum if slot.column_sum else None)
+    return col_sum if bias_sums else None

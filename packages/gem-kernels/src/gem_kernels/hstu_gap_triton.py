@@ -60,7 +60,7 @@ from gem_kernels.attention_triton_bias import BiasGrads, RelativeBias
 from gem_kernels.attention_triton_bwd import key_major
 from gem_kernels.attention_triton_common import INTERPRET, cast, device_guard, silu_grad
 from gem_kernels.hstu_gap_bias import silu_grad_columns
-from gem_kernels.hstu_gap_grad_rows import fits, silu_grad_rows
+from gem_kernels.hstu_gap_grad_rows import complete_with_rows, fits, silu_grad_rows
 from gem_kernels.hstu_gap_saved import expand_rows, silu_quantize_rows
 from gem_kernels.norm_gate_triton import NormGateFunction, norm_gate_backward
 from gem_kernels.quantized_rows_triton import RowsOut, dequantize_rows, load_rows
@@ -268,7 +268,7 @@ class HSTUGapFunction(torch.autograd.Function):
             every = slice(hv, 2 * hv + 2 * hq)  # v, q, k: one pass, in place
             passes = [(every, d_pre[:, every])]
         if grad_rows is not None:  # one pass over whole rows, writing d_pre's e4m3 rows too (hstu_gap_grad_rows)
-            sums = _complete_with_rows(pre, d_pre, hv, grad_rows, dq_accum, q_cols, scale_inv, sums is not None)
+            sums = complete_with_rows(pre, d_pre, hv, grad_rows, dq_accum, q_cols, scale_inv, sums is not None)
             passes = []
         elif sum_rows:  # the same pass without rows: the column sums of the whole gradient
             dq = None if dq_accum is None else (dq_accum.view(rows, hq), q_cols)
@@ -308,19 +308,6 @@ def _kept_for_backward(ctx: Any, hv: int) -> tuple[Any, ...]:
     if in_loop:
         return pre, scale_inv, post, gate, (attn, attn_scale_inv[0]), rest
     return pre, scale_inv, post, gate, (dequantize_rows(attn, attn_scale_inv[0], ctx.expand_to), None), rest
-
-
-def _complete_with_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, slot: GradRowsSlot,
-                        dq_accum: torch.Tensor | None, q_cols: slice, scale_inv: torch.Tensor | None,
-                        bias_sums: bool) -> torch.Tensor | None:  # fmt: skip
-    """The silu gradient pass over whole rows, offering ``d_pre``'s e4m3 rows (and column sums, when the
-    slot asks) to the ``uvqk`` linear's backward; returns the column sums when ``bias_sums`` (the gap
-    sums the lent bias's gradient), else None."""
-    rows_out = RowsOut.allocate(pre.shape[0], pre.shape[1], pre.device, RowQuantization())
-    dq = None if dq_accum is None else (dq_accum.view(pre.shape[0], -1), q_cols)
-    col_sum = silu_grad_rows(pre, d_pre, hv, rows_out, dq=dq, scale_inv=scale_inv, col_sum=bias_sums or slot.column_sum)
-    slot.offer(d_pre, rows_out.result(), col_sum if slot.column_sum else None)
-    return col_sum if bias_sums else None
 
 
 def _check_post(post: torch.Tensor, pre: torch.Tensor, hv: int, options: dict[str, Any]) -> None:
