@@ -98,8 +98,6 @@ KERNEL_VARIANTS: dict[str, Switch] = {
     # the u columns of the uvqk bias's gradient summed by the gap's last pass, which then reads them, as before
     # 2026-12-07 (since then by the norm-gate backward that writes them)
     "u_sums_in_grad_rows": patched("gem_kernels.hstu_gap_triton", "U_SUMS_IN_NORM_GATE", False),
-    # the q columns' silu gradient and bias sums in the stored dq pass, the last pass skipping them (off as shipped)
-    "q_silu_in_dq": patched("gem_kernels.hstu_gap_triton", "Q_SILU_IN_DQ", True),
     "bias_sums_in_linear": all_of(patched("gem_precision.bf16_linear", "BIAS_SUMS_FROM_PRODUCER", False),
                                   patched("gem_kernels.layer_norm_triton", "COLUMN_SUMS", False)),
 }

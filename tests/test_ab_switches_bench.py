@@ -114,8 +114,6 @@ def test_the_ddp_switch_turns_the_reducer_off_at_one_rank_and_refuses_without_dd
         ("torch_bias_grad", "gem_precision.bf16_linear", "BIAS_GRAD_KERNEL", True),
         # the uvqk bias's u columns summed by the gap's last pass (the norm-gate backward sums them, shipped)
         ("u_sums_in_grad_rows", "gem_kernels.hstu_gap_triton", "U_SUMS_IN_NORM_GATE", True),
-        # the q columns completed by the stored dq pass (off as shipped)
-        ("q_silu_in_dq", "gem_kernels.hstu_gap_triton", "Q_SILU_IN_DQ", False),
         # the sequence lookup's gradients by feature (split backward, adds): one buffer is shipped
         ("table_grads_by_feature", "gem_model.model.embeddings", "ONE_GRADIENT_BUFFER", True),
     ],

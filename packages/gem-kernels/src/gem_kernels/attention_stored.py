@@ -70,7 +70,6 @@ from gem_kernels.attention_triton_common import (
     queue_counter,
     release_queue,
     scan_chunk,
-    silu_grad,
     tma_loads,
 )
 
@@ -141,14 +140,13 @@ def _load_pair(DS, ds_desc, k_head, k_desc, rows, keys, k_row, k_col, offs_m, of
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_heads", "num_rows", "ds_rows"])
-def _dq_stored_kernel(DS, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PRE, SUMS, stride_km, stride_kh,
-                      stride_dqm, stride_dqh, stride_pm, stride_ph, stride_sums, num_seqs, num_heads, num_rows,
-                      ds_rows, scale, DQK: tl.constexpr, HAS_TARGETS: tl.constexpr, IEEE: tl.constexpr,
-                      INTERP: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+def _dq_stored_kernel(DS, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER, stride_km, stride_kh, stride_dqm,
+                      stride_dqh, num_seqs, num_heads, num_rows, ds_rows, scale, DQK: tl.constexpr,
+                      HAS_TARGETS: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr,
+                      TMA: tl.constexpr):  # fmt: skip
     """``dq = scale * ds k`` for every (sequence, head, block of 64 queries), the sequence's last block first;
     ``TMA``: the ``ds`` blocks and key tiles by tensor descriptors (``DS`` ``[ds_rows, 64]``, ``K`` ``[num_rows,
-    num_heads * DQK]``). ``SILU``: ``dq * silu'(PRE)`` (``PRE`` laid out as ``DQ``), and the block's column sums of
-    what it stores into ``SUMS`` row ``seq_start // 64 + seq + block`` (unique to the block), head's columns."""
+    num_heads * DQK]``)."""
     offs_m = tl.arange(0, 64)
     offs_n = tl.arange(0, 64)
     offs_d = tl.arange(0, DQK)
@@ -193,21 +191,7 @@ def _dq_stored_kernel(DS, DS_BASE, K, DQ, SEQ_OFFSETS, NUM_TARGETS, COUNTER, PRE
                 ds = tl.where(keep, ds, 0.0)  # a selection: what was never written is never added
                 acc = dot(ds, k, acc, IEEE, INTERP)
             dq_ptrs = DQ + seq_start * stride_dqm + head * stride_dqh + queries[:, None] * stride_dqm + offs_d[None, :]
-            q_ok = (queries < seq_len)[:, None]
-            if SILU:  # the gap's silu gradient of the q columns, and their sums (the uvqk bias's gradient)
-                slot = seq_start // 64 + seq + p
-                halves = tl.split(tl.permute(tl.reshape(acc * scale, [64, 2, DQK // 2]), [0, 2, 1]))
-                offs_h = tl.arange(0, DQK // 2)
-                for half in tl.static_range(2):  # half the columns at a time: fewer registers live
-                    cols = half * (DQK // 2) + offs_h
-                    z = tl.load(PRE + (seq_start + queries)[:, None] * stride_pm + head * stride_ph + cols[None, :],
-                                mask=q_ok, other=0.0).to(tl.float32)  # fmt: skip
-                    stored = cast(halves[half] * silu_grad(z), DQ.dtype.element_ty, INTERP)
-                    tl.store(DQ + seq_start * stride_dqm + head * stride_dqh + queries[:, None] * stride_dqm + cols[None, :],
-                             stored, mask=q_ok)  # fmt: skip
-                    tl.store(SUMS + slot * stride_sums + head * DQK + cols, tl.sum(tl.where(q_ok, stored.to(tl.float32), 0.0), 0))
-            else:
-                tl.store(dq_ptrs, cast(acc * scale, DQ.dtype.element_ty, INTERP), mask=q_ok)
+            tl.store(dq_ptrs, cast(acc * scale, DQ.dtype.element_ty, INTERP), mask=(queries < seq_len)[:, None])
             tile = next_tile
         tiles_before = chunk_end
     release_queue(COUNTER)
@@ -310,21 +294,10 @@ def applies(q: torch.Tensor, k: torch.Tensor, bias: RelativeBias, max_attn_len: 
             and bias.position is None and bias.time is None and max_attn_len <= 0)  # fmt: skip
 
 
-def silu_sum_slots(rows: int, num_seqs: int) -> int:
-    """Rows of the column-sum partials of :func:`dq_from_stored`'s ``silu`` (one a block of 64 queries of a
-    sequence, at ``seq_start // 64 + seq + block``, and more rows than blocks: zero them before the call)."""
-    return rows // 64 + num_seqs + 1
-
-
 def dq_from_stored(scores: StoredScores, k: torch.Tensor, seq_offsets: torch.Tensor, num_targets: torch.Tensor | None,
-                   *, max_seq_len: int, alpha: float, out: torch.Tensor,
-                   silu: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+                   *, max_seq_len: int, alpha: float, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """``out[:] = alpha / max_seq_len * ds k`` (``out``, ``k``: ``[L, H, D]`` with unit last stride) from the tiles
-    the ``dk``/``dv`` pass stored in ``scores``. ``silu = (pre, sums)``: the fused HSTU gap's ``q`` columns
-    done here (:data:`gem_kernels.hstu_gap_triton.Q_SILU_IN_DQ`): ``out[:] = that * silu'(pre)`` (``pre``
-    ``[L, H, D]`` with unit last stride), rounded once, and the float32 column sums of what is stored, one row
-    of partials a block of 64 queries, into ``sums`` (``[silu_sum_slots(L, B), H D]`` with unit last stride,
-    zeroed by the caller; the result is ``sums.sum(0)``)."""
+    the ``dk``/``dv`` pass stored in ``scores``."""
     rows, heads, dim = k.shape
     if dim not in HEAD_DIMS or out.shape != k.shape or out.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError(f"dq_from_stored: k and out must be [L, H, D] alike with D in {HEAD_DIMS} and unit last "
@@ -332,15 +305,6 @@ def dq_from_stored(scores: StoredScores, k: torch.Tensor, seq_offsets: torch.Ten
     if scores.heads is not None and scores.heads != heads:
         raise ValueError(f"dq_from_stored: the buffer holds the tiles of {scores.heads} heads, k has {heads}")
     num_seqs = seq_offsets.shape[0] - 1
-    if silu is not None:
-        pre, sums = silu
-        slots = silu_sum_slots(rows, max(num_seqs, 0))
-        if pre.shape != k.shape or pre.stride(2) != 1 or pre.dtype != out.dtype:
-            raise ValueError(f"dq_from_stored: silu's pre must be {out.dtype} {tuple(k.shape)} with unit last stride, "
-                             f"got {pre.dtype} {tuple(pre.shape)}")  # fmt: skip
-        if sums.dtype != torch.float32 or sums.shape != (slots, heads * dim) or sums.stride(1) != 1:
-            raise ValueError(f"dq_from_stored: silu's sums must be float32 [{slots}, {heads * dim}] with unit last "
-                             f"stride, got {sums.dtype} {tuple(sums.shape)}")  # fmt: skip
     if rows == 0 or num_seqs <= 0:
         return out
     tile_bound = num_seqs * heads * -(-max(max_seq_len, 1) // 64)
@@ -348,13 +312,11 @@ def dq_from_stored(scores: StoredScores, k: torch.Tensor, seq_offsets: torch.Ten
     warps, stages, per_sm = LAUNCH
     with device_guard(k.device):
         grid = (num_programs(k.device, per_sm, tile_bound),)
-        pre, sums = silu if silu is not None else (out, out)  # unused without silu
         _dq_stored_kernel[grid](
             scores.buffer, scores.base, k, out, seq_offsets, num_targets if num_targets is not None else seq_offsets,
-            queue_counter(k.device), pre, sums, k.stride(0), k.stride(1), out.stride(0), out.stride(1), pre.stride(0),
-            pre.stride(1), sums.stride(0), num_seqs, heads, rows, scores.buffer.shape[0], float(alpha) / max_seq_len,
-            DQK=dim, HAS_TARGETS=num_targets is not None, IEEE=k.dtype == torch.float32, INTERP=INTERPRET,
-            CHUNK=CHUNK, TMA=tma, SILU=silu is not None, num_warps=1 if INTERPRET else warps,
-            num_stages=1 if INTERPRET else stages,
+            queue_counter(k.device), k.stride(0), k.stride(1), out.stride(0), out.stride(1), num_seqs, heads, rows,
+            scores.buffer.shape[0], float(alpha) / max_seq_len, DQK=dim, HAS_TARGETS=num_targets is not None,
+            IEEE=k.dtype == torch.float32, INTERP=INTERPRET, CHUNK=CHUNK, TMA=tma,
+            num_warps=1 if INTERPRET else warps, num_stages=1 if INTERPRET else stages,
         )  # fmt: skip
     return out

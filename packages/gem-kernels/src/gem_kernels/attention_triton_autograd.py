@@ -175,24 +175,19 @@ def grads_from_stored(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     max_seq_len: int,
     alpha: float,
-    silu: tuple[torch.Tensor, torch.Tensor] | None = None,
     **options: Any,
 ) -> None:
     """``dk``, ``dv`` by the key-major pass, which stores its ``ds`` tiles in ``stored``, then ``dq`` from those
     tiles, into ``out = (dq, dk, dv)`` (``[L, H, D]``, unit last stride): ``stored.heads`` heads at a time, through
-    the one buffer (:mod:`gem_kernels.attention_stored`). ``silu = (pre [L, H, D], sums [slots, H D])``: ``dq``
-    times ``silu'(pre)`` and its column sums' partials (:func:`attention_stored.dq_from_stored`). ``options``:
-    the rest of :func:`key_major`'s."""
+    the one buffer (:mod:`gem_kernels.attention_stored`). ``options``: the rest of :func:`key_major`'s."""
     dq, dk, dv = out
     group = stored.heads or q.shape[1]
-    dim = q.shape[2]
     for h in range(0, q.shape[1], group):
         heads = slice(h, h + group)
         key_major(q[:, heads], k[:, heads], v[:, heads], grad_out[:, heads], seq_offsets, num_targets, None,
                   stored=stored, out=(dk[:, heads], dv[:, heads]), max_seq_len=max_seq_len, alpha=alpha, **options)  # fmt: skip
-        part = None if silu is None else (silu[0][:, heads], silu[1][:, h * dim:(h + group) * dim])
         attention_stored.dq_from_stored(stored, k[:, heads], seq_offsets, num_targets, max_seq_len=max_seq_len,
-                                        alpha=alpha, out=dq[:, heads], silu=part)  # fmt: skip
+                                        alpha=alpha, out=dq[:, heads])  # fmt: skip
 
 
 def jagged_attention_triton(

@@ -62,21 +62,17 @@ accumulator 1.696 ms on 4 (1.939 on 8, 1.828 on 16; separate 1.711)."""
 def _silu_grad_rows(D_PRE, PRE, SCALE_INV, DQ, Q, Q_INV, SUMS, stride_d, stride_pre, stride_dq, num_rows, hv,
                     q_lo, q_hi, rows_per_program, W: tl.constexpr, BLOCK_W: tl.constexpr, ROWS: tl.constexpr,
                     HAS_DQ: tl.constexpr, E4M3: tl.constexpr, ROWS_OUT: tl.constexpr, COL_SUM: tl.constexpr,
-                    INTERP: tl.constexpr, U_SUMMED: tl.constexpr = False, STAGES: tl.constexpr = None,
-                    Q_DONE: tl.constexpr = False):  # fmt: skip
+                    INTERP: tl.constexpr, U_SUMMED: tl.constexpr = False, STAGES: tl.constexpr = None):  # fmt: skip
     """``D_PRE[:, hv:] *= silu'(PRE[:, hv:])`` (the ``q`` columns ``[q_lo, q_hi)`` taken from ``DQ`` when
     ``HAS_DQ``), with ``ROWS_OUT`` the e4m3 rows of the whole ``D_PRE`` as stored into ``Q``/``Q_INV``, and
     with ``COL_SUM`` this program's column sums into ``SUMS[program]``. ``U_SUMMED`` (no ``ROWS_OUT``): the
-    first ``hv`` columns are not read (their sums are another kernel's; 0 here). ``Q_DONE`` (no ``ROWS_OUT``,
-    no ``HAS_DQ``): nor are the ``q`` columns ``[q_lo, q_hi)``, which the ``dq`` pass completed and summed."""
+    first ``hv`` columns are not read (their sums are another kernel's; 0 here)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_W)
     cols_ok = cols < W
     grad_cols = cols_ok & (cols >= hv)
     read_cols = grad_cols if U_SUMMED else cols_ok
     in_q = (cols >= q_lo) & (cols < q_hi)
-    if Q_DONE:
-        read_cols = read_cols & ~in_q
     sums = tl.zeros([BLOCK_W], dtype=tl.float32)
     for t in tl.range(0, rows_per_program, ROWS, num_stages=STAGES):
         rows = (pid * rows_per_program + t + tl.arange(0, ROWS)).to(tl.int64)
@@ -119,7 +115,7 @@ def fits(width: int) -> bool:
 
 def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut | None, *,
                    dq: tuple[torch.Tensor, slice] | None = None, scale_inv: torch.Tensor | None = None,
-                   col_sum: bool = False, u_summed: bool = False, q_done: slice | None = None) -> torch.Tensor | None:  # fmt: skip
+                   col_sum: bool = False, u_summed: bool = False) -> torch.Tensor | None:  # fmt: skip
     """Complete ``d_pre [L, W]`` in place: its columns from ``hv`` on times ``silu'(pre)`` (with ``dq`` =
     ``(accumulator [L, q columns], the q columns' slice)``, those columns read from the accumulator
     instead), the ``hv`` before them taken as stored; write its e4m3 rows into ``out`` (None: no rows, the
@@ -127,9 +123,7 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
     ``col_sum``, else None. ``scale_inv [L]``: ``pre`` is e4m3 rows, each standing for itself times its
     factor (:mod:`gem_kernels.hstu_gap_saved`). ``u_summed`` (column sums without rows): the first ``hv``
     columns are neither read nor summed here (their sums, 0 in the result, come from the kernel that wrote
-    them: :data:`gem_kernels.hstu_gap_triton.U_SUMS_IN_NORM_GATE`). ``q_done`` (column sums without rows, no
-    ``dq``): those columns are complete already, neither read nor summed here (0 in the result; the ``dq`` pass
-    wrote and summed them: :data:`gem_kernels.hstu_gap_triton.Q_SILU_IN_DQ`)."""
+    them: :data:`gem_kernels.hstu_gap_triton.U_SUMS_IN_NORM_GATE`)."""
     num_rows, width = d_pre.shape
     if not fits(width):
         raise ValueError(f"silu_grad_rows: rows of at most {MAX_WIDTH} columns, got {width}")
@@ -142,8 +136,6 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
         raise ValueError("silu_grad_rows: neither rows nor column sums asked for (the plain pass is silu_columns)")
     if u_summed and (out is not None or not col_sum):
         raise ValueError("silu_grad_rows: u_summed skips the first hv columns, so it takes column sums without rows")
-    if q_done is not None and (out is not None or not col_sum or dq is not None):
-        raise ValueError("silu_grad_rows: q_done skips the q columns, so it takes column sums without rows or dq")
     e4m3 = scale_inv is not None
     block_w = triton.next_power_of_2(width)
     rows_per_program, warps = _launch(block_w, out is not None, dq is not None, e4m3)
@@ -151,14 +143,14 @@ def silu_grad_rows(pre: torch.Tensor, d_pre: torch.Tensor, hv: int, out: RowsOut
     sums = torch.empty((programs, width) if col_sum else (1,), dtype=torch.float32, device=d_pre.device)
     if not num_rows:
         return sums.zero_()[0] if col_sum else None
-    accum, q_cols = dq if dq is not None else (d_pre, q_done if q_done is not None else slice(0, 0))
+    accum, q_cols = dq if dq is not None else (d_pre, slice(0, 0))
     with device_guard(d_pre.device):
         _silu_grad_rows[(programs,)](
             d_pre, pre.view(torch.uint8) if e4m3 else pre, scale_inv if e4m3 else pre, accum,
             sums if out is None else out.data, sums if out is None else out.scale_inv, sums, d_pre.stride(0),
             pre.stride(0), accum.stride(0), num_rows, hv, q_cols.start, q_cols.stop, rows_per_program, W=width,
             BLOCK_W=block_w, ROWS=ROWS_AT_ONCE, HAS_DQ=dq is not None, E4M3=e4m3, ROWS_OUT=out is not None,
-            COL_SUM=col_sum, INTERP=INTERPRET, U_SUMMED=u_summed, Q_DONE=q_done is not None, num_warps=warps,
+            COL_SUM=col_sum, INTERP=INTERPRET, U_SUMMED=u_summed, num_warps=warps,
             STAGES=PIPELINE_STAGES if dq is None else None,
         )  # fmt: skip
     return sums.sum(0) if col_sum else None

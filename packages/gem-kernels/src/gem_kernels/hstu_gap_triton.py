@@ -76,13 +76,6 @@ backward sums the ``u`` columns as it writes them, and the last pass reads only 
 at 207,000 rows (1.019x) and 2.080 against 2.146 at 180,000 (1.032x), the same gradient bit for bit: ~0.4 ms
 of a ~184 ms step, below what a step's A/B resolves (not timed in a step). False: the last pass reads and
 sums the ``u`` columns too, as before (e2e switch ``u_sums_in_grad_rows``)."""
-Q_SILU_IN_DQ = False
-"""Where ``dq`` comes from stored score gradients (``dq_mode="stored"``) and the last pass sums the ``uvqk`` bias's
-gradient over bf16 rows without writing e4m3 rows (the bf16 step), the ``dq`` pass multiplies ``dq`` by
-``silu'(pre)`` as it stores it and sums those columns per block of 64 queries
-(:func:`gem_kernels.attention_stored.dq_from_stored`'s ``silu``), and the last pass neither reads nor writes
-the ``q`` columns (``silu_grad_rows``' ``q_done``): 6 KiB a token fewer there at the big config, 2 KiB more
-(``pre``'s ``q`` columns) in the ``dq`` pass. Off until a step's A/B says so (e2e switch ``q_silu_in_dq``)."""
 SAVED_ATTENTION_E4M3 = True
 """Under ``saved_format="e4m3_row"``, the attention output is kept in e4m3 rows too (written by the
 norm-gate's forward pass, read by its backward: :data:`E4M3_ROWS_IN_NORM_GATE`); False keeps it as computed."""
@@ -248,13 +241,9 @@ class HSTUGapFunction(torch.autograd.Function):
         plan = ctx.score_plan
         stored = plan.scores(post.dtype) if mode == "stored" and plan is not None else None
         dq_done = stored is not None
-        q_silu = None  # the q columns' silu gradient and sums by the dq pass (Q_SILU_IN_DQ)
-        if dq_done and Q_SILU_IN_DQ and sum_rows and scale_inv is None and pre.dtype == d_pre.dtype:
-            slots = attention_stored.silu_sum_slots(rows, seq_offsets.shape[0] - 1)
-            q_silu = (heads_of(pre, 2 * hv, 2 * hv + hq), torch.zeros(slots, hq, dtype=torch.float32, device=pre.device))
         if dq_done:  # dk, dv and dq, a group of heads at a time
             grads_from_stored(q, k, v, d_attn, seq_offsets, num_targets, stored, out=(d_q, d_k, d_v), bias=bias,
-                              silu=q_silu, **kernel)  # fmt: skip
+                              **kernel)  # fmt: skip
             del stored  # the tiles' memory is free for the passes below
         else:
             key_major(q, k, v, d_attn, seq_offsets, num_targets, dq_accum, bias=bias, bias_grads=grads,
@@ -273,11 +262,9 @@ class HSTUGapFunction(torch.autograd.Function):
         elif sum_rows:  # the same pass without rows: the column sums of the whole gradient
             dq = None if dq_accum is None else (dq_accum.view(rows, hq), q_cols)
             sums = silu_grad_rows(pre, d_pre, hv, None, dq=dq, scale_inv=scale_inv, col_sum=True,
-                                  u_summed=u_sums is not None, q_done=None if q_silu is None else q_cols)  # fmt: skip
+                                  u_summed=u_sums is not None)  # fmt: skip
             if u_sums is not None:
                 sums[:hv] = u_sums
-            if q_silu is not None:
-                sums[q_cols] = q_silu[1].sum(0)
             passes = []
         for cols, grad in passes:
             if sums is None:
