@@ -5,7 +5,8 @@ per feature (``torch.split``). Autograd then gives each view a gradient of its o
 backward concatenates them into one tensor for the table's backward: a copy of every row's gradient.
 Where a feature feeds two consumers (the history's items feed the sequence input and the next-item
 loss's positives), autograd first adds their two gradients, another pass. On the H100's big config
-the concatenation and that add took 0.74 and 0.51 ms of a ~209 ms profiled step (2026-12-07).
+the concatenation and that add took 0.74 and 0.51 ms of a ~209 ms profiled step (2026-12-07); with the
+buffer the step is 1.003-1.006x (``benchmarks/results/e2e_ab.md``).
 
 Here the views come from one autograd node over the whole output (:func:`table_views`), and a kernel
 that consumes a view may write the view's gradient straight into its rows of the buffer that node

@@ -25,8 +25,10 @@ ONE_GRADIENT_BUFFER = True
 """The sequence lookup's rows reach the model as views of one gradient buffer (:mod:`gem_model.table_grad`):
 the kernels that consume them (the sequence input, the next-item loss) write their gradients into it, and
 neither torch's split backward (a copy of every row's gradient) nor the add of the items' two gradients
-runs. False: one :func:`table_output` per feature, autograd's split backward and adds, as before
-(e2e switch ``table_grads_by_feature``). Read at each forward."""
+runs. On the H100's big config (2026-12-07, ``benchmarks/table_grad.py``) the two kernels and the lookup's
+gradient took 9.439 ms against 10.144 (1.075x), the same bits; the step 1.003-1.006x (two seeds, paired and
+steady; ``benchmarks/results/e2e_ab.md``), peak memory +0.5 GiB. False: one :func:`table_output` per feature,
+autograd's split backward and adds, as before (e2e switch ``table_grads_by_feature``). Read at each forward."""
 
 
 class _TableOutput(torch.autograd.Function):
