@@ -7,37 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torchrec.distributed.types import ShardedModule
+from sharded_cases import sharded_model, table_weights  # beside this file
 
-from gem_model import testing
-from gem_model.api import PlannerContext, grad_section
-from gem_model.config import ModelConfig, TrainerConfig
+from gem_model.api import grad_section
 from gem_model.data.batch import SEQUENCE_KEYS
 from gem_model.data.synthetic import SyntheticConfig, SyntheticSource
-from gem_model.distributed import DistEnv
 from gem_model.model import embeddings
-from gem_model.model.gem import GemModel
-from gem_model.train.optim import sparse_optimizer_spec
-from gem_parallel.sharded import TorchrecDDPPlanner
-
-
-def _sharded(source: SyntheticSource, bags: int | None) -> GemModel:
-    model = GemModel(ModelConfig(max_seq_len=48, lookup_bags_per_sample=bags), source.feature_spec(),
-                     attention=testing.LoopAttention(), norm_gate=testing.TorchNormGate())  # fmt: skip
-    env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
-    planner = TorchrecDDPPlanner()
-    ctx = PlannerContext(env, planner.layout(env), testing.PlainComm(), sparse_optimizer_spec(TrainerConfig()))
-    prepared = planner.apply(model, planner.plan(model, ctx), ctx)
-    assert any(isinstance(m, ShardedModule) for m in prepared.module.modules())
-    return model
-
-
-def _tables(model: GemModel) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, value in model.sparse.ec.state_dict().items():
-        shards = value.local_shards() if hasattr(value, "local_shards") else None
-        out[name] = shards[0].tensor.clone() if shards is not None else value.clone()
-    return out
 
 
 @pytest.mark.parametrize("bags", [None, 3], ids=["own-bags", "even-bags"])
@@ -46,7 +21,7 @@ def test_one_buffer_gives_the_sharded_tables_the_same_update(tmp_path, monkeypat
     try:
         source = SyntheticSource(SyntheticConfig(max_len=47, num_negatives=5, length_exponent=0.3))
         batch = source.make_batch(0, 6, torch.arange(6))
-        models = {flag: _sharded(source, bags) for flag in (True, False)}
+        models = {flag: sharded_model(source, bags) for flag in (True, False)}
         g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
         grads = None
         for flag, model in models.items():
@@ -59,7 +34,7 @@ def test_one_buffer_gives_the_sharded_tables_the_same_update(tmp_path, monkeypat
             # the history items twice, as the model reads them (the input and the loss's positives)
             uses = [seq[k].values() for k in SEQUENCE_KEYS] + [seq[SEQUENCE_KEYS[0]].values()]
             torch.autograd.backward(uses, [grads[k] for k in SEQUENCE_KEYS] + [grads[SEQUENCE_KEYS[0]] * 0.5])
-        one, by_feature = (_tables(m) for m in models.values())
+        one, by_feature = (table_weights(m) for m in models.values())
         assert one.keys() == by_feature.keys()
         for k in one:
             assert torch.equal(one[k], by_feature[k]), k
