@@ -27,7 +27,6 @@ def test_one_buffer_gives_the_sharded_tables_the_same_update(tmp_path, monkeypat
         for flag, model in models.items():
             monkeypatch.setattr(embeddings, "ONE_GRADIENT_BUFFER", flag)
             seq, _ = model.sparse(batch.sequence, batch.pooled)
-            assert model.sparse.one_buffer is flag
             assert all((grad_section(seq[k].values()) is not None) is flag for k in SEQUENCE_KEYS)
             if grads is None:  # fresh random gradients, the same for both
                 grads = {k: torch.randn(seq[k].values().shape, generator=g) for k in SEQUENCE_KEYS}

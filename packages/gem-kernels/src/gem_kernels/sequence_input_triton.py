@@ -185,7 +185,7 @@ class _SequenceInput(torch.autograd.Function):
         into, add_item = _claimed(needs, ctx.sections)
         # scale 1: item's and action's gradients are the same values, written once and returned for both;
         # autograd copies a gradient that is still referenced elsewhere before anything accumulates into it
-        shared = needs[0] and needs[1] and ctx.scale == 1.0 and ctx.types[0] == ctx.types[1] and into[0] is into[1] is None
+        shared = needs[0] and needs[1] and ctx.scale == 1.0 and ctx.types[0] == ctx.types[1] and into[0] is None and into[1] is None
         sizes = (ctx.hist_rows, ctx.hist_rows, b, b, ctx.num_pos)
         grads = [torch.empty((n, dim), dtype=t, device=dev) if need and into[i] is None and not (shared and i == 1)
                  else None for i, (need, t, n) in enumerate(zip(needs, ctx.types, sizes, strict=True))]  # fmt: skip

@@ -37,8 +37,16 @@ _SECTION = "_gem_grad_section"
 class GradSection:
     """Rows ``start : stop`` of a :class:`TableGrad`'s buffer: the gradient of one view."""
 
-    def __init__(self, table: TableGrad, index: int, start: int, stop: int):
-        self.table, self.index, self.start, self.stop = table, index, start, stop
+    def __init__(self, table: TableGrad, index: int):
+        self.table, self.index = table, index
+
+    @property
+    def start(self) -> int:
+        return self.table.bounds[self.index][0]
+
+    @property
+    def stop(self) -> int:
+        return self.table.bounds[self.index][1]
 
     def claim(self) -> tuple[torch.Tensor, bool]:
         """This view's rows of the gradient buffer, and whether a gradient is already in them (the
@@ -98,9 +106,9 @@ class _TableViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None]:  # type: ignore[override]
-        grad = ctx.table.take(grads)
         if ctx.gate is not None:
             ctx.gate()  # may raise: then no gradient reaches the table
+        grad = ctx.table.take(grads)
         if ctx.scale != 1.0:
             grad.mul_(ctx.scale)
         return grad, None, None, None
@@ -122,8 +130,8 @@ def table_views(base: torch.Tensor, sizes: Sequence[int], gate: Callable[[], Non
         return tuple(base[a:b] for a, b in bounds)
     table = TableGrad(base, bounds)
     views = _TableViews.apply(base, table, gate, scale)
-    for i, (view, (a, b)) in enumerate(zip(views, bounds, strict=True)):
-        setattr(view, _SECTION, GradSection(table, i, a, b))
+    for i, view in enumerate(views):
+        setattr(view, _SECTION, GradSection(table, i))
     return tuple(views)
 
 

@@ -102,7 +102,6 @@ class SparseArch(nn.Module):
         self.grad_gate: Callable[[], None] | None = None  # GemModel.set_table_grad_gate
         self.lookup_bags_per_sample = lookup_bags_per_sample
         self.on_meta = on_meta
-        self.one_buffer = False  # whether the last forward's sequence rows were views of one gradient buffer
         if on_meta and sequence_init_std is not None:
             raise ValueError(
                 "model.table_init 'device' draws the tables uniformly on the device; it cannot take "
@@ -194,14 +193,14 @@ class SparseArch(nn.Module):
 
     def _sequence_values(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The sequence features' rows as the model reads them: views of one gradient buffer
-        (:data:`ONE_GRADIENT_BUFFER`) where the lookup's output is one tensor they tile, else each
-        through :func:`table_output`. ``self.one_buffer`` says which it was, the last time."""
+        (:data:`ONE_GRADIENT_BUFFER`; :func:`gem_model.table_grad.grad_section` gives each one's section) where
+        the lookup's output is one tensor they tile, else each through :func:`table_output`."""
         tiled = tiling(list(values.values())) if ONE_GRADIENT_BUFFER else None
-        self.one_buffer = tiled is not None
         if tiled is None:
             return {k: table_output(v, self.grad_scale, self.grad_gate) for k, v in values.items()}
         base, order = tiled
-        keys = [list(values)[i] for i in order]
+        names = list(values)
+        keys = [names[i] for i in order]
         views = table_views(base, [values[k].shape[0] for k in keys], self.grad_gate, self.grad_scale)
         by_key = dict(zip(keys, views, strict=True))
         return {k: by_key[k] for k in values}
