@@ -40,9 +40,11 @@ D, WIDTH = 1024, 4096
 
 
 def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: int | None = None,
-                  e4m3: bool = False) -> Callable[[], tuple]:  # fmt: skip
+                  e4m3: bool = False, du_sums: bool = False, joint: bool = False) -> Callable[[], tuple]:  # fmt: skip
     """The norm-gate backward; with ``e4m3`` it reads ``x`` and the gate from their e4m3 rows as 16-bit
-    words (``fp8_saved``'s kept attention output and uvqk output: ``hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE``)."""
+    words (``fp8_saved``'s kept attention output and uvqk output: ``hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE``);
+    ``du_sums``: it also sums ``du``'s columns (the bf16 step's, ``hstu_gap_triton.U_SUMS_IN_NORM_GATE``);
+    ``joint``: its two row sums in one reduction (``_norm_gate_bwd``'s ``JOINT_SUMS``)."""
     num_rows = t["x"].shape[0]
     if e4m3:
         x, u, x_inv, u_inv = t["x_words"], t["pre_words"], t["x_scale_inv"], t["pre_scale_inv"]
@@ -55,15 +57,16 @@ def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: 
     du = t["d_pre"][:, :D]
     dw = torch.empty((programs, D), dtype=torch.float32, device=dx.device)
     db = torch.empty_like(dw)
+    dus = torch.empty_like(dw) if du_sums else db
 
     def run() -> tuple:
         ng._norm_gate_bwd[(programs,)](
-            x, u, t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, x_inv, u_inv, db, x.stride(0),
+            x, u, t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, x_inv, u_inv, dus, x.stride(0),
             u.stride(0), t["dy"].stride(0), dx.stride(0), du.stride(0), num_rows, per, D=D, BLOCK_D=D,
             ROWS=rows_per_tile, INTERP=INTERPRET, num_warps=warps, SILU_GATE=True, X_E4M3=e4m3, U_E4M3=e4m3,
-            STAGES=stages,
+            STAGES=stages, DU_SUMS=du_sums, JOINT_SUMS=joint,
         )
-        return dx, du, dw.sum(0), db.sum(0)
+        return (dx, du, dw.sum(0), db.sum(0), dus.sum(0)) if du_sums else (dx, du, dw.sum(0), db.sum(0))
 
     return run
 
@@ -94,10 +97,12 @@ def norm_gate_fwd(t: dict, warps: int, tiles: int, stages: int | None, e4m3_rows
 
 
 def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | None, e4m3_rows: bool = False,
-                   e4m3_pre: bool = False) -> Callable[[], tuple]:  # fmt: skip
+                   e4m3_pre: bool = False, u_summed: bool = False) -> Callable[[], tuple]:  # fmt: skip
     """The step's last gap pass: ``silu'`` in place and the column sums (the bf16 step's ``bias_grad_in_gap``),
     with ``e4m3_rows`` also the gradient's e4m3 rows (``fp8_rowwise``'s producer rows); ``e4m3_pre``: ``pre``
-    read from its e4m3 rows (``fp8_saved``)."""
+    read from its e4m3 rows (``fp8_saved``); ``u_summed``: the ``u`` columns neither read nor summed (the
+    bf16 step's, whose norm-gate backward sums them: ``hstu_gap_triton.U_SUMS_IN_NORM_GATE``). The timing
+    includes the reduction of the programs' partial sums."""
     d_pre = t["d_pre"]
     pre, scale_inv = (t["pre_rows"], t["pre_scale_inv"]) if e4m3_pre else (t["pre"], t["pre"])
     num_rows = pre.shape[0]
@@ -111,7 +116,7 @@ def silu_grad_sums(t: dict, warps: int, rows_per_program: int, stages: int | Non
         grad_rows._silu_grad_rows[(programs,)](
             d_pre, pre, scale_inv, d_pre, q, q_inv, sums, d_pre.stride(0), pre.stride(0), d_pre.stride(0), num_rows, D,
             0, 0, rows_per_program, W=WIDTH, BLOCK_W=WIDTH, ROWS=1, HAS_DQ=False, E4M3=e4m3_pre, ROWS_OUT=e4m3_rows,
-            COL_SUM=True, INTERP=INTERPRET, num_warps=warps, STAGES=stages,
+            COL_SUM=True, INTERP=INTERPRET, num_warps=warps, STAGES=stages, U_SUMMED=u_summed,
         )
         return (d_pre, sums.sum(0), q, q_inv) if e4m3_rows else (d_pre, sums.sum(0))
 
@@ -223,10 +228,19 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # the fourth: the tile loop's software pipeline (None: none; 2, 3: loads issued that many tiles ahead)
     "norm_gate_bwd": (norm_gate_bwd, (4, 4, 2, 3), list(itertools.product((2, 4), (4, 8), (2, 4, 8), (None, 2, 3))),
                       10 * D),
+    # the bf16 step's launch: du's column sums too; the fifth: both row sums in one reduction
+    "norm_gate_bwd_du_sums": (lambda t, r, w, n, st, j: norm_gate_bwd(t, r, w, n, st, du_sums=True, joint=j),
+                              (4, 4, 2, 3, False), list(itertools.product((2, 4), (4, 8), (2, 3), (3,), (False, True))),
+                              10 * D),
     "norm_gate_fwd": (norm_gate_fwd, (4, 4, 3), list(itertools.product((4, 8), (1, 4, 16), (None, 2, 3))), 6 * D),
     # bytes: d_pre read whole, pre's and d_pre's v, q, k columns read and written (+ the copy that resets d_pre)
     "silu_grad_sums": (silu_grad_sums, (16, 128, 3), list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
                        2 * WIDTH + 4 * (WIDTH - D) + 4 * WIDTH),
+    # the bf16 step's launch (u columns summed by the norm-gate backward); more rows a program: fewer
+    # partial sums to add up after it
+    "silu_grad_sums_u_summed": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, u_summed=True), (16, 128, 3),
+                                list(itertools.product((8, 16), (128, 256, 512, 1024), (3,))),
+                                6 * (WIDTH - D) + 4 * WIDTH),
     # fp8_saved's last pass: pre's v, q, k columns read from its e4m3 rows (1 byte a value)
     "silu_grad_sums_e4m3": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, e4m3_pre=True), (8, 64, 3),
                             list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
