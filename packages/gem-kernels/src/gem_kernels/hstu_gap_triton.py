@@ -13,9 +13,8 @@ plus a read of ``pre``): on the H200's big config these passes took 23 ms of a 2
 
 Fused, every pass that remains is one that some kernel had to make anyway:
 
-* forward: one kernel writes ``silu`` of the ``v, k`` columns only; the attention forward reads the
-  ``q`` columns of ``pre`` and writes their silu as it loads each query tile (:data:`SILU_Q_IN_ATTENTION`);
-  the norm-gate kernel reads the ``u`` columns of ``pre`` and applies the silu itself;
+* forward: one kernel writes ``silu`` of the ``v, q, k`` columns only; the norm-gate kernel reads the
+  ``u`` columns of ``pre`` and applies the silu itself;
 * backward: the gradient of ``pre`` is one ``[L, 4 H D]`` buffer that the kernels write into, in
   place of the concatenation: the norm-gate backward writes the ``u`` columns already multiplied by
   ``silu'(u)``; the attention passes write ``dk``, ``dv`` and ``dq`` into theirs (with atomic ``dq``,
