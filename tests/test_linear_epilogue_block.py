@@ -85,15 +85,12 @@ def test_the_block_on_supplied_gemms_matches_the_block_on_the_schemes_gemms(gen,
         monkeypatch.setattr(hstu_block, flag, flag in switches)
     y_f, g_f = block_output_and_grads(fused, x, dy, offsets, targets)
     silu = "LINEAR_SILU" in switches
-    # the gap's silu pass: one launch over v, q, k, or two (v, k) where the attention forward writes silu(q)
-    passes = 2 if gap.SILU_Q_IN_ATTENTION else 1
-    want = {"linear_silu": int(silu), "linear_residual": int("LINEAR_RESIDUAL" in switches),
-            "silu_pass": passes * int(not silu)}  # fmt: skip
+    want = {"linear_silu": int(silu), "linear_residual": int("LINEAR_RESIDUAL" in switches), "silu_pass": int(not silu)}
     assert calls == want
     for switch in switches:
         monkeypatch.setattr(hstu_block, switch, False)
     y_p, g_p = block_output_and_grads(plain, x, dy, offsets, targets)
-    assert calls == {**want, "silu_pass": want["silu_pass"] + passes}
+    assert calls == {**want, "silu_pass": want["silu_pass"] + 1}
     # bf16 activations: pre rounded from another accumulation order, then through silu, attention and
     # norm-gate; the output rounded once instead of twice
     assert relative_error(y_f, y_p) < 3e-2
@@ -115,7 +112,7 @@ def test_the_schemes_gemm_stays_where_the_epilogue_cannot_serve(gen, monkeypatch
     fp8 = block(Fp8RowwiseScheme(Fp8RowwiseScheme.Config(backend="emulated")), gen, fuse_block="on")
     assert not takes_gemm(fp8.uvqk, x)
     fp8(x, offsets, targets)
-    assert calls == {"linear_silu": 0, "linear_residual": 0, "silu_pass": 2 if gap.SILU_Q_IN_ATTENTION else 1}
+    assert calls == {"linear_silu": 0, "linear_residual": 0, "silu_pass": 1}
     pre = torch.randn(20, 128, generator=gen).bfloat16()
     with pytest.raises(ValueError, match="cannot be given with saved_format or fp8_forward"):
         hstu_gap_triton(pre, torch.ones(32), torch.zeros(32), offsets, num_heads=2, attention_dim=16, value_dim=16,
