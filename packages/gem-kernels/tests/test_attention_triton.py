@@ -310,28 +310,3 @@ def test_tma_loads_only_where_descriptors_fit() -> None:
     shifted = torch.zeros(7 * 64 + 1, dtype=torch.bfloat16)[1:].view(7, 2, 32)  # base 2 bytes off
     assert not tma_loads(shifted, shifted)
 
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_forward_takes_the_queries_pre_activation_and_writes_their_silu(gen: torch.Generator, dtype) -> None:
-    """``query_major(silu_q_out=)``: ``q`` is the pre-activation; the kernel writes ``silu(q)`` into the
-    (poisoned) buffer, every row written once, with the fused gap's silu pass's bits, and attends with it."""
-    from gem_kernels.hstu_gap_triton import silu_columns
-
-    lengths = random_lengths(gen, 5, 40)
-    offsets = offsets_from_lengths(lengths)
-    pre, k, v = random_qkv(int(offsets[-1]), 2, 16, 16, dtype, gen)
-    pre = pre * 3  # well into silu's curve on both sides
-    options = dict(max_seq_len=42, alpha=0.25, max_attn_len=0, blocks=(16, 16))
-    targets = random_targets(gen, lengths)
-    rows = pre.shape[0]
-    want_q = silu_columns(pre.reshape(rows, -1), torch.empty(rows, 32, dtype=dtype)).view(rows, 2, 16)
-    want = attention_triton.query_major(want_q, k, v, None, offsets, targets, **options)
-    got_q = torch.full((rows, 3, 16), float("nan"), dtype=dtype)[:, 1:]  # a strided view: heads 16 apart, rows 48
-    got = attention_triton.query_major(pre, k, v, None, offsets, targets, silu_q_out=got_q, **options)
-    assert torch.equal(got_q, want_q)
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="silu_q_out is for the forward.*grad_out given"):
-        attention_triton.query_major(pre, k, v, v, offsets, targets, silu_q_out=got_q, **options)
-    with pytest.raises(ValueError, match=r"needs q's shape \(.*got torch.float64"):
-        attention_triton.query_major(pre, k, v, None, offsets, targets, silu_q_out=got_q.double(), **options)

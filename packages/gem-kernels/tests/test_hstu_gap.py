@@ -129,26 +129,3 @@ def test_norm_fork_sums_the_residual_gradient_into_the_layer_norms(gen, dtype, k
     (only_ln,) = torch.autograd.grad(norm_fork(xj, keep_output=keep_output)[0], xj, d_ln)  # the residual branch unused
     (want_only,) = torch.autograd.grad(F.layer_norm(exact, (48,)), exact, d_ln.double())
     assert relative_error(only_ln, want_only) < tolerance
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_queries_silu_in_the_attention_forward_gives_the_silu_pass_bits(gen, monkeypatch, dtype):
-    """``SILU_Q_IN_ATTENTION``: the attention forward writes ``silu(q)`` into ``post`` as it loads its tiles;
-    the output and every gradient are those of the gap whose silu pass covers ``q`` too, bit for bit."""
-    import gem_kernels.hstu_gap_triton as gap
-
-    offsets = offsets_from_lengths([6, 0, 11, 3])
-    n, width = int(offsets[-1]), HEADS * (2 * DV + 2 * DQK)
-    pre = (torch.randn(n, width, generator=gen) * 2).to(dtype)
-    weight, bias = 1 + 0.1 * torch.randn(HEADS * DV, generator=gen), 0.1 * torch.randn(HEADS * DV, generator=gen)
-    dy = torch.randn(n, HEADS * DV, generator=gen).to(dtype)
-    extras = AttentionExtras(num_targets=torch.tensor([1, 0, 2, 1]))
-    results = {}
-    for in_attention in (False, True):
-        monkeypatch.setattr(gap, "SILU_Q_IN_ATTENTION", in_attention)
-        leaves = [t.detach().clone().requires_grad_() for t in (pre, weight, bias)]
-        y, _ = hstu_gap_triton(*leaves, offsets, num_heads=HEADS, attention_dim=DQK, value_dim=DV, eps=EPS,
-                               dq_mode="separate", extras=extras, max_seq_len=13, alpha=0.25)  # fmt: skip
-        results[in_attention] = (y, *torch.autograd.grad(y, leaves, dy))
-    for name, a, b in zip(("y", "d_pre", "d_weight", "d_bias"), results[False], results[True], strict=True):
-        assert torch.equal(a, b), f"{name}: max difference {float((a.float() - b.float()).abs().max()):.3e}"

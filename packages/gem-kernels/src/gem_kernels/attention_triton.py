@@ -199,16 +199,13 @@ def query_major_kernel(
     COMPUTE_DQ: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_POS_BIAS: tl.constexpr, HAS_TIME_BIAS: tl.constexpr,
     SILU: tl.constexpr, IEEE: tl.constexpr, INTERP: tl.constexpr, CHUNK: tl.constexpr, FP8: tl.constexpr,
-    TMA: tl.constexpr, SILU_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PROGRAMS_PER_SM: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Forward (``out``) or ``dq`` for every (sequence, head, query block) tile of the queue. ``PB``,
     ``TB``: position and time bias tables; ``EDGES``: the time buckets' edge table; ``TS``, ``QTS``:
     int64 key and query timestamps; ``pos_offset = max_seq_len - 1`` (all unused without a bias).
     ``TMA``: the key and value tiles come by tensor descriptors over ``[num_rows, num_heads * D]``
-    (the caller checks heads are contiguous, rows 16-byte aligned, and the head dims unpadded).
-    ``SILU_Q`` (forward): ``Q`` holds the pre-activation; each tile's ``silu(q)`` is written to ``DO``'s
-    rows (the fused gap's ``post``), rounded as ``hstu_gap_triton._silu_columns`` rounds it, and used."""
+    (the caller checks heads are contiguous, rows 16-byte aligned, and the head dims unpadded)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_qk = tl.arange(0, BLOCK_DQK)
@@ -237,11 +234,6 @@ def query_major_kernel(
             rows_ok = queries < seq_len
             q_rows = Q + seq_start * stride_qm + head * stride_qh + queries[:, None] * stride_qm
             q = load_tile(q_rows + offs_qk[None, :], rows_ok, d_qk_ok, True, CHECK_QK)
-            if SILU_Q:  # each query row of a head is in one tile: its silu is written once
-                q32 = q.to(tl.float32)
-                q = cast(q32 * tl.sigmoid(q32), Q.dtype.element_ty, INTERP)
-                post_rows = DO + seq_start * stride_dom + head * stride_doh + queries[:, None] * stride_dom
-                tl.store(post_rows + offs_qk[None, :], q, mask=rows_ok[:, None] & d_qk_ok[None, :])
             if COMPUTE_DQ:
                 do_rows = DO + seq_start * stride_dom + head * stride_doh + queries[:, None] * stride_dom
                 do = load_tile(do_rows + offs_v[None, :], rows_ok, d_v_ok, True, CHECK_V)
@@ -323,7 +315,6 @@ def query_major(
     bias: RelativeBias = NO_BIAS,
     out: torch.Tensor | None = None,
     fp8_scales: torch.Tensor | None = None,
-    silu_q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The forward output, or ``dq`` when ``grad_out`` is given. Inputs have unit last-dim stride;
     ``bias`` comes from :func:`gem_kernels.attention_triton_bias.prepare_bias`. ``out``: where to
@@ -333,12 +324,7 @@ def query_major(
     0, None]`` and ``k * fp8_scales[..., 1, None]`` (float32 ``[L, H, 2]``, unit last stride; written by
     :mod:`gem_kernels.attention_fp8`); ``v`` stays in the activation dtype. The kernel reads them through
     its ``DO`` pointer, which the forward does not otherwise use: so the default path's signature, and
-    its compiled code, are those of the kernel without the fp8 mode.
-
-    ``silu_q_out`` (forward only, not fp8): ``q`` is the pre-activation of the queries; the kernel writes
-    ``silu(q)`` into ``silu_q_out`` (``q``'s shape, unit last stride) as it loads each tile, and attends with
-    it: the fused gap's silu pass then skips the ``q`` columns (``hstu_gap_triton.SILU_Q_IN_ATTENTION``). It
-    goes through the ``DO`` pointer too."""
+    its compiled code, are those of the kernel without the fp8 mode."""
     num_rows, num_heads, dim_qk = q.shape
     dim_v = v.shape[2]
     compute_dq = grad_out is not None
@@ -351,16 +337,8 @@ def query_major(
             f"{num_heads}, 2]; got q {q.dtype}, k {k.dtype}, scales {fp8_scales.dtype} {tuple(fp8_scales.shape)}, "
             f"grad_out {'given' if compute_dq else 'None'}"
         )
-    silu_q = silu_q_out is not None
-    if silu_q and (compute_dq or fp8 or silu_q_out.shape != q.shape or silu_q_out.dtype != q.dtype
-                   or silu_q_out.stride(-1) != 1):  # fmt: skip
-        raise ValueError(
-            f"query_major: silu_q_out is for the forward of bf16/fp16/fp32 q and needs q's shape {tuple(q.shape)} and "
-            f"dtype {q.dtype} with unit last stride; got {silu_q_out.dtype} {tuple(silu_q_out.shape)} stride "
-            f"{silu_q_out.stride()}, grad_out {'given' if compute_dq else 'None'}, fp8 {fp8}"
-        )
     dim_out = dim_qk if compute_dq else dim_v
-    if (attention_gluon.FORWARD and not compute_dq and not fp8 and not silu_q and blocks is None and max_attn_len <= 0
+    if (attention_gluon.FORWARD and not compute_dq and not fp8 and blocks is None and max_attn_len <= 0
             and bias.position is None and bias.time is None and attention_gluon.supported(q, k, v)):  # fmt: skip
         return attention_gluon.forward(q, k, v, seq_offsets, num_targets, max_seq_len=max_seq_len, alpha=alpha, out=out)
     if (attention_gluon.DQ and compute_dq and blocks is None and max_attn_len <= 0 and bias.position is None
@@ -373,8 +351,7 @@ def query_major(
     if num_rows == 0 or num_seqs <= 0:
         return out
     device = q.device
-    do = grad_out if grad_out is not None else (fp8_scales if fp8_scales is not None else silu_q_out)
-    do = q if do is None else do
+    do = grad_out if grad_out is not None else (fp8_scales if fp8_scales is not None else q)
     alpha = float(alpha)
     scale = (alpha if compute_dq else 1.0) / max_seq_len
     has_targets = num_targets is not None
@@ -383,7 +360,7 @@ def query_major(
     tma = not fp8 and tma_loads(k, v)
     variant = (q.dtype, dim_qk, dim_v, has_targets, has_window, bias.label(), chunk,
                "auto" if blocks is None else blocks,  # q.dtype: float8_e4m3fn for the fp8 forward
-               "tma" if tma else "pointers") + (("silu_q",) if silu_q else ())
+               "tma" if tma else "pointers")
 
     def constexprs() -> dict:
         return dict(
@@ -391,7 +368,7 @@ def query_major(
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=compute_dq, HAS_TARGETS=has_targets, HAS_WINDOW=has_window,
             HAS_POS_BIAS=bias.position is not None, HAS_TIME_BIAS=bias.time is not None,
             SILU=silu_mode(v.dtype), IEEE=v.dtype == torch.float32, INTERP=INTERPRET, CHUNK=chunk, FP8=fp8,
-            TMA=tma, SILU_Q=silu_q,
+            TMA=tma,
         )
 
     def tile_bound(config: Config) -> int:

@@ -47,8 +47,6 @@ class Variant:
     """The forward's e4m3 ``q k^T`` (:mod:`gem_kernels.attention_fp8`): q, k in e4m3, their scales in ``DO``."""
     tma: bool = False
     """The inner loop's tiles by tensor descriptors (``attention_triton_common.tma_loads``)."""
-    silu_q: bool = False
-    """The forward reads the queries' pre-activation and writes their silu (``query_major(silu_q_out=)``)."""
 
 
 def configs(kernel: str, wide: bool) -> list[tuple[int, int, int, int, int]]:
@@ -77,12 +75,12 @@ def compile_variant(variant: Variant, config: tuple[int, int, int, int, int], ar
     if variant.kernel in ("forward", "dq"):
         fn = attention_triton.query_major_kernel
         dim_out = variant.dim_qk if variant.kernel == "dq" else variant.dim_v
-        if (variant.fp8 or variant.silu_q) and variant.kernel != "forward":
-            raise ValueError(f"fp8 and silu_q are modes of the forward only, not of {variant.kernel}")
+        if variant.fp8 and variant.kernel != "forward":
+            raise ValueError(f"fp8 is a mode of the forward only, not of {variant.kernel}")
         constants = dict(
             DQK=variant.dim_qk, DV=variant.dim_v, D_OUT=dim_out, BLOCK_DV=dim_block(variant.dim_v),
             BLOCK_OUT=dim_block(dim_out), COMPUTE_DQ=variant.kernel == "dq", FP8=variant.fp8, TMA=variant.tma,
-            SILU_Q=variant.silu_q, **common,
+            **common,
         )
         pointers = {n: "*" + t for n in ("Q", "K", "V", "DO", "OUT")} | offsets
         if variant.fp8:

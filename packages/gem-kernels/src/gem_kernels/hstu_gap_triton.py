@@ -76,11 +76,6 @@ backward sums the ``u`` columns as it writes them, and the last pass reads only 
 at 207,000 rows (1.019x) and 2.080 against 2.146 at 180,000 (1.032x), the same gradient bit for bit: ~0.4 ms
 of a ~184 ms step, below what a step's A/B resolves (not timed in a step). False: the last pass reads and
 sums the ``u`` columns too, as before (e2e switch ``u_sums_in_grad_rows``)."""
-SILU_Q_IN_ATTENTION = True
-"""The bf16 forward's silu of the ``q`` columns is computed by the attention forward as it loads each
-query tile (``query_major(silu_q_out=)``), which writes them into ``post``; the silu pass covers ``v`` and
-``k`` only: 4 of its 6 passes over ``[L, H D]``. False: one silu pass over ``v, q, k``
-(e2e switch ``silu_q_by_pass``). Not measured yet."""
 SAVED_ATTENTION_E4M3 = True
 """Under ``saved_format="e4m3_row"``, the attention output is kept in e4m3 rows too (written by the
 norm-gate's forward pass, read by its backward: :data:`E4M3_ROWS_IN_NORM_GATE`); False keeps it as computed."""
@@ -161,7 +156,7 @@ class HSTUGapFunction(torch.autograd.Function):
         post = torch.empty((rows, hv + 2 * hq), dtype=pre.dtype, device=pre.device) if given_post is None else given_post
         # e4m3_row: pre kept in e4m3 rows written by the silu pass, post recomputed in backward
         ctx.expand_to = pre.dtype if options["saved_format"] == E4M3_ROW and any(ctx.needs_input_grad) else None
-        fp8, silu_q = None, False
+        fp8 = None
         if ctx.expand_to is not None:
             kept = silu_quantize_rows(pre, post, hv)
         elif options["fp8_forward"]:  # the silu pass of q, k also writes their e4m3 copies (attention_fp8)
@@ -170,20 +165,13 @@ class HSTUGapFunction(torch.autograd.Function):
             kept = (pre, post)
         elif given_post is not None:
             kept = (pre, post)
-        elif SILU_Q_IN_ATTENTION:  # v and k here, q by the attention forward below
-            silu_columns(pre[:, hv:2 * hv], post[:, :hv])
-            silu_columns(pre[:, 2 * hv + hq:], post[:, hv + hq:])
-            kept, silu_q = (pre, post), True
         else:
             kept = (pre, silu_columns(pre[:, hv:], post))
         v, q, k = (post[:, a:b].view(rows, heads, -1) for a, b in ((0, hv), (hv, hv + hq), (hv + hq, hv + 2 * hq)))
         if ctx.expand_to is not None and options["fp8_forward"]:
             # silu_quantize_rows wrote post as silu_columns does; the e4m3 q, k come from one more pass over them
             fp8 = quantize_qk(q, k)
-        if silu_q:  # reads q's pre-activation, writes its silu into post
-            attn = query_major(pre[:, 2 * hv:2 * hv + hq].view(rows, heads, -1), k, v, None, seq_offsets, num_targets,
-                               bias=bias, silu_q_out=q, **_kernel_options(options))  # fmt: skip
-        elif fp8 is None:
+        if fp8 is None:
             attn = query_major(q, k, v, None, seq_offsets, num_targets, bias=bias, **_kernel_options(options))
         else:  # the backward reads the bf16 q, k, v of post, as without fp8
             attn = query_major(fp8[0], fp8[1], v, None, seq_offsets, num_targets, bias=bias, fp8_scales=fp8[2],
