@@ -337,8 +337,6 @@ VARIANTS: dict[str, Switch] = {
     # the sequence lookup's gradients by feature, as before 2026-12-07: autograd's split backward concatenates
     # them and adds the items' two (gem_model.table_grad's one buffer, which the Triton kernels write, is shipped)
     "table_grads_by_feature": patched("gem_model.model.embeddings", "ONE_GRADIENT_BUFFER", False),
-    # the norm-gate backward's two row sums in one reduction (gem_kernels.norm_gate_triton.JOINT_ROW_SUMS)
-    "norm_gate_joint_sums": patched("gem_kernels.norm_gate_triton", "JOINT_ROW_SUMS", True),
     # the token mixers' attention on flash, memory-efficient or math SDPA, not torch's choice (cuDNN on Hopper)
     "mixer_no_cudnn": patched("gem_model.model.hstu", "MIXER_SDPA_BACKENDS", [
         SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),

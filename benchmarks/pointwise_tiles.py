@@ -40,11 +40,10 @@ D, WIDTH = 1024, 4096
 
 
 def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: int | None = None,
-                  e4m3: bool = False, du_sums: bool = False, joint: bool = False) -> Callable[[], tuple]:  # fmt: skip
+                  e4m3: bool = False, du_sums: bool = False) -> Callable[[], tuple]:  # fmt: skip
     """The norm-gate backward; with ``e4m3`` it reads ``x`` and the gate from their e4m3 rows as 16-bit
     words (``fp8_saved``'s kept attention output and uvqk output: ``hstu_gap_triton.E4M3_ROWS_IN_NORM_GATE``);
-    ``du_sums``: it also sums ``du``'s columns (the bf16 step's, ``hstu_gap_triton.U_SUMS_IN_NORM_GATE``);
-    ``joint``: its two row sums in one reduction (``_norm_gate_bwd``'s ``JOINT_SUMS``)."""
+    ``du_sums``: it also sums ``du``'s columns (the bf16 step's, ``hstu_gap_triton.U_SUMS_IN_NORM_GATE``)."""
     num_rows = t["x"].shape[0]
     if e4m3:
         x, u, x_inv, u_inv = t["x_words"], t["pre_words"], t["x_scale_inv"], t["pre_scale_inv"]
@@ -64,7 +63,7 @@ def norm_gate_bwd(t: dict, rows_per_tile: int, warps: int, per_sm: int, stages: 
             x, u, t["w"], t["b"], t["dy"], t["mean"], t["rstd"], dx, du, dw, db, x_inv, u_inv, dus, x.stride(0),
             u.stride(0), t["dy"].stride(0), dx.stride(0), du.stride(0), num_rows, per, D=D, BLOCK_D=D,
             ROWS=rows_per_tile, INTERP=INTERPRET, num_warps=warps, SILU_GATE=True, X_E4M3=e4m3, U_E4M3=e4m3,
-            STAGES=stages, DU_SUMS=du_sums, JOINT_SUMS=joint,
+            STAGES=stages, DU_SUMS=du_sums,
         )
         return (dx, du, dw.sum(0), db.sum(0), dus.sum(0)) if du_sums else (dx, du, dw.sum(0), db.sum(0))
 
@@ -228,16 +227,16 @@ KERNELS: dict[str, tuple[Callable, tuple, list[tuple], float]] = {
     # the fourth: the tile loop's software pipeline (None: none; 2, 3: loads issued that many tiles ahead)
     "norm_gate_bwd": (norm_gate_bwd, (4, 4, 2, 3), list(itertools.product((2, 4), (4, 8), (2, 4, 8), (None, 2, 3))),
                       10 * D),
-    # the bf16 step's launch: du's column sums too; the fifth: both row sums in one reduction
-    "norm_gate_bwd_du_sums": (lambda t, r, w, n, st, j: norm_gate_bwd(t, r, w, n, st, du_sums=True, joint=j),
-                              (4, 4, 2, 3, False), list(itertools.product((2, 4), (4, 8), (2, 3), (3,), (False, True))),
-                              10 * D),
+    # the bf16 step's launch: du's column sums too (H100, 2026-12-07, 230,000 rows: 2 rows a tile 1.038x the
+    # shipped 4; raw/session52-2026-12-07/tiles_h100.json)
+    "norm_gate_bwd_du_sums": (lambda t, r, w, n, st: norm_gate_bwd(t, r, w, n, st, du_sums=True), (4, 4, 2, 3),
+                              list(itertools.product((2, 4), (4, 8), (2, 3), (3,))), 10 * D),
     "norm_gate_fwd": (norm_gate_fwd, (4, 4, 3), list(itertools.product((4, 8), (1, 4, 16), (None, 2, 3))), 6 * D),
     # bytes: d_pre read whole, pre's and d_pre's v, q, k columns read and written (+ the copy that resets d_pre)
     "silu_grad_sums": (silu_grad_sums, (16, 128, 3), list(itertools.product((8, 16), (64, 128), (None, 2, 3))),
                        2 * WIDTH + 4 * (WIDTH - D) + 4 * WIDTH),
-    # the bf16 step's launch (u columns summed by the norm-gate backward); more rows a program: fewer
-    # partial sums to add up after it
+    # the bf16 step's launch (u columns summed by the norm-gate backward); more rows a program leave fewer
+    # partial sums to add up after it, and were no faster (H100, 2026-12-07: 1,024 rows 0.996x the shipped 128)
     "silu_grad_sums_u_summed": (lambda t, w, r, st: silu_grad_sums(t, w, r, st, u_summed=True), (16, 128, 3),
                                 list(itertools.product((8, 16), (128, 256, 512, 1024), (3,))),
                                 6 * (WIDTH - D) + 4 * WIDTH),

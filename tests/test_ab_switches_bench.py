@@ -116,8 +116,6 @@ def test_the_ddp_switch_turns_the_reducer_off_at_one_rank_and_refuses_without_dd
         ("u_sums_in_grad_rows", "gem_kernels.hstu_gap_triton", "U_SUMS_IN_NORM_GATE", True),
         # the sequence lookup's gradients by feature (split backward, adds): one buffer is shipped
         ("table_grads_by_feature", "gem_model.model.embeddings", "ONE_GRADIENT_BUFFER", True),
-        # the norm-gate backward's two row sums in one reduction (two, as shipped)
-        ("norm_gate_joint_sums", "gem_kernels.norm_gate_triton", "JOINT_ROW_SUMS", False),
     ],
 )
 def test_a_flag_switch_flips_its_flag_and_undoes(monkeypatch, switch, module, flag, shipped):

@@ -77,14 +77,3 @@ def test_triton_backward_sums_the_gate_gradient_as_it_stores_it(gen: torch.Gener
     with pytest.raises(ValueError, match=r"du_sum_out must be float32 \[24\]"):
         norm_gate_backward(dy, x, u, weight, bias, mean, rstd, du_sum_out=torch.zeros(dim, dtype=torch.bfloat16))
 
-
-@pytest.mark.parametrize("joint", [False, True], ids=["two_sums", "joint_sums"])
-def test_triton_backward_with_its_row_sums_in_one_reduction_matches_reference(
-    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, joint: bool
-) -> None:
-    from gem_kernels import norm_gate_triton
-
-    monkeypatch.setattr(norm_gate_triton, "JOINT_ROW_SUMS", joint)
-    x, u = torch.randn(45, 200, generator=gen), torch.randn(45, 200, generator=gen)
-    found = errors(TritonNormGate(), x, u, gen)
-    assert max(found.values()) < TOLERANCE[torch.float32], found

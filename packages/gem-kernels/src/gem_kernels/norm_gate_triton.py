@@ -39,11 +39,6 @@ keeps one tile a program."""
 FORWARD_TILES = 4
 """Row tiles a forward program covers when it writes no column maxima (the pipeline needs a loop)."""
 BACKWARD_PROGRAMS_PER_SM = 2
-JOINT_ROW_SUMS = False
-"""The backward's two row sums (of ``g`` and ``g * xhat``, over the warps that share a row) in one
-reduction: one exchange through shared memory a tile instead of two (17 -> 14 CTA barriers in the sm_90
-build, 255 -> 251 registers). Not measured yet (``benchmarks/pointwise_tiles.py --kernels
-norm_gate_bwd_du_sums``, e2e switch ``norm_gate_joint_sums``)."""
 E4M3_WORD_STORES = True
 """The forward writes its e4m3 rows (of ``y`` for ``fp8_rowwise``, of ``x`` for ``fp8_saved``) as 16-bit
 words, which keep the tile's register layout and so ``y``'s bits (``write_e4m3_rows``); False as bytes.
@@ -86,16 +81,11 @@ def _norm_gate_fwd(X, U, W, B, Y, MEAN, RSTD, Q, Q_INV, COL_AMAX, XQ, XQ_INV, st
 
 
 @triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
 def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART, X_INV, U_INV, DU_SUM_PART,
                    stride_x, stride_u, stride_dy, stride_dx, stride_du, num_rows, tiles_per_program,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
                    SILU_GATE: tl.constexpr, X_E4M3: tl.constexpr = False, U_E4M3: tl.constexpr = False,
-                   DU_SUMS: tl.constexpr = False, STAGES: tl.constexpr = None, JOINT_SUMS: tl.constexpr = False):
+                   DU_SUMS: tl.constexpr = False, STAGES: tl.constexpr = None):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cols_ok = cols < D
@@ -128,11 +118,7 @@ def _norm_gate_bwd(X, U, W, B, DY, MEAN, RSTD, DX, DU, DW_PART, DB_PART, X_INV, 
         dw += tl.sum(dz * xhat, 0)
         db += tl.sum(dz, 0)
         g = dz * w[None, :]
-        if JOINT_SUMS:  # both row sums in one reduction (one exchange between the warps of a row)
-            g_sum, gx_sum = tl.reduce((g, g * xhat), 1, _add_pairs)
-        else:
-            g_sum, gx_sum = tl.sum(g, 1), tl.sum(g * xhat, 1)
-        dx = (g - g_sum[:, None] / D - xhat * (gx_sum / D)[:, None]) * rstd[:, None]
+        dx = (g - tl.sum(g, 1)[:, None] / D - xhat * (tl.sum(g * xhat, 1) / D)[:, None]) * rstd[:, None]
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], cast(dx, DX.dtype.element_ty, INTERP), mask=inside)
         tl.store(DU + rows[:, None] * stride_du + cols[None, :], cast(du, DU.dtype.element_ty, INTERP), mask=inside)
         if DU_SUMS:  # of du as stored
