@@ -76,4 +76,3 @@ def test_triton_backward_sums_the_gate_gradient_as_it_stores_it(gen: torch.Gener
     torch.testing.assert_close(sums, summed[1].double().sum(0).float(), rtol=1e-6, atol=1e-5)
     with pytest.raises(ValueError, match=r"du_sum_out must be float32 \[24\]"):
         norm_gate_backward(dy, x, u, weight, bias, mean, rstd, du_sum_out=torch.zeros(dim, dtype=torch.bfloat16))
-
